@@ -1,0 +1,19 @@
+// Every environment variable jitfuse reads, in one place (docs/environment.md lists the same).
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace jitfuse::env {
+
+// JITFUSE_RULE_PATH        extra rule/template directories, ':'-separated
+// JITFUSE_CACHE_DIR        kernel cache directory (default $XDG_CACHE_HOME/jitfuse, else ~/.cache/jitfuse)
+// JITFUSE_CACHE_MAX_BYTES  disk cache cap, LRU eviction beyond it
+// JITFUSE_LOG_LEVEL        trace|debug|info|warn|error|off (default warn)
+// JITFUSE_DISABLE_FUSION   1: every op runs unfused (kill switch)
+// JITFUSE_VERIFY           1: run the unfused ops beside each fused group and compare
+std::optional<std::string> get(const char* name);
+bool flag(const char* name);  // set and not "0"/"false"/""
+std::vector<std::string> split_path(const std::string& s);
+
+}  // namespace jitfuse::env

@@ -1,0 +1,63 @@
+// Float64 CPU reference of every basic op, forward and backward. Row-major tensors flattened to
+// rows x cols (the last dim is cols). These are the ground truth for every GPU test.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace jitfuse::reference {
+
+using Vec = std::vector<double>;
+using CSpan = std::span<const double>;
+
+// ---- pointwise activations: y = f(x); dx = f'(x) * dy ----
+// kinds: "gelu_tanh", "gelu_erf", "relu", "silu", "qgelu" (x*sigmoid(1.702x)), "srelu" (relu(x)^2),
+//        "identity"
+double act_fwd(const std::string& kind, double x);
+double act_bwd(const std::string& kind, double x, double dy);  // x is the op's INPUT
+
+// ---- gated: input [rows, 2n] split in halves a = x[:, :n], b = x[:, n:]; y = act(a) * b ----
+// kinds: "swiglu" (silu), "geglu" (gelu_tanh), "reglu" (relu)
+Vec gated_fwd(const std::string& kind, CSpan x, int64_t rows, int64_t n);
+Vec gated_bwd(const std::string& kind, CSpan x, CSpan dy, int64_t rows, int64_t n);  // dx [rows, 2n]
+
+// ---- bias: y = x + b[col]; db = sum_rows dy ----
+Vec bias_fwd(CSpan x, CSpan b, int64_t rows, int64_t cols);
+Vec col_sum(CSpan dy, int64_t rows, int64_t cols);
+
+// ---- linear: y = x W^T, x [M,K], W [N,K] ----
+Vec linear_fwd(CSpan x, CSpan w, int64_t m, int64_t n, int64_t k);
+Vec linear_dgrad(CSpan dy, CSpan w, int64_t m, int64_t n, int64_t k);  // dx = dy W   [M,K]
+Vec linear_wgrad(CSpan dy, CSpan x, int64_t m, int64_t n, int64_t k);  // dW = dy^T x [N,K]
+
+// ---- norms over the last dim. gamma_eff = zero_centered ? 1 + gamma : gamma ----
+struct NormFwd {
+  Vec y, mean, rstd;  // mean is all zeros for rmsnorm
+};
+struct NormBwd {
+  Vec dx, dgamma, dbeta;  // dbeta empty for rmsnorm
+};
+NormFwd layernorm_fwd(CSpan x, CSpan gamma, CSpan beta, int64_t rows, int64_t cols, double eps,
+                      bool zero_centered);
+NormBwd layernorm_bwd(CSpan x, CSpan gamma, CSpan dy, int64_t rows, int64_t cols, double eps,
+                      bool zero_centered);
+NormFwd rmsnorm_fwd(CSpan x, CSpan gamma, int64_t rows, int64_t cols, double eps, bool zero_centered);
+NormBwd rmsnorm_bwd(CSpan x, CSpan gamma, CSpan dy, int64_t rows, int64_t cols, double eps,
+                    bool zero_centered);
+
+// ---- dropout: Philox4x32-10, bit-exact with templates/ops/dropout.cuh ----
+// Element i (flattened row-major index): c = i / 4 (uint64); r = philox4x32_10(
+//   counter = {lo32(c), hi32(c), lo32(offset), hi32(offset)}, key = {lo32(seed), hi32(seed)})[i % 4];
+// kept iff p == 0 or r < keep_threshold(p).
+uint32_t keep_threshold(double p);  // floor((1-p) * 2^32), saturated to 0xffffffff
+std::vector<uint8_t> dropout_mask(uint64_t seed, uint64_t offset, int64_t numel, double p);  // 1 = kept
+Vec dropout_fwd(CSpan x, const std::vector<uint8_t>& mask, double p);   // y = x * mask / (1-p)
+Vec dropout_bwd(CSpan dy, const std::vector<uint8_t>& mask, double p);  // dx = dy * mask / (1-p)
+void philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+
+// ---- rounding to a storage dtype ("fp32", "fp16", "bf16"), round-to-nearest-even ----
+double round_to(const std::string& dtype, double v);
+void round_all(const std::string& dtype, Vec& v);
+
+}  // namespace jitfuse::reference
