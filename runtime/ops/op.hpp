@@ -1,0 +1,118 @@
+// The op vocabulary: an OpKind says what an op is (attributes, shape rule, parameters, saved context,
+// its device functor); an Op is one validated, shape-inferred occurrence of it in a sequence.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace jitfuse::ops {
+
+using Shape = std::vector<int64_t>;
+int64_t numel(const Shape& s);
+int64_t rows_of(const Shape& s);  // product of all dims but the last
+int64_t cols_of(const Shape& s);  // the last dim
+std::string shape_str(const Shape& s);
+Shape parse_shape(const std::string& text);  // "8192x4096" or "5,1,8"
+
+enum class Family {
+  linear,             // y = x W^T (cuBLASLt)
+  bias,               // y = x + b[col]
+  pointwise,          // y = f(x), f a device functor (built-in or user-declared)
+  gated,              // y = act(x[:, :n]) * x[:, n:]
+  norm,               // layernorm / rmsnorm over the last dim
+  dropout,            // y = x * mask / (1 - p), Philox mask
+  add_extra_input,    // y = x + e (residual)
+  make_extra_output,  // y = x, extra = x (fork)
+};
+std::string family_name(Family f);
+
+// What an op keeps for its backward. Each op owns its saved context; fused groups must produce it.
+enum class SavedKind {
+  input,      // the op's input tensor (dtype of the recipe)
+  output,     // the op's output tensor
+  row_stats,  // fp32 mean and rstd per row (norms)
+  mask_bits,  // 1 bit per element, rows padded to whole bytes (dropout)
+};
+
+struct AttrSpec {
+  enum class Type { number, integer, boolean, string, shape } type = Type::number;
+  std::string name;
+  nlohmann::json default_value;  // null: required
+  std::vector<std::string> choices;  // strings only
+  std::optional<double> min, max;    // numbers only; min inclusive, max exclusive when max_exclusive
+  bool max_exclusive = false;
+};
+
+struct Op;
+
+struct OpKind {
+  std::string name;
+  Family family = Family::pointwise;
+  std::string math;  // one line, shown by explain
+  std::vector<AttrSpec> attrs;
+  // Checks cross-attribute constraints and fills shapes, params, saved context and functor of `op`.
+  std::function<void(Op& op)> infer;
+  std::string template_file;  // for functor families: "ops/<name>.cuh"
+  std::string functor;        // device struct name, e.g. jf_op_silu
+  std::vector<std::string> const_attrs;  // attributes passed to the functor as float constants, in order
+  SavedKind saves = SavedKind::input;    // pointwise only
+  bool user_declared = false;
+  std::string declared_in;  // file for user-declared ops
+};
+
+struct Param {
+  std::string name;  // "weight", "bias"
+  Shape shape;
+};
+
+struct Op {
+  int index = 0;
+  std::string kind;
+  const OpKind* info = nullptr;
+  Family family = Family::pointwise;
+  nlohmann::json attrs;  // validated, defaults filled
+  Shape in, out;
+  std::vector<Param> params;
+  std::vector<SavedKind> saved;
+  std::string functor;           // pointwise / gated: device functor
+  std::string template_file;     // header that defines `functor`
+  std::vector<double> consts;    // functor constants (from const_attrs)
+  int extra_slot = -1;           // add_extra_input: which extra input; make_extra_output: which output
+
+  std::string label() const;  // "op 3 (gelu)"
+  double num(const char* attr) const { return attrs.at(attr).get<double>(); }
+  bool flag(const char* attr) const { return attrs.at(attr).get<bool>(); }
+  std::string str(const char* attr) const { return attrs.at(attr).get<std::string>(); }
+};
+
+class Registry {
+ public:
+  Registry();  // the built-in vocabulary
+  void add(OpKind kind);  // user-declared ops; replaces a user op of the same name
+  const OpKind* find(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::map<std::string, std::shared_ptr<OpKind>> kinds_;
+};
+
+// One file per op family registers its kinds.
+void register_linear(Registry& r);
+void register_bias(Registry& r);
+void register_activations(Registry& r);
+void register_norms(Registry& r);
+void register_dropout(Registry& r);
+void register_structural(Registry& r);
+
+// Validates `attrs` against `kind.attrs` (unknown names, types, ranges, choices) and fills defaults.
+nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, const std::string& where);
+
+[[noreturn]] void shape_error(const Op& op, const std::string& what);
+
+}  // namespace jitfuse::ops

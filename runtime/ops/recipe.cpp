@@ -1,0 +1,56 @@
+// Parsing and naming of recipes and dtypes.
+#include "ops/recipe.hpp"
+
+#include "common/error.hpp"
+
+namespace jitfuse::ops {
+
+Recipe parse_recipe(const std::string& name) {
+  Recipe r;
+  if (name == "fp32") {
+    r.kind = RecipeKind::fp32; r.dtype = DType::f32;
+  } else if (name == "fp16") {
+    r.kind = RecipeKind::fp16; r.dtype = DType::f16;
+  } else if (name == "bf16") {
+    r.kind = RecipeKind::bf16; r.dtype = DType::bf16;
+  } else if (name == "fp8_delayed" || name == "fp8_current") {
+    fail(Status::unsupported,
+         "recipe '{}' is declared but not implemented yet in this build; use fp32, fp16 or bf16", name);
+  } else {
+    fail(Status::invalid_argument, "unknown recipe '{}': expected one of fp32, fp16, bf16", name);
+  }
+  return r;
+}
+
+std::string recipe_name(RecipeKind k) {
+  switch (k) {
+    case RecipeKind::fp32: return "fp32";
+    case RecipeKind::fp16: return "fp16";
+    case RecipeKind::bf16: return "bf16";
+    case RecipeKind::fp8_delayed: return "fp8_delayed";
+    case RecipeKind::fp8_current: return "fp8_current";
+  }
+  return "?";
+}
+
+std::string dtype_name(DType d) {
+  switch (d) {
+    case DType::f32: return "fp32";
+    case DType::f16: return "fp16";
+    case DType::bf16: return "bf16";
+    case DType::e4m3: return "e4m3";
+    case DType::e5m2: return "e5m2";
+  }
+  return "?";
+}
+
+int dtype_bytes(DType d) {
+  switch (d) {
+    case DType::f32: return 4;
+    case DType::f16:
+    case DType::bf16: return 2;
+    default: return 1;
+  }
+}
+
+}  // namespace jitfuse::ops

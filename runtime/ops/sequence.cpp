@@ -1,0 +1,85 @@
+// Parsing sequence files and inferring shapes op by op.
+#include "ops/sequence.hpp"
+
+#include "common/error.hpp"
+#include "common/json_util.hpp"
+
+namespace jitfuse::ops {
+
+SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry) {
+  nlohmann::json j = json_util::parse(text, where);
+  auto at = [&](const std::string& ptr) { return json_util::where(where, text, ptr); };
+  if (!j.is_object()) fail(Status::parse_error, "{}: a sequence file is a JSON object with \"ops\"", at(""));
+  if (j.contains("format") && j["format"] != "jitfuse.sequence/1")
+    fail(Status::parse_error, "{}: unsupported format {}: this build reads \"jitfuse.sequence/1\"", at("/format"),
+         j["format"].dump());
+  if (!j.contains("ops") || !j["ops"].is_array() || j["ops"].empty())
+    fail(Status::parse_error, "{}: \"ops\" must be a non-empty array of ops", at(""));
+  SequenceDef def;
+  def.name = j.value("name", "sequence");
+  nlohmann::json canon = nlohmann::json::array();
+  for (size_t i = 0; i < j["ops"].size(); ++i) {
+    const auto& o = j["ops"][i];
+    std::string ptr = "/ops/" + std::to_string(i);
+    std::string loc = fmt::format("{}: op {}", at(ptr), i);
+    if (!o.is_object() || !o.contains("op") || !o["op"].is_string())
+      fail(Status::parse_error, "{}: each op is an object with a string \"op\"", loc);
+    std::string kind = o["op"];
+    const OpKind* info = registry.find(kind);
+    if (!info) {
+      std::string known;
+      for (auto& n : registry.names()) known += (known.empty() ? "" : ", ") + n;
+      fail(Status::invalid_argument, "{}: unknown op '{}'; known ops: {} (declare new pointwise ops in a rules file)",
+           loc, kind, known);
+    }
+    OpDef d;
+    d.index = static_cast<int>(i);
+    d.kind = kind;
+    d.info = info;
+    d.attrs = validate_attrs(*info, o, fmt::format("{} ({})", loc, kind));
+    if (info->family == Family::add_extra_input) ++def.extra_inputs;
+    if (info->family == Family::make_extra_output) ++def.extra_outputs;
+    nlohmann::json c = d.attrs;
+    c["op"] = kind;
+    canon.push_back(c);
+    def.ops.push_back(std::move(d));
+  }
+  def.canonical = canon.dump();
+  return def;
+}
+
+SequenceDef parse_sequence_file(const std::string& path, const Registry& registry) {
+  return parse_sequence(json_util::read_file(path), path, registry);
+}
+
+std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
+  if (input.empty() || numel(input) <= 0)
+    fail(Status::invalid_argument, "sequence '{}': the input shape must have at least one positive dim", def.name);
+  std::vector<Op> ops;
+  Shape cur = input;
+  int extra_in = 0, extra_out = 0;
+  for (const auto& d : def.ops) {
+    Op op;
+    op.index = d.index;
+    op.kind = d.kind;
+    op.info = d.info;
+    op.family = d.info->family;
+    op.attrs = d.attrs;
+    op.in = cur;
+    op.out = cur;
+    if (op.family == Family::pointwise) {
+      op.saved = {d.info->saves};
+      op.functor = d.info->functor;
+      op.template_file = d.info->template_file;
+      for (auto& a : d.info->const_attrs) op.consts.push_back(op.num(a.c_str()));
+    }
+    if (op.family == Family::add_extra_input) op.extra_slot = extra_in++;
+    if (op.family == Family::make_extra_output) op.extra_slot = extra_out++;
+    if (d.info->infer) d.info->infer(op);
+    cur = op.out;
+    ops.push_back(std::move(op));
+  }
+  return ops;
+}
+
+}  // namespace jitfuse::ops

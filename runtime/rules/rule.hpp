@@ -1,0 +1,96 @@
+// Fusion rules (format "jitfuse.rules/1"): a pattern over a window of consecutive ops, conditions,
+// a pass, a priority and an implementation. A RuleSet also carries user-declared pointwise ops and
+// the template files they bring. Loading never throws for a broken rule: it records a LoadError.
+#pragma once
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ops/op.hpp"
+
+namespace jitfuse::rules {
+
+enum class Pass { joint, forward, backward };
+std::string pass_name(Pass p);
+
+struct PatternElem {
+  std::vector<std::string> kinds;  // op kinds; any of them matches
+  nlohmann::json attrs = nlohmann::json::object();  // attribute constraints: exact values
+  bool optional = false;
+};
+
+struct Divisibility {
+  // "cols" / "hidden" (last dim of the window's input), "rows", "out_cols" (last dim of the window's output)
+  std::string dim;
+  int64_t multiple_of = 1;
+};
+
+struct Conditions {
+  std::vector<std::string> recipes;  // empty: any
+  std::vector<std::string> dtypes;   // empty: any
+  int min_arch = 0, max_arch = 0;    // e.g. 80, 90; 0: unbounded
+  std::vector<Divisibility> divisible;
+  std::optional<bool> training;      // only when training (forward saves context) / only inference
+};
+
+// How a matched group is lowered. Identifiers only (validated on load); never pasted into source.
+struct Impl {
+  enum class Kind { unfused, generated, cublaslt, joint } kind = Kind::unfused;
+  std::string skeleton;  // generated: "elementwise" | "gated" | "rownorm"
+  // cublaslt: forward "BIAS" | "GELU_AUX_BIAS" | "RELU_BIAS" | "RESIDUAL" (C = extra input, alpha = scale)
+  //           backward "DGRAD_ACCUMULATE" (make_extra_output + linear) | "SCALED" (linear + scale)
+  std::string epilogue;
+  int epilogue_ops = 0;  // how many leading ops of the window the GEMM + epilogue covers; rest: generated tail
+  std::string tail;      // skeleton of the generated tail, if any
+  std::string strategy;  // joint: "regenerate_dropout_mask" | "recompute_linear_output"
+  std::vector<std::string> saves;  // joint: what the forward saves (documentation + explain)
+};
+
+struct Rule {
+  std::string name;
+  std::string math;  // one line: "y = gelu_tanh(x + b)"
+  Pass pass = Pass::forward;
+  int priority = 0;
+  std::vector<PatternElem> pattern;
+  Conditions conditions;
+  Impl impl;
+  std::string file;   // where it was declared ("<builtin>/bias_act.json" for built-ins)
+  std::string where;  // file:line:col of the rule object
+  size_t order = 0;   // load order, for deterministic tie-breaking
+};
+
+struct LoadError {
+  std::string where;  // file:line:col
+  std::string rule;   // may be empty (file-level error)
+  std::string message;
+  std::string to_string() const;
+};
+
+class RuleSet {
+ public:
+  // Built-in rules (embedded at build time) and built-in ops.
+  static RuleSet with_builtins();
+
+  // Load one file or every *.json in a directory. Returns the errors found (also kept in errors()).
+  std::vector<LoadError> load_path(const std::string& path);
+  std::vector<LoadError> load_text(const std::string& text, const std::string& file, const std::string& dir);
+
+  const std::vector<Rule>& rules() const { return rules_; }
+  const std::vector<LoadError>& errors() const { return errors_; }
+  const ops::Registry& registry() const { return registry_; }
+  // Template files brought by user rule directories, keyed as codegen includes them ("user/softplus.cuh").
+  const std::map<std::string, std::string>& user_templates() const { return user_templates_; }
+  uint64_t generation() const { return generation_; }  // bumps on every change (plan caches key on it)
+
+ private:
+  std::vector<Rule> rules_;
+  std::vector<LoadError> errors_;
+  ops::Registry registry_;
+  std::map<std::string, std::string> user_templates_;
+  uint64_t generation_ = 0;
+};
+
+}  // namespace jitfuse::rules

@@ -1,0 +1,95 @@
+// Device helpers shared by every skeleton: dtype conversion through PTX (no CUDA headers needed, so
+// NVRTC compiles with no include path), 8-element chunk I/O as 16-byte vectors, warp/block sums.
+#pragma once
+
+typedef unsigned short jf_u16;
+typedef unsigned int jf_u32;
+typedef unsigned long long jf_u64;
+typedef long long jf_i64;
+
+struct jf_f32 {
+  typedef float storage;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+struct jf_f16 {
+  typedef jf_u16 storage;
+  static __device__ __forceinline__ float load(jf_u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+  }
+  static __device__ __forceinline__ jf_u16 store(float f) {
+    jf_u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  }
+};
+struct jf_bf16 {
+  typedef jf_u16 storage;
+  static __device__ __forceinline__ float load(jf_u16 h) { return __uint_as_float(((jf_u32)h) << 16); }
+  static __device__ __forceinline__ jf_u16 store(float f) {
+    jf_u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  }
+};
+
+// Loads 8 consecutive elements. VEC: p is 16-byte aligned (16B or 2x16B loads); else scalar with bound n.
+template <typename DT, bool VEC>
+__device__ __forceinline__ void jf_load8(const typename DT::storage* __restrict__ p, float (&v)[8], int n = 8) {
+  if (VEC) {
+    if (sizeof(typename DT::storage) == 2) {
+      uint4 raw = *reinterpret_cast<const uint4*>(p);
+      const jf_u16* h = reinterpret_cast<const jf_u16*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = DT::load(h[e]);
+    } else {
+      float4 a = reinterpret_cast<const float4*>(p)[0];
+      float4 b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = e < n ? DT::load(p[e]) : 0.f;
+  }
+}
+
+template <typename DT, bool VEC>
+__device__ __forceinline__ void jf_store8(typename DT::storage* __restrict__ p, const float (&v)[8], int n = 8) {
+  if (VEC) {
+    if (sizeof(typename DT::storage) == 2) {
+      uint4 raw;
+      jf_u16* h = reinterpret_cast<jf_u16*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) h[e] = DT::store(v[e]);
+      *reinterpret_cast<uint4*>(p) = raw;
+    } else {
+      reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (e < n) p[e] = DT::store(v[e]);
+  }
+}
+
+__device__ __forceinline__ float jf_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `smem` holds at least 33 floats.
+__device__ __forceinline__ float jf_block_sum(float v, float* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = jf_warp_sum(v);
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? smem[lane] : 0.f;
+  t = jf_warp_sum(t);
+  return t;
+}
