@@ -19,6 +19,8 @@ struct EntryInfo {
   uint64_t bytes = 0;
   nlohmann::json meta;
   std::string problem;  // empty when the entry verifies, else what is wrong
+  uint64_t hits = 0;          // disk hits recorded in the entry's sidecar (also in meta["hits"])
+  int64_t last_used_ns = 0;   // unix ns; LRU order (also in meta["last_used"], ISO 8601)
 };
 
 // Serialize / parse one entry file's bytes. parse throws Error(io_error) naming what is damaged.
@@ -26,8 +28,19 @@ std::string serialize_entry(const Entry& e);
 Entry parse_entry(const std::string& bytes, const std::string& where);
 
 std::vector<EntryInfo> list_entries(const std::string& dir);  // never throws on a damaged entry
+// nullopt when nothing matches; Error(invalid_argument) for an ambiguous prefix, Error(io_error) when damaged.
 std::optional<Entry> read_entry(const std::string& dir, const std::string& key_or_prefix);
 uint64_t prune(const std::string& dir, uint64_t max_bytes);    // LRU; returns bytes removed
 uint64_t clear(const std::string& dir);                        // returns entries removed
+
+// verify=false reads only each entry's header and metadata (fast listing); `problem` then only
+// reports damage in that part. list_entries(dir) is scan_entries(dir, true).
+std::vector<EntryInfo> scan_entries(const std::string& dir, bool verify);
+std::string entry_path(const std::string& dir, const std::string& key);
+uint64_t quarantined_count(const std::string& dir);
+// Empty when `dir` is safe to load kernels from (ours, not group/other-writable), else why not.
+std::string dir_problem(const std::string& dir);
+// "1048576", "512M", "2G", "2GiB" (powers of 1024). Throws Error(invalid_argument) naming `what`.
+uint64_t parse_byte_count(const std::string& text, const std::string& what);
 
 }  // namespace jitfuse::cache

@@ -42,6 +42,9 @@ enum class Origin { memory, disk, compiled };
 struct Config {
   std::optional<std::string> dir;  // nullopt: memory only
   uint64_t max_bytes = 0;          // 0: unbounded
+  // How long to wait for another process compiling the same key before compiling it too
+  // (a dead holder releases at once; this only bounds a hung one).
+  double lock_timeout_s = 600;
 };
 
 // JITFUSE_CACHE_DIR / XDG_CACHE_HOME / HOME and JITFUSE_CACHE_MAX_BYTES.
@@ -50,6 +53,9 @@ Config config_from_env();
 // sha256 over canonically ordered fields: source, options, nvrtc version, arch, format version.
 std::string cache_key(const KernelRequest& request);
 
+// misses: requests found neither in memory nor on disk at first look; some of them end as disk hits
+// after waiting for another process that was compiling the same key. Waiting on another thread of
+// this cache counts as a memory hit.
 struct Stats {
   uint64_t memory_hits = 0, disk_hits = 0, misses = 0, compiled = 0;
 };
@@ -65,7 +71,9 @@ class KernelCache {
   std::shared_ptr<const Entry> get_or_compile(const KernelRequest& request, const CompileFn& compile,
                                               Origin* origin = nullptr);
 
-  // Many kernels on a bounded thread pool; results in request order. `progress(done, total)` may be null.
+  // Many kernels on a bounded thread pool; results in request order. `progress(done, total)` may be null;
+  // it is called from worker threads, one call at a time. threads == 0: one per hardware thread.
+  // Every request is attempted; then the first failure (in request order) is rethrown.
   std::vector<std::shared_ptr<const Entry>> get_or_compile_all(
       const std::vector<KernelRequest>& requests, const CompileFn& compile, unsigned threads,
       std::vector<Origin>* origins = nullptr, const std::function<void(size_t, size_t)>& progress = {});
