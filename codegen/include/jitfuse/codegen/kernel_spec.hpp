@@ -1,0 +1,119 @@
+// KernelSpec: everything codegen needs to emit one generated kernel (skeleton, ordered op stages,
+// dtype, specialised constants) and the description of its arguments that the executor binds.
+// Specs hold no CUDA source; templates hold no matching logic.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace jitfuse::codegen {
+
+enum class Skeleton { elementwise, gated, rownorm };
+enum class Direction { forward, backward };
+std::string skeleton_name(Skeleton s);
+
+// One op inside a generated kernel.
+struct Stage {
+  enum class Kind {
+    unary,      // v = F::fwd(v, consts...);   g = F::bwd(saved, g, consts...)
+    bias,       // v += b[col];                db = sum_rows g
+    extra_add,  // v += e;                     de = g
+    extra_tap,  // extra = v;                  g += d_extra
+    dropout,    // v *= keep / (1-p);          g *= keep / (1-p)
+  } kind = Kind::unary;
+  int op = -1;            // op index in the sequence (argument names, comments)
+  std::string op_kind;    // "gelu": comments only
+  std::string math;       // one-line math comment
+  std::string functor;    // unary
+  std::vector<double> consts;
+  bool save_input = false;   // forward: write the stage's input as saved context
+  bool save_output = false;  // forward: write the stage's output as saved context
+  bool saved_is_output = false;  // backward unary: the saved tensor is the op's output
+  double dropout_p = 0;
+  bool dropout_regenerate = false;  // backward: regenerate the mask from (seed, offset) (joint groups)
+  bool dropout_save_mask = false;   // forward: write the bit-packed mask
+};
+
+struct NormSpec {
+  int op = -1;
+  bool rms = false;
+  double eps = 1e-5;
+  bool zero_centered = false;
+  bool save_stats = false;  // forward: write mean/rstd
+  bool save_input = false;  // forward: write the norm's input (when pre-stages changed it)
+};
+
+struct GatedSpec {
+  int op = -1;
+  std::string functor;  // activation of the first half
+  bool save_input = false;
+};
+
+struct KernelSpec {
+  Skeleton skeleton = Skeleton::elementwise;
+  Direction dir = Direction::forward;
+  std::string dtype = "fp32";  // fp32 | fp16 | bf16
+  int64_t cols = 0;            // columns of the anchor (norm: hidden; gated: output n; elementwise: cols)
+  bool vec = true;             // 16-byte vector path (cols % 8 == 0 and aligned pointers)
+  std::vector<Stage> pre;      // stages before the anchor (elementwise: all stages)
+  std::optional<NormSpec> norm;
+  std::optional<GatedSpec> gated;
+  std::vector<Stage> post;     // stages after the anchor
+  std::map<std::string, std::string> headers;  // template files the stages need (name -> "" until filled)
+  std::string label;           // "bias_gelu": kernel name stem
+  std::string rule;            // provenance for comments and cache metadata
+};
+
+// What a kernel argument is bound to. Pointers first, then scalars, in `Generated::args` order.
+struct Arg {
+  enum class Role {
+    in,            // forward: group input; backward: grad of group output
+    out,           // forward: group output; backward: grad of group input
+    param,         // (op, name) parameter
+    saved,         // (op, name: "input"|"output"|"mean"|"rstd"|"mask") saved context
+    extra_in,      // (op) add_extra_input's tensor (forward)
+    extra_out,     // (op) make_extra_output's tensor (forward)
+    grad_extra_out,  // (op) grad of make_extra_output's extra output (backward, read)
+    grad_extra_in,   // (op) grad of add_extra_input's extra input (backward, write)
+    partials,      // (op, name) fp32 [parts, cols] partial column sums of a parameter grad
+    rows,          // jf_i64
+    seed, offset,  // jf_u64 (dropout op)
+    parts,         // int: number of partial rows
+  } role;
+  int op = -1;
+  std::string name;
+  bool writes = false;
+};
+
+struct Launch {
+  // elementwise/gated: block (bx, by), grid.x fixed, grid.y chosen at run time (<= max_grid_y),
+  // threads loop over rows. rownorm: block (bx), grid.x = rows or fewer (grid-stride).
+  int bx = 256, by = 1;
+  int64_t grid_x = 1;
+  int rows_per_thread_iter = 1;  // unroll over rows
+};
+
+// A finalize kernel sums [parts, cols] fp32 partials into a parameter grad.
+struct Finalize {
+  std::string kernel;
+  int op = -1;
+  std::string name;  // "bias", "weight"
+  int64_t cols = 0;
+};
+
+struct Generated {
+  std::string source;
+  std::string kernel;  // extern "C" name
+  std::vector<Arg> args;
+  Launch launch;
+  std::vector<Finalize> finalize;  // same module
+  std::vector<std::string> headers;  // template files included, in order
+};
+
+// Emits the kernel for `spec`. Deterministic: the same spec gives byte-identical source.
+// The source #includes the template files listed in Generated::headers (NVRTC resolves them).
+Generated generate(const KernelSpec& spec);
+
+}  // namespace jitfuse::codegen

@@ -1,0 +1,223 @@
+// The row-wise norm skeleton: one block per row (grid-stride), the row held in registers (hidden size
+// is a compile-time constant), statistics by block reduction, then the stage chain. Backward keeps each
+// thread's columns fixed across rows so dgamma/dbeta accumulate in registers, flushed as partials.
+#include <algorithm>
+
+#include "stages.hpp"
+
+namespace jitfuse::codegen::detail {
+
+Generated generate_rownorm(const KernelSpec& spec) {
+  const bool fwd = spec.dir == Direction::forward;
+  const auto& ns = *spec.norm;
+  const int64_t cols = spec.cols;
+  const int64_t chunks = (cols + 7) / 8;
+  int threads = static_cast<int>(std::clamp<int64_t>(((chunks + 3) / 4 + 31) / 32 * 32, 32, 1024));
+  const int64_t nch = (chunks + threads - 1) / threads;
+
+  Generated g;
+  g.kernel = kernel_name(spec);
+  g.headers = headers_for(spec);
+  g.launch = {threads, 1, 0, 1};
+
+  Args args;
+  Setup setup;
+  args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
+  args.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
+  args.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
+  const std::string gamma = fmt::format("p{}_weight", ns.op), beta = fmt::format("p{}_bias", ns.op);
+  args.ptr(Arg::Role::param, ns.op, "weight", gamma, "ST", false);
+  if (!ns.rms) args.ptr(Arg::Role::param, ns.op, "bias", beta, "ST", false);
+  const std::string mean = fmt::format("s{}_mean", ns.op), rstd = fmt::format("s{}_rstd", ns.op);
+
+  auto ctx = [&](const std::string& var) {
+    ChunkCtx c;
+    c.var = var;
+    c.width = cols;
+    c.col_off = "0";
+    c.col = "c0";
+    c.base = fmt::format("r * {} + c0", cols);
+    return c;
+  };
+  Writer row;  // per-chunk code lives in loops "for k" with c0, n, active defined
+  auto chunk_loop_open = [&](Writer& w) {
+    w.line("#pragma unroll");
+    w.line("for (int k = 0; k < {}; ++k) {{", nch);
+    w.open();
+    w.line("const int c0 = (k * {} + (int)threadIdx.x) * 8;", threads);
+    w.line("const bool active = c0 < {};", cols);
+    w.line("const int n = active ? min(8, {} - c0) : 0;", cols);
+  };
+  auto chunk_loop_close = [&](Writer& w) {
+    w.close();
+    w.line("}}");
+  };
+
+  Writer w;
+  emit_prelude(w, spec, g.headers);
+  Writer k;  // kernel body
+  k.open();
+  k.line("__shared__ float jf_sm[33];");
+  k.line("float gam[{}][8];", nch);
+  if (!ns.rms && fwd) k.line("float bet[{}][8];", nch);
+  chunk_loop_open(k);
+  k.line("if (active) jf_load8<DT, JF_VEC>({} + c0, gam[k], n); else for (int e = 0; e < 8; ++e) gam[k][e] = 0.f;", gamma);
+  if (ns.zero_centered) k.line("for (int e = 0; e < 8; ++e) gam[k][e] += 1.f;");
+  if (!ns.rms && fwd) k.line("if (active) jf_load8<DT, JF_VEC>({} + c0, bet[k], n);", beta);
+  chunk_loop_close(k);
+  if (!fwd) {
+    k.line("float dgam[{}][8], dbet[{}][8];", nch, nch);
+    k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) {{ dgam[k][e] = 0.f; dbet[k][e] = 0.f; }}", nch);
+  }
+  k.line("for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {{");
+  k.open();
+  k.line("float x[{}][8];", nch);
+  if (fwd) {
+    chunk_loop_open(k);
+    k.line("if (active) jf_load8<DT, JF_VEC>(in + r * {} + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;", cols);
+    k.line("if (active) {{");
+    k.open();
+    k.line("float (&v)[8] = x[k];");
+    for (auto& s : spec.pre) emit_stage_fwd(k, args, setup, s, ctx("v"));
+    if (ns.save_input) {
+      std::string sp = fmt::format("s{}_input", ns.op);
+      args.ptr(Arg::Role::saved, ns.op, "input", sp, "ST", true);
+      k.line("jf_store8<DT, JF_VEC>({} + r * {} + c0, v, n);", sp, cols);
+    }
+    k.line("for (int e = n; e < 8; ++e) v[e] = 0.f;");
+    k.close();
+    k.line("}}");
+    chunk_loop_close(k);
+    k.line("// op {} {}: statistics over {} columns", ns.op, ns.rms ? "rmsnorm" : "layernorm", cols);
+    if (!ns.rms) {
+      k.line("float s1 = 0.f;");
+      k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) s1 += x[k][e];", nch);
+      k.line("const float mu = jf_block_sum(s1, jf_sm) * {};", num(1.0 / static_cast<double>(cols)));
+      k.line("float s2 = 0.f;");
+      chunk_loop_open(k);
+      k.line("for (int e = 0; e < n; ++e) {{ const float d = x[k][e] - mu; s2 += d * d; }}");
+      chunk_loop_close(k);
+      k.line("const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * {} + {});", num(1.0 / static_cast<double>(cols)), num(ns.eps));
+    } else {
+      k.line("float s2 = 0.f;");
+      k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) s2 += x[k][e] * x[k][e];", nch);
+      k.line("const float mu = 0.f;");
+      k.line("const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * {} + {});", num(1.0 / static_cast<double>(cols)), num(ns.eps));
+    }
+    if (ns.save_stats) {
+      args.ptr(Arg::Role::saved, ns.op, "mean", mean, "float", true);
+      args.ptr(Arg::Role::saved, ns.op, "rstd", rstd, "float", true);
+      k.line("if (threadIdx.x == 0) {{ {}[r] = mu; {}[r] = rs; }}", mean, rstd);
+    }
+    chunk_loop_open(k);
+    k.line("if (active) {{");
+    k.open();
+    k.line("float v[8];");
+    if (ns.rms)
+      k.line("for (int e = 0; e < 8; ++e) v[e] = x[k][e] * rs * gam[k][e];");
+    else
+      k.line("for (int e = 0; e < 8; ++e) v[e] = (x[k][e] - mu) * rs * gam[k][e] + bet[k][e];");
+    for (auto& s : spec.post) emit_stage_fwd(k, args, setup, s, ctx("v"));
+    k.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, v, n);", cols);
+    k.close();
+    k.line("}}");
+    chunk_loop_close(k);
+  } else {
+    std::string sp = fmt::format("s{}_input", ns.op);
+    args.ptr(Arg::Role::saved, ns.op, "input", sp, "ST", false);
+    args.ptr(Arg::Role::saved, ns.op, "mean", mean, "float", false);
+    args.ptr(Arg::Role::saved, ns.op, "rstd", rstd, "float", false);
+    k.line("float gr[{}][8];", nch);
+    k.line("const float mu = {}[r], rs = {}[r];", mean, rstd);
+    k.line("float s1 = 0.f, s2 = 0.f;");
+    chunk_loop_open(k);
+    k.line("for (int e = 0; e < 8; ++e) {{ gr[k][e] = 0.f; x[k][e] = 0.f; }}");
+    k.line("if (active) {{");
+    k.open();
+    k.line("jf_load8<DT, JF_VEC>(in + r * {} + c0, gr[k], n);", cols);
+    k.line("float (&g)[8] = gr[k];");
+    for (auto it = spec.post.rbegin(); it != spec.post.rend(); ++it) emit_stage_bwd(k, args, setup, *it, ctx("g"));
+    k.line("jf_load8<DT, JF_VEC>({} + r * {} + c0, x[k], n);", sp, cols);
+    k.line("for (int e = 0; e < n; ++e) {{");
+    k.open();
+    k.line("const float xh = (x[k][e] - mu) * rs;");
+    k.line("const float wdy = gam[k][e] * g[e];");
+    k.line("s1 += wdy * xh;");
+    k.line("s2 += wdy;");
+    k.line("dgam[k][e] += g[e] * xh;");
+    k.line("dbet[k][e] += g[e];");
+    k.close();
+    k.line("}}");
+    k.close();
+    k.line("}}");
+    chunk_loop_close(k);
+    k.line("const float c1 = jf_block_sum(s1, jf_sm) * {};", num(1.0 / static_cast<double>(cols)));
+    if (!ns.rms)
+      k.line("const float c2 = jf_block_sum(s2, jf_sm) * {};", num(1.0 / static_cast<double>(cols)));
+    else
+      k.line("const float c2 = 0.f;");
+    chunk_loop_open(k);
+    k.line("if (active) {{");
+    k.open();
+    k.line("float dx[8];");
+    k.line("for (int e = 0; e < 8; ++e) dx[e] = rs * (gam[k][e] * gr[k][e] - (x[k][e] - mu) * rs * c1 - c2);");
+    for (auto it = spec.pre.rbegin(); it != spec.pre.rend(); ++it) emit_stage_bwd(k, args, setup, *it, ctx("dx"));
+    k.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, dx, n);", cols);
+    k.close();
+    k.line("}}");
+    chunk_loop_close(k);
+  }
+  k.close();
+  k.line("}}");
+  if (!fwd) {
+    // Parameter-grad partials: one row per block; this thread's columns are fixed across rows.
+    std::string pg = fmt::format("part{}_weight", ns.op);
+    args.ptr(Arg::Role::partials, ns.op, "weight", pg, "float", true);
+    setup.finalize.push_back({"", ns.op, "weight", cols});
+    std::string pb = fmt::format("part{}_bias", ns.op);
+    if (!ns.rms) {
+      args.ptr(Arg::Role::partials, ns.op, "bias", pb, "float", true);
+      setup.finalize.push_back({"", ns.op, "bias", cols});
+    }
+    chunk_loop_open(k);
+    k.line("for (int e = 0; e < n; ++e) {{");
+    k.open();
+    k.line("{}[(jf_i64)blockIdx.x * {} + c0 + e] = dgam[k][e];", pg, cols);
+    if (!ns.rms) k.line("{}[(jf_i64)blockIdx.x * {} + c0 + e] = dbet[k][e];", pb, cols);
+    k.close();
+    k.line("}}");
+    chunk_loop_close(k);
+  }
+  for (auto& a : setup.accs) (void)a;  // stage accumulators (e.g. a bias after the norm) are not fused here
+  k.close();
+
+  w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", threads, g.kernel, args.decl());
+  w.raw(k.str());
+  w.line("}}");
+  for (auto& f : setup.finalize) {
+    f.kernel = fmt::format("{}_fin{}_{}", g.kernel, f.op, f.name);
+    w.line("");
+    emit_finalize(w, f.kernel, f.cols);
+  }
+  g.finalize = setup.finalize;
+  g.args = args.args();
+  g.source = w.str();
+  return g;
+}
+
+Generated generate_elementwise(const KernelSpec& spec);
+
+}  // namespace jitfuse::codegen::detail
+
+namespace jitfuse::codegen {
+
+Generated generate(const KernelSpec& spec) {
+  if (spec.skeleton == Skeleton::rownorm) {
+    if (!spec.norm) throw std::invalid_argument("codegen: rownorm spec without a norm");
+    return detail::generate_rownorm(spec);
+  }
+  if (spec.skeleton == Skeleton::gated && !spec.gated) throw std::invalid_argument("codegen: gated spec without a gate");
+  return detail::generate_elementwise(spec);
+}
+
+}  // namespace jitfuse::codegen

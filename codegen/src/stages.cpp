@@ -1,0 +1,197 @@
+// Op stages as code: what each stage kind does to a chunk, forward and backward. The math of each
+// op lives in its template functor; this file only wires loads, stores, saves and reductions.
+#include "stages.hpp"
+
+#include <cmath>
+
+namespace jitfuse::codegen::detail {
+namespace {
+
+uint32_t keep_threshold(double p) {
+  double t = std::floor((1.0 - p) * 4294967296.0);
+  return t >= 4294967295.0 ? 0xffffffffu : static_cast<uint32_t>(t);
+}
+
+void comment(Writer& w, const Stage& s, const char* dir) {
+  w.line("// op {} {} ({}): {}", s.op, s.op_kind, dir, s.math);
+}
+
+std::string saved_ptr(Args& args, int op, const std::string& what, bool writes) {
+  std::string name = fmt::format("s{}_{}", op, what);
+  args.ptr(Arg::Role::saved, op, what, name, "ST", writes);
+  return name;
+}
+
+std::string mask_index(const ChunkCtx& c) {
+  // Rows padded to whole bytes; chunk columns start at multiples of 8, so a chunk is one byte.
+  return fmt::format("({}) * {} + ({}) / 8", c.row, (c.width + 7) / 8, c.col);
+}
+
+void dropout_bits(Writer& w, Args& args, const Stage& s, const ChunkCtx& c) {
+  args.scalar(Arg::Role::seed, s.op, "seed", fmt::format("seed{}", s.op), "jf_u64");
+  args.scalar(Arg::Role::offset, s.op, "offset", fmt::format("offset{}", s.op), "jf_u64");
+  w.line("const jf_u32 bits = jf_dropout_bits8({}, n, seed{}, offset{}, {}u);", c.base, s.op, s.op,
+         keep_threshold(s.dropout_p));
+}
+
+}  // namespace
+
+std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,
+                                const std::string& col_off, const std::string& half) {
+  std::string part = fmt::format("part{}_{}", op, param);
+  args.ptr(Arg::Role::partials, op, param, part, "float", true);
+  std::string var = fmt::format("acc{}_{}{}", op, param, half);
+  setup.pre_loop.line("float {}[8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};", var);
+  setup.accs.push_back({var, part, width, col_off});
+  bool have = false;
+  for (auto& f : setup.finalize) have |= f.op == op && f.name == param;
+  if (!have) setup.finalize.push_back({"", op, param, width});
+  return var;
+}
+
+void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c) {
+  const std::string& v = c.var;
+  comment(w, s, "forward");
+  switch (s.kind) {
+    case Stage::Kind::unary:
+      if (s.save_input) w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", saved_ptr(args, s.op, "input", true), c.base, v);
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] = {}::fwd({}[e]{});", v, s.functor, v, consts_suffix(s.consts));
+      if (s.save_output)
+        w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", saved_ptr(args, s.op, "output", true), c.base, v);
+      break;
+    case Stage::Kind::bias: {
+      std::string p = fmt::format("p{}_bias", s.op);
+      args.ptr(Arg::Role::param, s.op, "bias", p, "ST", false);
+      std::string cache = fmt::format("b{}{}", s.op, c.half);
+      setup.pre_loop.line("float {}[8];", cache);
+      setup.pre_loop.line("if (active) jf_load8<DT, JF_VEC>({} + {} + c0, {}, n);", p, c.col_off, cache);
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] += {}[e];", v, cache);
+      break;
+    }
+    case Stage::Kind::extra_add: {
+      std::string p = fmt::format("e{}", s.op);
+      args.ptr(Arg::Role::extra_in, s.op, "extra", p, "ST", false);
+      w.line("{{");
+      w.open();
+      w.line("float t[8];");
+      w.line("jf_load8<DT, JF_VEC>({} + {}, t, n);", p, c.base);
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] += t[e];", v);
+      w.close();
+      w.line("}}");
+      break;
+    }
+    case Stage::Kind::extra_tap: {
+      std::string p = fmt::format("eo{}", s.op);
+      args.ptr(Arg::Role::extra_out, s.op, "extra", p, "ST", true);
+      w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", p, c.base, v);
+      break;
+    }
+    case Stage::Kind::dropout: {
+      w.line("{{");
+      w.open();
+      dropout_bits(w, args, s, c);
+      if (s.dropout_save_mask) {
+        args.ptr(Arg::Role::saved, s.op, "mask", fmt::format("s{}_mask", s.op), "unsigned char", true);
+        w.line("s{}_mask[{}] = (unsigned char)bits;", s.op, mask_index(c));
+      }
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] = ((bits >> e) & 1u) ? {}[e] * {} : 0.f;", v, v,
+             num(1.0 / (1.0 - s.dropout_p)));
+      w.close();
+      w.line("}}");
+      break;
+    }
+  }
+}
+
+void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c) {
+  const std::string& g = c.var;
+  comment(w, s, "backward");
+  switch (s.kind) {
+    case Stage::Kind::unary: {
+      bool needs_saved = !(s.functor == "jf_op_identity" || s.functor == "jf_op_scale");
+      w.line("{{");
+      w.open();
+      if (needs_saved) {
+        std::string sp = saved_ptr(args, s.op, s.saved_is_output ? "output" : "input", false);
+        w.line("float s[8];");
+        w.line("jf_load8<DT, JF_VEC>({} + {}, s, n);", sp, c.base);
+      }
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] = {}::bwd({}, {}[e]{});", g, s.functor, needs_saved ? "s[e]" : "0.f",
+             g, consts_suffix(s.consts));
+      w.close();
+      w.line("}}");
+      break;
+    }
+    case Stage::Kind::bias: {
+      std::string acc = declare_accumulator(args, setup, s.op, "bias", c.width, c.col_off, c.half);
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] += {}[e];", acc, g);
+      break;
+    }
+    case Stage::Kind::extra_add: {
+      std::string p = fmt::format("gei{}", s.op);
+      args.ptr(Arg::Role::grad_extra_in, s.op, "extra", p, "ST", true);
+      w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", p, c.base, g);
+      break;
+    }
+    case Stage::Kind::extra_tap: {
+      std::string p = fmt::format("geo{}", s.op);
+      args.ptr(Arg::Role::grad_extra_out, s.op, "extra", p, "ST", false);
+      w.line("{{");
+      w.open();
+      w.line("float t[8];");
+      w.line("jf_load8<DT, JF_VEC>({} + {}, t, n);", p, c.base);
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] += t[e];", g);
+      w.close();
+      w.line("}}");
+      break;
+    }
+    case Stage::Kind::dropout: {
+      w.line("{{");
+      w.open();
+      if (s.dropout_regenerate) {
+        dropout_bits(w, args, s, c);
+      } else {
+        args.ptr(Arg::Role::saved, s.op, "mask", fmt::format("s{}_mask", s.op), "unsigned char", false);
+        w.line("const jf_u32 bits = s{}_mask[{}];", s.op, mask_index(c));
+      }
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] = ((bits >> e) & 1u) ? {}[e] * {} : 0.f;", g, g,
+             num(1.0 / (1.0 - s.dropout_p)));
+      w.close();
+      w.line("}}");
+      break;
+    }
+  }
+}
+
+void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, const std::string& part_index) {
+  if (setup.accs.empty()) return;
+  w.line("// column sums: reduce the accumulators over the block's rows, one partial row per block");
+  w.line("__shared__ float jf_red[{}][{}];", by, bx * 8);
+  for (auto& a : setup.accs) {
+    w.line("__syncthreads();");
+    w.line("#pragma unroll");
+    w.line("for (int e = 0; e < 8; ++e) jf_red[threadIdx.y][threadIdx.x * 8 + e] = {}[e];", a.var);
+    w.line("__syncthreads();");
+    w.line("if (threadIdx.y == 0 && active) {{");
+    w.open();
+    w.line("for (int e = 0; e < n; ++e) {{");
+    w.open();
+    w.line("float t = 0.f;");
+    w.line("for (int y = 0; y < {}; ++y) t += jf_red[y][threadIdx.x * 8 + e];", by);
+    w.line("{}[(jf_i64)({}) * {} + {} + c0 + e] = t;", a.partial, part_index, a.width, a.col_off);
+    w.close();
+    w.line("}}");
+    w.close();
+    w.line("}}");
+  }
+}
+
+}  // namespace jitfuse::codegen::detail

@@ -1,0 +1,39 @@
+// Emission of op stages (forward and backward) over one 8-element chunk held in registers; shared by
+// the elementwise, gated and rownorm skeletons.
+#pragma once
+#include "writer.hpp"
+
+namespace jitfuse::codegen::detail {
+
+// Where a chunk sits: flat element index of its first element, its column, the tensor width, the row.
+struct ChunkCtx {
+  std::string var;     // float[8] holding the values (forward) or gradients (backward)
+  std::string base;    // flat index expression of element 0 (jf_i64)
+  std::string col;     // column expression of element 0
+  int64_t width = 0;   // columns of the tensor at this point
+  std::string half;    // "" or "_a"/"_b": suffix for per-thread caches in gated kernels
+  std::string col_off; // compile-time column offset of this half within the tensor ("0" or "N")
+  std::string row = "r";
+};
+
+// Per-thread state declared before the row loop: bias caches (forward), accumulators (backward).
+struct Setup {
+  Writer pre_loop;       // declarations before the row loop
+  struct Acc {
+    std::string var;     // float[8]
+    std::string partial; // pointer name
+    int64_t width;       // partial row width
+    std::string col_off; // column offset within the partial row
+  };
+  std::vector<Acc> accs;
+  std::vector<Finalize> finalize;
+};
+
+void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
+void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
+void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, const std::string& part_index);
+// Registers partials + finalize for a parameter grad reduced over rows.
+std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,
+                                const std::string& col_off, const std::string& half);
+
+}  // namespace jitfuse::codegen::detail

@@ -1,0 +1,54 @@
+// Source-writing helpers shared by the skeleton emitters: an indenting line writer, argument lists,
+// and number formatting that round-trips (constants reach source only as typed numbers).
+#pragma once
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "jitfuse/codegen/kernel_spec.hpp"
+
+namespace jitfuse::codegen::detail {
+
+class Writer {
+ public:
+  template <typename... A>
+  void line(fmt::format_string<A...> f, A&&... a) {
+    out_.append(indent_ * 2, ' ');
+    out_ += fmt::format(f, std::forward<A>(a)...);
+    out_ += '\n';
+  }
+  void raw(const std::string& s) { out_ += s; }
+  void open() { ++indent_; }
+  void close() { --indent_; }
+  const std::string& str() const { return out_; }
+
+ private:
+  std::string out_;
+  int indent_ = 0;
+};
+
+// Kernel arguments: their C declarations and their binding descriptions, in one order.
+class Args {
+ public:
+  void ptr(Arg::Role role, int op, const std::string& name, const std::string& c_name, const std::string& type,
+           bool writes);
+  void scalar(Arg::Role role, int op, const std::string& name, const std::string& c_name, const std::string& type);
+  std::string decl() const;  // "const ST* __restrict__ in, ..."
+  const std::vector<Arg>& args() const { return args_; }
+  bool has(const std::string& c_name) const;
+
+ private:
+  std::vector<Arg> args_;
+  std::vector<std::string> decls_, names_;
+};
+
+std::string num(double v);  // float literal with 9 significant digits: "1.702f", never text from a rule
+std::string storage_struct(const std::string& dtype);  // "jf_bf16"
+std::string consts_suffix(const std::vector<double>& consts);  // ", 0.5f, 2f"
+void emit_prelude(Writer& w, const KernelSpec& spec, const std::vector<std::string>& headers);
+std::vector<std::string> headers_for(const KernelSpec& spec);
+void emit_finalize(Writer& w, const std::string& kernel, int64_t cols);
+std::string kernel_name(const KernelSpec& spec);
+
+}  // namespace jitfuse::codegen::detail

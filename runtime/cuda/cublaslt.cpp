@@ -1,0 +1,190 @@
+// Row-major linear on column-major cuBLASLt: every product is computed transposed (D^T = op(A) op(B)),
+// so row-major buffers are passed as they are. RAII holders own every descriptor.
+#include "cuda/cublaslt.hpp"
+
+#include <cublasLt.h>
+
+#include <unordered_map>
+
+#include "common/error.hpp"
+#include "cuda/driver.hpp"
+
+namespace jitfuse::cuda {
+namespace {
+
+void check_blas(cublasStatus_t s, const char* call) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    fail(Status::cuda_error, "{} failed: {} ({})", call, cublasLtGetStatusName(s), cublasLtGetStatusString(s));
+}
+
+cudaDataType_t data_type(ops::DType d) {
+  switch (d) {
+    case ops::DType::f32: return CUDA_R_32F;
+    case ops::DType::f16: return CUDA_R_16F;
+    case ops::DType::bf16: return CUDA_R_16BF;
+    default: fail(Status::unsupported, "cuBLASLt path: dtype {} not supported yet", ops::dtype_name(d));
+  }
+}
+
+struct MatmulDesc {
+  cublasLtMatmulDesc_t d = nullptr;
+  ~MatmulDesc() { if (d) cublasLtMatmulDescDestroy(d); }
+};
+struct Layout {
+  cublasLtMatrixLayout_t l = nullptr;
+  ~Layout() { if (l) cublasLtMatrixLayoutDestroy(l); }
+};
+struct Pref {
+  cublasLtMatmulPreference_t p = nullptr;
+  ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
+};
+
+uint32_t alignment(const void* p) {
+  auto v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 16;
+  while (a > 1 && (v % a)) a >>= 1;
+  return a;
+}
+
+constexpr size_t kWorkspace = 32u << 20;
+
+}  // namespace
+
+std::string epilogue_name(Epilogue e) {
+  switch (e) {
+    case Epilogue::none: return "DEFAULT";
+    case Epilogue::bias: return "BIAS";
+    case Epilogue::gelu_aux_bias: return "GELU_AUX_BIAS";
+    case Epilogue::relu_bias: return "RELU_BIAS";
+  }
+  return "?";
+}
+
+struct Blas::Impl {
+  cublasLtHandle_t handle = nullptr;
+  mutable std::mutex mu;
+  std::unordered_map<std::string, cublasLtMatmulAlgo_t> algos;
+  std::unordered_map<CUstream, CUdeviceptr> workspaces;
+};
+
+Blas::Blas() : impl_(std::make_unique<Impl>()) { check_blas(cublasLtCreate(&impl_->handle), "cublasLtCreate"); }
+
+Blas::~Blas() {
+  if (auto* d = try_driver())
+    for (auto& [s, p] : impl_->workspaces) d->cuMemFree(p);
+  cublasLtDestroy(impl_->handle);
+}
+
+std::string Blas::version() {
+  size_t v = cublasLtGetVersion();
+  return std::to_string(v / 10000) + "." + std::to_string((v / 100) % 100) + "." + std::to_string(v % 100);
+}
+
+size_t Blas::heuristic_cache_size() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->algos.size();
+}
+
+void Blas::gemm(const GemmCall& g, CUstream stream) {
+  // Column-major view of the transposed product (see file comment).
+  uint64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldd = 0;
+  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  uint64_t a_rows = 0, a_cols = 0, b_rows = 0, b_cols = 0;
+  const void* A = nullptr;
+  const void* B = nullptr;
+  switch (g.kind) {
+    case GemmKind::fwd:  // y^T[n,m] = W(kxn col-major)^T * x^T(kxm)
+      m = g.n; n = g.m; k = g.k;
+      A = g.b; ta = CUBLAS_OP_T; a_rows = g.k; a_cols = g.n; lda = g.k;
+      B = g.a; tb = CUBLAS_OP_N; b_rows = g.k; b_cols = g.m; ldb = g.k;
+      ldd = g.n;
+      break;
+    case GemmKind::dgrad:  // dx^T[k,m] = W^T(kxn) * dy^T(nxm)
+      m = g.k; n = g.m; k = g.n;
+      A = g.b; ta = CUBLAS_OP_N; a_rows = g.k; a_cols = g.n; lda = g.k;
+      B = g.a; tb = CUBLAS_OP_N; b_rows = g.n; b_cols = g.m; ldb = g.n;
+      ldd = g.k;
+      break;
+    case GemmKind::wgrad:  // dW^T[k,n] = x^T(kxm) * dy(mxn)
+      m = g.k; n = g.n; k = g.m;
+      A = g.b; ta = CUBLAS_OP_N; a_rows = g.k; a_cols = g.m; lda = g.k;
+      B = g.a; tb = CUBLAS_OP_T; b_rows = g.n; b_cols = g.m; ldb = g.n;
+      ldd = g.k;
+      break;
+  }
+  cudaDataType_t dt = data_type(g.dtype);
+  MatmulDesc op;
+  check_blas(cublasLtMatmulDescCreate(&op.d, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "set TRANSA");
+  check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "set TRANSB");
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+  switch (g.epilogue) {
+    case Epilogue::none: break;
+    case Epilogue::bias: epi = CUBLASLT_EPILOGUE_BIAS; break;
+    case Epilogue::gelu_aux_bias: epi = CUBLASLT_EPILOGUE_GELU_AUX_BIAS; break;
+    case Epilogue::relu_bias: epi = CUBLASLT_EPILOGUE_RELU_BIAS; break;
+  }
+  if (g.epilogue != Epilogue::none && g.kind != GemmKind::fwd)
+    fail(Status::internal, "cuBLASLt epilogue {} requested on a backward GEMM", epilogue_name(g.epilogue));
+  check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), "set EPILOGUE");
+  if (g.bias)
+    check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)),
+               "set BIAS_POINTER");
+  if (g.epilogue == Epilogue::gelu_aux_bias) {
+    check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)),
+               "set EPILOGUE_AUX_POINTER");
+    int64_t ld = static_cast<int64_t>(ldd);
+    check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)),
+               "set EPILOGUE_AUX_LD");
+  }
+  Layout la, lb, lc, ld;
+  check_blas(cublasLtMatrixLayoutCreate(&la.l, dt, a_rows, a_cols, lda), "cublasLtMatrixLayoutCreate(A)");
+  check_blas(cublasLtMatrixLayoutCreate(&lb.l, dt, b_rows, b_cols, ldb), "cublasLtMatrixLayoutCreate(B)");
+  check_blas(cublasLtMatrixLayoutCreate(&lc.l, dt, m, n, ldd), "cublasLtMatrixLayoutCreate(C)");
+  check_blas(cublasLtMatrixLayoutCreate(&ld.l, dt, m, n, ldd), "cublasLtMatrixLayoutCreate(D)");
+
+  const void* C = g.beta != 0.f ? (g.c ? g.c : g.d) : g.d;
+  uint32_t al_a = alignment(A), al_b = alignment(B), al_c = alignment(C), al_d = alignment(g.d);
+  std::string key = fmt::format("{}:{}x{}x{}:{}:{}:{}:{}:{}:{}:{}:{}", static_cast<int>(g.kind), g.m, g.n, g.k,
+                                static_cast<int>(dt), static_cast<int>(epi), g.beta != 0.f, al_a, al_b, al_c, al_d,
+                                g.aux ? alignment(g.aux) : 0);
+
+  CUdeviceptr ws = 0;
+  cublasLtMatmulAlgo_t algo;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto wit = impl_->workspaces.find(stream);
+    if (wit == impl_->workspaces.end()) {
+      check(driver().cuMemAlloc(&ws, kWorkspace), "cuMemAlloc(cuBLASLt workspace)");
+      impl_->workspaces[stream] = ws;
+    } else {
+      ws = wit->second;
+    }
+    auto it = impl_->algos.find(key);
+    if (it == impl_->algos.end()) {
+      Pref pref;
+      check_blas(cublasLtMatmulPreferenceCreate(&pref.p), "cublasLtMatmulPreferenceCreate");
+      size_t wsz = kWorkspace;
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
+      cublasLtMatmulHeuristicResult_t res{};
+      int found = 0;
+      check_blas(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op.d, la.l, lb.l, lc.l, ld.l, pref.p, 1, &res, &found),
+                 "cublasLtMatmulAlgoGetHeuristic");
+      if (found == 0)
+        fail(Status::unsupported, "cuBLASLt has no algorithm for {} GEMM m={} n={} k={} dtype {} epilogue {}",
+             g.kind == GemmKind::fwd ? "forward" : g.kind == GemmKind::dgrad ? "dgrad" : "wgrad", g.m, g.n, g.k,
+             ops::dtype_name(g.dtype), epilogue_name(g.epilogue));
+      it = impl_->algos.emplace(key, res.algo).first;
+    }
+    algo = it->second;
+  }
+  check_blas(cublasLtMatmul(impl_->handle, op.d, &g.alpha, A, la.l, B, lb.l, &g.beta, C, lc.l, g.d, ld.l, &algo,
+                            reinterpret_cast<void*>(ws), kWorkspace, reinterpret_cast<cudaStream_t>(stream)),
+             "cublasLtMatmul");
+}
+
+}  // namespace jitfuse::cuda

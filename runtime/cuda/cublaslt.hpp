@@ -1,0 +1,50 @@
+// cuBLASLt GEMMs for linear in row-major terms (y = x W^T, dx = dy W, dW = dy^T x), with native
+// epilogues (BIAS, GELU_AUX_BIAS, RELU_BIAS) and a C operand for residual accumulation. Heuristic
+// results are cached per problem; workspaces are per stream.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "ops/recipe.hpp"
+
+namespace jitfuse::cuda {
+
+enum class GemmKind { fwd, dgrad, wgrad };
+enum class Epilogue { none, bias, gelu_aux_bias, relu_bias };
+std::string epilogue_name(Epilogue e);
+
+struct GemmCall {
+  GemmKind kind = GemmKind::fwd;
+  int64_t m = 0, n = 0, k = 0;  // linear dims: x [m,k], W [n,k], y [m,n]
+  ops::DType dtype = ops::DType::f32;
+  Epilogue epilogue = Epilogue::none;
+  float alpha = 1.f, beta = 0.f;
+  const void* a = nullptr;  // fwd: x, dgrad: dy, wgrad: dy
+  const void* b = nullptr;  // fwd: W, dgrad: W, wgrad: x
+  const void* c = nullptr;  // beta != 0: C operand (may equal d)
+  void* d = nullptr;        // output
+  const void* bias = nullptr;
+  void* aux = nullptr;      // gelu_aux_bias: pre-activation out
+};
+
+class Blas {
+ public:
+  Blas();
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+  void gemm(const GemmCall& call, CUstream stream);
+  size_t heuristic_cache_size() const;
+  static std::string version();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace jitfuse::cuda

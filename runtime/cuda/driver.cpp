@@ -1,0 +1,129 @@
+// Loading libcuda.so.1 and resolving each entry point through cuGetProcAddress (which maps a name to
+// the versioned symbol cuda.h means), plus the current-device query.
+#include "cuda/driver.hpp"
+
+#include <dlfcn.h>
+
+#include <mutex>
+
+#include "common/error.hpp"
+
+namespace jitfuse::cuda {
+namespace {
+
+struct Loaded {
+  Driver d;
+  std::string why;
+  bool ok = false;
+};
+
+Loaded load() {
+  Loaded l;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    l.why = "libcuda.so.1 (the NVIDIA driver) is not installed";
+    return l;
+  }
+  using GetProc = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+  auto get_proc = reinterpret_cast<GetProc>(dlsym(h, "cuGetProcAddress_v2"));
+  if (!get_proc) {
+    l.why = "the NVIDIA driver is too old (no cuGetProcAddress_v2); jitfuse needs a CUDA 12+ driver";
+    return l;
+  }
+  bool missing = false;
+#define JF_DRIVER_FN(name)                                                                        \
+  {                                                                                               \
+    void* p = nullptr;                                                                            \
+    CUdriverProcAddressQueryResult q;                                                             \
+    if (get_proc(#name, &p, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &q) != CUDA_SUCCESS || !p) { \
+      l.why = "the NVIDIA driver lacks " #name;                                                   \
+      missing = true;                                                                             \
+    }                                                                                             \
+    l.d.name = reinterpret_cast<decltype(l.d.name)>(p);                                           \
+  }
+#include "cuda/driver_fns.inc"
+#undef JF_DRIVER_FN
+  if (missing) return l;
+  CUresult r = l.d.cuInit(0);
+  if (r != CUDA_SUCCESS) {
+    const char* name = nullptr;
+    l.d.cuGetErrorName(r, &name);
+    l.why = std::string("cuInit failed: ") + (name ? name : "?") + " (no usable GPU)";
+    return l;
+  }
+  int count = 0;
+  if (l.d.cuDeviceGetCount(&count) != CUDA_SUCCESS || count == 0) {
+    l.why = "the driver reports no CUDA device";
+    return l;
+  }
+  l.ok = true;
+  return l;
+}
+
+const Loaded& loaded() {
+  static Loaded l = load();
+  return l;
+}
+
+}  // namespace
+
+const Driver* try_driver(std::string* why) {
+  const Loaded& l = loaded();
+  if (!l.ok && why) *why = l.why;
+  return l.ok ? &l.d : nullptr;
+}
+
+const Driver& driver() {
+  const Loaded& l = loaded();
+  if (!l.ok) fail(Status::no_device, "no GPU available: {}", l.why);
+  return l.d;
+}
+
+void check(CUresult r, const char* call) {
+  if (r == CUDA_SUCCESS) return;
+  const char* name = "CUDA_ERROR_UNKNOWN";
+  const char* desc = "";
+  if (auto* d = try_driver()) {
+    d->cuGetErrorName(r, &name);
+    d->cuGetErrorString(r, &desc);
+  }
+  Status s = r == CUDA_ERROR_OUT_OF_MEMORY ? Status::out_of_memory : Status::cuda_error;
+  fail(s, "{} failed: {} ({})", call, name ? name : "?", desc ? desc : "");
+}
+
+std::string DeviceInfo::arch() const {
+  // sm_90a unlocks Hopper's arch-specific instructions; the CUBIN then runs on exactly this arch.
+  if (major == 9 && minor == 0) return "sm_90a";
+  return "sm_" + std::to_string(major * 10 + minor);
+}
+
+DeviceInfo current_device() {
+  const Driver& d = driver();
+  CUcontext ctx = nullptr;
+  check(d.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (!ctx) {
+    CUdevice dev0;
+    check(d.cuDeviceGet(&dev0, 0), "cuDeviceGet");
+    check(d.cuDevicePrimaryCtxRetain(&ctx, dev0), "cuDevicePrimaryCtxRetain");
+    check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+  }
+  CUdevice dev;
+  check(d.cuCtxGetDevice(&dev), "cuCtxGetDevice");
+  DeviceInfo info;
+  info.ordinal = static_cast<int>(dev);
+  char name[256] = {0};
+  check(d.cuDeviceGetName(name, sizeof(name), dev), "cuDeviceGetName");
+  info.name = name;
+  check(d.cuDeviceGetAttribute(&info.major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute");
+  check(d.cuDeviceGetAttribute(&info.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute");
+  check(d.cuDeviceGetAttribute(&info.sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
+  return info;
+}
+
+int driver_version() {
+  int v = 0;
+  check(driver().cuDriverGetVersion(&v), "cuDriverGetVersion");
+  return v;
+}
+
+}  // namespace jitfuse::cuda

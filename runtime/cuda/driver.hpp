@@ -1,0 +1,38 @@
+// The CUDA driver API, loaded at run time from libcuda.so.1 so that libjitfuse loads (and NVRTC work,
+// the CLI, the cache) on machines without a GPU. Errors carry the failing call and the error's name.
+#pragma once
+#include <cuda.h>
+
+#include <string>
+
+namespace jitfuse::cuda {
+
+struct Driver {
+#define JF_DRIVER_FN(name) decltype(&::name) name = nullptr;
+#include "cuda/driver_fns.inc"
+#undef JF_DRIVER_FN
+};
+
+// The loaded driver with cuInit done, or nullptr when there is none; `why` says what is missing.
+const Driver* try_driver(std::string* why = nullptr);
+// The loaded driver; throws Error(no_device) naming the problem.
+const Driver& driver();
+
+// Throws Error(cuda_error) "<call> failed: CUDA_ERROR_X (<description>)" unless r == CUDA_SUCCESS.
+void check(CUresult r, const char* call);
+
+struct DeviceInfo {
+  int ordinal = 0;
+  std::string name;
+  int major = 0, minor = 0;
+  int sm_count = 0;
+  std::string arch() const;  // "sm_90a" on Hopper (arch-specific features), else "sm_XY"
+  int arch_number() const { return major * 10 + minor; }
+};
+
+// The device of the calling thread's current context; if there is none, the primary context of
+// device 0 is made current (the one the CUDA runtime and PyTorch use). Never creates a new context.
+DeviceInfo current_device();
+int driver_version();
+
+}  // namespace jitfuse::cuda

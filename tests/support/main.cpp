@@ -1,0 +1,3 @@
+// Catch2 main for the CPU test programs (unit, nvrtc).
+#define CATCH_CONFIG_MAIN
+#include <catch2/catch.hpp>
