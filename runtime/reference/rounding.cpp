@@ -1,0 +1,120 @@
+// Float64 reference of rounding to a storage dtype (fp32, fp16, bf16), round-to-nearest-even.
+// Done by hand on the float bits: bit-exact without compiler __fp16/__bf16 support.
+#include <bit>
+#include <cmath>
+#include <limits>
+
+#include "reference/checks.hpp"
+#include "reference/reference.hpp"
+
+namespace jitfuse::reference {
+namespace {
+
+enum class Dtype { fp32, fp16, bf16 };
+
+Dtype parse_dtype(const char* fn, const std::string& dtype) {
+  if (dtype == "fp32") return Dtype::fp32;
+  if (dtype == "fp16") return Dtype::fp16;
+  if (dtype == "bf16") return Dtype::bf16;
+  detail::bad_arg(fn, "unknown dtype '" + dtype + "'; expected one of fp32, fp16, bf16");
+}
+
+// double -> float, round-to-nearest-even, overflow to inf. Out-of-range casts are undefined in
+// C++, so the overflow cases are decided here: the float max is 2^128 - 2^104 and the tie with the
+// (absent) next value 2^128 is 2^128 - 2^103; ties go to the even side, which is 2^128, i.e. inf.
+float to_float(double v) {
+  if (std::isnan(v)) return std::numeric_limits<float>::quiet_NaN();
+  const double a = std::fabs(v);
+  constexpr double kFltMax = static_cast<double>(std::numeric_limits<float>::max());
+  const bool neg = std::signbit(v);
+  if (a >= 0x1p128 - 0x1p103)
+    return neg ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
+  if (a > kFltMax)
+    return neg ? -std::numeric_limits<float>::max() : std::numeric_limits<float>::max();
+  return static_cast<float>(v);
+}
+
+// Rounds m / 2^shift to nearest, ties to even (shift in 1..31).
+uint32_t shift_rne(uint32_t m, uint32_t shift) {
+  const uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  return (rem > half || (rem == half && (q & 1u))) ? q + 1u : q;
+}
+
+// float -> IEEE binary16 bits, with subnormals, overflow to inf and NaN kept NaN (quieted).
+uint16_t float_to_half_bits(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return sign | 0x7e00u | static_cast<uint16_t>((ax >> 13) & 0x3ffu);  // NaN
+  // 65520 = 65504 + half an ulp is the tie with 2^16; 65504 has an odd mantissa, so it rounds up
+  // to 2^16, which is inf. This also catches inf itself.
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;
+  const uint32_t exp = ax >> 23;
+  if (ax >= 0x38800000u) {  // >= 2^-14: a normal half. Rebias 127 -> 15 and drop 13 mantissa bits;
+    // a rounding carry out of the mantissa correctly bumps the exponent.
+    const uint32_t h = ((exp - 112u) << 23) | (ax & 0x7fffffu);
+    return sign | static_cast<uint16_t>(shift_rne(h, 13));
+  }
+  // Half subnormal: value = m * 2^(exp - 150) and the half's unit is 2^-24, so the half mantissa is
+  // m / 2^(126 - exp). Float subnormals (exp 0) are far below 2^-25 and round to zero.
+  if (exp == 0) return sign;
+  const uint32_t shift = 126u - exp;  // >= 14 because exp <= 112 here
+  if (shift > 24) return sign;        // m < 2^24, so m / 2^25 < 0.5: rounds to zero
+  return sign | static_cast<uint16_t>(shift_rne((ax & 0x7fffffu) | 0x800000u, shift));
+}
+
+double half_bits_to_double(uint16_t h) {
+  const double sign = (h & 0x8000u) ? -1.0 : 1.0;
+  const int exp = (h >> 10) & 0x1f;
+  const int man = h & 0x3ff;
+  if (exp == 0x1f)
+    return man ? std::numeric_limits<double>::quiet_NaN()
+               : sign * std::numeric_limits<double>::infinity();
+  if (exp == 0) return sign * std::ldexp(static_cast<double>(man), -24);
+  return sign * std::ldexp(static_cast<double>(1024 + man), exp - 25);
+}
+
+// float -> bf16 bits: the top 16 bits of the float, rounded to nearest-even on the dropped 16.
+uint16_t float_to_bf16_bits(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  // Adding 0x7fff (+1 when the kept lsb is odd) carries exactly when the dropped half is above the
+  // tie, or at the tie with an odd lsb. Overflow past the float max lands on inf's bit pattern.
+  const uint32_t bias = 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>((x + bias) >> 16);
+}
+
+double bf16_bits_to_double(uint16_t b) {
+  return static_cast<double>(std::bit_cast<float>(static_cast<uint32_t>(b) << 16));
+}
+
+double round_one(Dtype d, double v) {
+  // Every dtype goes through float first: the device computes in fp32 and then converts the float
+  // (__float2half_rn / __float2bfloat16_rn), so the reference models that same two-step rounding.
+  const float f = to_float(v);
+  switch (d) {
+    case Dtype::fp32:
+      return static_cast<double>(f);
+    case Dtype::fp16:
+      return half_bits_to_double(float_to_half_bits(f));
+    case Dtype::bf16:
+      return bf16_bits_to_double(float_to_bf16_bits(f));
+  }
+  return v;  // unreachable
+}
+
+}  // namespace
+
+double round_to(const std::string& dtype, double v) {
+  return round_one(parse_dtype("round_to", dtype), v);
+}
+
+void round_all(const std::string& dtype, Vec& v) {
+  const Dtype d = parse_dtype("round_all", dtype);
+  for (double& x : v) x = round_one(d, x);
+}
+
+}  // namespace jitfuse::reference
