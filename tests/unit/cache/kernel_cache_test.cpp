@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <future>
+#include <map>
 #include <set>
 
 #include "cache/disk_io.hpp"
