@@ -14,11 +14,12 @@
 #include <ctime>
 #include <thread>
 
+#include "cache/disk_store.hpp"
 #include "common/error.hpp"
 
 namespace jitfuse::cache::io {
 
-std::string Layout::base() const { return root + "/v1"; }
+std::string Layout::base() const { return root + "/v" + std::to_string(kFormatVersion); }
 std::string Layout::shard_dir(const std::string& key) const { return base() + "/" + key.substr(0, 2); }
 std::string Layout::entry_path(const std::string& key) const { return shard_dir(key) + "/" + key + kEntrySuffix; }
 std::string Layout::use_path(const std::string& key) const { return shard_dir(key) + "/" + key + kUseSuffix; }

@@ -13,7 +13,7 @@ namespace jitfuse::cache::io {
 // <root>/v1/<key[0:2]>/<key>.use   hit sidecar: one byte appended per disk hit; its mtime is last_used
 // <root>/v1/locks/<key>.lock       per-key flock target
 // <root>/v1/quarantine/            damaged entries moved aside for inspection
-// The "v1" directory is the entry format version, so a future format never reads old files.
+// "v1" is "v" + kFormatVersion, so a build with a new format never reads old files.
 struct Layout {
   std::string root;
 
