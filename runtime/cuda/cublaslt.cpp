@@ -54,6 +54,7 @@ std::string epilogue_name(Epilogue e) {
   switch (e) {
     case Epilogue::none: return "DEFAULT";
     case Epilogue::bias: return "BIAS";
+    case Epilogue::gelu_bias: return "GELU_BIAS";
     case Epilogue::gelu_aux_bias: return "GELU_AUX_BIAS";
     case Epilogue::relu_bias: return "RELU_BIAS";
   }
@@ -121,6 +122,7 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
   switch (g.epilogue) {
     case Epilogue::none: break;
     case Epilogue::bias: epi = CUBLASLT_EPILOGUE_BIAS; break;
+    case Epilogue::gelu_bias: epi = CUBLASLT_EPILOGUE_GELU_BIAS; break;
     case Epilogue::gelu_aux_bias: epi = CUBLASLT_EPILOGUE_GELU_AUX_BIAS; break;
     case Epilogue::relu_bias: epi = CUBLASLT_EPILOGUE_RELU_BIAS; break;
   }

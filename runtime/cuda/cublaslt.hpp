@@ -15,7 +15,7 @@
 namespace jitfuse::cuda {
 
 enum class GemmKind { fwd, dgrad, wgrad };
-enum class Epilogue { none, bias, gelu_aux_bias, relu_bias };
+enum class Epilogue { none, bias, gelu_bias, gelu_aux_bias, relu_bias };
 std::string epilogue_name(Epilogue e);
 
 struct GemmCall {

@@ -59,5 +59,8 @@ void philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t ou
 // ---- rounding to a storage dtype ("fp32", "fp16", "bf16"), round-to-nearest-even ----
 double round_to(const std::string& dtype, double v);
 void round_all(const std::string& dtype, Vec& v);
+// Storage bytes of a dtype (what the GPU reads and writes) from/to doubles.
+std::vector<uint8_t> encode(const std::string& dtype, CSpan v);
+Vec decode(const std::string& dtype, const std::vector<uint8_t>& bytes);
 
 }  // namespace jitfuse::reference

@@ -2,6 +2,7 @@
 // Done by hand on the float bits: bit-exact without compiler __fp16/__bf16 support.
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "reference/checks.hpp"
@@ -115,6 +116,44 @@ double round_to(const std::string& dtype, double v) {
 void round_all(const std::string& dtype, Vec& v) {
   const Dtype d = parse_dtype("round_all", dtype);
   for (double& x : v) x = round_one(d, x);
+}
+
+}  // namespace jitfuse::reference
+
+namespace jitfuse::reference {
+
+std::vector<uint8_t> encode(const std::string& dtype, CSpan v) {
+  const Dtype d = parse_dtype("encode", dtype);
+  const size_t w = d == Dtype::fp32 ? 4 : 2;
+  std::vector<uint8_t> out(v.size() * w);
+  for (size_t i = 0; i < v.size(); ++i) {
+    const float f = to_float(v[i]);
+    if (d == Dtype::fp32) {
+      std::memcpy(&out[i * 4], &f, 4);
+    } else {
+      const uint16_t h = d == Dtype::fp16 ? float_to_half_bits(f) : float_to_bf16_bits(f);
+      std::memcpy(&out[i * 2], &h, 2);
+    }
+  }
+  return out;
+}
+
+Vec decode(const std::string& dtype, const std::vector<uint8_t>& bytes) {
+  const Dtype d = parse_dtype("decode", dtype);
+  const size_t w = d == Dtype::fp32 ? 4 : 2;
+  Vec out(bytes.size() / w);
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (d == Dtype::fp32) {
+      float f;
+      std::memcpy(&f, &bytes[i * 4], 4);
+      out[i] = f;
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &bytes[i * 2], 2);
+      out[i] = d == Dtype::fp16 ? half_bits_to_double(h) : bf16_bits_to_double(h);
+    }
+  }
+  return out;
 }
 
 }  // namespace jitfuse::reference

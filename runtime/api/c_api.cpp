@@ -1,0 +1,378 @@
+// The C ABI: every entry point catches everything, turns it into a status code and a thread-local
+// message, and validates DLTensors (device, dtype, layout, shape) with errors naming the tensor.
+#include "jitfuse/jitfuse.h"
+
+#include <cstring>
+
+#include "api/context.hpp"
+#include "common/error.hpp"
+#include "common/json_util.hpp"
+#include "common/log.hpp"
+#include "fuser/explain.hpp"
+
+static_assert(JF_ERR_INTERNAL == static_cast<int>(jitfuse::Status::internal), "jf_status mirrors Status");
+
+struct jf_context_s {
+  jitfuse::api::Context impl;
+};
+struct jf_sequence_s {
+  std::unique_ptr<jitfuse::api::Sequence> impl;
+};
+struct jf_saved_s {
+  jitfuse::exec::SavedContext impl;
+  jf_sequence seq = nullptr;
+};
+struct jf_builder_s {
+  std::string name;
+  nlohmann::json ops = nlohmann::json::array();
+};
+
+namespace {
+
+using jitfuse::Error;
+using jitfuse::Status;
+using jitfuse::fail;
+
+thread_local std::string g_last_error;
+
+template <typename F>
+jf_status guarded(F&& f) {
+  try {
+    g_last_error.clear();
+    f();
+    return JF_OK;
+  } catch (const Error& e) {
+    g_last_error = e.what();
+    return static_cast<jf_status>(e.status());
+  } catch (const std::bad_alloc&) {
+    g_last_error = "out of host memory";
+    return JF_ERR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    g_last_error = std::string("internal error: ") + e.what();
+    return JF_ERR_INTERNAL;
+  } catch (...) {
+    g_last_error = "internal error: unknown exception";
+    return JF_ERR_INTERNAL;
+  }
+}
+
+void need(const void* p, const char* what) {
+  if (!p) fail(Status::invalid_argument, "{} is NULL", what);
+}
+
+std::string dl_dtype_name(DLDataType t) {
+  const char* base = t.code == kDLFloat ? "float" : t.code == kDLBfloat ? "bfloat" : t.code == kDLInt ? "int" : "other";
+  return fmt::format("{}{}", base, t.bits);
+}
+
+bool dtype_matches(DLDataType t, jitfuse::ops::DType d) {
+  if (t.lanes != 1) return false;
+  switch (d) {
+    case jitfuse::ops::DType::f32: return t.code == kDLFloat && t.bits == 32;
+    case jitfuse::ops::DType::f16: return t.code == kDLFloat && t.bits == 16;
+    case jitfuse::ops::DType::bf16: return t.code == kDLBfloat && t.bits == 16;
+    default: return false;
+  }
+}
+
+jitfuse::ops::Shape shape_of(const DLTensor* t) { return jitfuse::ops::Shape(t->shape, t->shape + t->ndim); }
+
+// Checks device, dtype, contiguity and (if given) shape; returns the data pointer.
+void* check_tensor(const DLTensor* t, const char* name, jitfuse::ops::DType dtype, const jitfuse::ops::Shape* want) {
+  if (!t) fail(Status::invalid_argument, "tensor '{}' is NULL", name);
+  if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCUDAManaged)
+    fail(Status::invalid_argument, "tensor '{}' must be in CUDA device memory (DLPack device type {}), got type {}",
+         name, static_cast<int>(kDLCUDA), static_cast<int>(t->device.device_type));
+  if (!dtype_matches(t->dtype, dtype))
+    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name,
+         jitfuse::ops::dtype_name(dtype), dl_dtype_name(t->dtype));
+  if (t->strides) {
+    int64_t expect = 1;
+    for (int i = t->ndim - 1; i >= 0; --i) {
+      if (t->shape[i] != 1 && t->strides[i] != expect) {
+        std::string s;
+        for (int j = 0; j < t->ndim; ++j) s += (j ? "," : "") + std::to_string(t->strides[j]);
+        fail(Status::invalid_argument, "tensor '{}' is not contiguous row-major: strides ({}) for shape {}", name, s,
+             jitfuse::ops::shape_str(shape_of(t)));
+      }
+      expect *= t->shape[i];
+    }
+  }
+  if (want && jitfuse::ops::numel(shape_of(t)) != jitfuse::ops::numel(*want)) {
+    fail(Status::invalid_argument, "tensor '{}': expected shape {}, got {}", name, jitfuse::ops::shape_str(*want),
+         jitfuse::ops::shape_str(shape_of(t)));
+  }
+  if (want && jitfuse::ops::cols_of(shape_of(t)) != jitfuse::ops::cols_of(*want))
+    fail(Status::invalid_argument, "tensor '{}': expected shape {}, got {}", name, jitfuse::ops::shape_str(*want),
+         jitfuse::ops::shape_str(shape_of(t)));
+  need(t->data, name);
+  return static_cast<char*>(t->data) + t->byte_offset;
+}
+
+// Bound parameters and grads must have the shapes the ops infer for this input.
+void check_bound_shapes(const jitfuse::api::Sequence& s, const std::vector<jitfuse::ops::Op>& ops) {
+  for (const auto& op : ops)
+    for (const auto& p : op.params)
+      for (const auto* m : {&s.param_shapes, &s.grad_shapes}) {
+        auto it = m->find({op.index, p.name});
+        if (it != m->end() && it->second != p.shape)
+          fail(Status::invalid_argument, "{} {}{}: expected shape {}, got {}", op.label(),
+               m == &s.grad_shapes ? "grad of " : "", p.name, jitfuse::ops::shape_str(p.shape),
+               jitfuse::ops::shape_str(it->second));
+      }
+}
+
+}  // namespace
+
+extern "C" {
+
+int jf_abi_version(void) { return JF_ABI_VERSION; }
+const char* jf_version(void) { return JITFUSE_VERSION_STRING; }
+const char* jf_last_error(void) { return g_last_error.c_str(); }
+
+jf_status jf_context_create(jf_context* out) {
+  return guarded([&] {
+    need(out, "out");
+    *out = new jf_context_s();
+  });
+}
+
+jf_status jf_context_destroy(jf_context ctx) {
+  return guarded([&] { delete ctx; });
+}
+
+jf_status jf_context_load_rules(jf_context ctx, const char* path, int* n_errors) {
+  std::string all;
+  jf_status st = guarded([&] {
+    need(ctx, "ctx");
+    need(path, "path");
+    auto errors = ctx->impl.load_rules(path);
+    if (n_errors) *n_errors = static_cast<int>(errors.size());
+    for (auto& e : errors) all += e.to_string() + "\n";
+  });
+  // Broken rules are reported through jf_last_error although the call succeeds: the good ones loaded.
+  if (st == JF_OK) g_last_error = all;
+  return st;
+}
+
+jf_status jf_context_set_allocator(jf_context ctx, const jf_allocator* a) {
+  return guarded([&] {
+    need(ctx, "ctx");
+    jitfuse::exec::Allocator alloc;
+    if (a && a->alloc) {
+      if (!a->free) fail(Status::invalid_argument, "allocator: alloc is set but free is NULL");
+      alloc.alloc = reinterpret_cast<void* (*)(size_t, CUstream, void*)>(a->alloc);
+      alloc.free = reinterpret_cast<void (*)(void*, size_t, CUstream, void*)>(a->free);
+      alloc.user = a->user;
+    }
+    ctx->impl.set_allocator(alloc);
+  });
+}
+
+static jf_status make_sequence(jf_context ctx, const std::string& text, const std::string& where, const char* recipe,
+                               jf_sequence* out) {
+  return guarded([&] {
+    need(ctx, "ctx");
+    need(recipe, "recipe");
+    need(out, "out");
+    auto r = jitfuse::ops::parse_recipe(recipe);
+    auto def = jitfuse::ops::parse_sequence(text, where, ctx->impl.registry());
+    auto* s = new jf_sequence_s();
+    s->impl = std::make_unique<jitfuse::api::Sequence>(ctx->impl, std::move(def), r);
+    *out = s;
+  });
+}
+
+jf_status jf_sequence_create(jf_context ctx, const char* json, const char* recipe, jf_sequence* out) {
+  if (!json) {
+    g_last_error = "json is NULL";
+    return JF_ERR_INVALID_ARGUMENT;
+  }
+  return make_sequence(ctx, json, "<sequence>", recipe, out);
+}
+
+jf_status jf_sequence_create_from_file(jf_context ctx, const char* path, const char* recipe, jf_sequence* out) {
+  std::string text;
+  jf_status st = guarded([&] {
+    need(path, "path");
+    text = jitfuse::json_util::read_file(path);
+  });
+  if (st != JF_OK) return st;
+  return make_sequence(ctx, text, path, recipe, out);
+}
+
+jf_status jf_sequence_destroy(jf_sequence seq) {
+  return guarded([&] { delete seq; });
+}
+
+int jf_sequence_num_ops(jf_sequence seq) { return seq ? static_cast<int>(seq->impl->def.ops.size()) : -1; }
+
+jf_status jf_builder_create(const char* name, jf_builder* out) {
+  return guarded([&] {
+    need(out, "out");
+    auto* b = new jf_builder_s();
+    b->name = name ? name : "sequence";
+    *out = b;
+  });
+}
+
+jf_status jf_builder_add(jf_builder b, const char* op, const char* attrs_json) {
+  return guarded([&] {
+    need(b, "builder");
+    need(op, "op");
+    nlohmann::json o = nlohmann::json::object();
+    if (attrs_json && *attrs_json) {
+      o = jitfuse::json_util::parse(attrs_json, fmt::format("attributes of op {} ({})", b->ops.size(), op));
+      if (!o.is_object()) fail(Status::parse_error, "attributes of op {} ({}) must be a JSON object", b->ops.size(), op);
+    }
+    o["op"] = op;
+    b->ops.push_back(o);
+  });
+}
+
+jf_status jf_builder_finish(jf_builder b, jf_context ctx, const char* recipe, jf_sequence* out) {
+  if (!b) {
+    g_last_error = "builder is NULL";
+    return JF_ERR_INVALID_ARGUMENT;
+  }
+  nlohmann::json j = {{"format", "jitfuse.sequence/1"}, {"name", b->name}, {"ops", b->ops}};
+  return make_sequence(ctx, j.dump(2), "<builder " + b->name + ">", recipe, out);
+}
+
+jf_status jf_builder_destroy(jf_builder b) {
+  return guarded([&] { delete b; });
+}
+
+static jf_status bind(jf_sequence seq, int op_index, const char* name, const DLTensor* t, bool grad) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(name, "name");
+    auto& s = *seq->impl;
+    if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()))
+      fail(Status::invalid_argument, "op index {} out of range: the sequence has {} ops", op_index, s.def.ops.size());
+    // The name is checked now; the shape when a forward knows the input shape (check_bound_shapes).
+    const auto& d = s.def.ops[op_index];
+    std::string label = fmt::format("op {} ({}) {}{}", op_index, d.kind, grad ? "grad of " : "", name);
+    void* p = check_tensor(t, label.c_str(), s.recipe.dtype, nullptr);
+    bool known = (d.kind == "linear" && std::strcmp(name, "weight") == 0) || (d.kind == "bias" && std::strcmp(name, "bias") == 0) ||
+                 ((d.kind == "layernorm" || d.kind == "rmsnorm") && std::strcmp(name, "weight") == 0) ||
+                 (d.kind == "layernorm" && std::strcmp(name, "bias") == 0);
+    if (!known)
+      fail(Status::invalid_argument, "op {} ({}) has no parameter '{}' (linear: weight; bias: bias; layernorm: weight, "
+           "bias; rmsnorm: weight)", op_index, d.kind, name);
+    if (grad) {
+      s.grads[{op_index, name}] = p;
+      s.grad_shapes[{op_index, name}] = shape_of(t);
+    } else {
+      s.params[{op_index, name}] = p;
+      s.param_shapes[{op_index, name}] = shape_of(t);
+    }
+  });
+}
+
+jf_status jf_sequence_bind_param(jf_sequence seq, int op_index, const char* name, const DLTensor* t) {
+  return bind(seq, op_index, name, t, false);
+}
+jf_status jf_sequence_bind_grad(jf_sequence seq, int op_index, const char* name, const DLTensor* t) {
+  return bind(seq, op_index, name, t, true);
+}
+
+jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* const* extra_inputs, int n_extra_inputs,
+                     DLTensor* output, DLTensor* const* extra_outputs, int n_extra_outputs,
+                     const jf_forward_options* options, jf_saved* saved, jf_stream stream) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(input, "input");
+    auto& s = *seq->impl;
+    const bool train = options ? options->save_for_backward != 0 : saved != nullptr;
+    if (train) need(saved, "saved (save_for_backward is set)");
+    if (n_extra_inputs != s.def.extra_inputs)
+      fail(Status::invalid_argument, "sequence '{}' takes {} extra input(s) (add_extra_input ops), got {}", s.def.name,
+           s.def.extra_inputs, n_extra_inputs);
+    if (n_extra_outputs != s.def.extra_outputs)
+      fail(Status::invalid_argument, "sequence '{}' makes {} extra output(s) (make_extra_output ops), got {}",
+           s.def.name, s.def.extra_outputs, n_extra_outputs);
+    jitfuse::ops::Shape in_shape = shape_of(input);
+    auto cp = s.plan_for(in_shape, train);
+    check_bound_shapes(s, cp->ops);
+    jitfuse::exec::ForwardArgs fa;
+    fa.stream = reinterpret_cast<CUstream>(stream);
+    fa.rng_offset = options ? options->rng_offset : 0;
+    fa.input = check_tensor(input, "input", s.recipe.dtype, &in_shape);
+    fa.output = check_tensor(output, "output", s.recipe.dtype, &cp->ops.back().out);
+    for (const auto& op : cp->ops) {
+      if (op.family == jitfuse::ops::Family::add_extra_input)
+        fa.extra_in.push_back(check_tensor(extra_inputs[op.extra_slot],
+                                           fmt::format("extra input {} (op {})", op.extra_slot, op.index).c_str(),
+                                           s.recipe.dtype, &op.in));
+      if (op.family == jitfuse::ops::Family::make_extra_output)
+        fa.extra_out.push_back(check_tensor(extra_outputs[op.extra_slot],
+                                            fmt::format("extra output {} (op {})", op.extra_slot, op.index).c_str(),
+                                            s.recipe.dtype, &op.in));
+    }
+    std::unique_ptr<jf_saved_s> sv;
+    if (train) {
+      sv = std::make_unique<jf_saved_s>();
+      sv->seq = seq;
+      sv->impl.plan = cp;
+      sv->impl.allocator = s.ctx.runtime().allocator;
+    }
+    jitfuse::exec::run_forward(*cp, s.ctx.runtime(), s.params, fa, sv ? &sv->impl : nullptr);
+    if (train) *saved = sv.release();
+  });
+}
+
+jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* grad_output,
+                      const DLTensor* const* grad_extra_outputs, int n_grad_extra_outputs, DLTensor* grad_input,
+                      DLTensor* const* grad_extra_inputs, int n_grad_extra_inputs, jf_stream stream) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(saved, "saved");
+    auto& s = *seq->impl;
+    if (saved->seq != seq) fail(Status::invalid_argument, "this saved context belongs to another sequence");
+    if (saved->impl.released) fail(Status::invalid_argument, "this saved context was already released");
+    const auto& cp = *saved->impl.plan;
+    if (n_grad_extra_outputs != s.def.extra_outputs || n_grad_extra_inputs != s.def.extra_inputs)
+      fail(Status::invalid_argument, "sequence '{}' needs {} grad extra output(s) and {} grad extra input(s), got {} and {}",
+           s.def.name, s.def.extra_outputs, s.def.extra_inputs, n_grad_extra_outputs, n_grad_extra_inputs);
+    jitfuse::exec::BackwardArgs ba;
+    ba.stream = reinterpret_cast<CUstream>(stream);
+    ba.grad_output = check_tensor(grad_output, "grad_output", s.recipe.dtype, &cp.ops.back().out);
+    ba.grad_input = check_tensor(grad_input, "grad_input", s.recipe.dtype, &cp.ops.front().in);
+    for (const auto& op : cp.ops) {
+      if (op.family == jitfuse::ops::Family::add_extra_input)
+        ba.grad_extra_in.push_back(check_tensor(grad_extra_inputs[op.extra_slot],
+                                                fmt::format("grad extra input {} (op {})", op.extra_slot, op.index).c_str(),
+                                                s.recipe.dtype, &op.in));
+      if (op.family == jitfuse::ops::Family::make_extra_output)
+        ba.grad_extra_out.push_back(check_tensor(grad_extra_outputs[op.extra_slot],
+                                                 fmt::format("grad extra output {} (op {})", op.extra_slot, op.index).c_str(),
+                                                 s.recipe.dtype, &op.in));
+    }
+    jitfuse::exec::run_backward(cp, s.ctx.runtime(), s.params, s.grads, saved->impl, ba);
+  });
+}
+
+jf_status jf_saved_release(jf_saved saved, jf_stream stream) {
+  return guarded([&] {
+    if (!saved) return;
+    jitfuse::exec::release_saved(saved->impl, reinterpret_cast<CUstream>(stream));
+    delete saved;
+  });
+}
+
+jf_status jf_sequence_explain(jf_sequence seq, const int64_t* shape, int ndim, int training, int arch,
+                              const char** json_out) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(shape, "shape");
+    need(json_out, "json_out");
+    auto& s = *seq->impl;
+    auto ops = jitfuse::ops::infer(s.def, jitfuse::ops::Shape(shape, shape + ndim));
+    auto plan = s.plan_only(ops, training != 0, arch);
+    s.explain_buffer = jitfuse::fuser::plan_json(plan, ops).dump(2);
+    *json_out = s.explain_buffer.c_str();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,63 @@
+// The objects behind the C ABI's handles: a Context (rules, templates, kernel cache, cuBLASLt,
+// allocator) and a Sequence (parsed ops, recipe, bound parameters, plans cached per shape).
+#pragma once
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cache/kernel_cache.hpp"
+#include "exec/executor.hpp"
+#include "exec/kernels.hpp"
+#include "ops/sequence.hpp"
+#include "rules/rule.hpp"
+
+namespace jitfuse::api {
+
+class Context {
+ public:
+  Context();  // built-in rules, then JITFUSE_RULE_PATH
+  ~Context();
+  std::vector<rules::LoadError> load_rules(const std::string& path);
+  rules::RuleSet rules_snapshot() const;
+  const ops::Registry& registry() const { return rules_.registry(); }
+  uint64_t rules_generation() const;
+  exec::Runtime& runtime();  // creates cuBLASLt and the kernel library on first use (needs a GPU)
+  exec::KernelLibrary& kernels() { return *kernels_; }
+  exec::TemplateStore& templates() { return templates_; }
+  cache::KernelCache& cache() { return *cache_; }
+  void set_allocator(const exec::Allocator& a);
+  std::mutex& mutex() { return mu_; }
+
+ private:
+  void sync_templates();
+  mutable std::mutex mu_;
+  rules::RuleSet rules_;
+  exec::TemplateStore templates_;
+  std::unique_ptr<cache::KernelCache> cache_;
+  std::unique_ptr<exec::KernelLibrary> kernels_;
+  std::unique_ptr<cuda::Blas> blas_;
+  exec::Runtime runtime_;
+};
+
+class Sequence {
+ public:
+  Sequence(Context& ctx, ops::SequenceDef def, ops::Recipe recipe);
+  // The compiled plan for an input shape (cached per shape, training flag and rule-set generation).
+  std::shared_ptr<const exec::CompiledPlan> plan_for(const ops::Shape& input, bool training);
+  fuser::Plan plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const;
+
+  Context& ctx;
+  ops::SequenceDef def;
+  ops::Recipe recipe;
+  exec::ParamMap params;
+  exec::GradMap grads;
+  std::map<exec::Key, ops::Shape> param_shapes, grad_shapes;
+  std::string explain_buffer;
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<const exec::CompiledPlan>> plans_;
+};
+
+}  // namespace jitfuse::api

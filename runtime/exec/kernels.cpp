@@ -1,0 +1,130 @@
+// Template stitching, cache requests, NVRTC compilation and module loading.
+#include "exec/kernels.hpp"
+
+#include <set>
+#include <sstream>
+
+#include "common/embedded.hpp"
+#include "common/error.hpp"
+#include "common/log.hpp"
+#include "cuda/driver.hpp"
+#include "cuda/nvrtc.hpp"
+
+namespace jitfuse::exec {
+
+TemplateStore::TemplateStore() {
+  for (const auto& f : embedded::templates) files_[std::string(f.path)] = std::string(f.content);
+}
+
+void TemplateStore::add(const std::string& name, const std::string& content) { files_[name] = content; }
+
+const std::string& TemplateStore::get(const std::string& name) const {
+  auto it = files_.find(name);
+  if (it == files_.end())
+    fail(Status::invalid_argument, "template '{}' not found: built-in templates live in templates/, user templates "
+         "come with the rules file that declares the op", name);
+  return it->second;
+}
+
+namespace {
+void stitch_into(const TemplateStore& store, const std::string& text, std::set<std::string>& seen, std::string& out) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto p = line.find("#include \"");
+    if (p != std::string::npos && line.find_first_not_of(' ') == p) {
+      auto q = line.find('"', p + 10);
+      std::string name = line.substr(p + 10, q - p - 10);
+      if (seen.insert(name).second) {
+        out += "// ---- begin template " + name + "\n";
+        stitch_into(store, store.get(name), seen, out);
+        out += "// ---- end template " + name + "\n";
+      }
+      continue;
+    }
+    if (line.rfind("#pragma once", 0) == 0) continue;
+    out += line;
+    out += '\n';
+  }
+}
+}  // namespace
+
+std::string TemplateStore::stitch(const std::string& source) const {
+  std::set<std::string> seen;
+  std::string out;
+  stitch_into(*this, source, seen, out);
+  return out;
+}
+
+Target target_for_arch(const std::string& arch) {
+  auto t = cuda::target_for(arch);
+  if (t.ptx) log().info("NVRTC {} does not know {}: emitting PTX for {} (the driver JITs it)", cuda::nvrtc_version(), arch, t.arch);
+  return {arch, t.options(), cuda::nvrtc_version()};
+}
+
+KernelLibrary::KernelLibrary(cache::KernelCache& cache, const TemplateStore& templates)
+    : cache_(cache), templates_(templates) {}
+
+KernelLibrary::~KernelLibrary() {
+  if (auto* d = cuda::try_driver())
+    for (auto& [k, m] : modules_) d->cuModuleUnload(m);
+}
+
+cache::KernelRequest KernelLibrary::request(const codegen::KernelSpec& spec, const Target& target,
+                                            const nlohmann::json& meta) const {
+  codegen::Generated g = codegen::generate(spec);
+  cache::KernelRequest r;
+  r.source = templates_.stitch(g.source);
+  r.options = target.options;
+  r.arch = target.arch;
+  r.nvrtc_version = target.nvrtc_version;
+  r.meta = meta;
+  r.meta["kernel"] = g.kernel;
+  r.meta["skeleton"] = codegen::skeleton_name(spec.skeleton);
+  r.meta["direction"] = spec.dir == codegen::Direction::forward ? "forward" : "backward";
+  r.meta["dtype"] = spec.dtype;
+  r.meta["cols"] = spec.cols;
+  r.meta["vector"] = spec.vec;
+  return r;
+}
+
+cache::CompileFn KernelLibrary::compiler() const {
+  return [](const cache::KernelRequest& r) {
+    auto out = cuda::compile(r.source, r.meta.value("kernel", std::string("jitfuse")) + ".cu", {}, r.options);
+    if (!out.log.empty()) log().debug("NVRTC log for {}:\n{}", r.meta.value("kernel", ""), out.log);
+    return cache::CompileResult{out.binary, out.log, out.ms};
+  };
+}
+
+const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const Target& target,
+                                        const nlohmann::json& meta) {
+  cache::KernelRequest req = request(spec, target, meta);
+  std::string key = cache::cache_key(req);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = loaded_.find(key);
+    if (it != loaded_.end()) return *it->second;
+  }
+  auto entry = cache_.get_or_compile(req, compiler());
+  const auto& d = cuda::driver();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = loaded_.find(key);
+  if (it != loaded_.end()) return *it->second;
+  CUmodule mod = nullptr;
+  cuda::check(d.cuModuleLoadData(&mod, entry->cubin.data()), "cuModuleLoadData");
+  modules_[key] = mod;
+  auto lk = std::make_unique<LoadedKernel>();
+  lk->gen = codegen::generate(spec);
+  lk->key = key;
+  cuda::check(d.cuModuleGetFunction(&lk->fn, mod, lk->gen.kernel.c_str()), "cuModuleGetFunction");
+  for (auto& f : lk->gen.finalize) {
+    CUfunction fn;
+    cuda::check(d.cuModuleGetFunction(&fn, mod, f.kernel.c_str()), "cuModuleGetFunction");
+    lk->finalize[std::to_string(f.op) + "." + f.name] = fn;
+  }
+  auto& ref = *lk;
+  loaded_[key] = std::move(lk);
+  return ref;
+}
+
+}  // namespace jitfuse::exec

@@ -1,0 +1,360 @@
+// Forward and backward execution of a compiled plan: buffer management for group boundaries and
+// saved context, argument binding for generated kernels, and the cuBLASLt calls of GEMM groups.
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.hpp"
+#include "exec/executor.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+using ops::Family;
+using K = rules::Impl::Kind;
+
+// Temporary and saved buffers of one call, from the caller's stream-ordered allocator.
+class Buffers {
+ public:
+  Buffers(const Allocator& a, CUstream s) : a_(a), s_(s) {}
+  ~Buffers() {
+    for (auto& [p, n] : temps_) free_one(a_, s_, p, n);
+  }
+  void* temp(size_t bytes) {
+    void* p = alloc_one(a_, s_, bytes);
+    temps_.emplace_back(p, bytes);
+    return p;
+  }
+  // Moves buffers referenced by `keep` out of the temporaries (they now belong to a saved context).
+  void adopt_into(SavedContext& saved) {
+    std::vector<std::pair<void*, size_t>> rest;
+    for (auto& t : temps_) {
+      bool kept = false;
+      for (auto& [k, p] : saved.tensors) kept |= p == t.first;
+      (kept ? saved.owned : rest).push_back(t);
+    }
+    temps_ = rest;
+  }
+  static void* alloc_one(const Allocator& a, CUstream s, size_t bytes) {
+    bytes = std::max<size_t>(bytes, 16);
+    if (a.alloc) {
+      void* p = a.alloc(bytes, s, a.user);
+      if (!p) fail(Status::out_of_memory, "the caller's allocator returned null for {} bytes", bytes);
+      return p;
+    }
+    CUdeviceptr p = 0;
+    cuda::check(cuda::driver().cuMemAllocAsync(&p, bytes, s), "cuMemAllocAsync");
+    return reinterpret_cast<void*>(p);
+  }
+  static void free_one(const Allocator& a, CUstream s, void* p, size_t bytes) {
+    if (a.free) {
+      a.free(p, bytes, s, a.user);
+      return;
+    }
+    if (auto* d = cuda::try_driver()) d->cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s);
+  }
+
+ private:
+  Allocator a_;
+  CUstream s_;
+  std::vector<std::pair<void*, size_t>> temps_;
+};
+
+size_t elt(const CompiledPlan& cp) { return static_cast<size_t>(ops::dtype_bytes(cp.recipe.dtype)); }
+size_t bytes_of(const CompiledPlan& cp, const ops::Shape& s) { return static_cast<size_t>(ops::numel(s)) * elt(cp); }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+struct Binder {
+  const CompiledPlan& cp;
+  const ParamMap& params;
+  const GradMap* grads = nullptr;
+  SavedContext* saved = nullptr;
+  Buffers& buf;
+  const ForwardArgs* fa = nullptr;
+  const BackwardArgs* ba = nullptr;
+  uint64_t rng_offset = 0;
+
+  const void* param(int op, const std::string& name) const {
+    auto it = params.find({op, name});
+    if (it == params.end() || !it->second)
+      fail(Status::invalid_argument, "{}: parameter '{}' is not bound (jf_sequence_bind_param)", cp.ops[op].label(), name);
+    return it->second;
+  }
+  void* grad(int op, const std::string& name) const {
+    auto it = grads->find({op, name});
+    if (it == grads->end() || !it->second)
+      fail(Status::invalid_argument, "{}: the gradient of '{}' has no buffer (jf_sequence_bind_grad)", cp.ops[op].label(), name);
+    return it->second;
+  }
+  void* saved_read(int op, const std::string& name) const {
+    auto it = saved->tensors.find({op, name});
+    if (it == saved->tensors.end())
+      fail(Status::internal, "{}: saved context '{}' missing: the forward group did not save what this backward needs",
+           cp.ops[op].label(), name);
+    return it->second;
+  }
+  size_t saved_bytes(int op, const std::string& name) const {
+    const auto& o = cp.ops[op];
+    int64_t rows = ops::rows_of(o.in), cols = ops::cols_of(o.in);
+    if (name == "mean" || name == "rstd") return static_cast<size_t>(rows) * 4;
+    if (name == "mask") return static_cast<size_t>(rows * ((cols + 7) / 8));
+    if (name == "output") return bytes_of(cp, o.out);
+    return bytes_of(cp, o.in);
+  }
+  void* saved_write(int op, const std::string& name) {
+    if (!saved) fail(Status::internal, "a forward kernel saves context but no saved context was requested");
+    void* p = buf.temp(saved_bytes(op, name));
+    saved->tensors[{op, name}] = p;
+    return p;
+  }
+};
+
+// Binds and launches one generated kernel (+ its finalize kernels) over [b, e) with in/out given.
+void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& bd, const void* in, void* out,
+            int64_t rows, CUstream stream) {
+  const auto& d = cuda::driver();
+  const auto& args = (ks.vec ? ks.vec : ks.scalar)->gen.args;
+  // Resolve pointers first: their alignment picks the vector or scalar variant.
+  std::vector<void*> ptrs(args.size(), nullptr);
+  std::vector<std::pair<size_t, int64_t>> partial_sizes;
+  bool all_aligned = true;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& a = args[i];
+    const ops::Op* op = a.op >= 0 ? &cp.ops[a.op] : nullptr;
+    void* p = nullptr;
+    switch (a.role) {
+      case codegen::Arg::Role::in: p = const_cast<void*>(in); break;
+      case codegen::Arg::Role::out: p = out; break;
+      case codegen::Arg::Role::param: p = const_cast<void*>(bd.param(a.op, a.name)); break;
+      case codegen::Arg::Role::saved: p = a.writes ? bd.saved_write(a.op, a.name) : bd.saved_read(a.op, a.name); break;
+      case codegen::Arg::Role::extra_in: p = const_cast<void*>(bd.fa->extra_in.at(op->extra_slot)); break;
+      case codegen::Arg::Role::extra_out: p = bd.fa->extra_out.at(op->extra_slot); break;
+      case codegen::Arg::Role::grad_extra_out: p = const_cast<void*>(bd.ba->grad_extra_out.at(op->extra_slot)); break;
+      case codegen::Arg::Role::grad_extra_in: p = bd.ba->grad_extra_in.at(op->extra_slot); break;
+      default: continue;  // partials and scalars below
+    }
+    if (a.name != "mask" && !aligned16(p)) all_aligned = false;
+    ptrs[i] = p;
+  }
+  const LoadedKernel* lk = ks.vec;
+  if (!(ks.spec.vec && all_aligned)) {
+    std::lock_guard<std::mutex> lock(cp.mu);
+    auto& mks = const_cast<KernelStep&>(ks);
+    if (!mks.scalar) {
+      auto spec = ks.spec;
+      spec.vec = false;
+      mks.scalar = &rt.kernels->load(spec, cp.target, ks.meta);
+    }
+    lk = mks.scalar;
+  }
+  const auto& L = lk->gen.launch;
+  unsigned gx, gy = 1, bx = static_cast<unsigned>(L.bx), by = static_cast<unsigned>(L.by);
+  const int64_t max_blocks = static_cast<int64_t>(cp.device.sm_count) * (2048 / (L.bx * L.by));
+  if (ks.spec.skeleton == codegen::Skeleton::rownorm) {
+    gx = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, max_blocks)));
+  } else {
+    gx = static_cast<unsigned>(L.grid_x);
+    int64_t slab = static_cast<int64_t>(L.by) * L.rows_per_thread_iter;
+    int64_t want = (rows + slab - 1) / slab;
+    int64_t cap = std::max<int64_t>(1, max_blocks / std::max<int64_t>(1, L.grid_x));
+    gy = static_cast<unsigned>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 65535)));
+  }
+  const int parts = static_cast<int>(ks.spec.skeleton == codegen::Skeleton::rownorm ? gx : gy);
+  // Scalars and partials.
+  std::vector<int64_t> i64s(args.size());
+  std::vector<uint64_t> u64s(args.size());
+  std::vector<void*> kparams(args.size());
+  std::map<std::string, void*> partials;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& a = args[i];
+    switch (a.role) {
+      case codegen::Arg::Role::rows: i64s[i] = rows; kparams[i] = &i64s[i]; continue;
+      case codegen::Arg::Role::seed:
+        u64s[i] = cp.ops[a.op].attrs["seed"].get<uint64_t>(); kparams[i] = &u64s[i]; continue;
+      case codegen::Arg::Role::offset: u64s[i] = bd.rng_offset; kparams[i] = &u64s[i]; continue;
+      case codegen::Arg::Role::partials: {
+        int64_t width = 0;
+        for (auto& f : lk->gen.finalize)
+          if (f.op == a.op && f.name == a.name) width = f.cols;
+        ptrs[i] = bd.buf.temp(static_cast<size_t>(parts) * static_cast<size_t>(width) * 4);
+        partials[std::to_string(a.op) + "." + a.name] = ptrs[i];
+        break;
+      }
+      default: break;
+    }
+    kparams[i] = &ptrs[i];
+  }
+  cuda::check(d.cuLaunchKernel(lk->fn, gx, gy, 1, bx, by, 1, 0, stream, kparams.data(), nullptr), "cuLaunchKernel");
+  for (auto& f : lk->gen.finalize) {
+    std::string k = std::to_string(f.op) + "." + f.name;
+    void* part = partials.at(k);
+    void* g = bd.grad(f.op, f.name);
+    int np = parts, acc = 0;
+    void* fp[] = {&part, &g, &np, &acc};
+    unsigned grid = static_cast<unsigned>((f.cols + 255) / 256);
+    cuda::check(d.cuLaunchKernel(lk->finalize.at(k), grid, 1, 1, 256, 1, 1, 0, stream, fp, nullptr),
+                "cuLaunchKernel(finalize)");
+  }
+}
+
+void register_boundary_saves(const CompiledPlan& cp, int b, int e, const std::vector<void*>& val, SavedContext* saved,
+                             bool joint_recompute) {
+  if (!saved) return;
+  for (int i = b; i < e; ++i) {
+    for (auto k : cp.ops[i].saved) {
+      if (k == ops::SavedKind::input && i == b) saved->tensors[{i, "input"}] = val[b];
+      if (k == ops::SavedKind::output && i + 1 == e && !joint_recompute) saved->tensors[{i, "output"}] = val[e];
+    }
+  }
+}
+
+}  // namespace
+
+void run_forward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, const ForwardArgs& fa,
+                 SavedContext* saved) {
+  const int n = static_cast<int>(cp.ops.size());
+  Buffers buf(rt.allocator, fa.stream);
+  Binder bd{cp, params, nullptr, saved, buf, &fa, nullptr, fa.rng_offset};
+  std::vector<void*> val(n + 1, nullptr);
+  val[0] = const_cast<void*>(fa.input);
+  val[n] = fa.output;
+  auto materialize = [&](int i) {
+    if (!val[i]) val[i] = buf.temp(bytes_of(cp, cp.ops[i - 1].out));
+  };
+  for (const auto& ge : cp.fwd) {
+    const auto& g = ge.group;
+    materialize(g.end);
+    const bool recompute = g.impl.kind == K::joint && g.impl.strategy == "recompute_linear_output";
+    if (ge.gemm_ops > 0) {
+      const auto& lin = cp.ops[g.begin];
+      int gemm_end = g.begin + (ge.gemm_ops == 1 ? 1 : ge.gemm_ops);
+      materialize(gemm_end);
+      cuda::GemmCall c;
+      c.kind = cuda::GemmKind::fwd;
+      c.m = ops::rows_of(lin.in);
+      c.k = ops::cols_of(lin.in);
+      c.n = ops::cols_of(lin.out);
+      c.dtype = cp.recipe.dtype;
+      c.a = val[g.begin];
+      c.b = bd.param(g.begin, "weight");
+      c.d = val[gemm_end];
+      const std::string& epi = g.impl.kind == K::cublaslt ? g.impl.epilogue : std::string();
+      if (epi == "BIAS" || epi == "GELU_AUX_BIAS" || epi == "RELU_BIAS" ||
+          (epi == "RESIDUAL" && cp.ops[g.begin + 1].family == Family::bias)) {
+        c.bias = bd.param(g.begin + 1, "bias");
+        c.epilogue = cuda::Epilogue::bias;
+      }
+      if (epi == "GELU_AUX_BIAS") {
+        c.epilogue = saved ? cuda::Epilogue::gelu_aux_bias : cuda::Epilogue::gelu_bias;
+        if (saved) c.aux = bd.saved_write(g.begin + 2, "input");
+      }
+      if (epi == "RELU_BIAS") c.epilogue = cuda::Epilogue::relu_bias;
+      if (epi == "RESIDUAL") {
+        const auto& mid = cp.ops[g.begin + 1];
+        if (mid.family != Family::bias) c.alpha = static_cast<float>(mid.consts.at(0));
+        c.beta = 1.f;
+        c.c = fa.extra_in.at(cp.ops[g.begin + 2].extra_slot);
+      }
+      rt.blas->gemm(c, fa.stream);
+      register_boundary_saves(cp, g.begin, gemm_end, val, saved, false);
+      if (ge.kernel) {
+        launch(cp, rt, *ge.kernel, bd, val[gemm_end], val[g.end], ops::rows_of(cp.ops[gemm_end].in), fa.stream);
+        if (!recompute) register_boundary_saves(cp, gemm_end, g.end, val, saved, false);
+      }
+      if (recompute && saved) saved->tensors.erase({g.begin + 1, "input"});
+    } else {
+      launch(cp, rt, *ge.kernel, bd, val[g.begin], val[g.end], ops::rows_of(cp.ops[g.begin].in), fa.stream);
+      register_boundary_saves(cp, g.begin, g.end, val, saved, false);
+    }
+  }
+  if (saved) {
+    saved->rng_offset = fa.rng_offset;
+    buf.adopt_into(*saved);
+  }
+}
+
+void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, const GradMap& grads,
+                  SavedContext& saved, const BackwardArgs& ba) {
+  const int n = static_cast<int>(cp.ops.size());
+  Buffers buf(rt.allocator, ba.stream);
+  Binder bd{cp, params, &grads, &saved, buf, nullptr, &ba, saved.rng_offset};
+  std::vector<void*> gv(n + 1, nullptr);
+  gv[n] = const_cast<void*>(ba.grad_output);
+  gv[0] = ba.grad_input;
+  auto materialize = [&](int i) {
+    if (!gv[i]) gv[i] = buf.temp(bytes_of(cp, cp.ops[i].in));
+  };
+  for (auto it = cp.bwd.rbegin(); it != cp.bwd.rend(); ++it) {
+    const auto& ge = *it;
+    const auto& g = ge.group;
+    materialize(g.begin);
+    if (ge.gemm_ops == 0) {
+      launch(cp, rt, *ge.kernel, bd, gv[g.end], gv[g.begin], ops::rows_of(cp.ops[g.end - 1].out), ba.stream);
+      continue;
+    }
+    const std::string& epi = g.impl.kind == K::cublaslt ? g.impl.epilogue : std::string();
+    const int li = epi == "DGRAD_ACCUMULATE" ? g.begin + 1 : g.begin;  // the linear op
+    const auto& lin = cp.ops[li];
+    const void* dy = gv[g.end];
+    float alpha = 1.f;
+    if (epi == "SCALED") alpha = static_cast<float>(cp.ops[g.begin + 1].consts.at(0));
+    if (g.impl.kind == K::joint && g.impl.strategy == "recompute_linear_output") {
+      // Recompute h = x W^T, then the pointwise backward on it, then the linear's grads from dh.
+      cuda::GemmCall c;
+      c.kind = cuda::GemmKind::fwd;
+      c.m = ops::rows_of(lin.in);
+      c.k = ops::cols_of(lin.in);
+      c.n = ops::cols_of(lin.out);
+      c.dtype = cp.recipe.dtype;
+      c.a = bd.saved_read(li, "input");
+      c.b = bd.param(li, "weight");
+      void* h = buf.temp(bytes_of(cp, lin.out));
+      c.d = h;
+      rt.blas->gemm(c, ba.stream);
+      saved.tensors[{li + 1, "input"}] = h;
+      void* dh = buf.temp(bytes_of(cp, lin.out));
+      launch(cp, rt, *ge.kernel, bd, dy, dh, ops::rows_of(lin.out), ba.stream);
+      saved.tensors.erase({li + 1, "input"});
+      dy = dh;
+    }
+    cuda::GemmCall dg;
+    dg.kind = cuda::GemmKind::dgrad;
+    dg.m = ops::rows_of(lin.in);
+    dg.k = ops::cols_of(lin.in);
+    dg.n = ops::cols_of(lin.out);
+    dg.dtype = cp.recipe.dtype;
+    dg.alpha = alpha;
+    dg.a = dy;
+    dg.b = bd.param(li, "weight");
+    dg.d = gv[g.begin];
+    if (epi == "DGRAD_ACCUMULATE") {
+      dg.beta = 1.f;
+      dg.c = ba.grad_extra_out.at(cp.ops[g.begin].extra_slot);
+    }
+    rt.blas->gemm(dg, ba.stream);
+    cuda::GemmCall wg = dg;
+    wg.kind = cuda::GemmKind::wgrad;
+    wg.a = dy;
+    wg.b = bd.saved_read(li, "input");
+    wg.d = bd.grad(li, "weight");
+    wg.c = nullptr;
+    wg.beta = lin.flag("accumulate_grad") ? 1.f : 0.f;
+    rt.blas->gemm(wg, ba.stream);
+  }
+}
+
+void release_saved(SavedContext& saved, CUstream stream) {
+  if (saved.released) return;
+  for (auto& [p, nbytes] : saved.owned) {
+    if (saved.allocator.free) {
+      saved.allocator.free(p, nbytes, stream, saved.allocator.user);
+    } else if (auto* d = cuda::try_driver()) {
+      d->cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), stream);
+    }
+  }
+  saved.owned.clear();
+  saved.tensors.clear();
+  saved.released = true;
+}
+
+}  // namespace jitfuse::exec

@@ -1,0 +1,255 @@
+// The GPU-vs-reference check: random inputs, poisoned outputs, forward + backward, comparison.
+#include "reference/check.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "common/error.hpp"
+#include "cuda/driver.hpp"
+#include "ops/recipe.hpp"
+#include "ops/sequence.hpp"
+#include "reference/sequence.hpp"
+
+namespace jitfuse::reference {
+namespace {
+
+void ok(jf_status s, const char* what) {
+  if (s != JF_OK) throw Error(static_cast<Status>(s), fmt::format("{}: {}", what, jf_last_error()));
+}
+
+DLDataType dl_type(const std::string& recipe) {
+  if (recipe == "fp32") return {kDLFloat, 32, 1};
+  if (recipe == "fp16") return {kDLFloat, 16, 1};
+  return {kDLBfloat, 16, 1};
+}
+
+// A device tensor for the check: owns its memory, one element of slack for misaligned runs.
+struct DevTensor {
+  CUdeviceptr base = 0;
+  size_t bytes = 0, elt = 0;
+  bool misalign = false;
+  std::vector<int64_t> shape;
+  DLTensor t{};
+  DevTensor(const ops::Shape& s, const std::string& recipe, bool mis) : misalign(mis), shape(s) {
+    elt = recipe == "fp32" ? 4 : 2;
+    bytes = static_cast<size_t>(ops::numel(s)) * elt;
+    cuda::check(cuda::driver().cuMemAlloc(&base, bytes + 16), "cuMemAlloc");
+    t.data = reinterpret_cast<void*>(base);
+    t.byte_offset = mis ? elt : 0;
+    t.device = {kDLCUDA, 0};
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.dtype = dl_type(recipe);
+    t.shape = shape.data();
+    t.strides = nullptr;
+  }
+  ~DevTensor() {
+    if (auto* d = cuda::try_driver()) d->cuMemFree(base);
+  }
+  DevTensor(const DevTensor&) = delete;
+  DevTensor& operator=(const DevTensor&) = delete;
+  CUdeviceptr ptr() const { return base + t.byte_offset; }
+  void upload(const std::vector<uint8_t>& b) { cuda::check(cuda::driver().cuMemcpyHtoD(ptr(), b.data(), b.size()), "cuMemcpyHtoD"); }
+  void poison() {
+    std::vector<uint8_t> nan(bytes, 0xff);  // all-ones is a NaN in fp32, fp16 and bf16
+    upload(nan);
+  }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> b(bytes);
+    cuda::check(cuda::driver().cuMemcpyDtoH(b.data(), ptr(), bytes), "cuMemcpyDtoH");
+    return b;
+  }
+};
+
+Vec random_vec(std::mt19937_64& rng, int64_t n, double lo, double hi, const std::string& recipe) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  Vec v(static_cast<size_t>(n));
+  for (auto& x : v) x = u(rng);
+  round_all(recipe, v);
+  return v;
+}
+
+TensorCheck compare(const std::string& name, const Vec& got, const Vec& ref, double atol, double rtol) {
+  TensorCheck c;
+  c.name = name;
+  c.n = static_cast<int64_t>(ref.size());
+  c.atol = atol;
+  c.rtol = rtol;
+  double ss = 0;
+  for (double r : ref) ss += r * r;
+  const double rms = ref.empty() ? 0 : std::sqrt(ss / static_cast<double>(ref.size()));
+  for (size_t i = 0; i < ref.size(); ++i) {
+    c.max_ref = std::max(c.max_ref, std::fabs(ref[i]));
+    if (std::isnan(got[i])) {
+      ++c.unwritten;
+      continue;
+    }
+    const double err = std::fabs(got[i] - ref[i]);
+    const double tol = atol + rtol * (std::fabs(ref[i]) + rms);
+    c.max_abs_err = std::max(c.max_abs_err, err);
+    c.worst = std::max(c.worst, err / tol);
+    if (!(err <= tol)) ++c.failures;
+  }
+  return c;
+}
+
+}  // namespace
+
+void tolerance(const std::string& recipe, bool has_gemm, size_t n_ops, double* atol, double* rtol) {
+  if (recipe == "fp32" && !has_gemm) {
+    *rtol = 1.3e-6;
+    *atol = 1e-5;
+  } else if (recipe == "fp32" || recipe == "fp16") {
+    *rtol = 1e-3;
+    *atol = 1e-5;
+  } else {
+    *rtol = 1.6e-2;
+    *atol = 1e-5;
+  }
+  // Each op may round its output once to the storage dtype; errors add along the chain.
+  const double k = static_cast<double>(std::max<size_t>(1, n_ops));
+  *rtol *= k;
+  *atol *= k;
+}
+
+bool CheckReport::pass() const {
+  for (auto& t : tensors)
+    if (!t.pass()) return false;
+  return !tensors.empty();
+}
+
+std::string CheckReport::table() const {
+  std::string out = fmt::format("  {:<28} {:>10} {:>11} {:>11} {:>9} {:>9}  {}\n", "tensor", "elements", "max |err|",
+                                "max |ref|", "err/tol", "unwritten", "result");
+  for (auto& t : tensors)
+    out += fmt::format("  {:<28} {:>10} {:>11.3e} {:>11.3e} {:>9.3f} {:>9}  {}\n", t.name, t.n, t.max_abs_err,
+                       t.max_ref, t.worst, t.unwritten, t.pass() ? "ok" : "FAIL");
+  return out;
+}
+
+CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const std::string& json,
+                           const CheckOptions& opt) {
+  const std::string& rc = opt.recipe;
+  cuda::current_device();  // a current context before any allocation (the primary one if none)
+  auto def = ops::parse_sequence(json, "<check>", registry);
+  auto ops = ops::infer(def, opt.shape);
+  std::mt19937_64 rng(opt.seed);
+  bool has_gemm = false;
+  for (auto& op : ops) has_gemm |= op.family == ops::Family::linear;
+
+  jf_sequence seq = nullptr;
+  ok(jf_sequence_create(ctx, json.c_str(), rc.c_str(), &seq), "jf_sequence_create");
+  struct SeqGuard {
+    jf_sequence s;
+    ~SeqGuard() { jf_sequence_destroy(s); }
+  } guard{seq};
+
+  SeqInputs in;
+  in.rng_offset = opt.rng_offset;
+  in.input = random_vec(rng, ops::numel(opt.shape), -2, 2, rc);
+  std::vector<std::unique_ptr<DevTensor>> keep;
+  auto dev = [&](const ops::Shape& s) {
+    keep.push_back(std::make_unique<DevTensor>(s, rc, opt.misalign));
+    return keep.back().get();
+  };
+  std::map<ParamKey, DevTensor*> grads;
+  for (auto& op : ops) {
+    for (auto& p : op.params) {
+      Vec v;
+      if (op.family == ops::Family::linear) {
+        double s = 1.0 / std::sqrt(static_cast<double>(p.shape[1]));
+        v = random_vec(rng, ops::numel(p.shape), -s, s, rc);
+      } else if (op.family == ops::Family::norm && p.name == "weight") {
+        v = op.flag("zero_centered_gamma") ? random_vec(rng, ops::numel(p.shape), -0.5, 0.5, rc)
+                                           : random_vec(rng, ops::numel(p.shape), 0.5, 1.5, rc);
+      } else {
+        v = random_vec(rng, ops::numel(p.shape), -1, 1, rc);
+      }
+      DevTensor* t = dev(p.shape);
+      t->upload(encode(rc, v));
+      in.params[{op.index, p.name}] = v;
+      ok(jf_sequence_bind_param(seq, op.index, p.name.c_str(), &t->t), "jf_sequence_bind_param");
+      DevTensor* gt = dev(p.shape);
+      grads[{op.index, p.name}] = gt;
+      ok(jf_sequence_bind_grad(seq, op.index, p.name.c_str(), &gt->t), "jf_sequence_bind_grad");
+    }
+  }
+  DevTensor* x = dev(opt.shape);
+  x->upload(encode(rc, in.input));
+  std::vector<DevTensor*> ein, eout, gein, geout;
+  std::vector<Vec> gext_out;
+  for (auto& op : ops) {
+    if (op.family == ops::Family::add_extra_input) {
+      in.extra_in.push_back(random_vec(rng, ops::numel(op.in), -2, 2, rc));
+      ein.push_back(dev(op.in));
+      ein.back()->upload(encode(rc, in.extra_in.back()));
+      gein.push_back(dev(op.in));
+    }
+    if (op.family == ops::Family::make_extra_output) {
+      eout.push_back(dev(op.in));
+      geout.push_back(dev(op.in));
+      gext_out.push_back(random_vec(rng, ops::numel(op.in), -1, 1, rc));
+      geout.back()->upload(encode(rc, gext_out.back()));
+    }
+  }
+  DevTensor* y = dev(ops.back().out);
+  y->poison();
+  for (auto* t : eout) t->poison();
+  std::vector<const DLTensor*> ein_t;
+  std::vector<DLTensor*> eout_t;
+  for (auto* t : ein) ein_t.push_back(&t->t);
+  for (auto* t : eout) eout_t.push_back(&t->t);
+
+  const auto& d = cuda::driver();
+  CUstream stream = nullptr;
+  cuda::check(d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  struct StreamGuard {
+    CUstream s;
+    ~StreamGuard() {
+      if (auto* d = cuda::try_driver()) d->cuStreamDestroy(s);
+    }
+  } sguard{stream};
+  jf_forward_options fo{opt.rng_offset, opt.backward ? 1 : 0};
+  jf_saved saved = nullptr;
+  ok(jf_forward(seq, &x->t, ein_t.data(), static_cast<int>(ein_t.size()), &y->t, eout_t.data(),
+                static_cast<int>(eout_t.size()), &fo, opt.backward ? &saved : nullptr, reinterpret_cast<jf_stream>(stream)),
+     "jf_forward");
+  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(forward)");
+
+  SeqForward ref = sequence_forward(ops, in);
+  double atol, rtol;
+  tolerance(rc, has_gemm, ops.size(), &atol, &rtol);
+  CheckReport rep;
+  rep.tensors.push_back(compare("output", decode(rc, y->download()), ref.output, atol, rtol));
+  for (size_t i = 0; i < eout.size(); ++i)
+    rep.tensors.push_back(compare(fmt::format("extra_output[{}]", i), decode(rc, eout[i]->download()), ref.extra_out[i], atol, rtol));
+  if (!opt.backward) return rep;
+
+  Vec gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
+  DevTensor* gyt = dev(ops.back().out);
+  gyt->upload(encode(rc, gy));
+  DevTensor* gx = dev(opt.shape);
+  gx->poison();
+  for (auto* t : gein) t->poison();
+  for (auto& [k, t] : grads) t->poison();
+  std::vector<const DLTensor*> geout_t;
+  std::vector<DLTensor*> gein_t;
+  for (auto* t : geout) geout_t.push_back(&t->t);
+  for (auto* t : gein) gein_t.push_back(&t->t);
+  jf_status st = jf_backward(seq, saved, &gyt->t, geout_t.data(), static_cast<int>(geout_t.size()), &gx->t,
+                             gein_t.data(), static_cast<int>(gein_t.size()), reinterpret_cast<jf_stream>(stream));
+  jf_saved_release(saved, reinterpret_cast<jf_stream>(stream));
+  ok(st, "jf_backward");
+  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
+  SeqGrads rg = sequence_backward(ops, in, ref, gy, gext_out);
+  rep.tensors.push_back(compare("grad_input", decode(rc, gx->download()), rg.grad_input, atol, rtol));
+  for (size_t i = 0; i < gein.size(); ++i)
+    rep.tensors.push_back(compare(fmt::format("grad_extra_input[{}]", i), decode(rc, gein[i]->download()),
+                                  rg.grad_extra_in[i], atol, rtol));
+  for (auto& [k, t] : grads)
+    rep.tensors.push_back(compare(fmt::format("grad op{}.{}", k.first, k.second), decode(rc, t->download()),
+                                  rg.grad_params.at(k), atol, rtol));
+  return rep;
+}
+
+}  // namespace jitfuse::reference

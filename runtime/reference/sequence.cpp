@@ -1,0 +1,141 @@
+// Chaining the per-op float64 references through a sequence: values forward, gradients backward.
+#include "reference/sequence.hpp"
+
+#include <stdexcept>
+
+namespace jitfuse::reference {
+namespace {
+
+using ops::Family;
+
+std::string act_kind(const ops::Op& op) {
+  if (op.kind == "gelu") return op.str("approximate") == "tanh" ? "gelu_tanh" : "gelu_erf";
+  if (op.kind == "identity" || op.kind == "quantize" || op.kind == "reshape") return "identity";
+  if (op.info && op.info->user_declared)
+    throw std::invalid_argument(op.label() + ": user-declared ops have no float64 reference; compare fused against "
+                                "unfused (JITFUSE_DISABLE_FUSION=1) instead");
+  return op.kind;
+}
+
+const Vec& param(const SeqInputs& in, const ops::Op& op, const char* name) {
+  auto it = in.params.find({op.index, name});
+  if (it == in.params.end()) throw std::invalid_argument(op.label() + ": reference needs parameter " + name);
+  return it->second;
+}
+
+bool dropout_active(const ops::Op& op) { return op.flag("training") && op.num("p") > 0; }
+
+}  // namespace
+
+SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in) {
+  SeqForward f;
+  Vec v = in.input;
+  for (const auto& op : ops) {
+    f.values.push_back(v);
+    const int64_t rows = ops::rows_of(op.in), cols = ops::cols_of(op.in);
+    switch (op.family) {
+      case Family::linear:
+        v = linear_fwd(v, param(in, op, "weight"), rows, ops::cols_of(op.out), cols);
+        break;
+      case Family::bias: v = bias_fwd(v, param(in, op, "bias"), rows, cols); break;
+      case Family::pointwise:
+        if (op.kind == "scale") {
+          for (double& x : v) x *= op.consts.at(0);
+        } else {
+          const std::string k = act_kind(op);
+          for (double& x : v) x = act_fwd(k, x);
+        }
+        break;
+      case Family::gated: {
+        std::string k = op.kind;
+        v = gated_fwd(k, v, rows, cols / 2);
+        break;
+      }
+      case Family::norm:
+        if (op.kind == "layernorm")
+          v = layernorm_fwd(v, param(in, op, "weight"), param(in, op, "bias"), rows, cols, op.num("eps"),
+                            op.flag("zero_centered_gamma")).y;
+        else
+          v = rmsnorm_fwd(v, param(in, op, "weight"), rows, cols, op.num("eps"), op.flag("zero_centered_gamma")).y;
+        break;
+      case Family::dropout:
+        if (dropout_active(op)) {
+          auto mask = dropout_mask(op.attrs["seed"].get<uint64_t>(), in.rng_offset, static_cast<int64_t>(v.size()),
+                                   op.num("p"));
+          v = dropout_fwd(v, mask, op.num("p"));
+        }
+        break;
+      case Family::add_extra_input: {
+        const Vec& e = in.extra_in.at(op.extra_slot);
+        for (size_t i = 0; i < v.size(); ++i) v[i] += e[i];
+        break;
+      }
+      case Family::make_extra_output:
+        if (f.extra_out.size() <= static_cast<size_t>(op.extra_slot)) f.extra_out.resize(op.extra_slot + 1);
+        f.extra_out[op.extra_slot] = v;
+        break;
+    }
+  }
+  f.values.push_back(v);
+  f.output = v;
+  return f;
+}
+
+SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in, const SeqForward& fwd,
+                           const Vec& grad_output, const std::vector<Vec>& grad_extra_out) {
+  SeqGrads g;
+  g.grad_extra_in.resize(in.extra_in.size());
+  Vec dy = grad_output;
+  for (int i = static_cast<int>(ops.size()) - 1; i >= 0; --i) {
+    const auto& op = ops[i];
+    const Vec& x = fwd.values[i];
+    const int64_t rows = ops::rows_of(op.in), cols = ops::cols_of(op.in);
+    switch (op.family) {
+      case Family::linear: {
+        const int64_t n = ops::cols_of(op.out);
+        Vec dw = linear_wgrad(dy, x, rows, n, cols);
+        g.grad_params[{i, "weight"}] = dw;
+        dy = linear_dgrad(dy, param(in, op, "weight"), rows, n, cols);
+        break;
+      }
+      case Family::bias: g.grad_params[{i, "bias"}] = col_sum(dy, rows, cols); break;
+      case Family::pointwise:
+        if (op.kind == "scale") {
+          for (double& d : dy) d *= op.consts.at(0);
+        } else {
+          const std::string k = act_kind(op);
+          for (size_t j = 0; j < dy.size(); ++j) dy[j] = act_bwd(k, x[j], dy[j]);
+        }
+        break;
+      case Family::gated: dy = gated_bwd(op.kind, x, dy, rows, cols / 2); break;
+      case Family::norm: {
+        NormBwd b = op.kind == "layernorm"
+                        ? layernorm_bwd(x, param(in, op, "weight"), dy, rows, cols, op.num("eps"),
+                                        op.flag("zero_centered_gamma"))
+                        : rmsnorm_bwd(x, param(in, op, "weight"), dy, rows, cols, op.num("eps"),
+                                      op.flag("zero_centered_gamma"));
+        g.grad_params[{i, "weight"}] = b.dgamma;
+        if (op.kind == "layernorm") g.grad_params[{i, "bias"}] = b.dbeta;
+        dy = b.dx;
+        break;
+      }
+      case Family::dropout:
+        if (dropout_active(op)) {
+          auto mask = dropout_mask(op.attrs["seed"].get<uint64_t>(), in.rng_offset, static_cast<int64_t>(dy.size()),
+                                   op.num("p"));
+          dy = dropout_bwd(dy, mask, op.num("p"));
+        }
+        break;
+      case Family::add_extra_input: g.grad_extra_in.at(op.extra_slot) = dy; break;
+      case Family::make_extra_output: {
+        const Vec& de = grad_extra_out.at(op.extra_slot);
+        for (size_t j = 0; j < dy.size(); ++j) dy[j] += de[j];
+        break;
+      }
+    }
+  }
+  g.grad_input = dy;
+  return g;
+}
+
+}  // namespace jitfuse::reference

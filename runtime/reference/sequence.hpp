@@ -1,0 +1,38 @@
+// Float64 reference of a whole shape-inferred sequence, forward and backward, built from the per-op
+// references. It is what every GPU check and `jitfuse check` compare against.
+#pragma once
+#include <map>
+#include <utility>
+
+#include "ops/op.hpp"
+#include "reference/reference.hpp"
+
+namespace jitfuse::reference {
+
+using ParamKey = std::pair<int, std::string>;
+
+struct SeqInputs {
+  Vec input;
+  std::vector<Vec> extra_in;
+  std::map<ParamKey, Vec> params;
+  uint64_t rng_offset = 0;
+};
+
+struct SeqForward {
+  Vec output;
+  std::vector<Vec> extra_out;
+  std::vector<Vec> values;  // values[i] = input of op i; values[n] = output
+};
+
+struct SeqGrads {
+  Vec grad_input;
+  std::vector<Vec> grad_extra_in;
+  std::map<ParamKey, Vec> grad_params;
+};
+
+// Throws std::invalid_argument for ops without a float64 reference (user-declared ops).
+SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in);
+SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in, const SeqForward& fwd,
+                           const Vec& grad_output, const std::vector<Vec>& grad_extra_out);
+
+}  // namespace jitfuse::reference

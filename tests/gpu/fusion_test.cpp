@@ -1,0 +1,119 @@
+// Every built-in rule against the float64 reference (fused forward and backward), the check that the
+// rule was really taken, and interchangeability: fused forward + unfused backward and the reverse.
+#include <fstream>
+
+#include "gpu/gpu_check.hpp"
+
+using namespace jitfuse;
+using jitfuse::test::run_check;
+
+namespace {
+
+struct RuleCase {
+  const char* rule;
+  const char* ops;
+  ops::Shape shape;
+};
+
+const RuleCase kCases[] = {
+    {"linear_bias", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}])", {96, 64}},
+    {"linear_bias_gelu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}, {"op": "gelu"}])", {96, 64}},
+    {"linear_bias_relu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}, {"op": "relu"}])", {96, 64}},
+    {"linear_bias_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}, {"op": "add_extra_input"}])", {96, 64}},
+    {"linear_scale_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "scale", "value": 0.5}, {"op": "add_extra_input"}])", {96, 64}},
+    {"add_norm", R"([{"op": "add_extra_input"}, {"op": "layernorm"}])", {50, 264}},
+    {"add_norm", R"([{"op": "add_extra_input"}, {"op": "rmsnorm", "zero_centered_gamma": true}])", {50, 264}},
+    {"norm_pointwise", R"([{"op": "layernorm"}, {"op": "gelu"}, {"op": "scale", "value": 2.0}])", {33, 1024}},
+    {"norm_pointwise", R"([{"op": "rmsnorm"}, {"op": "silu"}, {"op": "dropout", "p": 0.2, "seed": 7}])", {33, 200}},
+    {"bias_act", R"([{"op": "bias"}, {"op": "gelu", "approximate": "tanh"}])", {100, 72}},
+    {"bias_act", R"([{"op": "bias"}, {"op": "relu"}])", {100, 72}},
+    {"bias_act", R"([{"op": "bias"}, {"op": "silu"}])", {100, 72}},
+    {"bias_act", R"([{"op": "bias"}, {"op": "qgelu"}])", {100, 72}},
+    {"bias_act", R"([{"op": "bias"}, {"op": "srelu"}])", {100, 72}},
+    {"bias_gated", R"([{"op": "bias"}, {"op": "swiglu"}])", {100, 96}},
+    {"bias_gated", R"([{"op": "bias"}, {"op": "geglu"}])", {100, 96}},
+    {"bias_gated", R"([{"op": "bias"}, {"op": "reglu"}])", {100, 30}},
+    {"gated_scale", R"([{"op": "swiglu"}, {"op": "scale", "value": 0.25}])", {100, 96}},
+    {"pointwise_chain", R"([{"op": "gelu"}, {"op": "scale", "value": 3.0}, {"op": "add_extra_input"}])", {100, 72}},
+    {"extra_output_linear", R"([{"op": "make_extra_output"}, {"op": "linear", "in_features": 64, "out_features": 32}])", {96, 64}},
+    {"linear_scale_bwd", R"([{"op": "linear", "in_features": 64, "out_features": 32}, {"op": "scale", "value": 0.125}])", {96, 64}},
+    {"norm_residual_bwd", R"([{"op": "make_extra_output"}, {"op": "layernorm"}])", {40, 512}},
+    {"bias_dropout_add_joint", R"([{"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 3}, {"op": "add_extra_input"}])", {100, 72}},
+    {"linear_silu_recompute", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "silu"}])", {96, 64}},
+};
+
+bool rule_taken(jf_context ctx, const std::string& seq, const ops::Shape& shape, const std::string& rule) {
+  jf_sequence s = nullptr;
+  REQUIRE(jf_sequence_create(ctx, seq.c_str(), "bf16", &s) == JF_OK);
+  const char* js = nullptr;
+  REQUIRE(jf_sequence_explain(s, shape.data(), static_cast<int>(shape.size()), 1, 90, &js) == JF_OK);
+  auto j = nlohmann::json::parse(js);
+  jf_sequence_destroy(s);
+  for (const char* dir : {"forward", "backward"})
+    for (auto& g : j[dir])
+      if (g["rule"] == rule) return true;
+  return false;
+}
+
+// A context whose rules of `pass` are switched off by overriding each by name with an impossible
+// condition, so the other direction's fusions run against unfused ops.
+jf_context context_without(const char* pass) {
+  std::string path = std::string("/tmp/jf_disable_") + pass + ".json";
+  nlohmann::json rules = nlohmann::json::array();
+  for (const auto& r : rules::RuleSet::with_builtins().rules())
+    if (rules::pass_name(r.pass) == pass)
+      rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
+                       {"pattern", {"identity"}}, {"conditions", {{"min_arch", 1000}}},
+                       {"impl", {{"kind", "generated"}, {"skeleton", "elementwise"}}}});
+  std::ofstream(path) << nlohmann::json{{"format", "jitfuse.rules/1"}, {"rules", rules}}.dump(2);
+  jf_context ctx = nullptr;
+  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  int errors = -1;
+  REQUIRE(jf_context_load_rules(ctx, path.c_str(), &errors) == JF_OK);
+  REQUIRE(errors == 0);
+  return ctx;
+}
+
+}  // namespace
+
+TEST_CASE("every built-in rule is taken and matches the reference", "[fusion]") {
+  for (const auto& c : kCases) {
+    std::string seq = test::seq_json(c.ops, c.rule);
+    INFO("rule " << c.rule << ": " << c.ops);
+    CHECK(rule_taken(test::shared_context(), seq, c.shape, c.rule));
+    for (const char* recipe : {"fp32", "bf16"}) run_check(seq, recipe, c.shape);
+  }
+}
+
+TEST_CASE("bias_dropout_add as a forward-only fusion (joint rule off) is interchangeable", "[fusion]") {
+  jf_context ctx = context_without("joint");
+  std::string seq = test::seq_json(R"([{"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 3}, {"op": "add_extra_input"}])");
+  CHECK(rule_taken(ctx, seq, {100, 72}, "bias_dropout_add"));
+  run_check(seq, "bf16", {100, 72}, true, false, 1, ctx);
+  jf_context_destroy(ctx);
+}
+
+TEST_CASE("fused forward with unfused backward, and unfused forward with fused backward", "[fusion]") {
+  jf_context no_bwd = context_without("backward");
+  jf_context no_fwd = context_without("forward");
+  for (const auto& c : kCases) {
+    std::string seq = test::seq_json(c.ops, c.rule);
+    INFO("rule " << c.rule << ": " << c.ops);
+    run_check(seq, "fp32", c.shape, true, false, 2, no_bwd);
+    run_check(seq, "fp32", c.shape, true, false, 3, no_fwd);
+  }
+  jf_context_destroy(no_bwd);
+  jf_context_destroy(no_fwd);
+}
+
+TEST_CASE("fused kernels on odd shapes and misaligned pointers", "[codegen]") {
+  for (auto rows : {1, 3, 1000})
+    for (auto cols : {8, 24, 4104}) {
+      for (const char* ops : {R"([{"op": "bias"}, {"op": "gelu"}])", R"([{"op": "layernorm"}, {"op": "silu"}])",
+                              R"([{"op": "bias"}, {"op": "swiglu"}])"}) {
+        std::string seq = test::seq_json(ops);
+        run_check(seq, "bf16", {rows, cols});
+        run_check(seq, "fp32", {rows, cols}, true, /*misalign=*/true);
+      }
+    }
+}

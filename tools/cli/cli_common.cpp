@@ -1,0 +1,64 @@
+// Shared planning helpers of the CLI.
+#include "cli_common.hpp"
+
+#include <cstdio>
+
+#include "common/env.hpp"
+#include "common/error.hpp"
+#include "cuda/driver.hpp"
+#include "exec/lowering.hpp"
+
+namespace jitfuse::cli {
+
+rules::RuleSet load_rules(const std::vector<std::string>& extra) {
+  rules::RuleSet rs = rules::RuleSet::with_builtins();
+  if (auto path = env::get("JITFUSE_RULE_PATH"))
+    for (const auto& dir : env::split_path(*path))
+      for (const auto& e : rs.load_path(dir)) std::fprintf(stderr, "jitfuse: rule skipped: %s\n", e.to_string().c_str());
+  for (const auto& dir : extra)
+    for (const auto& e : rs.load_path(dir)) std::fprintf(stderr, "jitfuse: rule skipped: %s\n", e.to_string().c_str());
+  return rs;
+}
+
+int parse_arch(const std::string& text) {
+  std::string s = text;
+  for (const char* prefix : {"sm_", "compute_"})
+    if (s.rfind(prefix, 0) == 0) s = s.substr(std::string(prefix).size());
+  if (!s.empty() && (s.back() == 'a' || s.back() == 'f')) s.pop_back();
+  bool digits = !s.empty() && s.size() <= 4 && s.find_first_not_of("0123456789") == std::string::npos;
+  if (!digits) fail(Status::invalid_argument, "bad --arch '{}': expected an SM version such as sm_80, sm_90 or 90", text);
+  return std::stoi(s);
+}
+
+std::string arch_target(int arch) { return arch == 90 ? "sm_90a" : "sm_" + std::to_string(arch); }
+
+std::string default_arch(const std::string& given) {
+  if (!given.empty()) return arch_target(parse_arch(given));
+  if (cuda::try_driver()) return cuda::current_device().arch();
+  std::fprintf(stderr, "jitfuse: no GPU present and no --arch: planning for sm_90a\n");
+  return "sm_90a";
+}
+
+Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::string& recipe,
+                  const std::string& shape, int arch, bool training) {
+  Planned p;
+  p.def = ops::parse_sequence_file(file, rs.registry());
+  p.recipe = ops::parse_recipe(recipe);
+  p.ops = ops::infer(p.def, ops::parse_shape(shape));
+  fuser::PlanInputs in;
+  in.recipe = recipe;
+  in.dtype = ops::dtype_name(p.recipe.dtype);
+  in.arch = arch;
+  in.training = training;
+  in.disable_fusion = env::flag("JITFUSE_DISABLE_FUSION");
+  p.plan = fuser::plan(p.ops, in, rs, exec::legality());
+  return p;
+}
+
+exec::TemplateStore templates_for(const rules::RuleSet& rs) {
+  exec::TemplateStore t;
+  for (const auto& [name, text] : rs.user_templates()) t.add(name, text);
+  return t;
+}
+
+}  // namespace jitfuse::cli

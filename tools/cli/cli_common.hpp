@@ -1,0 +1,36 @@
+// Helpers every planning command shares: loading rules as a context does, arch parsing, and the
+// planning of one sequence file for a recipe and shape without a GPU.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "exec/kernels.hpp"
+#include "fuser/plan.hpp"
+#include "ops/recipe.hpp"
+#include "ops/sequence.hpp"
+#include "rules/rule.hpp"
+
+namespace jitfuse::cli {
+
+// Loading order as in a context: built-ins, then JITFUSE_RULE_PATH, then the command line's --rules.
+rules::RuleSet load_rules(const std::vector<std::string>& extra);
+// "sm_90", "sm_90a", "compute_90" or "90" -> 90.
+int parse_arch(const std::string& text);
+// The arch string kernels are compiled for: "sm_90a" for 90, else "sm_XY".
+std::string arch_target(int arch);
+// --arch if given, else the current GPU's, else sm_90 (with a note on stderr).
+std::string default_arch(const std::string& given);
+
+struct Planned {
+  ops::SequenceDef def;
+  ops::Recipe recipe;
+  std::vector<ops::Op> ops;
+  fuser::Plan plan;
+};
+Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::string& recipe,
+                  const std::string& shape, int arch, bool training);
+
+// A template store with the user templates of `rs` added.
+exec::TemplateStore templates_for(const rules::RuleSet& rs);
+
+}  // namespace jitfuse::cli

@@ -1,0 +1,199 @@
+// `jitfuse codegen`, `jitfuse warmup` and `jitfuse check`: generated sources, ahead-of-time
+// compilation into the kernel cache (no GPU needed), and the end-to-end run against the reference.
+#include <cstdio>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_common.hpp"
+#include "commands.hpp"
+#include "common/error.hpp"
+#include "cuda/driver.hpp"
+#include "exec/executor.hpp"
+#include "fuser/explain.hpp"
+#include "common/json_util.hpp"
+#include "reference/check.hpp"
+
+namespace jitfuse::cli {
+namespace {
+
+struct PlanOpts {
+  std::vector<std::string> seqs, shapes, rules;
+  std::string recipe, arch;
+  bool inference = false, json = false, compile = false;
+  unsigned jobs = 0;
+};
+
+void add_plan_options(CLI::App* cmd, PlanOpts& o, bool many) {
+  if (many) {
+    cmd->add_option("SEQ", o.seqs, "Sequence files (jitfuse.sequence/1)")->required();
+    cmd->add_option("--shape", o.shapes, "Input shapes, e.g. 8192x4096 (repeatable)")->required();
+  } else {
+    cmd->add_option("SEQ", o.seqs, "Sequence file (jitfuse.sequence/1)")->required()->expected(1);
+    cmd->add_option("--shape", o.shapes, "Input shape, e.g. 8192x4096")->required()->expected(1);
+  }
+  cmd->add_option("--recipe", o.recipe, "Recipe: fp32, fp16 or bf16")->required();
+  cmd->add_option("--arch", o.arch, "Target GPU arch (default: this GPU, else sm_90)");
+  cmd->add_option("--rules", o.rules, "Extra rule directories or files");
+  cmd->add_flag("--inference", o.inference, "Forward only, no saved context");
+}
+
+struct Collected {
+  std::vector<cache::KernelRequest> requests;
+  std::vector<std::string> labels;
+};
+
+Collected collect(const PlanOpts& o, const rules::RuleSet& rs, const exec::TemplateStore& templates,
+                  const exec::Target& target) {
+  Collected c;
+  cache::KernelCache scratch(cache::Config{});
+  exec::KernelLibrary lib(scratch, templates);
+  for (const auto& seq : o.seqs)
+    for (const auto& shape : o.shapes) {
+      Planned p = plan_file(rs, seq, o.recipe, shape, parse_arch(target.arch), !o.inference);
+      for (auto& [spec, meta] : exec::plan_kernel_specs(p.ops, p.plan, p.recipe, !o.inference, p.def.name)) {
+        c.requests.push_back(lib.request(spec, target, meta));
+        c.labels.push_back(seq + " " + shape + ": " + c.requests.back().meta["kernel"].get<std::string>());
+      }
+    }
+  return c;
+}
+
+void progress_bar(size_t done, size_t total) {
+  const int width = 30;
+  int filled = total ? static_cast<int>(width * done / total) : width;
+  std::fprintf(stderr, "\r[%.*s%*s] %zu/%zu kernels", filled, "==============================", width - filled, "",
+               done, total);
+  if (done == total) std::fprintf(stderr, "\n");
+}
+
+void run_codegen(const PlanOpts& o) {
+  auto rs = load_rules(o.rules);
+  auto templates = templates_for(rs);
+  exec::Target target = exec::target_for_arch(default_arch(o.arch));
+  Collected c = collect(o, rs, templates, target);
+  nlohmann::json out = nlohmann::json::array();
+  cache::KernelCache scratch(cache::Config{});
+  exec::KernelLibrary lib(scratch, templates);
+  for (size_t i = 0; i < c.requests.size(); ++i) {
+    const auto& r = c.requests[i];
+    nlohmann::json k = {{"kernel", r.meta["kernel"]}, {"meta", r.meta}, {"key", cache::cache_key(r)}};
+    if (o.compile) {
+      auto res = lib.compiler()(r);
+      k["cubin_bytes"] = res.cubin.size();
+      k["compile_ms"] = res.compile_ms;
+    }
+    if (o.json) {
+      k["source"] = r.source;
+      out.push_back(k);
+    } else {
+      std::printf("// ===== %s (key %.12s)%s\n%s\n", c.labels[i].c_str(), k["key"].get<std::string>().c_str(),
+                  o.compile ? fmt::format(", compiled for {}: {} bytes in {:.0f} ms", target.arch,
+                                          k["cubin_bytes"].get<size_t>(), k["compile_ms"].get<double>()).c_str() : "",
+                  r.source.c_str());
+    }
+  }
+  if (o.json) std::printf("%s\n", out.dump(2).c_str());
+}
+
+void run_warmup(const PlanOpts& o) {
+  auto rs = load_rules(o.rules);
+  auto templates = templates_for(rs);
+  exec::Target target = exec::target_for_arch(default_arch(o.arch));
+  Collected c = collect(o, rs, templates, target);
+  cache::KernelCache kc(cache::config_from_env());
+  exec::KernelLibrary lib(kc, templates);
+  std::vector<cache::Origin> origins;
+  unsigned jobs = o.jobs ? o.jobs : std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  kc.get_or_compile_all(c.requests, lib.compiler(), jobs, &origins, o.json ? std::function<void(size_t, size_t)>() : progress_bar);
+  size_t compiled = 0, disk = 0, memory = 0;
+  for (auto og : origins) {
+    compiled += og == cache::Origin::compiled;
+    disk += og == cache::Origin::disk;
+    memory += og == cache::Origin::memory;
+  }
+  if (o.json) {
+    nlohmann::json j = {{"arch", target.arch}, {"kernels", c.requests.size()}, {"compiled", compiled},
+                        {"loaded_from_disk", disk}, {"already_in_memory", memory},
+                        {"cache_dir", kc.dir() ? nlohmann::json(*kc.dir()) : nlohmann::json()},
+                        {"disk_enabled", kc.disk_enabled()}};
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("%zu compiled, %zu loaded from disk, %zu already in memory (arch %s, cache %s)\n", compiled, disk,
+                memory, target.arch.c_str(), kc.disk_enabled() && kc.dir() ? kc.dir()->c_str() : "memory only");
+  }
+}
+
+int run_check(const PlanOpts& o) {
+  auto rs = load_rules(o.rules);
+  std::string arch = default_arch(o.arch);
+  Planned p = plan_file(rs, o.seqs[0], o.recipe, o.shapes[0], parse_arch(arch), !o.inference);
+  std::printf("sequence '%s': %zu ops, input %s, recipe %s\n", p.def.name.c_str(), p.ops.size(), o.shapes[0].c_str(),
+              o.recipe.c_str());
+  for (auto [title, groups] : {std::pair{"forward", &p.plan.forward}, std::pair{"backward", &p.plan.backward}}) {
+    if (o.inference && std::string(title) == "backward") continue;
+    std::printf("%s groups:\n", title);
+    for (const auto& g : *groups)
+      std::printf("  [%d, %d) %-40s %s\n", g.begin, g.end, fuser::group_ops(g, p.ops).c_str(),
+                  g.rule.empty() ? "unfused" : (g.rule + ": " + fuser::impl_text(g)).c_str());
+  }
+  PlanOpts w = o;
+  w.arch = arch;
+  std::printf("compiling the generated kernels with NVRTC for %s:\n", arch.c_str());
+  run_warmup(w);
+  std::string why;
+  if (!cuda::try_driver(&why)) {
+    std::printf("no GPU present (%s): kernels generated and compiled; running them needs a GPU\n", why.c_str());
+    return 0;
+  }
+  jf_context ctx = nullptr;
+  if (jf_context_create(&ctx) != JF_OK) fail(Status::internal, "jf_context_create: {}", jf_last_error());
+  struct Guard {
+    jf_context c;
+    ~Guard() { jf_context_destroy(c); }
+  } guard{ctx};
+  for (const auto& r : o.rules) jf_context_load_rules(ctx, r.c_str(), nullptr);
+  reference::CheckOptions co;
+  co.recipe = o.recipe;
+  co.shape = ops::parse_shape(o.shapes[0]);
+  co.backward = !o.inference;
+  auto rep = reference::check_sequence(ctx, rs.registry(), json_util::read_file(o.seqs[0]), co);
+  std::printf("ran on %s against the float64 reference (fresh random inputs, outputs poisoned):\n%s",
+              cuda::current_device().name.c_str(), rep.table().c_str());
+  std::printf("%s\n", rep.pass() ? "PASS" : "FAIL");
+  return rep.pass() ? 0 : 1;
+}
+
+}  // namespace
+
+void add_plan_commands(CLI::App& app) {
+  {
+    auto o = std::make_shared<PlanOpts>();
+    auto* cmd = app.add_subcommand("codegen", "Print the generated CUDA source of every kernel a sequence needs");
+    add_plan_options(cmd, *o, false);
+    cmd->add_flag("--json", o->json, "Machine-readable output");
+    cmd->add_flag("--compile", o->compile, "Also compile each kernel with NVRTC and report its size and time");
+    cmd->callback([o] { run_codegen(*o); });
+  }
+  {
+    auto o = std::make_shared<PlanOpts>();
+    auto* cmd = app.add_subcommand("warmup", "Compile every kernel these sequences and shapes need into the cache "
+                                             "(NVRTC only, no GPU needed)");
+    add_plan_options(cmd, *o, true);
+    cmd->add_flag("--json", o->json, "Machine-readable summary");
+    cmd->add_option("--jobs", o->jobs, "Parallel compiles (default: min(8, cores))");
+    cmd->callback([o] { run_warmup(*o); });
+  }
+  {
+    auto o = std::make_shared<PlanOpts>();
+    auto* cmd = app.add_subcommand("check", "Plan a sequence, show the fusion decisions, compile its kernels and, "
+                                            "with a GPU, run them against the float64 reference");
+    add_plan_options(cmd, *o, false);
+    cmd->callback([o] {
+      int rc = run_check(*o);
+      if (rc) throw CLI::RuntimeError(rc);
+    });
+  }
+}
+
+}  // namespace jitfuse::cli
