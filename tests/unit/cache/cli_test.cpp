@@ -121,6 +121,24 @@ TEST_CASE("cli: cache show", "[cache][cli]") {
   CHECK(r.code != 0);
   CHECK_THAT(r.err, Catch::Contains("cuobjdump"));
 
+  // A stand-in cuobjdump checks what it is given: "-sass" and a file holding the CUBIN.
+  std::filesystem::create_directory(tmp.sub("bin"));
+  write_all(tmp.sub("bin/cuobjdump"),
+            "#!/bin/sh\n[ \"$1\" = -sass ] || exit 9\ncmp -s \"$2\" \"$JF_EXPECT\" || exit 8\n"
+            "echo \"FAKE SASS $2\"\n");
+  ::chmod(tmp.sub("bin/cuobjdump").c_str(), 0755);
+  write_all(tmp.sub("expected.cubin"), expected_cubin(make_request(2)));
+  r = run_cli(tmp, "cache show " + keys[2] + " --sass" + d,
+              "PATH='" + tmp.sub("bin") + ":/usr/bin:/bin' JF_EXPECT='" + tmp.sub("expected.cubin") + "'");
+  CHECK(r.code == 0);
+  REQUIRE_THAT(r.out, Catch::StartsWith("FAKE SASS ") && Catch::Contains(".cubin"));
+  std::string temp = r.out.substr(10, r.out.find('\n') - 10);
+  CHECK_FALSE(std::filesystem::exists(temp));  // the temp file is cleaned up
+  r = run_cli(tmp, "cache show " + keys[1] + " --sass" + d,
+              "PATH='" + tmp.sub("bin") + ":/usr/bin:/bin' JF_EXPECT='" + tmp.sub("expected.cubin") + "'");
+  CHECK(r.code != 0);  // cuobjdump failed (wrong CUBIN): reported, not hidden
+  CHECK_THAT(r.err, Catch::Contains("-sass failed"));
+
   r = run_cli(tmp, "cache show " + keys[2] + " --source --ptx" + d);
   CHECK(r.code != 0);
 
