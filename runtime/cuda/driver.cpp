@@ -24,22 +24,20 @@ Loaded load() {
     l.why = "libcuda.so.1 (the NVIDIA driver) is not installed";
     return l;
   }
-  using GetProc = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
-  auto get_proc = reinterpret_cast<GetProc>(dlsym(h, "cuGetProcAddress_v2"));
-  if (!get_proc) {
-    l.why = "the NVIDIA driver is too old (no cuGetProcAddress_v2); jitfuse needs a CUDA 12+ driver";
-    return l;
-  }
+  // dlsym the exact symbol cuda.h maps each name to (cuMemAlloc -> cuMemAlloc_v2), so every pointer has
+  // the signature its declaration says. cuGetProcAddress would hand out the newest ABI of a name for a
+  // CUDA version instead (cuCtxGetDevice -> cuCtxGetDevice_v2 takes another argument).
   bool missing = false;
-#define JF_DRIVER_FN(name)                                                                        \
-  {                                                                                               \
-    void* p = nullptr;                                                                            \
-    CUdriverProcAddressQueryResult q;                                                             \
-    if (get_proc(#name, &p, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &q) != CUDA_SUCCESS || !p) { \
-      l.why = "the NVIDIA driver lacks " #name;                                                   \
-      missing = true;                                                                             \
-    }                                                                                             \
-    l.d.name = reinterpret_cast<decltype(l.d.name)>(p);                                           \
+#define JF_STR2(x) #x
+#define JF_STR(x) JF_STR2(x)
+#define JF_DRIVER_FN(name)                                                         \
+  {                                                                                \
+    void* p = dlsym(h, JF_STR(name));                                              \
+    if (!p) {                                                                      \
+      l.why = "the NVIDIA driver lacks " JF_STR(name) "; update the driver";       \
+      missing = true;                                                              \
+    }                                                                              \
+    l.d.name = reinterpret_cast<decltype(l.d.name)>(p);                            \
   }
 #include "cuda/driver_fns.inc"
 #undef JF_DRIVER_FN

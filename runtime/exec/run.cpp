@@ -289,7 +289,8 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
     const auto& g = ge.group;
     materialize(g.begin);
     if (ge.gemm_ops == 0) {
-      launch(cp, rt, *ge.kernel, bd, gv[g.end], gv[g.begin], ops::rows_of(cp.ops[g.end - 1].out), ba.stream);
+      // Rows as the kernel's columns count them: the input layout of the group's first op.
+      launch(cp, rt, *ge.kernel, bd, gv[g.end], gv[g.begin], ops::rows_of(cp.ops[g.begin].in), ba.stream);
       continue;
     }
     const std::string& epi = g.impl.kind == K::cublaslt ? g.impl.epilogue : std::string();

@@ -60,7 +60,8 @@ bool rule_taken(jf_context ctx, const std::string& seq, const ops::Shape& shape,
 jf_context context_without(const char* pass) {
   std::string path = std::string("/tmp/jf_disable_") + pass + ".json";
   nlohmann::json rules = nlohmann::json::array();
-  for (const auto& r : rules::RuleSet::with_builtins().rules())
+  const rules::RuleSet builtins = rules::RuleSet::with_builtins();
+  for (const auto& r : builtins.rules())
     if (rules::pass_name(r.pass) == pass)
       rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
                        {"pattern", {"identity"}}, {"conditions", {{"min_arch", 1000}}},
