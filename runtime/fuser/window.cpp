@@ -1,0 +1,204 @@
+// The sliding-window loop, written once: every rule of a pass at every start, optional elements longest
+// first, then conditions and legality, then a deterministic conflict resolution over the surviving windows.
+#include "fuser/window.hpp"
+
+#include <algorithm>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "common/log.hpp"
+
+namespace jitfuse::fuser::detail {
+namespace {
+
+using rules::PatternElem;
+using rules::Rule;
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+std::optional<std::string> attr_mismatch(const PatternElem& e, const ops::Op& op) {
+  for (const auto& [key, want] : e.attrs.items()) {
+    if (!op.attrs.is_object() || !op.attrs.contains(key))
+      return fmt::format("{} has no attribute {}; the rule needs {} = {}", op.label(), key, key, want.dump());
+    const auto& have = op.attrs.at(key);
+    // 1 and 1.0 are the same attribute value, whichever way the JSON spelled them.
+    bool same = want.is_number() && have.is_number() ? want.get<double>() == have.get<double>() : want == have;
+    if (!same) return fmt::format("{} has {} = {}; the rule needs {}", op.label(), key, have.dump(), want.dump());
+  }
+  return std::nullopt;
+}
+
+// Every way the pattern can match from `pos`, by window end. An end is attribute-clean if any assignment
+// of ops to elements reaching it satisfies every attribute constraint; else it keeps the first reason.
+void enumerate(const Rule& r, size_t el, int pos, const std::vector<ops::Op>& ops,
+               const std::optional<std::string>& reason, std::map<int, std::optional<std::string>>& by_end) {
+  if (el == r.pattern.size()) {
+    auto it = by_end.find(pos);
+    if (it == by_end.end())
+      by_end.emplace(pos, reason);
+    else if (!reason)
+      it->second.reset();
+    return;
+  }
+  const PatternElem& e = r.pattern[el];
+  if (pos < static_cast<int>(ops.size()) &&
+      std::find(e.kinds.begin(), e.kinds.end(), ops[pos].kind) != e.kinds.end()) {
+    std::optional<std::string> why = reason ? reason : attr_mismatch(e, ops[pos]);
+    enumerate(r, el + 1, pos + 1, ops, why, by_end);
+  }
+  if (e.optional) enumerate(r, el + 1, pos, ops, reason, by_end);
+}
+
+// Product of all dims but the last, or -1 if it does not fit in 64 bits.
+int64_t rows_checked(const ops::Shape& s) {
+  int64_t r = 1;
+  for (size_t i = 0; i + 1 < s.size(); ++i)
+    if (__builtin_mul_overflow(r, s[i], &r)) return -1;
+  return r;
+}
+
+struct Tried {
+  const Rule* rule = nullptr;
+  int begin = 0, end = 0;
+  std::string reason;  // empty: a candidate (passed every check)
+  bool taken = false;
+};
+
+}  // namespace
+
+std::optional<std::string> check_conditions(const rules::Conditions& c, const std::vector<ops::Op>& ops, int begin,
+                                            int end, const PlanInputs& in) {
+  if (!c.recipes.empty() && std::find(c.recipes.begin(), c.recipes.end(), in.recipe) == c.recipes.end())
+    return fmt::format("condition recipe in [{}] failed: recipe = {}", join(c.recipes), in.recipe);
+  if (!c.dtypes.empty() && std::find(c.dtypes.begin(), c.dtypes.end(), in.dtype) == c.dtypes.end())
+    return fmt::format("condition dtype in [{}] failed: dtype = {}", join(c.dtypes), in.dtype);
+  if ((c.min_arch || c.max_arch) && in.arch == 0)
+    return fmt::format("arch unknown; the rule needs {}: plan with the GPU's arch",
+                       c.min_arch ? fmt::format("min_arch {}", c.min_arch) : fmt::format("max_arch {}", c.max_arch));
+  if (c.min_arch && in.arch < c.min_arch) return fmt::format("arch sm_{} < min_arch {}", in.arch, c.min_arch);
+  if (c.max_arch && in.arch > c.max_arch) return fmt::format("arch sm_{} > max_arch {}", in.arch, c.max_arch);
+  for (const auto& d : c.divisible) {
+    int64_t value = d.dim == "rows"       ? rows_checked(ops[begin].in)
+                    : d.dim == "out_cols" ? ops::cols_of(ops[end - 1].out)
+                                          : ops::cols_of(ops[begin].in);
+    if (value < 0) return fmt::format("condition {} % {} == 0 failed: {} overflows 64 bits", d.dim, d.multiple_of, d.dim);
+    if (d.multiple_of > 0 && value % d.multiple_of != 0)
+      return fmt::format("condition {} % {} == 0 failed: {} = {}", d.dim, d.multiple_of, d.dim, value);
+  }
+  if (c.training && *c.training != in.training)
+    return *c.training ? std::string("condition training failed: planning for inference (no backward)")
+                       : std::string("condition inference-only failed: planning for training");
+  return std::nullopt;
+}
+
+std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, const std::vector<Group>& fixed,
+                            const PlanInputs& in, const rules::RuleSet& rules, const LegalityFn& legal,
+                            std::vector<Decision>& decisions) {
+  const int n = static_cast<int>(ops.size());
+  const std::string pname = rules::pass_name(pass);
+  std::vector<int> owner(n, -1);  // index in `fixed` of the joint group holding op i
+  for (size_t g = 0; g < fixed.size(); ++g)
+    if (fixed[g].joint)
+      for (int i = std::max(0, fixed[g].begin); i < std::min(n, fixed[g].end); ++i) owner[i] = static_cast<int>(g);
+
+  std::vector<const Rule*> pass_rules;
+  for (const auto& r : rules.rules())
+    if (r.pass == pass) pass_rules.push_back(&r);
+  std::sort(pass_rules.begin(), pass_rules.end(), [](const Rule* a, const Rule* b) { return a->order < b->order; });
+
+  std::vector<Tried> tried;
+  for (const Rule* rule : pass_rules) {
+    for (int s = 0; s < n; ++s) {
+      std::map<int, std::optional<std::string>> by_end;
+      enumerate(*rule, 0, s, ops, std::nullopt, by_end);
+      for (auto it = by_end.rbegin(); it != by_end.rend(); ++it) {  // longest window first
+        const int e = it->first;
+        if (e <= s) continue;
+        std::optional<std::string> why = it->second;
+        for (int i = s; !why && i < e; ++i)
+          if (owner[i] >= 0) {
+            const Group& g = fixed[owner[i]];
+            why = fmt::format("overlaps joint group {} at ops [{}, {})", g.rule, g.begin, g.end);
+          }
+        if (!why) why = check_conditions(rule->conditions, ops, s, e, in);
+        if (!why && legal) why = legal(*rule, ops, s, e, pass);
+        if (why && why->empty()) why = "refused by the legality predicate";
+        tried.push_back({rule, s, e, why.value_or(""), false});
+        if (!why) break;  // this rule's window at s; shorter ones are not needed
+      }
+    }
+  }
+
+  // Conflicts: priority, then longer window, then earlier rule, then earlier start. Total, so deterministic.
+  std::vector<size_t> cands;
+  for (size_t i = 0; i < tried.size(); ++i)
+    if (tried[i].reason.empty()) cands.push_back(i);
+  std::sort(cands.begin(), cands.end(), [&](size_t a, size_t b) {
+    const Tried &x = tried[a], &y = tried[b];
+    if (x.rule->priority != y.rule->priority) return x.rule->priority > y.rule->priority;
+    if (x.end - x.begin != y.end - y.begin) return x.end - x.begin > y.end - y.begin;
+    if (x.rule->order != y.rule->order) return x.rule->order < y.rule->order;
+    return x.begin < y.begin;
+  });
+  std::vector<int> taken_by(n, -1);
+  for (size_t c : cands) {
+    Tried& t = tried[c];
+    int blocker = -1;
+    for (int i = t.begin; i < t.end && blocker < 0; ++i) blocker = taken_by[i];
+    if (blocker < 0) {
+      t.taken = true;
+      for (int i = t.begin; i < t.end; ++i) taken_by[i] = static_cast<int>(c);
+      continue;
+    }
+    const Tried& w = tried[blocker];
+    if (w.rule->priority > t.rule->priority) {
+      t.reason = fmt::format("overlaps higher-priority rule {} at ops [{}, {})", w.rule->name, w.begin, w.end);
+    } else {
+      const char* why = w.end - w.begin > t.end - t.begin ? "longer window"
+                        : w.rule->order < t.rule->order     ? "earlier rule"
+                        : w.rule == t.rule                  ? "earlier start"
+                                                            : "earlier rule";
+      t.reason = fmt::format("overlaps rule {} at ops [{}, {}) (same priority, {})", w.rule->name, w.begin, w.end, why);
+    }
+  }
+
+  // Decisions read best in op order: by start, then rule order, then longest first.
+  std::vector<size_t> idx(tried.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
+    const Tried &x = tried[a], &y = tried[b];
+    if (x.begin != y.begin) return x.begin < y.begin;
+    if (x.rule->order != y.rule->order) return x.rule->order < y.rule->order;
+    return x.end > y.end;
+  });
+  for (size_t i : idx) {
+    const Tried& t = tried[i];
+    decisions.push_back({pass, t.rule->name, t.begin, t.end, t.rule->priority, t.taken, t.reason});
+    log().debug("{} pass: rule {} (priority {}) at ops [{}, {}): {}", pname, t.rule->name, t.rule->priority, t.begin,
+                t.end, t.taken ? std::string("taken") : "not taken: " + t.reason);
+  }
+
+  std::vector<Group> out;
+  for (int i = 0; i < n;) {
+    if (owner[i] >= 0) {
+      const Group& g = fixed[owner[i]];
+      out.push_back(g);
+      i = std::max(g.end, i + 1);
+    } else if (taken_by[i] >= 0) {
+      const Tried& t = tried[taken_by[i]];
+      out.push_back({t.begin, t.end, t.rule->name, t.rule->priority, t.rule->impl, pass == rules::Pass::joint});
+      i = t.end;
+    } else {
+      out.push_back({i, i + 1, "", 0, rules::Impl{}, false});
+      ++i;
+    }
+  }
+  return out;
+}
+
+}  // namespace jitfuse::fuser::detail

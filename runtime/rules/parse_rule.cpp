@@ -1,0 +1,395 @@
+// Parsing and validating one rule object of a "jitfuse.rules/1" file: pattern, conditions and impl, plus the
+// cross-checks between them (an epilogue must cover the ops it claims, a joint impl only in the joint pass).
+#include <algorithm>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "ops/recipe.hpp"
+#include "rules/parse.hpp"
+
+namespace jitfuse::rules::detail {
+namespace {
+
+using nlohmann::json;
+
+// What each cuBLASLt epilogue covers: the allowed op kinds of each leading window element, in order. The
+// loader checks rules against this table so a rule cannot claim, say, a BIAS epilogue over [linear, gelu].
+struct EpilogueShape {
+  const char* name;
+  Pass pass;
+  std::vector<std::vector<std::string>> covers;
+};
+
+const std::vector<EpilogueShape>& epilogue_table() {
+  static const std::vector<EpilogueShape> table = {
+      {"BIAS", Pass::forward, {{"linear"}, {"bias"}}},
+      {"GELU_AUX_BIAS", Pass::forward, {{"linear"}, {"bias"}, {"gelu"}}},
+      {"RELU_BIAS", Pass::forward, {{"linear"}, {"bias"}, {"relu"}}},
+      {"RESIDUAL", Pass::forward, {{"linear"}, {"bias", "scale"}, {"add_extra_input"}}},
+      {"RESIDUAL", Pass::forward, {{"linear"}, {"add_extra_input"}}},
+      {"DGRAD_ACCUMULATE", Pass::backward, {{"make_extra_output"}, {"linear"}}},
+      {"SCALED", Pass::backward, {{"linear"}, {"scale"}}},
+  };
+  return table;
+}
+
+std::vector<std::string> epilogue_names(Pass pass) {
+  std::vector<std::string> out;
+  for (const auto& e : epilogue_table())
+    if (e.pass == pass && std::find(out.begin(), out.end(), e.name) == out.end()) out.push_back(e.name);
+  return out;
+}
+
+Pass parse_pass(const json& j, const std::string& p) {
+  std::string s = need_string(j, "pass", p, "\"joint\", \"forward\" or \"backward\"");
+  if (s == "joint") return Pass::joint;
+  if (s == "forward") return Pass::forward;
+  if (s == "backward") return Pass::backward;
+  invalid(p + "/pass", fmt::format("unknown pass {}; use \"joint\", \"forward\" or \"backward\"", show(s)));
+}
+
+void check_attr_constraint(const std::string& key, const json& v, const std::vector<std::string>& kinds,
+                           const std::string& p, const ops::Registry& reg) {
+  if (!(v.is_string() || v.is_number() || v.is_boolean()))
+    invalid(p, fmt::format("attribute constraint {} must be a string, number or boolean, got {}", show(key), show(v)));
+  for (const auto& kind : kinds) {
+    const ops::OpKind* info = reg.find(kind);
+    const ops::AttrSpec* spec = nullptr;
+    std::vector<std::string> names;
+    for (const auto& a : info->attrs) {
+      names.push_back(a.name);
+      if (a.name == key) spec = &a;
+    }
+    if (!spec)
+      invalid(p, fmt::format("op {} has no attribute {} (its attributes: {})", show(kind), show(key),
+                             names.empty() ? "none" : join(names)));
+    auto expect = [&](const char* what) {
+      invalid(p, fmt::format("attribute {} of op {} is {}, got {}", show(key), show(kind), what, show(v)));
+    };
+    switch (spec->type) {
+      case ops::AttrSpec::Type::number:
+        if (!v.is_number()) expect("a number");
+        break;
+      case ops::AttrSpec::Type::integer:
+        if (!v.is_number_integer()) expect("an integer");
+        break;
+      case ops::AttrSpec::Type::boolean:
+        if (!v.is_boolean()) expect("true or false");
+        break;
+      case ops::AttrSpec::Type::string:
+        if (!v.is_string()) expect("a string");
+        if (!spec->choices.empty() &&
+            std::find(spec->choices.begin(), spec->choices.end(), v.get<std::string>()) == spec->choices.end())
+          expect(("one of " + join(spec->choices, "|")).c_str());
+        break;
+      case ops::AttrSpec::Type::shape:
+        invalid(p, fmt::format("attribute {} of op {} is a shape; shapes cannot be constrained by a rule",
+                               show(key), show(kind)));
+    }
+  }
+}
+
+// "bias" | ["gelu", "relu"] | {"op": "gelu" or [...], "attrs": {...}, "optional": true}
+PatternElem parse_elem(const json& e, const std::string& p, const ops::Registry& reg) {
+  PatternElem el;
+  const json* kinds = &e;
+  std::string kp = p;
+  if (e.is_object()) {
+    check_keys(e, p, {"op", "attrs", "optional"}, "pattern element");
+    if (!e.contains("op")) invalid(p, "a pattern element object needs \"op\": an op kind or a list of kinds");
+    kinds = &e.at("op");
+    kp = p + "/op";
+    if (e.contains("optional")) {
+      if (!e.at("optional").is_boolean())
+        invalid(p + "/optional", fmt::format("\"optional\" must be true or false, got {}", show(e.at("optional"))));
+      el.optional = e.at("optional").get<bool>();
+    }
+  }
+  auto add_kind = [&](const json& k, const std::string& ptr) {
+    if (!k.is_string()) invalid(ptr, fmt::format("an op kind is a string such as \"gelu\", got {}", show(k)));
+    std::string name = k.get<std::string>();
+    if (!reg.find(name)) invalid(ptr, unknown_op_message(name, reg));
+    if (std::find(el.kinds.begin(), el.kinds.end(), name) != el.kinds.end())
+      invalid(ptr, fmt::format("op {} is listed twice in the same pattern element", show(name)));
+    el.kinds.push_back(name);
+  };
+  if (kinds->is_string()) {
+    add_kind(*kinds, kp);
+  } else if (kinds->is_array()) {
+    if (kinds->empty() || kinds->size() > 32)
+      invalid(kp, "a list of alternative op kinds needs between 1 and 32 entries");
+    for (size_t i = 0; i < kinds->size(); ++i) add_kind((*kinds)[i], kp + "/" + std::to_string(i));
+  } else {
+    invalid(kp, fmt::format("a pattern element is an op kind (\"bias\"), a list of kinds ([\"gelu\", \"relu\"]) or "
+                            "an object {{\"op\": ..., \"attrs\": ..., \"optional\": ...}}, got {}",
+                            show(*kinds)));
+  }
+  if (e.is_object() && e.contains("attrs")) {
+    const json& a = e.at("attrs");
+    if (!a.is_object()) invalid(p + "/attrs", "\"attrs\" must be an object of attribute values, e.g. {\"approximate\": \"tanh\"}");
+    for (const auto& [key, value] : a.items()) {
+      bool plain = key.find_first_of("/~") == std::string::npos;
+      check_attr_constraint(key, value, el.kinds, plain ? p + "/attrs/" + key : p + "/attrs", reg);
+    }
+    el.attrs = a;
+  }
+  return el;
+}
+
+std::vector<PatternElem> parse_pattern(const json& j, const std::string& p, const ops::Registry& reg) {
+  if (!j.contains("pattern")) invalid(p, "missing \"pattern\": the list of consecutive ops the rule fuses");
+  const json& pat = j.at("pattern");
+  std::string pp = p + "/pattern";
+  if (!pat.is_array() || pat.empty() || pat.size() > kMaxPattern)
+    invalid(pp, fmt::format("\"pattern\" must be an array of 1 to {} elements", kMaxPattern));
+  std::vector<PatternElem> out;
+  for (size_t i = 0; i < pat.size(); ++i) out.push_back(parse_elem(pat[i], pp + "/" + std::to_string(i), reg));
+  if (std::all_of(out.begin(), out.end(), [](const PatternElem& e) { return e.optional; }))
+    invalid(pp, "every element of the pattern is optional: at least one must be required");
+  return out;
+}
+
+std::vector<std::string> string_list(const json& v, const std::string& p, const char* what,
+                                     const std::vector<std::string>& known) {
+  if (!v.is_array() || v.empty())
+    invalid(p, fmt::format("\"{}\" must be a non-empty array of names (known: {})", what, join(known)));
+  std::vector<std::string> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const json& s = v[i];
+    if (!s.is_string() || std::find(known.begin(), known.end(), s.get<std::string>()) == known.end())
+      invalid(p + "/" + std::to_string(i), fmt::format("unknown {} entry {}; known: {}", what, show(s), join(known)));
+    out.push_back(s.get<std::string>());
+  }
+  return out;
+}
+
+Conditions parse_conditions(const json& c, const std::string& p) {
+  if (!c.is_object()) invalid(p, "\"conditions\" must be an object");
+  check_keys(c, p, {"recipes", "dtypes", "min_arch", "max_arch", "divisible", "training"}, "conditions");
+  Conditions out;
+  using ops::RecipeKind;
+  std::vector<std::string> recipes;
+  for (auto k : {RecipeKind::fp32, RecipeKind::fp16, RecipeKind::bf16, RecipeKind::fp8_delayed, RecipeKind::fp8_current})
+    recipes.push_back(ops::recipe_name(k));
+  std::vector<std::string> dtypes;
+  for (auto d : {ops::DType::f32, ops::DType::f16, ops::DType::bf16, ops::DType::e4m3, ops::DType::e5m2})
+    dtypes.push_back(ops::dtype_name(d));
+  if (c.contains("recipes")) out.recipes = string_list(c.at("recipes"), p + "/recipes", "recipes", recipes);
+  if (c.contains("dtypes")) out.dtypes = string_list(c.at("dtypes"), p + "/dtypes", "dtypes", dtypes);
+  const char* arch_what = "an SM version such as 80 (sm_80) or 90 (sm_90)";
+  if (c.contains("min_arch")) out.min_arch = need_int(c.at("min_arch"), p + "/min_arch", 10, 1000, arch_what);
+  if (c.contains("max_arch")) out.max_arch = need_int(c.at("max_arch"), p + "/max_arch", 10, 1000, arch_what);
+  if (out.min_arch && out.max_arch && out.min_arch > out.max_arch)
+    invalid(p + "/max_arch", fmt::format("max_arch {} is below min_arch {}: the rule could never apply",
+                                         out.max_arch, out.min_arch));
+  if (c.contains("divisible")) {
+    const json& d = c.at("divisible");
+    std::string dp = p + "/divisible";
+    if (!d.is_array() || d.size() > 8)
+      invalid(dp, "\"divisible\" must be an array of at most 8 {\"dim\": ..., \"multiple_of\": ...} objects");
+    for (size_t i = 0; i < d.size(); ++i) {
+      std::string ep = dp + "/" + std::to_string(i);
+      if (!d[i].is_object()) invalid(ep, "a divisibility condition is {\"dim\": \"cols\", \"multiple_of\": 8}");
+      check_keys(d[i], ep, {"dim", "multiple_of"}, "divisibility condition");
+      Divisibility div;
+      div.dim = need_string(d[i], "dim", ep, "\"cols\", \"hidden\", \"rows\" or \"out_cols\"");
+      if (div.dim != "cols" && div.dim != "hidden" && div.dim != "rows" && div.dim != "out_cols")
+        invalid(ep + "/dim", fmt::format("unknown dim {}; use \"cols\" (or \"hidden\": the last dim of the window's "
+                                         "input), \"rows\" or \"out_cols\" (the last dim of its output)",
+                                         show(div.dim)));
+      if (!d[i].contains("multiple_of")) invalid(ep, "missing \"multiple_of\" (a positive integer)");
+      div.multiple_of = need_int(d[i].at("multiple_of"), ep + "/multiple_of", 1, 1 << 20, "\"multiple_of\"");
+      out.divisible.push_back(div);
+    }
+  }
+  if (c.contains("training")) {
+    if (!c.at("training").is_boolean()) invalid(p + "/training", "\"training\" must be true or false");
+    out.training = c.at("training").get<bool>();
+  }
+  return out;
+}
+
+bool has_family(const PatternElem& e, const ops::Registry& reg, ops::Family f) {
+  return std::any_of(e.kinds.begin(), e.kinds.end(), [&](const std::string& k) { return reg.find(k)->family == f; });
+}
+bool only_family(const PatternElem& e, const ops::Registry& reg, ops::Family f) {
+  return std::all_of(e.kinds.begin(), e.kinds.end(), [&](const std::string& k) { return reg.find(k)->family == f; });
+}
+
+void check_generated_ops(const std::vector<PatternElem>& pat, size_t from, const std::string& skeleton,
+                         const std::string& p, const ops::Registry& reg) {
+  int norms = 0, gated = 0;
+  for (size_t i = from; i < pat.size(); ++i) {
+    const auto& e = pat[i];
+    if (has_family(e, reg, ops::Family::linear))
+      invalid(p, fmt::format("pattern element {} is a GEMM (linear): a generated kernel cannot contain one; use "
+                             "{{\"kind\": \"cublaslt\", ...}}", i));
+    bool norm = has_family(e, reg, ops::Family::norm), gate = has_family(e, reg, ops::Family::gated);
+    if ((norm || gate) && skeleton == "elementwise")
+      invalid(p, fmt::format("pattern element {} ({}) needs skeleton \"{}\", not \"elementwise\"", i,
+                             join(e.kinds, "|"), norm ? "rownorm" : "gated"));
+    if (norm && (skeleton != "rownorm" || !only_family(e, reg, ops::Family::norm) || e.optional))
+      invalid(p, fmt::format("pattern element {} ({}): a norm must be a required element of its own in a "
+                             "\"rownorm\" rule", i, join(e.kinds, "|")));
+    if (gate && (skeleton != "gated" || !only_family(e, reg, ops::Family::gated) || e.optional))
+      invalid(p, fmt::format("pattern element {} ({}): a gated activation must be a required element of its own in "
+                             "a \"gated\" rule", i, join(e.kinds, "|")));
+    norms += norm;
+    gated += gate;
+  }
+  if (skeleton == "rownorm" && norms != 1)
+    invalid(p, "skeleton \"rownorm\" needs exactly one layernorm/rmsnorm element in the pattern");
+  if (skeleton == "gated" && gated != 1)
+    invalid(p, "skeleton \"gated\" needs exactly one swiglu/geglu/reglu element in the pattern");
+}
+
+void check_epilogue(Impl& impl, const std::vector<PatternElem>& pat, Pass pass, const std::string& p,
+                    const ops::Registry& reg) {
+  std::vector<const EpilogueShape*> shapes;
+  for (const auto& e : epilogue_table())
+    if (impl.epilogue == e.name) shapes.push_back(&e);
+  std::vector<std::string> all = epilogue_names(Pass::forward), bwd = epilogue_names(Pass::backward);
+  all.insert(all.end(), bwd.begin(), bwd.end());
+  if (shapes.empty())
+    invalid(p + "/epilogue", fmt::format("unknown cuBLASLt epilogue {}; known: {}", show(impl.epilogue), join(all)));
+  if (shapes[0]->pass != pass)
+    invalid(p + "/epilogue", fmt::format("epilogue {} belongs to pass \"{}\"; in pass \"{}\" use one of: {}",
+                                         impl.epilogue, pass_name(shapes[0]->pass), pass_name(pass),
+                                         join(epilogue_names(pass))));
+  const EpilogueShape* shape = nullptr;
+  std::vector<std::string> counts;
+  for (const auto* s : shapes) {
+    counts.push_back(std::to_string(s->covers.size()));
+    if (static_cast<int>(s->covers.size()) == impl.epilogue_ops) shape = s;
+  }
+  if (!shape)
+    invalid(p + "/epilogue_ops", fmt::format("epilogue {} covers {} ops, but \"epilogue_ops\" is {}", impl.epilogue,
+                                             join(counts, " or "), impl.epilogue_ops));
+  if (static_cast<size_t>(impl.epilogue_ops) > pat.size())
+    invalid(p + "/epilogue_ops", fmt::format("\"epilogue_ops\" is {} but the pattern has only {} elements",
+                                             impl.epilogue_ops, pat.size()));
+  for (size_t i = 0; i < shape->covers.size(); ++i) {
+    const auto& allowed = shape->covers[i];
+    const auto& el = pat[i];
+    bool ok = !el.optional && std::all_of(el.kinds.begin(), el.kinds.end(), [&](const std::string& k) {
+      return std::find(allowed.begin(), allowed.end(), k) != allowed.end();
+    });
+    if (!ok)
+      invalid(p + "/epilogue", fmt::format("epilogue {} covers ops of kind {} at pattern element {}, but the element "
+                                           "is {}{}",
+                                           impl.epilogue, join(allowed, "|"), i, join(el.kinds, "|"),
+                                           el.optional ? " (optional)" : ""));
+  }
+  if (impl.epilogue == "GELU_AUX_BIAS") {
+    // cuBLASLt's GELU is the tanh approximation: an exact-erf gelu must not be matched by this rule.
+    const auto& a = pat[2].attrs;
+    if (!a.contains("approximate") || a.at("approximate") != "tanh")
+      invalid(p + "/epilogue", "cuBLASLt's GELU epilogue computes gelu_tanh: constrain the gelu element with "
+                               "\"attrs\": {\"approximate\": \"tanh\"}");
+  }
+  size_t rest = pat.size() - static_cast<size_t>(impl.epilogue_ops);
+  if (rest > 0 && impl.tail.empty())
+    invalid(p, fmt::format("the pattern has {} element(s) after the {} ops of the epilogue: give a generated "
+                           "\"tail\": \"elementwise\"",
+                           rest, impl.epilogue_ops));
+  if (rest == 0 && !impl.tail.empty())
+    invalid(p + "/tail", "\"tail\" given, but the pattern has no elements after the epilogue's ops");
+  if (rest > 0) check_generated_ops(pat, static_cast<size_t>(impl.epilogue_ops), impl.tail, p + "/tail", reg);
+}
+
+Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vector<PatternElem>& pat,
+                const ops::Registry& reg) {
+  if (!j.contains("impl")) invalid(p0, "missing \"impl\": how the fused group is implemented");
+  const json& v = j.at("impl");
+  std::string p = p0 + "/impl";
+  if (!v.is_object()) invalid(p, "\"impl\" must be an object with \"kind\": \"generated\", \"cublaslt\" or \"joint\"");
+  Impl impl;
+  std::string kind = need_string(v, "kind", p, "\"generated\", \"cublaslt\" or \"joint\"");
+  if (kind != "generated" && kind != "cublaslt" && kind != "joint")
+    invalid(p + "/kind", fmt::format("unknown impl kind {}; use \"generated\", \"cublaslt\" or \"joint\"", show(kind)));
+  if ((kind == "joint") != (pass == Pass::joint))
+    invalid(p + "/kind", pass == Pass::joint
+                             ? fmt::format("a rule in pass \"joint\" needs {{\"kind\": \"joint\", \"strategy\": ...}}, "
+                                           "not {}", show(kind))
+                             : fmt::format("impl kind \"joint\" is only allowed in pass \"joint\" (this rule is in "
+                                           "pass \"{}\")", pass_name(pass)));
+  if (kind == "generated") {
+    check_keys(v, p, {"kind", "skeleton"}, "generated impl");
+    impl.kind = Impl::Kind::generated;
+    impl.skeleton = need_string(v, "skeleton", p, "\"elementwise\", \"gated\" or \"rownorm\"");
+    if (impl.skeleton != "elementwise" && impl.skeleton != "gated" && impl.skeleton != "rownorm")
+      invalid(p + "/skeleton", fmt::format("unknown skeleton {}; use \"elementwise\", \"gated\" or \"rownorm\"",
+                                           show(impl.skeleton)));
+    check_generated_ops(pat, 0, impl.skeleton, p, reg);
+  } else if (kind == "cublaslt") {
+    check_keys(v, p, {"kind", "epilogue", "epilogue_ops", "tail"}, "cublaslt impl");
+    impl.kind = Impl::Kind::cublaslt;
+    impl.epilogue = need_string(v, "epilogue", p, "a cuBLASLt epilogue such as \"BIAS\"");
+    if (!v.contains("epilogue_ops")) invalid(p, "missing \"epilogue_ops\": how many leading ops the GEMM covers");
+    impl.epilogue_ops = need_int(v.at("epilogue_ops"), p + "/epilogue_ops", 1, static_cast<int>(kMaxPattern),
+                                 "\"epilogue_ops\"");
+    if (v.contains("tail")) {
+      impl.tail = need_string(v, "tail", p, "the skeleton of the generated tail: \"elementwise\"");
+      if (impl.tail != "elementwise")
+        invalid(p + "/tail", fmt::format("unknown tail {}; the only tail skeleton is \"elementwise\"", show(impl.tail)));
+    }
+    check_epilogue(impl, pat, pass, p, reg);
+  } else {
+    check_keys(v, p, {"kind", "strategy", "saves"}, "joint impl");
+    impl.kind = Impl::Kind::joint;
+    impl.strategy = need_string(v, "strategy", p, "\"regenerate_dropout_mask\" or \"recompute_linear_output\"");
+    auto required = [&](const char* kind_name, bool not_last) {
+      for (size_t i = 0; i < pat.size(); ++i)
+        if (!pat[i].optional && pat[i].kinds == std::vector<std::string>{kind_name} && (!not_last || i + 1 < pat.size()))
+          return;
+      invalid(p + "/strategy", fmt::format("strategy {} needs a required \"{}\" element in the pattern{}",
+                                           impl.strategy, kind_name, not_last ? ", followed by the op that uses it" : ""));
+    };
+    if (impl.strategy == "regenerate_dropout_mask") {
+      required("dropout", false);
+    } else if (impl.strategy == "recompute_linear_output") {
+      required("linear", true);
+    } else {
+      invalid(p + "/strategy", fmt::format("unknown joint strategy {}; use \"regenerate_dropout_mask\" or "
+                                           "\"recompute_linear_output\"",
+                                           show(impl.strategy)));
+    }
+    if (!v.contains("saves")) invalid(p, "missing \"saves\": what the joint forward keeps for its backward");
+    const json& s = v.at("saves");
+    if (!s.is_array() || s.size() > 8) invalid(p + "/saves", "\"saves\" must be an array of at most 8 strings");
+    for (size_t i = 0; i < s.size(); ++i) {
+      std::string sp = p + "/saves/" + std::to_string(i);
+      if (!s[i].is_string()) invalid(sp, fmt::format("each entry of \"saves\" is a string, got {}", show(s[i])));
+      std::string text = s[i].get<std::string>();
+      bool printable = std::all_of(text.begin(), text.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
+      if (text.empty() || text.size() > 64 || !printable)
+        invalid(sp, "each entry of \"saves\" is 1 to 64 printable ASCII characters, e.g. \"seed\"");
+      impl.saves.push_back(text);
+    }
+  }
+  return impl;
+}
+
+}  // namespace
+
+Rule parse_rule(const json& j, const std::string& p, const ops::Registry& reg) {
+  if (!j.is_object()) invalid(p, "a rule is an object with \"name\", \"pass\", \"pattern\", \"impl\" and \"math\"");
+  check_keys(j, p, {"name", "pass", "priority", "pattern", "conditions", "impl", "math", "comment"}, "rule");
+  Rule r;
+  r.name = need_string(j, "name", p, "an identifier such as \"bias_gelu\"");
+  if (!is_identifier(r.name))
+    invalid(p + "/name", fmt::format("rule name {} must be an identifier ([A-Za-z_][A-Za-z0-9_]*, at most {} "
+                                     "characters)",
+                                     show(r.name), kMaxNameLen));
+  r.math = need_math(j, p, "rule");
+  r.pass = parse_pass(j, p);
+  if (j.contains("priority"))
+    r.priority = need_int(j.at("priority"), p + "/priority", -1000000, 1000000, "\"priority\"");
+  r.pattern = parse_pattern(j, p, reg);
+  if (j.contains("conditions")) r.conditions = parse_conditions(j.at("conditions"), p + "/conditions");
+  r.impl = parse_impl(j, p, r.pass, r.pattern, reg);
+  return r;
+}
+
+}  // namespace jitfuse::rules::detail

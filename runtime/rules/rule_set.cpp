@@ -1,0 +1,249 @@
+// Loading rule files into a RuleSet: built-ins, then files and directories. A broken rule or op is recorded
+// with file:line:col and skipped, so one mistake never takes the rest of a file (or the host) down with it.
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "common/embedded.hpp"
+#include "common/error.hpp"
+#include "common/json_util.hpp"
+#include "common/log.hpp"
+#include "rules/parse.hpp"
+#include "rules/rule.hpp"
+
+namespace jitfuse::rules {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kFormat = "jitfuse.rules/1";
+constexpr size_t kMaxFileBytes = 16u << 20;
+
+// nlohmann's parse_error gives a byte offset; turn it into the file:line:col every other message uses.
+LoadError syntax_error(const std::string& file, const std::string& text, const json::parse_error& e) {
+  size_t end = std::min<size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
+  int line = 1, col = 1;
+  for (size_t i = 0; i < end; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      col = 1;
+    } else {
+      ++col;
+    }
+  }
+  std::string what = e.what();
+  // Drop nlohmann's "[json.exception.parse_error.101] parse error at line L, column C: " prefix: we say where.
+  auto at = what.find("parse error");
+  if (at != std::string::npos) {
+    auto colon = what.find(": ", at);
+    what = colon == std::string::npos ? what.substr(at) : what.substr(colon + 2);
+  }
+  for (char& c : what)
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+  return {fmt::format("{}:{}:{}", file, line, col), "", "invalid JSON: " + what};
+}
+
+// The name to put in an error about a rule that may be too broken to have one.
+std::string display_name(const json& j) {
+  if (!j.is_object() || !j.contains("name") || !j.at("name").is_string()) return "";
+  std::string q = detail::show(j.at("name").get<std::string>());
+  return q.substr(1, q.size() - 2);
+}
+
+}  // namespace
+
+std::string pass_name(Pass p) {
+  switch (p) {
+    case Pass::joint: return "joint";
+    case Pass::forward: return "forward";
+    case Pass::backward: return "backward";
+  }
+  return "?";
+}
+
+std::string LoadError::to_string() const {
+  std::string out = where.empty() ? std::string("<rules>") : where;
+  out += ": ";
+  if (!rule.empty()) out += "rule '" + rule + "': ";
+  return out + message;
+}
+
+RuleSet RuleSet::with_builtins() {
+  // Parsed once per process; every caller gets its own copy to extend.
+  static const RuleSet base = [] {
+    RuleSet rs;
+    for (const auto& f : embedded::rules) {
+      if (f.path == "schema.json") continue;  // the JSON Schema for editors, not a rules file
+      std::string name = "<builtin>/" + std::string(f.path);
+      auto errs = rs.load_text(std::string(f.content), name, "");
+      if (!errs.empty())
+        fail(Status::internal, "built-in rule file {} is broken ({} error(s), first: {}); this is a bug in jitfuse",
+             name, errs.size(), errs.front().to_string());
+    }
+    return rs;
+  }();
+  return base;
+}
+
+std::vector<LoadError> RuleSet::load_path(const std::string& path) {
+  std::vector<LoadError> errs;
+  auto append = [&](std::vector<LoadError> more) { errs.insert(errs.end(), more.begin(), more.end()); };
+  auto load_file = [&](const fs::path& file) {
+    std::string text;
+    try {
+      text = json_util::read_file(file.string());
+    } catch (const Error& e) {
+      LoadError le{file.string(), "", e.what()};
+      log().warn("{}", le.to_string());
+      errors_.push_back(le);
+      errs.push_back(le);
+      return;
+    }
+    std::string dir = file.parent_path().string();
+    append(load_text(text, file.string(), dir.empty() ? "." : dir));
+  };
+  std::error_code ec;
+  fs::path p(path);
+  if (fs::is_directory(p, ec)) {
+    std::vector<fs::path> files;
+    for (const auto& entry : fs::directory_iterator(p, ec)) {
+      std::error_code fec;
+      // schema.json is skipped so a copy of fusion_rules/ (schema included) loads as a rules directory.
+      if (entry.is_regular_file(fec) && entry.path().extension() == ".json" && entry.path().filename() != "schema.json")
+        files.push_back(entry.path());
+    }
+    if (ec) {
+      LoadError le{path, "", fmt::format("cannot list directory: {}", ec.message())};
+      errors_.push_back(le);
+      errs.push_back(le);
+    }
+    std::sort(files.begin(), files.end());  // deterministic load order, hence deterministic overrides
+    if (files.empty()) log().info("rules directory {} has no *.json files", path);
+    for (const auto& f : files) load_file(f);
+  } else if (fs::exists(p, ec)) {
+    load_file(p);
+  } else {
+    LoadError le{path, "", "no such file or directory (rule paths name a rules file or a directory of *.json files)"};
+    log().warn("{}", le.to_string());
+    errors_.push_back(le);
+    errs.push_back(le);
+  }
+  return errs;
+}
+
+std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::string& file, const std::string& dir) {
+  std::vector<LoadError> errs;
+  auto record = [&](const std::string& ptr, const std::string& rule, const std::string& msg) {
+    errs.push_back({json_util::where(file, text, ptr), rule, msg});
+  };
+  auto finish = [&] {
+    for (const auto& e : errs) log().warn("{} (skipped)", e.to_string());
+    errors_.insert(errors_.end(), errs.begin(), errs.end());
+    return errs;
+  };
+  if (text.size() > kMaxFileBytes) {
+    errs.push_back({file, "", fmt::format("file is larger than {} bytes; rule files are small JSON", kMaxFileBytes)});
+    return finish();
+  }
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    errs.push_back(syntax_error(file, text, e));
+    return finish();
+  }
+  if (!j.is_object()) {
+    record("", "", "a rules file is a JSON object {\"format\": \"jitfuse.rules/1\", \"rules\": [...], \"ops\": [...]}");
+    return finish();
+  }
+  if (!j.contains("format")) {
+    record("", "", "missing \"format\": \"jitfuse.rules/1\" (the file was not loaded)");
+    return finish();
+  }
+  if (j.at("format") != kFormat) {
+    record("/format", "", fmt::format("unsupported format {}; this build reads \"{}\" (the file was not loaded)",
+                                      detail::show(j.at("format")), kFormat));
+    return finish();
+  }
+  for (const auto& [key, value] : j.items()) {
+    if (key != "format" && key != "rules" && key != "ops" && key != "$schema" && key != "comment")
+      record(key.find_first_of("/~") == std::string::npos ? "/" + key : "",
+             "", fmt::format("unknown top-level key {}; known keys: format, rules, ops, $schema, comment",
+                             detail::show(key)));
+  }
+  // Ops first: rules of the same file may use the ops it declares.
+  if (j.contains("ops")) {
+    const json& ops_j = j.at("ops");
+    if (!ops_j.is_array()) record("/ops", "", "\"ops\" must be an array of op declarations");
+    for (size_t i = 0; ops_j.is_array() && i < ops_j.size(); ++i) {
+      std::string ptr = "/ops/" + std::to_string(i);
+      std::string name = display_name(ops_j[i]);
+      std::string prefix = name.empty() ? "" : "op '" + name + "': ";
+      try {
+        detail::DeclaredOp d = detail::parse_op(ops_j[i], ptr, dir, registry_);
+        d.kind.declared_in = json_util::where(file, text, ptr);
+        // One template file name, one content: another op must not silently change what this one includes.
+        auto it = user_templates_.find(d.template_key);
+        if (it != user_templates_.end() && it->second != d.template_text) {
+          for (const auto& other : registry_.names()) {
+            const ops::OpKind* k = registry_.find(other);
+            if (k->user_declared && k->template_file == d.template_key && k->name != d.kind.name)
+              detail::invalid(ptr + "/template",
+                              fmt::format("template {} is already used by op '{}' (declared at {}) with different "
+                                          "content; rename one of the files",
+                                          d.template_key, k->name, k->declared_in));
+          }
+        }
+        if (const ops::OpKind* prev = registry_.find(d.kind.name))
+          log().info("op {} from {} overrides the one from {}", d.kind.name, d.kind.declared_in, prev->declared_in);
+        log().debug("op {} declared at {} (functor {}, template {})", d.kind.name, d.kind.declared_in,
+                    d.kind.functor, d.template_key);
+        registry_.add(std::move(d.kind));
+        user_templates_[d.template_key] = std::move(d.template_text);
+        ++generation_;
+      } catch (const detail::Invalid& e) {
+        record(e.pointer, "", prefix + e.what());
+      } catch (const Error& e) {
+        record(ptr, "", prefix + e.what());
+      } catch (const std::exception& e) {  // a validator bug must not take the host down
+        record(ptr, "", prefix + "internal error while validating: " + e.what());
+      }
+    }
+  }
+  if (j.contains("rules")) {
+    const json& rules_j = j.at("rules");
+    if (!rules_j.is_array()) record("/rules", "", "\"rules\" must be an array of rules");
+    for (size_t i = 0; rules_j.is_array() && i < rules_j.size(); ++i) {
+      std::string ptr = "/rules/" + std::to_string(i);
+      std::string name = display_name(rules_j[i]);
+      try {
+        Rule r = detail::parse_rule(rules_j[i], ptr, registry_);
+        r.file = file;
+        r.where = json_util::where(file, text, ptr);
+        auto it = std::find_if(rules_.begin(), rules_.end(), [&](const Rule& x) { return x.name == r.name; });
+        if (it != rules_.end()) {
+          // The override takes the place (and tie-breaking order) of the rule it replaces.
+          log().info("rule {} from {} overrides the one from {}", r.name, r.where, it->where);
+          r.order = it->order;
+          *it = std::move(r);
+        } else {
+          size_t next = 0;
+          for (const auto& x : rules_) next = std::max(next, x.order + 1);
+          r.order = next;
+          log().debug("rule {} loaded from {}", r.name, r.where);
+          rules_.push_back(std::move(r));
+        }
+        ++generation_;
+      } catch (const detail::Invalid& e) {
+        record(e.pointer, name, e.what());
+      } catch (const std::exception& e) {
+        record(ptr, name, std::string("internal error while validating: ") + e.what());
+      }
+    }
+  }
+  return finish();
+}
+
+}  // namespace jitfuse::rules

@@ -1,0 +1,108 @@
+// `jitfuse explain` run as users run it: on a built-in example (text, --json, --dot, --inference) and with a
+// broken rules directory, whose errors are reported while the good rules still take part.
+#include "unit/rules/rules_test_util.hpp"
+
+using jf_test::run_cli;
+using jf_test::src;
+
+TEST_CASE("explain on the mlp example: candidates, reasons and final groups", "[fuser][cli]") {
+  auto r = run_cli("explain '" + src("tools/examples/mlp.json") + "' --recipe bf16 --shape 8192x4096");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains("arch sm_90 (default; pass --arch to plan for another GPU)"));
+  CHECK_THAT(r.out, Catch::Contains("joint pass:"));
+  CHECK_THAT(r.out, Catch::Contains("forward pass:"));
+  CHECK_THAT(r.out, Catch::Contains("backward pass:"));
+  CHECK_THAT(r.out, Catch::Contains("linear_bias_gelu         priority 30   taken"));
+  CHECK_THAT(r.out, Catch::Contains(
+                        "linear_bias              priority 25   not taken: overlaps higher-priority rule linear_bias_gelu at ops [1, 4)"));
+  CHECK_THAT(r.out, Catch::Contains("forward groups:\n  [0, 1)     layernorm"));
+  CHECK_THAT(r.out, Catch::Contains("[1, 4)     linear bias gelu                   linear_bias_gelu: cublaslt GELU_AUX_BIAS (3 ops)"));
+  CHECK_THAT(r.out, Catch::Contains("backward groups:"));
+  CHECK_THAT(r.out, Catch::Contains("[2, 4)     bias gelu                          act_dbias: generated elementwise"));
+}
+
+TEST_CASE("explain --json and --arch; divisibility reasons", "[fuser][cli]") {
+  jf_test::TempDir dir;
+  std::string seq = dir.write("odd.json", R"J({"format": "jitfuse.sequence/1", "name": "odd", "ops": [
+    {"op": "linear", "in_features": 4098, "out_features": 1024}, {"op": "bias"}, {"op": "gelu"}]})J");
+  auto r = run_cli("explain '" + seq + "' --recipe fp16 --shape 32x4098 --arch sm_80 --json", "", true);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j.at("arch") == 80);
+  CHECK(j.at("recipe") == "fp16");
+  CHECK(j.at("training") == true);
+  bool found = false;
+  for (const auto& d : j.at("decisions"))
+    if (d.at("rule") == "linear_bias_gelu") {
+      found = true;
+      CHECK(d.at("taken") == false);
+      CHECK(d.at("reason") == "condition cols % 8 == 0 failed: cols = 4098");
+    }
+  CHECK(found);
+  REQUIRE(j.at("forward").size() == 2);
+  CHECK(j.at("forward")[0].at("ops") == nlohmann::json{"linear"});
+  CHECK(j.at("forward")[1].at("rule") == "bias_act");
+  CHECK(j.at("forward")[1].at("begin") == 1);
+  CHECK(j.at("forward")[1].at("end") == 3);
+}
+
+TEST_CASE("explain --dot draws forward and backward with fused groups as clusters", "[fuser][cli]") {
+  auto r = run_cli("explain '" + src("tools/examples/transformer_layer.json") + "' --recipe bf16 --shape 4x512x1024 --dot");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.out, Catch::StartsWith("digraph \"transformer_layer\" {"));
+  CHECK_THAT(r.out, Catch::Contains("subgraph cluster_forward {"));
+  CHECK_THAT(r.out, Catch::Contains("subgraph cluster_backward {"));
+  CHECK_THAT(r.out, Catch::Contains("label=\"joint: bias_dropout_add_joint"));
+  CHECK_THAT(r.out, Catch::Contains("label=\"linear_bias\\ncublaslt BIAS (2 ops)\""));
+  CHECK_THAT(r.out, Catch::Contains("forward_0 -> forward_1;"));
+  CHECK_THAT(r.out, Catch::Contains("backward_1 -> backward_0;"));
+  CHECK(r.out.back() == '\n');
+  CHECK(r.out.rfind("}\n") == r.out.size() - 2);
+}
+
+TEST_CASE("explain --inference: no joint groups, no backward pass", "[fuser][cli]") {
+  auto r = run_cli("explain '" + src("tools/examples/transformer_layer.json") + "' --recipe bf16 --shape 64x1024 --inference");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains("inference (forward only)"));
+  CHECK_THAT(r.out, Catch::Contains("bias_dropout_add_joint   priority 40   not taken: condition training failed"));
+  CHECK_THAT(r.out, Catch::Contains("skipped: planning for inference (training = false)"));
+}
+
+TEST_CASE("explain with a broken rules directory reports the errors and uses the good rules", "[fuser][cli]") {
+  jf_test::TempDir dir;
+  std::string text =
+      "{\n  \"format\": \"jitfuse.rules/1\",\n  \"rules\": [\n"
+      "    {\"name\": \"gelu_scale\", \"math\": \"y = s gelu(x)\", \"pass\": \"forward\", \"priority\": 90, "
+      "\"pattern\": [\"gelu\", \"scale\"], \"impl\": {\"kind\": \"generated\", \"skeleton\": \"elementwise\"}},\n"
+      "    {\"name\": \"broken\", \"math\": \"y = x\", \"pass\": \"forward\", \"pattern\": [\"gelux\"], "
+      "\"impl\": {\"kind\": \"generated\", \"skeleton\": \"elementwise\"}}\n  ]\n}\n";
+  std::string file = dir.write("rules/user.json", text);
+  std::string seq = dir.write("seq.json", R"J({"format": "jitfuse.sequence/1", "ops": [
+    {"op": "bias"}, {"op": "gelu"}, {"op": "scale", "value": 0.5}]})J");
+  auto r = run_cli("explain '" + seq + "' --recipe bf16 --shape 8x64 --rules '" + dir.path() + "/rules'");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains("20 rules loaded (1 skipped with errors, listed on stderr)"));
+  CHECK_THAT(r.out, Catch::Contains("rule skipped: " + jf_test::loc(file, text, "\"gelux\"") + ": "));
+  CHECK_THAT(r.out, Catch::Contains("rule 'broken': unknown op 'gelux'"));
+  CHECK_THAT(r.out, Catch::Contains("gelu_scale               priority 90   taken"));
+  CHECK_THAT(r.out, Catch::Contains("bias_act                 priority 20   not taken: overlaps higher-priority rule gelu_scale at ops [1, 3)"));
+
+  // A broken sequence or bad options: a clear error and exit 1, no crash.
+  auto bad = run_cli("explain '" + seq + "' --recipe bf17 --shape 8x64");
+  CHECK(bad.status == 1);
+  CHECK_THAT(bad.out, Catch::Contains("unknown recipe 'bf17'"));
+  bad = run_cli("explain '" + seq + "' --recipe bf16 --shape 8x64 --arch hopper");
+  CHECK(bad.status == 1);
+  CHECK_THAT(bad.out, Catch::Contains("bad --arch 'hopper'"));
+  bad = run_cli("explain '" + seq + "' --recipe bf16 --shape 8xfoo");
+  CHECK(bad.status == 1);
+  CHECK_THAT(bad.out, Catch::Contains("bad shape '8xfoo'"));
+  bad = run_cli("explain '" + dir.path() + "/nope.json' --recipe bf16 --shape 8x64");
+  CHECK(bad.status == 1);
+  CHECK_THAT(bad.out, Catch::Contains("cannot read"));
+}
