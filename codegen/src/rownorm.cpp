@@ -53,20 +53,21 @@ Generated generate_rownorm(const KernelSpec& spec) {
     w.line("}}");
   };
 
+  // gamma (and beta) are re-read per row: they stay in L1/L2, and keeping them in registers across rows
+  // costs occupancy that the row loads need more.
+  auto load_gamma = [&](Writer& w, const char* var) {
+    w.line("float {}[8];", var);
+    w.line("jf_load8<DT, JF_VEC>({} + c0, {}, n);", gamma, var);
+    if (ns.zero_centered) w.line("for (int e = 0; e < 8; ++e) {}[e] += 1.f;", var);
+  };
   Writer w;
   emit_prelude(w, spec, g.headers);
   Writer k;  // kernel body
   k.open();
   k.line("__shared__ float jf_sm[33];");
-  k.line("float gam[{}][8];", nch);
-  if (!ns.rms && fwd) k.line("float bet[{}][8];", nch);
-  chunk_loop_open(k);
-  k.line("if (active) jf_load8<DT, JF_VEC>({} + c0, gam[k], n); else for (int e = 0; e < 8; ++e) gam[k][e] = 0.f;", gamma);
-  if (ns.zero_centered) k.line("for (int e = 0; e < 8; ++e) gam[k][e] += 1.f;");
-  if (!ns.rms && fwd) k.line("if (active) jf_load8<DT, JF_VEC>({} + c0, bet[k], n);", beta);
-  chunk_loop_close(k);
   if (!fwd) {
     k.line("float dgam[{}][8], dbet[{}][8];", nch, nch);
+    k.line("#pragma unroll");
     k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) {{ dgam[k][e] = 0.f; dbet[k][e] = 0.f; }}", nch);
   }
   k.line("for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {{");
@@ -84,22 +85,26 @@ Generated generate_rownorm(const KernelSpec& spec) {
       args.ptr(Arg::Role::saved, ns.op, "input", sp, "ST", true);
       k.line("jf_store8<DT, JF_VEC>({} + r * {} + c0, v, n);", sp, cols);
     }
-    k.line("for (int e = n; e < 8; ++e) v[e] = 0.f;");
+    k.line("#pragma unroll");
+    k.line("for (int e = 0; e < 8; ++e) if (e >= n) v[e] = 0.f;");
     k.close();
     k.line("}}");
     chunk_loop_close(k);
     k.line("// op {} {}: statistics over {} columns", ns.op, ns.rms ? "rmsnorm" : "layernorm", cols);
     if (!ns.rms) {
       k.line("float s1 = 0.f;");
+      k.line("#pragma unroll");
       k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) s1 += x[k][e];", nch);
       k.line("const float mu = jf_block_sum(s1, jf_sm) * {};", num(1.0 / static_cast<double>(cols)));
       k.line("float s2 = 0.f;");
       chunk_loop_open(k);
-      k.line("for (int e = 0; e < n; ++e) {{ const float d = x[k][e] - mu; s2 += d * d; }}");
+      k.line("#pragma unroll");
+      k.line("for (int e = 0; e < 8; ++e) if (e < n) {{ const float d = x[k][e] - mu; s2 += d * d; }}");
       chunk_loop_close(k);
       k.line("const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * {} + {});", num(1.0 / static_cast<double>(cols)), num(ns.eps));
     } else {
       k.line("float s2 = 0.f;");
+      k.line("#pragma unroll");
       k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) s2 += x[k][e] * x[k][e];", nch);
       k.line("const float mu = 0.f;");
       k.line("const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * {} + {});", num(1.0 / static_cast<double>(cols)), num(ns.eps));
@@ -112,11 +117,15 @@ Generated generate_rownorm(const KernelSpec& spec) {
     chunk_loop_open(k);
     k.line("if (active) {{");
     k.open();
+    load_gamma(k, "gw");
     k.line("float v[8];");
-    if (ns.rms)
-      k.line("for (int e = 0; e < 8; ++e) v[e] = x[k][e] * rs * gam[k][e];");
-    else
-      k.line("for (int e = 0; e < 8; ++e) v[e] = (x[k][e] - mu) * rs * gam[k][e] + bet[k][e];");
+    if (ns.rms) {
+      k.line("for (int e = 0; e < 8; ++e) v[e] = x[k][e] * rs * gw[e];");
+    } else {
+      k.line("float bw[8];");
+      k.line("jf_load8<DT, JF_VEC>({} + c0, bw, n);", beta);
+      k.line("for (int e = 0; e < 8; ++e) v[e] = (x[k][e] - mu) * rs * gw[e] + bw[e];");
+    }
     for (auto& s : spec.post) emit_stage_fwd(k, args, setup, s, ctx("v"));
     k.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, v, n);", cols);
     k.close();
@@ -138,10 +147,12 @@ Generated generate_rownorm(const KernelSpec& spec) {
     k.line("float (&g)[8] = gr[k];");
     for (auto it = spec.post.rbegin(); it != spec.post.rend(); ++it) emit_stage_bwd(k, args, setup, *it, ctx("g"));
     k.line("jf_load8<DT, JF_VEC>({} + r * {} + c0, x[k], n);", sp, cols);
-    k.line("for (int e = 0; e < n; ++e) {{");
+    load_gamma(k, "gw");
+    k.line("#pragma unroll");
+    k.line("for (int e = 0; e < 8; ++e) if (e < n) {{");
     k.open();
     k.line("const float xh = (x[k][e] - mu) * rs;");
-    k.line("const float wdy = gam[k][e] * g[e];");
+    k.line("const float wdy = gw[e] * g[e];");
     k.line("s1 += wdy * xh;");
     k.line("s2 += wdy;");
     k.line("dgam[k][e] += g[e] * xh;");
@@ -159,8 +170,9 @@ Generated generate_rownorm(const KernelSpec& spec) {
     chunk_loop_open(k);
     k.line("if (active) {{");
     k.open();
+    load_gamma(k, "gw");
     k.line("float dx[8];");
-    k.line("for (int e = 0; e < 8; ++e) dx[e] = rs * (gam[k][e] * gr[k][e] - (x[k][e] - mu) * rs * c1 - c2);");
+    k.line("for (int e = 0; e < 8; ++e) dx[e] = rs * (gw[e] * gr[k][e] - (x[k][e] - mu) * rs * c1 - c2);");
     for (auto it = spec.pre.rbegin(); it != spec.pre.rend(); ++it) emit_stage_bwd(k, args, setup, *it, ctx("dx"));
     k.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, dx, n);", cols);
     k.close();
@@ -180,7 +192,8 @@ Generated generate_rownorm(const KernelSpec& spec) {
       setup.finalize.push_back({"", ns.op, "bias", cols});
     }
     chunk_loop_open(k);
-    k.line("for (int e = 0; e < n; ++e) {{");
+    k.line("#pragma unroll");
+    k.line("for (int e = 0; e < 8; ++e) if (e < n) {{");
     k.open();
     k.line("{}[(jf_i64)blockIdx.x * {} + c0 + e] = dgam[k][e];", pg, cols);
     if (!ns.rms) k.line("{}[(jf_i64)blockIdx.x * {} + c0 + e] = dbet[k][e];", pb, cols);

@@ -9,6 +9,7 @@
 #include "cuda/driver.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
+#include "reference/device_tensor.hpp"
 #include "reference/sequence.hpp"
 
 namespace jitfuse::reference {
@@ -17,49 +18,6 @@ namespace {
 void ok(jf_status s, const char* what) {
   if (s != JF_OK) throw Error(static_cast<Status>(s), fmt::format("{}: {}", what, jf_last_error()));
 }
-
-DLDataType dl_type(const std::string& recipe) {
-  if (recipe == "fp32") return {kDLFloat, 32, 1};
-  if (recipe == "fp16") return {kDLFloat, 16, 1};
-  return {kDLBfloat, 16, 1};
-}
-
-// A device tensor for the check: owns its memory, one element of slack for misaligned runs.
-struct DevTensor {
-  CUdeviceptr base = 0;
-  size_t bytes = 0, elt = 0;
-  bool misalign = false;
-  std::vector<int64_t> shape;
-  DLTensor t{};
-  DevTensor(const ops::Shape& s, const std::string& recipe, bool mis) : misalign(mis), shape(s) {
-    elt = recipe == "fp32" ? 4 : 2;
-    bytes = static_cast<size_t>(ops::numel(s)) * elt;
-    cuda::check(cuda::driver().cuMemAlloc(&base, bytes + 16), "cuMemAlloc");
-    t.data = reinterpret_cast<void*>(base);
-    t.byte_offset = mis ? elt : 0;
-    t.device = {kDLCUDA, 0};
-    t.ndim = static_cast<int32_t>(shape.size());
-    t.dtype = dl_type(recipe);
-    t.shape = shape.data();
-    t.strides = nullptr;
-  }
-  ~DevTensor() {
-    if (auto* d = cuda::try_driver()) d->cuMemFree(base);
-  }
-  DevTensor(const DevTensor&) = delete;
-  DevTensor& operator=(const DevTensor&) = delete;
-  CUdeviceptr ptr() const { return base + t.byte_offset; }
-  void upload(const std::vector<uint8_t>& b) { cuda::check(cuda::driver().cuMemcpyHtoD(ptr(), b.data(), b.size()), "cuMemcpyHtoD"); }
-  void poison() {
-    std::vector<uint8_t> nan(bytes, 0xff);  // all-ones is a NaN in fp32, fp16 and bf16
-    upload(nan);
-  }
-  std::vector<uint8_t> download() const {
-    std::vector<uint8_t> b(bytes);
-    cuda::check(cuda::driver().cuMemcpyDtoH(b.data(), ptr(), bytes), "cuMemcpyDtoH");
-    return b;
-  }
-};
 
 Vec random_vec(std::mt19937_64& rng, int64_t n, double lo, double hi, const std::string& recipe) {
   std::uniform_real_distribution<double> u(lo, hi);
@@ -147,12 +105,12 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   SeqInputs in;
   in.rng_offset = opt.rng_offset;
   in.input = random_vec(rng, ops::numel(opt.shape), -2, 2, rc);
-  std::vector<std::unique_ptr<DevTensor>> keep;
+  std::vector<std::unique_ptr<DeviceTensor>> keep;
   auto dev = [&](const ops::Shape& s) {
-    keep.push_back(std::make_unique<DevTensor>(s, rc, opt.misalign));
+    keep.push_back(std::make_unique<DeviceTensor>(s, rc, opt.misalign));
     return keep.back().get();
   };
-  std::map<ParamKey, DevTensor*> grads;
+  std::map<ParamKey, DeviceTensor*> grads;
   for (auto& op : ops) {
     for (auto& p : op.params) {
       Vec v;
@@ -165,40 +123,40 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
       } else {
         v = random_vec(rng, ops::numel(p.shape), -1, 1, rc);
       }
-      DevTensor* t = dev(p.shape);
-      t->upload(encode(rc, v));
+      DeviceTensor* t = dev(p.shape);
+      t->upload_values(v);
       in.params[{op.index, p.name}] = v;
-      ok(jf_sequence_bind_param(seq, op.index, p.name.c_str(), &t->t), "jf_sequence_bind_param");
-      DevTensor* gt = dev(p.shape);
+      ok(jf_sequence_bind_param(seq, op.index, p.name.c_str(), t->dl()), "jf_sequence_bind_param");
+      DeviceTensor* gt = dev(p.shape);
       grads[{op.index, p.name}] = gt;
-      ok(jf_sequence_bind_grad(seq, op.index, p.name.c_str(), &gt->t), "jf_sequence_bind_grad");
+      ok(jf_sequence_bind_grad(seq, op.index, p.name.c_str(), gt->dl()), "jf_sequence_bind_grad");
     }
   }
-  DevTensor* x = dev(opt.shape);
-  x->upload(encode(rc, in.input));
-  std::vector<DevTensor*> ein, eout, gein, geout;
+  DeviceTensor* x = dev(opt.shape);
+  x->upload_values(in.input);
+  std::vector<DeviceTensor*> ein, eout, gein, geout;
   std::vector<Vec> gext_out;
   for (auto& op : ops) {
     if (op.family == ops::Family::add_extra_input) {
       in.extra_in.push_back(random_vec(rng, ops::numel(op.in), -2, 2, rc));
       ein.push_back(dev(op.in));
-      ein.back()->upload(encode(rc, in.extra_in.back()));
+      ein.back()->upload_values(in.extra_in.back());
       gein.push_back(dev(op.in));
     }
     if (op.family == ops::Family::make_extra_output) {
       eout.push_back(dev(op.in));
       geout.push_back(dev(op.in));
       gext_out.push_back(random_vec(rng, ops::numel(op.in), -1, 1, rc));
-      geout.back()->upload(encode(rc, gext_out.back()));
+      geout.back()->upload_values(gext_out.back());
     }
   }
-  DevTensor* y = dev(ops.back().out);
+  DeviceTensor* y = dev(ops.back().out);
   y->poison();
   for (auto* t : eout) t->poison();
   std::vector<const DLTensor*> ein_t;
   std::vector<DLTensor*> eout_t;
-  for (auto* t : ein) ein_t.push_back(&t->t);
-  for (auto* t : eout) eout_t.push_back(&t->t);
+  for (auto* t : ein) ein_t.push_back(t->dl());
+  for (auto* t : eout) eout_t.push_back(t->dl());
 
   const auto& d = cuda::driver();
   CUstream stream = nullptr;
@@ -211,7 +169,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   } sguard{stream};
   jf_forward_options fo{opt.rng_offset, opt.backward ? 1 : 0};
   jf_saved saved = nullptr;
-  ok(jf_forward(seq, &x->t, ein_t.data(), static_cast<int>(ein_t.size()), &y->t, eout_t.data(),
+  ok(jf_forward(seq, x->dl(), ein_t.data(), static_cast<int>(ein_t.size()), y->dl(), eout_t.data(),
                 static_cast<int>(eout_t.size()), &fo, opt.backward ? &saved : nullptr, reinterpret_cast<jf_stream>(stream)),
      "jf_forward");
   cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(forward)");
@@ -220,34 +178,34 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   double atol, rtol;
   tolerance(rc, has_gemm, ops.size(), &atol, &rtol);
   CheckReport rep;
-  rep.tensors.push_back(compare("output", decode(rc, y->download()), ref.output, atol, rtol));
+  rep.tensors.push_back(compare("output", y->download_values(), ref.output, atol, rtol));
   for (size_t i = 0; i < eout.size(); ++i)
-    rep.tensors.push_back(compare(fmt::format("extra_output[{}]", i), decode(rc, eout[i]->download()), ref.extra_out[i], atol, rtol));
+    rep.tensors.push_back(compare(fmt::format("extra_output[{}]", i), eout[i]->download_values(), ref.extra_out[i], atol, rtol));
   if (!opt.backward) return rep;
 
   Vec gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
-  DevTensor* gyt = dev(ops.back().out);
-  gyt->upload(encode(rc, gy));
-  DevTensor* gx = dev(opt.shape);
+  DeviceTensor* gyt = dev(ops.back().out);
+  gyt->upload_values(gy);
+  DeviceTensor* gx = dev(opt.shape);
   gx->poison();
   for (auto* t : gein) t->poison();
   for (auto& [k, t] : grads) t->poison();
   std::vector<const DLTensor*> geout_t;
   std::vector<DLTensor*> gein_t;
-  for (auto* t : geout) geout_t.push_back(&t->t);
-  for (auto* t : gein) gein_t.push_back(&t->t);
-  jf_status st = jf_backward(seq, saved, &gyt->t, geout_t.data(), static_cast<int>(geout_t.size()), &gx->t,
+  for (auto* t : geout) geout_t.push_back(t->dl());
+  for (auto* t : gein) gein_t.push_back(t->dl());
+  jf_status st = jf_backward(seq, saved, gyt->dl(), geout_t.data(), static_cast<int>(geout_t.size()), gx->dl(),
                              gein_t.data(), static_cast<int>(gein_t.size()), reinterpret_cast<jf_stream>(stream));
   jf_saved_release(saved, reinterpret_cast<jf_stream>(stream));
   ok(st, "jf_backward");
   cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
   SeqGrads rg = sequence_backward(ops, in, ref, gy, gext_out);
-  rep.tensors.push_back(compare("grad_input", decode(rc, gx->download()), rg.grad_input, atol, rtol));
+  rep.tensors.push_back(compare("grad_input", gx->download_values(), rg.grad_input, atol, rtol));
   for (size_t i = 0; i < gein.size(); ++i)
-    rep.tensors.push_back(compare(fmt::format("grad_extra_input[{}]", i), decode(rc, gein[i]->download()),
+    rep.tensors.push_back(compare(fmt::format("grad_extra_input[{}]", i), gein[i]->download_values(),
                                   rg.grad_extra_in[i], atol, rtol));
   for (auto& [k, t] : grads)
-    rep.tensors.push_back(compare(fmt::format("grad op{}.{}", k.first, k.second), decode(rc, t->download()),
+    rep.tensors.push_back(compare(fmt::format("grad op{}.{}", k.first, k.second), t->download_values(),
                                   rg.grad_params.at(k), atol, rtol));
   return rep;
 }

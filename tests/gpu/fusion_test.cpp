@@ -65,7 +65,9 @@ jf_context context_without(const char* pass) {
     if (rules::pass_name(r.pass) == pass)
       rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
                        {"pattern", {"identity"}}, {"conditions", {{"min_arch", 1000}}},
-                       {"impl", {{"kind", "generated"}, {"skeleton", "elementwise"}}}});
+                       {"impl", std::string(pass) == "joint"
+                                    ? nlohmann::json{{"kind", "joint"}, {"strategy", "regenerate_dropout_mask"}}
+                                    : nlohmann::json{{"kind", "generated"}, {"skeleton", "elementwise"}}}});
   std::ofstream(path) << nlohmann::json{{"format", "jitfuse.rules/1"}, {"rules", rules}}.dump(2);
   jf_context ctx = nullptr;
   REQUIRE(jf_context_create(&ctx) == JF_OK);

@@ -1,0 +1,22 @@
+# Installs the build tree into a scratch prefix, builds tests/consumer against it with
+# find_package(jitfuse), and runs the result.
+set(prefix ${BIN}/consumer-test/prefix)
+set(cbin ${BIN}/consumer-test/build)
+file(REMOVE_RECURSE ${BIN}/consumer-test)
+execute_process(COMMAND ${CMAKE_COMMAND} --install ${BIN} --prefix ${prefix} RESULT_VARIABLE rc OUTPUT_QUIET)
+if(rc)
+  message(FATAL_ERROR "install failed: ${rc}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SRC}/tests/consumer -B ${cbin} -G ${GEN} -DCMAKE_PREFIX_PATH=${prefix}
+                RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "configuring the consumer failed: ${rc}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${cbin} RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "building the consumer failed: ${rc}")
+endif()
+execute_process(COMMAND ${cbin}/consumer RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "the consumer failed: ${rc}")
+endif()

@@ -1,0 +1,89 @@
+// libjitfuse exports only jf_* symbols (hidden visibility + version script), and the C ABI reports
+// bad input as status codes with messages that name what is wrong.
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include "jitfuse/jitfuse.h"
+
+namespace {
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p);
+  std::array<char, 4096> buf{};
+  while (fgets(buf.data(), buf.size(), p)) out += buf.data();
+  pclose(p);
+  return out;
+}
+bool has(const char* needle) { return std::string(jf_last_error()).find(needle) != std::string::npos; }
+}  // namespace
+
+TEST_CASE("the shared library exports only jf_ symbols", "[api]") {
+  std::string syms = run(std::string("nm -D --defined-only ") + JF_LIB_PATH + " | awk '{print $3}'");
+  REQUIRE(syms.find("jf_forward") != std::string::npos);
+  size_t start = 0, count = 0;
+  while (start < syms.size()) {
+    size_t end = syms.find('\n', start);
+    std::string s = syms.substr(start, end - start);
+    start = end + 1;
+    if (s.empty() || s == "JITFUSE_1") continue;
+    INFO("exported symbol: " << s);
+    CHECK(s.rfind("jf_", 0) == 0);
+    ++count;
+  }
+  CHECK(count >= 20);
+}
+
+TEST_CASE("C ABI errors: status codes and messages naming the problem", "[api]") {
+  jf_context ctx = nullptr;
+  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  jf_sequence seq = nullptr;
+  CHECK(jf_sequence_create(ctx, "{\"ops\": [", "bf16", &seq) == JF_ERR_PARSE);
+  CHECK(has("<sequence>:1:"));
+  CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"bias\"}]}", "fp64", &seq) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("unknown recipe 'fp64'"));
+  CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"bias\"}]}", "fp8_delayed", &seq) == JF_ERR_UNSUPPORTED);
+  CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"gelu\", \"approximate\": \"fast\"}]}", "bf16", &seq) ==
+        JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("op 0"));
+  CHECK(has("one of tanh|none"));
+  CHECK(jf_sequence_create(ctx, nullptr, "bf16", &seq) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(jf_context_load_rules(ctx, "/nonexistent/rules.json", nullptr) == JF_OK);
+  CHECK(has("/nonexistent/rules.json"));
+
+  REQUIRE(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"linear\", \"in_features\": 8, \"out_features\": 4}]}", "bf16",
+                             &seq) == JF_OK);
+  int64_t shape[2] = {4, 8};
+  DLTensor t{};
+  t.device = {kDLCPU, 0};
+  t.ndim = 2;
+  t.shape = shape;
+  t.dtype = {kDLBfloat, 16, 1};
+  static char host[64];
+  t.data = host;
+  CHECK(jf_sequence_bind_param(seq, 0, "weight", &t) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("CUDA device memory"));
+  t.device = {kDLCUDA, 0};
+  t.dtype = {kDLFloat, 32, 1};
+  CHECK(jf_sequence_bind_param(seq, 0, "weight", &t) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("expected dtype bf16"));
+  t.dtype = {kDLBfloat, 16, 1};
+  CHECK(jf_sequence_bind_param(seq, 0, "gamma", &t) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("no parameter 'gamma'"));
+  CHECK(jf_sequence_bind_param(seq, 3, "weight", &t) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("out of range"));
+  int64_t strides[2] = {1, 4};
+  t.strides = strides;
+  CHECK(jf_sequence_bind_param(seq, 0, "weight", &t) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("not contiguous row-major"));
+  const char* js = nullptr;
+  int64_t bad_shape[2] = {4, 9};
+  CHECK(jf_sequence_explain(seq, bad_shape, 2, 1, 90, &js) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("op 0 (linear)"));
+  CHECK(has("in_features = 8"));
+  jf_sequence_destroy(seq);
+  jf_context_destroy(ctx);
+}
