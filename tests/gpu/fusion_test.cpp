@@ -64,9 +64,11 @@ jf_context context_without(const char* pass) {
   for (const auto& r : builtins.rules())
     if (rules::pass_name(r.pass) == pass)
       rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
-                       {"pattern", {"identity"}}, {"conditions", {{"min_arch", 1000}}},
+                       {"pattern", r.impl.strategy == "regenerate_dropout_mask" ? nlohmann::json::array({"dropout"})
+                                   : r.impl.strategy.empty() ? nlohmann::json::array({"identity"}) : nlohmann::json::array({"linear", "silu"})},
+                       {"conditions", {{"min_arch", 1000}}},
                        {"impl", std::string(pass) == "joint"
-                                    ? nlohmann::json{{"kind", "joint"}, {"strategy", "regenerate_dropout_mask"}}
+                                    ? nlohmann::json{{"kind", "joint"}, {"strategy", r.impl.strategy}}
                                     : nlohmann::json{{"kind", "generated"}, {"skeleton", "elementwise"}}}});
   std::ofstream(path) << nlohmann::json{{"format", "jitfuse.rules/1"}, {"rules", rules}}.dump(2);
   jf_context ctx = nullptr;
