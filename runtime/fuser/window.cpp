@@ -159,10 +159,10 @@ std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, c
     if (w.rule->priority > t.rule->priority) {
       t.reason = fmt::format("overlaps higher-priority rule {} at ops [{}, {})", w.rule->name, w.begin, w.end);
     } else {
+      // The winner sorted first: with equal priority it is longer, or from an earlier rule, or starts earlier.
       const char* why = w.end - w.begin > t.end - t.begin ? "longer window"
-                        : w.rule->order < t.rule->order     ? "earlier rule"
-                        : w.rule == t.rule                  ? "earlier start"
-                                                            : "earlier rule";
+                        : w.rule->order != t.rule->order    ? "earlier rule"
+                                                            : "earlier start";
       t.reason = fmt::format("overlaps rule {} at ops [{}, {}) (same priority, {})", w.rule->name, w.begin, w.end, why);
     }
   }

@@ -44,7 +44,8 @@ std::string join(const std::vector<std::string>& items, const char* sep) {
 
 void check_keys(const nlohmann::json& obj, const std::string& ptr, std::initializer_list<const char*> known,
                 const char* what) {
-  for (const auto& [key, value] : obj.items()) {
+  for (const auto& item : obj.items()) {
+    const std::string& key = item.key();  // not a structured binding: clang 14 cannot capture those
     if (std::any_of(known.begin(), known.end(), [&](const char* k) { return key == k; })) continue;
     std::vector<std::string> names;
     for (const char* k : known) names.push_back(k);

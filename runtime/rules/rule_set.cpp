@@ -20,6 +20,11 @@ using nlohmann::json;
 
 constexpr const char* kFormat = "jitfuse.rules/1";
 constexpr size_t kMaxFileBytes = 16u << 20;
+#ifdef JF_FUZZ_STRICT
+constexpr bool kRethrowValidatorBugs = true;  // the fuzzer must see validator bugs, not recorded load errors
+#else
+constexpr bool kRethrowValidatorBugs = false;
+#endif
 
 // nlohmann's parse_error gives a byte offset; turn it into the file:line:col every other message uses.
 LoadError syntax_error(const std::string& file, const std::string& text, const json::parse_error& e) {
@@ -153,6 +158,11 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
   } catch (const json::parse_error& e) {
     errs.push_back(syntax_error(file, text, e));
     return finish();
+  } catch (const json::exception& e) {  // e.g. out_of_range 406 for 1e999: no byte offset to point at
+    std::string what = e.what();
+    auto at = what.find("] ");
+    errs.push_back({file, "", "invalid JSON: " + detail::show(at == std::string::npos ? what : what.substr(at + 2))});
+    return finish();
   }
   if (!j.is_object()) {
     record("", "", "a rules file is a JSON object {\"format\": \"jitfuse.rules/1\", \"rules\": [...], \"ops\": [...]}");
@@ -208,6 +218,7 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
       } catch (const Error& e) {
         record(ptr, "", prefix + e.what());
       } catch (const std::exception& e) {  // a validator bug must not take the host down
+        if (kRethrowValidatorBugs) throw;
         record(ptr, "", prefix + "internal error while validating: " + e.what());
       }
     }
@@ -239,6 +250,7 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
       } catch (const detail::Invalid& e) {
         record(e.pointer, name, e.what());
       } catch (const std::exception& e) {
+        if (kRethrowValidatorBugs) throw;
         record(ptr, name, std::string("internal error while validating: ") + e.what());
       }
     }

@@ -4,6 +4,7 @@
 
 #include <spdlog/sinks/ostream_sink.h>
 
+#include "common/error.hpp"
 #include "common/log.hpp"
 #include "unit/rules/rules_test_util.hpp"
 
@@ -50,6 +51,16 @@ TEST_CASE("malformed JSON is reported at its line and column", "[rules]") {
   CHECK(errs[0].where == loc("broken.json", text, ", \"pass\""));
   CHECK_THAT(errs[0].message, Catch::StartsWith("invalid JSON: "));
   CHECK(rs.rules().empty());
+}
+
+TEST_CASE("a number too large for a double is a load error, not an escaped exception", "[rules]") {
+  RuleSet rs;
+  auto errs = rs.load_text(R"J({"format": "jitfuse.rules/1", "rules": [], "x": 1e999})J", "big.json", "");
+  REQUIRE(errs.size() == 1);
+  CHECK(errs[0].where == "big.json");
+  CHECK_THAT(errs[0].message, Catch::StartsWith("invalid JSON: ") && Catch::Contains("number overflow"));
+  CHECK_THROWS_AS(jitfuse::ops::parse_sequence(R"J({"ops": [{"op": "scale", "value": 1e999}]})J", "seq.json", rs.registry()),
+                  jitfuse::Error);
 }
 
 TEST_CASE("unknown op kinds name the op and list the known ones", "[rules]") {
