@@ -148,6 +148,8 @@ nlohmann::json parse(const std::string& text, const std::string& where) {
     auto pos = what.find("parse error");
     if (pos != std::string::npos) what = what.substr(pos);
     fail(Status::parse_error, "{}:{}:{}: invalid JSON: {}", where, loc.line, loc.col, what);
+  } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range 406 "number overflow parsing '1e999'"
+    fail(Status::parse_error, "{}: invalid JSON: {}", where, e.what());
   }
 }
 

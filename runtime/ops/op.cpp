@@ -159,7 +159,8 @@ void Registry::add(OpKind kind) {
   if (it != kinds_.end() && !it->second->user_declared)
     fail(Status::invalid_argument, "{}: op '{}' is built in and cannot be redeclared; pick another name",
          kind.declared_in, kind.name);
-  kinds_[kind.name] = std::make_shared<OpKind>(std::move(kind));
+  std::string name = kind.name;  // not kinds_[kind.name] = ...(std::move(kind)): the right side runs first
+  kinds_[name] = std::make_shared<OpKind>(std::move(kind));
 }
 
 const OpKind* Registry::find(const std::string& name) const {

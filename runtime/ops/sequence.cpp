@@ -16,6 +16,8 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   if (!j.contains("ops") || !j["ops"].is_array() || j["ops"].empty())
     fail(Status::parse_error, "{}: \"ops\" must be a non-empty array of ops", at(""));
   SequenceDef def;
+  if (j.contains("name") && !j["name"].is_string())  // j.value() would throw nlohmann's type_error instead
+    fail(Status::parse_error, "{}: \"name\" must be a string", at("/name"));
   def.name = j.value("name", "sequence");
   nlohmann::json canon = nlohmann::json::array();
   for (size_t i = 0; i < j["ops"].size(); ++i) {
