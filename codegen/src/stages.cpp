@@ -34,7 +34,33 @@ void dropout_bits(Writer& w, Args& args, const Stage& s, const ChunkCtx& c) {
          keep_threshold(s.dropout_p));
 }
 
+// Loads 8 elements of `ptr` at the chunk into a local named `var`, or binds `var` to the preloaded copy.
+void load_elems(Writer& w, const ChunkCtx& c, const std::string& ptr, const char* var) {
+  if (c.preloaded) {
+    auto it = c.preloaded->find(ptr);
+    if (it != c.preloaded->end()) {
+      w.line("const float (&{})[8] = {};", var, it->second);
+      return;
+    }
+  }
+  w.line("float {}[8];", var);
+  w.line("jf_load8<DT, JF_VEC>({} + {}, {}, n);", ptr, c.base, var);
+}
+
+bool unary_needs_saved(const Stage& s) { return !(s.functor == "jf_op_identity" || s.functor == "jf_op_scale"); }
+
 }  // namespace
+
+std::vector<std::string> chain_reads(const std::vector<Stage>& stages, Direction dir) {
+  std::vector<std::string> out;
+  for (const auto& s : stages) {
+    if (dir == Direction::forward && s.kind == Stage::Kind::extra_add) out.push_back(fmt::format("e{}", s.op));
+    if (dir == Direction::backward && s.kind == Stage::Kind::extra_tap) out.push_back(fmt::format("geo{}", s.op));
+    if (dir == Direction::backward && s.kind == Stage::Kind::unary && unary_needs_saved(s))
+      out.push_back(fmt::format("s{}_{}", s.op, s.saved_is_output ? "output" : "input"));
+  }
+  return out;
+}
 
 std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,
                                 const std::string& col_off, const std::string& half) {
@@ -75,8 +101,7 @@ void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       args.ptr(Arg::Role::extra_in, s.op, "extra", p, "ST", false);
       w.line("{{");
       w.open();
-      w.line("float t[8];");
-      w.line("jf_load8<DT, JF_VEC>({} + {}, t, n);", p, c.base);
+      load_elems(w, c, p, "t");
       w.line("#pragma unroll");
       w.line("for (int e = 0; e < 8; ++e) {}[e] += t[e];", v);
       w.close();
@@ -112,14 +137,10 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
   comment(w, s, "backward");
   switch (s.kind) {
     case Stage::Kind::unary: {
-      bool needs_saved = !(s.functor == "jf_op_identity" || s.functor == "jf_op_scale");
+      bool needs_saved = unary_needs_saved(s);
       w.line("{{");
       w.open();
-      if (needs_saved) {
-        std::string sp = saved_ptr(args, s.op, s.saved_is_output ? "output" : "input", false);
-        w.line("float s[8];");
-        w.line("jf_load8<DT, JF_VEC>({} + {}, s, n);", sp, c.base);
-      }
+      if (needs_saved) load_elems(w, c, saved_ptr(args, s.op, s.saved_is_output ? "output" : "input", false), "s");
       w.line("#pragma unroll");
       w.line("for (int e = 0; e < 8; ++e) {}[e] = {}::bwd({}, {}[e]{});", g, s.functor, needs_saved ? "s[e]" : "0.f",
              g, consts_suffix(s.consts));
@@ -144,8 +165,7 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       args.ptr(Arg::Role::grad_extra_out, s.op, "extra", p, "ST", false);
       w.line("{{");
       w.open();
-      w.line("float t[8];");
-      w.line("jf_load8<DT, JF_VEC>({} + {}, t, n);", p, c.base);
+      load_elems(w, c, p, "t");
       w.line("#pragma unroll");
       w.line("for (int e = 0; e < 8; ++e) {}[e] += t[e];", g);
       w.close();

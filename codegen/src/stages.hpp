@@ -1,6 +1,8 @@
 // Emission of op stages (forward and backward) over one 8-element chunk held in registers; shared by
 // the elementwise, gated and rownorm skeletons.
 #pragma once
+#include <map>
+
 #include "writer.hpp"
 
 namespace jitfuse::codegen::detail {
@@ -14,7 +16,13 @@ struct ChunkCtx {
   std::string half;    // "" or "_a"/"_b": suffix for per-thread caches in gated kernels
   std::string col_off; // compile-time column offset of this half within the tensor ("0" or "N")
   std::string row = "r";
+  // Tensors already loaded ahead of the stage chain (several loads in flight): pointer -> float[8] name.
+  const std::map<std::string, std::string>* preloaded = nullptr;
 };
+
+// Pointers of the per-element tensors a stage chain reads (extra inputs forward; saved tensors and
+// extra-output grads backward), so a skeleton can issue their loads together with its input's.
+std::vector<std::string> chain_reads(const std::vector<Stage>& stages, Direction dir);
 
 // Per-thread state declared before the row loop: bias caches (forward), accumulators (backward).
 struct Setup {

@@ -68,7 +68,7 @@ jf_context context_without(const char* pass) {
                                    : r.impl.strategy.empty() ? nlohmann::json::array({"identity"}) : nlohmann::json::array({"linear", "silu"})},
                        {"conditions", {{"min_arch", 1000}}},
                        {"impl", std::string(pass) == "joint"
-                                    ? nlohmann::json{{"kind", "joint"}, {"strategy", r.impl.strategy}}
+                                    ? nlohmann::json{{"kind", "joint"}, {"strategy", r.impl.strategy}, {"saves", r.impl.saves}}
                                     : nlohmann::json{{"kind", "generated"}, {"skeleton", "elementwise"}}}});
   std::ofstream(path) << nlohmann::json{{"format", "jitfuse.rules/1"}, {"rules", rules}}.dump(2);
   jf_context ctx = nullptr;
