@@ -109,10 +109,17 @@ void* check_tensor(const DLTensor* t, const char* name, jitfuse::ops::DType dtyp
   return static_cast<char*>(t->data) + t->byte_offset;
 }
 
-// Bound parameters and grads must have the shapes the ops infer for this input.
-void check_bound_shapes(const jitfuse::api::Sequence& s, const std::vector<jitfuse::ops::Op>& ops) {
+// Before any work is enqueued: every parameter (and, for a backward, every grad) is bound, and bound
+// tensors have the shapes the ops infer for this input.
+void check_bindings(const jitfuse::api::Sequence& s, const std::vector<jitfuse::ops::Op>& ops, bool grads) {
   for (const auto& op : ops)
-    for (const auto& p : op.params)
+    for (const auto& p : op.params) {
+      if (!s.params.count({op.index, p.name}))
+        fail(Status::invalid_argument, "{}: parameter '{}' ({}) is not bound: call jf_sequence_bind_param", op.label(),
+             p.name, jitfuse::ops::shape_str(p.shape));
+      if (grads && !s.grads.count({op.index, p.name}))
+        fail(Status::invalid_argument, "{}: no buffer for the gradient of '{}' ({}): call jf_sequence_bind_grad",
+             op.label(), p.name, jitfuse::ops::shape_str(p.shape));
       for (const auto* m : {&s.param_shapes, &s.grad_shapes}) {
         auto it = m->find({op.index, p.name});
         if (it != m->end() && it->second != p.shape)
@@ -120,6 +127,7 @@ void check_bound_shapes(const jitfuse::api::Sequence& s, const std::vector<jitfu
                m == &s.grad_shapes ? "grad of " : "", p.name, jitfuse::ops::shape_str(p.shape),
                jitfuse::ops::shape_str(it->second));
       }
+    }
 }
 
 }  // namespace
@@ -294,7 +302,7 @@ jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* con
            s.def.name, s.def.extra_outputs, n_extra_outputs);
     jitfuse::ops::Shape in_shape = shape_of(input);
     auto cp = s.plan_for(in_shape, train);
-    check_bound_shapes(s, cp->ops);
+    check_bindings(s, cp->ops, false);
     jitfuse::exec::ForwardArgs fa;
     fa.stream = reinterpret_cast<CUstream>(stream);
     fa.rng_offset = options ? options->rng_offset : 0;
@@ -335,6 +343,7 @@ jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* grad_outp
     if (n_grad_extra_outputs != s.def.extra_outputs || n_grad_extra_inputs != s.def.extra_inputs)
       fail(Status::invalid_argument, "sequence '{}' needs {} grad extra output(s) and {} grad extra input(s), got {} and {}",
            s.def.name, s.def.extra_outputs, s.def.extra_inputs, n_grad_extra_outputs, n_grad_extra_inputs);
+    check_bindings(s, cp.ops, true);
     jitfuse::exec::BackwardArgs ba;
     ba.stream = reinterpret_cast<CUstream>(stream);
     ba.grad_output = check_tensor(grad_output, "grad_output", s.recipe.dtype, &cp.ops.back().out);

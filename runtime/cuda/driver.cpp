@@ -1,5 +1,5 @@
-// Loading libcuda.so.1 and resolving each entry point through cuGetProcAddress (which maps a name to
-// the versioned symbol cuda.h means), plus the current-device query.
+// Loading libcuda.so.1 and resolving each entry point to the exact versioned symbol cuda.h declares,
+// plus the current-device query.
 #include "cuda/driver.hpp"
 
 #include <dlfcn.h>
@@ -116,6 +116,16 @@ DeviceInfo current_device() {
   check(d.cuDeviceGetAttribute(&info.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute");
   check(d.cuDeviceGetAttribute(&info.sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
   return info;
+}
+
+int current_ordinal() {
+  const Driver& d = driver();
+  CUcontext ctx = nullptr;
+  check(d.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (!ctx) return current_device().ordinal;
+  CUdevice dev;
+  check(d.cuCtxGetDevice(&dev), "cuCtxGetDevice");
+  return static_cast<int>(dev);
 }
 
 int driver_version() {

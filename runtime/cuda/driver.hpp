@@ -34,5 +34,7 @@ struct DeviceInfo {
 // device 0 is made current (the one the CUDA runtime and PyTorch use). Never creates a new context.
 DeviceInfo current_device();
 int driver_version();
+// The device ordinal of the current context (making the primary context of device 0 current if none).
+int current_ordinal();
 
 }  // namespace jitfuse::cuda

@@ -99,13 +99,15 @@ cache::CompileFn KernelLibrary::compiler() const {
 const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const Target& target,
                                         const nlohmann::json& meta) {
   cache::KernelRequest req = request(spec, target, meta);
-  std::string key = cache::cache_key(req);
+  // Modules belong to a device's context: the same kernel is loaded once per device.
+  const std::string key = cache::cache_key(req) + "@" + std::to_string(cuda::current_ordinal());
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = loaded_.find(key);
     if (it != loaded_.end()) return *it->second;
   }
   auto entry = cache_.get_or_compile(req, compiler());
+  // (the cache key proper is entry->key; `key` adds the device)
   const auto& d = cuda::driver();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = loaded_.find(key);
@@ -115,7 +117,7 @@ const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const T
   modules_[key] = mod;
   auto lk = std::make_unique<LoadedKernel>();
   lk->gen = codegen::generate(spec);
-  lk->key = key;
+  lk->key = entry->key;
   cuda::check(d.cuModuleGetFunction(&lk->fn, mod, lk->gen.kernel.c_str()), "cuModuleGetFunction");
   for (auto& f : lk->gen.finalize) {
     CUfunction fn;

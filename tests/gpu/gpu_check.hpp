@@ -3,7 +3,9 @@
 #pragma once
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include "reference/check.hpp"
@@ -21,6 +23,28 @@ inline const ops::Registry& builtin_registry() {
   return rs.registry();
 }
 
+// Largest error seen per (label, recipe): max over tensors of max|err| / max|ref|, and of err/tol.
+struct AccuracyLog {
+  std::map<std::pair<std::string, std::string>, std::pair<double, double>> worst;
+  void add(const std::string& label, const std::string& recipe, const reference::CheckReport& rep) {
+    auto& w = worst[{label, recipe}];
+    for (const auto& t : rep.tensors) {
+      if (t.max_ref > 0) w.first = std::max(w.first, t.max_abs_err / t.max_ref);
+      w.second = std::max(w.second, t.worst);
+    }
+  }
+  ~AccuracyLog() {
+    if (worst.empty()) return;
+    std::printf("\naccuracy: largest max|err|/max|ref| (and err/tol) per op and recipe\n");
+    for (auto& [k, v] : worst)
+      std::printf("  %-70s %-5s %.2e (%.3f)\n", k.first.c_str(), k.second.c_str(), v.first, v.second);
+  }
+};
+inline AccuracyLog& accuracy_log() {
+  static AccuracyLog log;
+  return log;
+}
+
 inline reference::CheckReport run_check(const std::string& json, const std::string& recipe, const ops::Shape& shape,
                                         bool backward = true, bool misalign = false, uint64_t seed = 1,
                                         jf_context ctx = nullptr) {
@@ -34,6 +58,7 @@ inline reference::CheckReport run_check(const std::string& json, const std::stri
   INFO(json << " recipe " << recipe << " shape " << ops::shape_str(shape) << (misalign ? " misaligned" : "") << "\n"
             << rep.table());
   CHECK(rep.pass());
+  accuracy_log().add(json.substr(json.find("\"ops\"")), recipe, rep);
   return rep;
 }
 

@@ -39,7 +39,9 @@ typedef struct jf_sequence_s* jf_sequence;
 typedef struct jf_saved_s* jf_saved;
 typedef struct CUstream_st* jf_stream; /* same type as CUstream and cudaStream_t */
 
-/* Stream-ordered allocator: jitfuse asks for workspace and saved tensors through it. */
+/* Stream-ordered allocator: jitfuse asks for temporaries and saved tensors through it. `free` is called
+ * as soon as the work using the memory is enqueued, so it must be stream-ordered (like cudaFreeAsync).
+ * The cuBLASLt workspace (32 MiB per stream, kept by the context) is not taken from it. */
 typedef struct jf_allocator {
   void* (*alloc)(size_t bytes, jf_stream stream, void* user);
   void (*free)(void* ptr, size_t bytes, jf_stream stream, void* user);
@@ -55,8 +57,9 @@ JF_API const char* jf_last_error(void);
  * is current); it loads built-in rules, then JITFUSE_RULE_PATH. Creating one needs no GPU. */
 JF_API jf_status jf_context_create(jf_context* out);
 JF_API jf_status jf_context_destroy(jf_context ctx);
-/* Loads a rules file or directory. A broken rule is skipped; *n_errors (may be NULL) counts them and
- * jf_last_error() lists them; JF_OK is returned when the file was read. */
+/* Loads a rules file or directory. Nothing loaded is lost to a bad file: a broken rule (or an unreadable
+ * path) is skipped, *n_errors (may be NULL) counts the problems and jf_last_error() lists them, each with
+ * file:line:col; JF_OK is returned unless an argument is invalid. */
 JF_API jf_status jf_context_load_rules(jf_context ctx, const char* path, int* n_errors);
 /* alloc == NULL restores the default (cuMemAllocAsync / cuMemFreeAsync). */
 JF_API jf_status jf_context_set_allocator(jf_context ctx, const jf_allocator* allocator);

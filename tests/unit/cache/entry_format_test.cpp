@@ -34,7 +34,7 @@ Entry golden_entry() {
             {"last_used", "2026-01-02T03:04:05Z"},
             {"hits", 0}};
   e.source = "// y = gelu_tanh(x + b)\nextern \"C\" __global__ void bias_gelu(float* y) {}\n";
-  e.cubin = std::string("\x7f" "ELF\x02\x01\x01\0\0\xff\xfe", 13);
+  e.cubin = std::string("\x7f" "ELF\x02\x01\x01\0\0\xff\xfe\0\0", 13);  // 13 bytes, as pinned in the golden file
   return e;
 }
 
