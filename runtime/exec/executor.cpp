@@ -2,6 +2,9 @@
 // the kernels' vector variants are compiled and loaded up front, scalar ones when first needed.
 #include "exec/executor.hpp"
 
+#include <algorithm>
+#include <thread>
+
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "exec/lowering.hpp"
@@ -84,6 +87,13 @@ std::shared_ptr<CompiledPlan> compile_plan(std::vector<ops::Op> ops, fuser::Plan
   for (auto& g : cp->plan.forward) cp->fwd.push_back(lower_group(cp->ops, g, true, recipe, training, seq));
   if (training)
     for (auto& g : cp->plan.backward) cp->bwd.push_back(lower_group(cp->ops, g, false, recipe, training, seq));
+  // Compile the plan's kernels in parallel first (the cache dedupes across threads and processes),
+  // then load them one by one.
+  std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> specs;
+  for (auto* list : {&cp->fwd, &cp->bwd})
+    for (auto& ge : *list)
+      if (ge.kernel) specs.emplace_back(ge.kernel->spec, ge.kernel->meta);
+  rt.kernels->prefetch(specs, cp->target, std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   for (auto* list : {&cp->fwd, &cp->bwd})
     for (auto& ge : *list)
       if (ge.kernel) {

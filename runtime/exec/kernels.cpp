@@ -96,6 +96,13 @@ cache::CompileFn KernelLibrary::compiler() const {
   };
 }
 
+void KernelLibrary::prefetch(const std::vector<std::pair<codegen::KernelSpec, nlohmann::json>>& specs,
+                             const Target& target, unsigned threads) {
+  std::vector<cache::KernelRequest> reqs;
+  for (const auto& [spec, meta] : specs) reqs.push_back(request(spec, target, meta));
+  cache_.get_or_compile_all(reqs, compiler(), threads);
+}
+
 const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const Target& target,
                                         const nlohmann::json& meta) {
   cache::KernelRequest req = request(spec, target, meta);

@@ -50,6 +50,9 @@ class KernelLibrary {
                                const nlohmann::json& meta) const;
   // The compile function handed to the cache.
   cache::CompileFn compiler() const;
+  // Compiles every spec not yet in the cache, in parallel on a bounded pool (no GPU needed).
+  void prefetch(const std::vector<std::pair<codegen::KernelSpec, nlohmann::json>>& specs, const Target& target,
+                unsigned threads);
   // Compiles (through the cache) and loads on the current device. Thread-safe; memoized per spec.
   const LoadedKernel& load(const codegen::KernelSpec& spec, const Target& target, const nlohmann::json& meta);
 
