@@ -182,14 +182,7 @@ Generated generate_elementwise(const KernelSpec& spec) {
   w.close();
   w.line("}}");
 
-  for (auto& f : setup.finalize) {
-    f.kernel = fmt::format("{}_fin{}_{}", g.kernel, f.op, f.name);
-    w.line("");
-    emit_finalize(w, f.kernel, f.cols);
-  }
-  g.finalize = setup.finalize;
-  g.args = args.args();
-  g.source = w.str();
+  finish(w, setup, args, g);
   return g;
 }
 

@@ -207,14 +207,7 @@ Generated generate_rownorm(const KernelSpec& spec) {
   w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", threads, g.kernel, args.decl());
   w.raw(k.str());
   w.line("}}");
-  for (auto& f : setup.finalize) {
-    f.kernel = fmt::format("{}_fin{}_{}", g.kernel, f.op, f.name);
-    w.line("");
-    emit_finalize(w, f.kernel, f.cols);
-  }
-  g.finalize = setup.finalize;
-  g.args = args.args();
-  g.source = w.str();
+  finish(w, setup, args, g);
   return g;
 }
 

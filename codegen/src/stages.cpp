@@ -191,6 +191,17 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
   }
 }
 
+void finish(Writer& w, Setup& setup, const Args& args, Generated& g) {
+  for (auto& f : setup.finalize) {
+    f.kernel = fmt::format("{}_fin{}_{}", g.kernel, f.op, f.name);
+    w.line("");
+    emit_finalize(w, f.kernel, f.cols);
+  }
+  g.finalize = setup.finalize;
+  g.args = args.args();
+  g.source = w.str();
+}
+
 void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, const std::string& part_index) {
   if (setup.accs.empty()) return;
   w.line("// column sums: reduce the accumulators over the block's rows, one partial row per block");

@@ -40,6 +40,8 @@ struct Setup {
 void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, const std::string& part_index);
+// Appends the finalize kernels of `setup` to `w` and fills g.finalize, g.args and g.source.
+void finish(Writer& w, Setup& setup, const Args& args, Generated& g);
 // Registers partials + finalize for a parameter grad reduced over rows.
 std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,
                                 const std::string& col_off, const std::string& half);

@@ -197,6 +197,17 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
   }
 }
 
+// The GEMM of a linear op in row-major terms (x [m,k], W [n,k]); callers add operands and epilogue.
+cuda::GemmCall linear_gemm(const CompiledPlan& cp, const ops::Op& lin, cuda::GemmKind kind) {
+  cuda::GemmCall c;
+  c.kind = kind;
+  c.m = ops::rows_of(lin.in);
+  c.k = ops::cols_of(lin.in);
+  c.n = ops::cols_of(lin.out);
+  c.dtype = cp.recipe.dtype;
+  return c;
+}
+
 void register_boundary_saves(const CompiledPlan& cp, int b, int e, const std::vector<void*>& val, SavedContext* saved,
                              bool joint_recompute) {
   if (!saved) return;
@@ -229,12 +240,7 @@ void run_forward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, co
       const auto& lin = cp.ops[g.begin];
       int gemm_end = g.begin + (ge.gemm_ops == 1 ? 1 : ge.gemm_ops);
       materialize(gemm_end);
-      cuda::GemmCall c;
-      c.kind = cuda::GemmKind::fwd;
-      c.m = ops::rows_of(lin.in);
-      c.k = ops::cols_of(lin.in);
-      c.n = ops::cols_of(lin.out);
-      c.dtype = cp.recipe.dtype;
+      cuda::GemmCall c = linear_gemm(cp, lin, cuda::GemmKind::fwd);
       c.a = val[g.begin];
       c.b = bd.param(g.begin, "weight");
       c.d = val[gemm_end];
@@ -301,12 +307,7 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
     if (epi == "SCALED") alpha = static_cast<float>(cp.ops[g.begin + 1].consts.at(0));
     if (g.impl.kind == K::joint && g.impl.strategy == "recompute_linear_output") {
       // Recompute h = x W^T, then the pointwise backward on it, then the linear's grads from dh.
-      cuda::GemmCall c;
-      c.kind = cuda::GemmKind::fwd;
-      c.m = ops::rows_of(lin.in);
-      c.k = ops::cols_of(lin.in);
-      c.n = ops::cols_of(lin.out);
-      c.dtype = cp.recipe.dtype;
+      cuda::GemmCall c = linear_gemm(cp, lin, cuda::GemmKind::fwd);
       c.a = bd.saved_read(li, "input");
       c.b = bd.param(li, "weight");
       void* h = buf.temp(bytes_of(cp, lin.out));
@@ -318,12 +319,7 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
       saved.tensors.erase({li + 1, "input"});
       dy = dh;
     }
-    cuda::GemmCall dg;
-    dg.kind = cuda::GemmKind::dgrad;
-    dg.m = ops::rows_of(lin.in);
-    dg.k = ops::cols_of(lin.in);
-    dg.n = ops::cols_of(lin.out);
-    dg.dtype = cp.recipe.dtype;
+    cuda::GemmCall dg = linear_gemm(cp, lin, cuda::GemmKind::dgrad);
     dg.alpha = alpha;
     dg.a = dy;
     dg.b = bd.param(li, "weight");

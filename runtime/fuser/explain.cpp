@@ -5,8 +5,9 @@
 
 namespace jitfuse::fuser {
 
-std::string impl_text(const Group& g) {
-  const auto& i = g.impl;
+std::string impl_text(const Group& g) { return impl_text(g.impl); }
+
+std::string impl_text(const rules::Impl& i) {
   switch (i.kind) {
     case rules::Impl::Kind::unfused: return "unfused";
     case rules::Impl::Kind::generated: return "generated " + i.skeleton;

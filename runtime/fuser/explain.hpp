@@ -10,6 +10,7 @@
 
 namespace jitfuse::fuser {
 
+std::string impl_text(const rules::Impl& impl);
 std::string impl_text(const Group& g);
 std::string group_ops(const Group& g, const std::vector<ops::Op>& ops);
 nlohmann::json groups_json(const std::vector<Group>& groups, const std::vector<ops::Op>& ops);

@@ -11,6 +11,7 @@
 
 #include "cli_common.hpp"
 #include "commands.hpp"
+#include "fuser/explain.hpp"
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/log.hpp"
@@ -41,21 +42,6 @@ std::string pattern_text(const rules::Rule& r) {
     out += (out.empty() ? "" : " ") + el;
   }
   return out;
-}
-
-std::string impl_text(const rules::Impl& i) {
-  switch (i.kind) {
-    case rules::Impl::Kind::unfused: return "unfused";
-    case rules::Impl::Kind::generated: return "generated " + i.skeleton;
-    case rules::Impl::Kind::cublaslt:
-      return fmt::format("cublaslt {} ({} ops){}", i.epilogue, i.epilogue_ops, i.tail.empty() ? "" : " + " + i.tail + " tail");
-    case rules::Impl::Kind::joint: {
-      std::string saves;
-      for (const auto& s : i.saves) saves += (saves.empty() ? "" : ", ") + s;
-      return fmt::format("joint {} (saves {})", i.strategy, saves.empty() ? "nothing" : saves);
-    }
-  }
-  return "?";
 }
 
 json impl_json(const rules::Impl& i) {
@@ -112,7 +98,7 @@ void list_rules(const std::vector<std::string>& extra, bool as_json) {
   std::vector<std::array<std::string, 6>> rows = {{"NAME", "PASS", "PRIORITY", "PATTERN", "IMPL", "FILE"}};
   for (const auto* r : sorted)
     rows.push_back({r->name, rules::pass_name(r->pass), std::to_string(r->priority), pattern_text(*r),
-                    impl_text(r->impl), r->file});
+                    fuser::impl_text(r->impl), r->file});
   std::array<size_t, 6> width{};
   for (const auto& row : rows)
     for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
