@@ -67,3 +67,45 @@ TEST_CASE("user-declared softplus fused with bias matches float64", "[fusion]") 
   jf_sequence_destroy(seq);
   jf_context_destroy(ctx);
 }
+
+TEST_CASE("linear with accumulate_grad adds dW into the existing gradient buffer", "[ops]") {
+  jf_context ctx = test::shared_context();
+  const int64_t M = 37, K = 32, N = 16;
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(ctx, R"({"ops": [{"op": "linear", "in_features": 32, "out_features": 16,
+                                                "accumulate_grad": true}]})", "fp32", &seq) == JF_OK);
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(-1, 1);
+  auto rnd = [&](size_t n) {
+    std::vector<double> v(n);
+    for (auto& x : v) x = static_cast<float>(u(rng));
+    return v;
+  };
+  auto x = rnd(M * K), w = rnd(N * K), g0 = rnd(N * K), gy = rnd(M * N);
+  reference::DeviceTensor dx({M, K}, "fp32"), dw({N, K}, "fp32"), dg({N, K}, "fp32"), dy({M, N}, "fp32"),
+      dgy({M, N}, "fp32"), dgx({M, K}, "fp32");
+  dx.upload_values(x);
+  dw.upload_values(w);
+  dg.upload_values(g0);
+  dgy.upload_values(gy);
+  dy.poison();
+  dgx.poison();
+  REQUIRE(jf_sequence_bind_param(seq, 0, "weight", dw.dl()) == JF_OK);
+  REQUIRE(jf_sequence_bind_grad(seq, 0, "weight", dg.dl()) == JF_OK);
+  jf_forward_options fo{0, 1};
+  jf_saved saved = nullptr;
+  REQUIRE(jf_forward(seq, dx.dl(), nullptr, 0, dy.dl(), nullptr, 0, &fo, &saved, nullptr) == JF_OK);
+  REQUIRE(jf_backward(seq, saved, dgy.dl(), nullptr, 0, dgx.dl(), nullptr, 0, nullptr) == JF_OK);
+  REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
+  auto g = dg.download_values();
+  double worst = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      double ref = g0[n * K + k];
+      for (int64_t m = 0; m < M; ++m) ref += gy[m * N + n] * x[m * K + k];
+      worst = std::max(worst, std::fabs(g[n * K + k] - ref) / (1e-5 + 1e-3 * std::fabs(ref)));  // fp32 GEMM: fp16 tol
+    }
+  INFO("worst err/tol " << worst);
+  CHECK(worst <= 1.0);
+  jf_sequence_destroy(seq);
+}
