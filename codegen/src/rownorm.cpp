@@ -7,12 +7,17 @@
 
 namespace jitfuse::codegen::detail {
 
+// Chunks of 8 elements each thread keeps in registers. Forward: 8, so fewer threads per row and more
+// rows (blocks) in flight per SM; backward keeps dgamma/dbeta accumulators too, so 4 (no spills).
+constexpr int64_t kChunksPerThreadFwd = 8, kChunksPerThreadBwd = 4;
+
 Generated generate_rownorm(const KernelSpec& spec) {
   const bool fwd = spec.dir == Direction::forward;
   const auto& ns = *spec.norm;
   const int64_t cols = spec.cols;
   const int64_t chunks = (cols + 7) / 8;
-  int threads = static_cast<int>(std::clamp<int64_t>(((chunks + 3) / 4 + 31) / 32 * 32, 32, 1024));
+  const int64_t per_thread = fwd ? kChunksPerThreadFwd : kChunksPerThreadBwd;
+  int threads = static_cast<int>(std::clamp<int64_t>(((chunks + per_thread - 1) / per_thread + 31) / 32 * 32, 32, 1024));
   const int64_t nch = (chunks + threads - 1) / threads;
 
   Generated g;
