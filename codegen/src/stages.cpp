@@ -47,6 +47,17 @@ void load_elems(Writer& w, const ChunkCtx& c, const std::string& ptr, const char
   w.line("jf_load8<DT, JF_VEC>({} + {}, {}, n);", ptr, c.base, var);
 }
 
+// var += the chunk of `ptr` (a residual forward, an extra output's grad backward).
+void add_loaded(Writer& w, const ChunkCtx& c, const std::string& ptr, const std::string& var) {
+  w.line("{{");
+  w.open();
+  load_elems(w, c, ptr, "t");
+  w.line("#pragma unroll");
+  w.line("for (int e = 0; e < 8; ++e) {}[e] += t[e];", var);
+  w.close();
+  w.line("}}");
+}
+
 bool unary_needs_saved(const Stage& s) { return !(s.functor == "jf_op_identity" || s.functor == "jf_op_scale"); }
 
 }  // namespace
@@ -99,13 +110,7 @@ void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
     case Stage::Kind::extra_add: {
       std::string p = fmt::format("e{}", s.op);
       args.ptr(Arg::Role::extra_in, s.op, "extra", p, "ST", false);
-      w.line("{{");
-      w.open();
-      load_elems(w, c, p, "t");
-      w.line("#pragma unroll");
-      w.line("for (int e = 0; e < 8; ++e) {}[e] += t[e];", v);
-      w.close();
-      w.line("}}");
+      add_loaded(w, c, p, v);
       break;
     }
     case Stage::Kind::extra_tap: {
@@ -163,13 +168,7 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
     case Stage::Kind::extra_tap: {
       std::string p = fmt::format("geo{}", s.op);
       args.ptr(Arg::Role::grad_extra_out, s.op, "extra", p, "ST", false);
-      w.line("{{");
-      w.open();
-      load_elems(w, c, p, "t");
-      w.line("#pragma unroll");
-      w.line("for (int e = 0; e < 8; ++e) {}[e] += t[e];", g);
-      w.close();
-      w.line("}}");
+      add_loaded(w, c, p, g);
       break;
     }
     case Stage::Kind::dropout: {
