@@ -160,6 +160,9 @@ void Registry::add(OpKind kind) {
     fail(Status::invalid_argument, "{}: op '{}' is built in and cannot be redeclared; pick another name",
          kind.declared_in, kind.name);
   std::string name = kind.name;  // not kinds_[kind.name] = ...(std::move(kind)): the right side runs first
+  // Sequences parsed earlier point at the kind they were parsed with: a redeclared op keeps the old one
+  // alive for them instead of leaving their pointers dangling.
+  if (it != kinds_.end()) retired_.push_back(it->second);
   kinds_[name] = std::make_shared<OpKind>(std::move(kind));
 }
 

@@ -101,6 +101,7 @@ class Registry {
 
  private:
   std::map<std::string, std::shared_ptr<OpKind>> kinds_;
+  std::vector<std::shared_ptr<OpKind>> retired_;  // replaced user ops, still referenced by old sequences
 };
 
 // One file per op family registers its kinds.

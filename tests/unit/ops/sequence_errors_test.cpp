@@ -81,3 +81,22 @@ TEST_CASE("shape strings parse or say what is wrong", "[ops]") {
   CHECK_THROWS_WITH(ops::parse_shape("8192xx4096"), Catch::Contains("expected dims like 8192x4096"));
   CHECK_THROWS_WITH(ops::parse_shape("8192x-1"), Catch::Contains("'-1' is not a positive integer"));
 }
+
+TEST_CASE("redeclaring a user op keeps the kind earlier sequences point at", "[ops]") {
+  ops::Registry reg;
+  ops::OpKind k;
+  k.name = "softplus";
+  k.family = ops::Family::pointwise;
+  k.math = "first declaration";
+  k.user_declared = true;
+  reg.add(k);
+  const ops::OpKind* first = reg.find("softplus");
+  k.math = "second declaration";
+  reg.add(k);
+  CHECK(reg.find("softplus")->math == "second declaration");
+  CHECK(first->math == "first declaration");
+  ops::OpKind builtin;
+  builtin.name = "gelu";
+  builtin.declared_in = "mine.json";
+  CHECK_THROWS_WITH(reg.add(builtin), Catch::Contains("mine.json: op 'gelu' is built in and cannot be redeclared"));
+}
