@@ -2,27 +2,20 @@
 // bad input as status codes with messages that name what is wrong.
 #include <catch2/catch.hpp>
 
-#include <array>
 #include <cstdio>
 #include <string>
 
 #include "jitfuse/jitfuse.h"
+#include "support/run_command.hpp"
 
 namespace {
-std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p);
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), buf.size(), p)) out += buf.data();
-  pclose(p);
-  return out;
-}
 bool has(const char* needle) { return std::string(jf_last_error()).find(needle) != std::string::npos; }
 }  // namespace
 
 TEST_CASE("the shared library exports only jf_ symbols", "[api]") {
-  std::string syms = run(std::string("nm -D --defined-only ") + JF_LIB_PATH + " | awk '{print $3}'");
+  auto nm = jitfuse::test::run_command(std::string("nm -D --defined-only ") + JF_LIB_PATH + " | awk '{print $3}'");
+  REQUIRE(nm.status == 0);
+  const std::string& syms = nm.out;
   REQUIRE(syms.find("jf_forward") != std::string::npos);
   size_t start = 0, count = 0;
   while (start < syms.size()) {

@@ -1,6 +1,7 @@
 // Helpers for the rules and fuser tests: scratch directories, locating text in a file (to pin file:line:col),
 // sequences built from JSON, and running the `jitfuse` CLI.
 #pragma once
+#include "support/run_command.hpp"
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -81,25 +82,14 @@ inline std::vector<jitfuse::ops::Op> make_ops(const jitfuse::rules::RuleSet& rs,
   return jitfuse::ops::infer(jitfuse::ops::parse_sequence(seq.dump(), "<test>", rs.registry()), shape);
 }
 
-struct CliResult {
-  int status = -1;
-  std::string out;  // stdout and stderr together
-};
+using CliResult = jitfuse::test::CommandResult;
 
 // Runs the jitfuse CLI built beside the tests, without the caller's rule path or kill switch. With
 // `stdout_only`, stderr is dropped (for --json output that must parse).
 inline CliResult run_cli(const std::string& args, const std::string& env = "", bool stdout_only = false) {
-  std::string cmd = "env -u JITFUSE_RULE_PATH -u JITFUSE_DISABLE_FUSION -u JITFUSE_LOG_LEVEL " + env + " '" +
-                    std::string(JF_CLI_PATH) + "' " + args + (stdout_only ? " 2>/dev/null" : " 2>&1");
-  CliResult r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  int st = ::pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
+  return jitfuse::test::run_command("env -u JITFUSE_RULE_PATH -u JITFUSE_DISABLE_FUSION -u JITFUSE_LOG_LEVEL " + env +
+                                    " '" + std::string(JF_CLI_PATH) + "' " + args +
+                                    (stdout_only ? " 2>/dev/null" : " 2>&1"));
 }
 
 inline std::string src(const std::string& rel) { return std::string(JF_SOURCE_DIR) + "/" + rel; }
