@@ -131,7 +131,6 @@ Generated generate_elementwise(const KernelSpec& spec) {
   w.line("const int c0 = (blockIdx.x * {} + threadIdx.x) * 8;", bx);
   w.line("const bool active = c0 < {};", cols);
   w.line("const int n = active ? min(8, {} - c0) : 0;", cols);
-  w.raw(setup.pre_loop.str().empty() ? "" : "");
   {
     // Indent the setup block to the kernel body level.
     std::string pre = setup.pre_loop.str();
