@@ -61,9 +61,11 @@ Generated generate_elementwise(const KernelSpec& spec) {
     reads = chain_reads(spec.pre, spec.dir);
     for (size_t i = 0; i < reads.size(); ++i) preloaded[reads[i]] = fmt::format("pl{}[u]", i);
   }
-  // Rows per iteration: 4 for one input stream; with extra streams (the gated half, preloaded tensors)
-  // 2, which keeps a similar number of 16-byte loads in flight per thread at lower register pressure.
-  const int unroll = (gated || !reads.empty()) ? 2 : unroll_hint;
+  // Rows per iteration: 4 for one input stream; 1 with extra streams (the gated half, preloaded
+  // tensors), which keeps 2-3 16-byte loads in flight per thread at ~40 registers, so 6 blocks fit per
+  // SM. Measured on an H200 (docs/benchmarks.md): 2 rows with extra streams needs ~60 registers and
+  // ran swiglu / dgelu+dbias / bias+dropout+add at 81-87 % of copy bandwidth, 1 row at 91-94 %.
+  const int unroll = (gated || !reads.empty()) ? 1 : unroll_hint;
   g.launch.rows_per_thread_iter = unroll;
   auto with_preload = [&](ChunkCtx c) {
     c.preloaded = &preloaded;
@@ -177,10 +179,11 @@ Generated generate_elementwise(const KernelSpec& spec) {
   w.line("}}");
   w.close();
   w.line("}}");
-  emit_accumulator_flush(w, setup, bx, by, "blockIdx.y");
+  emit_accumulator_flush(w, setup, bx, by, cols, "blockIdx.y");
   w.close();
   w.line("}}");
 
+  g.launch.persistent = !setup.accs.empty();
   finish(w, setup, args, g);
   return g;
 }

@@ -201,8 +201,10 @@ void finish(Writer& w, Setup& setup, const Args& args, Generated& g) {
   g.source = w.str();
 }
 
-void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, const std::string& part_index) {
+void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, int64_t cols, const std::string& part_index) {
   if (setup.accs.empty()) return;
+  // Every thread of the block sums one column over the block's rows, so the partial row is written
+  // with coalesced stores (one thread per column) instead of by one row of threads, 8 columns each.
   w.line("// column sums: reduce the accumulators over the block's rows, one partial row per block");
   w.line("__shared__ float jf_red[{}][{}];", by, bx * 8);
   for (auto& a : setup.accs) {
@@ -210,15 +212,14 @@ void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, const
     w.line("#pragma unroll");
     w.line("for (int e = 0; e < 8; ++e) jf_red[threadIdx.y][threadIdx.x * 8 + e] = {}[e];", a.var);
     w.line("__syncthreads();");
-    w.line("if (threadIdx.y == 0 && active) {{");
+    w.line("for (int i = threadIdx.y * {} + threadIdx.x; i < {}; i += {}) {{", bx, bx * 8, bx * by);
     w.open();
-    w.line("for (int e = 0; e < n; ++e) {{");
-    w.open();
+    w.line("const int c = blockIdx.x * {} + i;", bx * 8);
+    w.line("if (c >= {}) break;", cols);
     w.line("float t = 0.f;");
-    w.line("for (int y = 0; y < {}; ++y) t += jf_red[y][threadIdx.x * 8 + e];", by);
-    w.line("{}[(jf_i64)({}) * {} + {} + c0 + e] = t;", a.partial, part_index, a.width, a.col_off);
-    w.close();
-    w.line("}}");
+    w.line("#pragma unroll");
+    w.line("for (int y = 0; y < {}; ++y) t += jf_red[y][i];", by);
+    w.line("{}[(jf_i64)({}) * {} + {} + c] = t;", a.partial, part_index, a.width, a.col_off);
     w.close();
     w.line("}}");
   }

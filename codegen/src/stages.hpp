@@ -39,7 +39,8 @@ struct Setup {
 
 void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
-void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, const std::string& part_index);
+// Sums each accumulator over the block's threadIdx.y rows into one partial row (columns < cols).
+void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, int64_t cols, const std::string& part_index);
 // Appends the finalize kernels of `setup` to `w` and fills g.finalize, g.args and g.source.
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g);
 // Registers partials + finalize for a parameter grad reduced over rows.

@@ -57,6 +57,8 @@ std::string epilogue_name(Epilogue e) {
     case Epilogue::gelu_bias: return "GELU_BIAS";
     case Epilogue::gelu_aux_bias: return "GELU_AUX_BIAS";
     case Epilogue::relu_bias: return "RELU_BIAS";
+    case Epilogue::dgelu_bgrad: return "DGELU_BGRAD";
+    case Epilogue::bgradb: return "BGRADB";
   }
   return "?";
 }
@@ -125,14 +127,21 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
     case Epilogue::gelu_bias: epi = CUBLASLT_EPILOGUE_GELU_BIAS; break;
     case Epilogue::gelu_aux_bias: epi = CUBLASLT_EPILOGUE_GELU_AUX_BIAS; break;
     case Epilogue::relu_bias: epi = CUBLASLT_EPILOGUE_RELU_BIAS; break;
+    // dgrad's D is dx^T [k, m]: DGELU_BGRAD's bias gradient has one entry per row of D (k features).
+    case Epilogue::dgelu_bgrad: epi = CUBLASLT_EPILOGUE_DGELU_BGRAD; break;
+    // wgrad's B is dy (m x n after the transpose): BGRADB sums it over GEMM-k (the m tokens), n entries.
+    case Epilogue::bgradb: epi = CUBLASLT_EPILOGUE_BGRADB; break;
   }
-  if (g.epilogue != Epilogue::none && g.kind != GemmKind::fwd)
-    fail(Status::internal, "cuBLASLt epilogue {} requested on a backward GEMM", epilogue_name(g.epilogue));
+  const GemmKind epi_kind = g.epilogue == Epilogue::dgelu_bgrad ? GemmKind::dgrad
+                            : g.epilogue == Epilogue::bgradb    ? GemmKind::wgrad
+                                                                : GemmKind::fwd;
+  if (g.epilogue != Epilogue::none && g.kind != epi_kind)
+    fail(Status::internal, "cuBLASLt epilogue {} requested on the wrong GEMM", epilogue_name(g.epilogue));
   check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), "set EPILOGUE");
   if (g.bias)
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)),
                "set BIAS_POINTER");
-  if (g.epilogue == Epilogue::gelu_aux_bias) {
+  if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::dgelu_bgrad) {
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)),
                "set EPILOGUE_AUX_POINTER");
     int64_t ld = static_cast<int64_t>(ldd);

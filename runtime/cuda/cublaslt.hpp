@@ -1,5 +1,5 @@
 // cuBLASLt GEMMs for linear in row-major terms (y = x W^T, dx = dy W, dW = dy^T x), with native
-// epilogues (BIAS, GELU_AUX_BIAS, RELU_BIAS) and a C operand for residual accumulation. Heuristic
+// epilogues (BIAS, GELU_AUX_BIAS, RELU_BIAS; DGELU_BGRAD on dgrad, BGRADB on wgrad) and a C operand for residual accumulation. Heuristic
 // results are cached per problem; workspaces are per stream.
 #pragma once
 #include <cuda.h>
@@ -15,7 +15,9 @@
 namespace jitfuse::cuda {
 
 enum class GemmKind { fwd, dgrad, wgrad };
-enum class Epilogue { none, bias, gelu_bias, gelu_aux_bias, relu_bias };
+// Forward: bias, gelu_bias, gelu_aux_bias (writes the pre-activation to aux), relu_bias.
+// dgrad: dgelu_bgrad (d = gelu'(aux) * (dy W), bias = its column sums). wgrad: bgradb (bias = column sums of dy).
+enum class Epilogue { none, bias, gelu_bias, gelu_aux_bias, relu_bias, dgelu_bgrad, bgradb };
 std::string epilogue_name(Epilogue e);
 
 struct GemmCall {
@@ -28,8 +30,8 @@ struct GemmCall {
   const void* b = nullptr;  // fwd: W, dgrad: W, wgrad: x
   const void* c = nullptr;  // beta != 0: C operand (may equal d)
   void* d = nullptr;        // output
-  const void* bias = nullptr;
-  void* aux = nullptr;      // gelu_aux_bias: pre-activation out
+  const void* bias = nullptr;  // forward epilogues: bias in; dgelu_bgrad / bgradb: the bias gradient out
+  void* aux = nullptr;      // gelu_aux_bias: pre-activation out; dgelu_bgrad: pre-activation in
 };
 
 class Blas {

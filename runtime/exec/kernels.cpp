@@ -1,6 +1,7 @@
 // Template stitching, cache requests, NVRTC compilation and module loading.
 #include "exec/kernels.hpp"
 
+#include <algorithm>
 #include <set>
 #include <sstream>
 
@@ -126,6 +127,10 @@ const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const T
   lk->gen = codegen::generate(spec);
   lk->key = entry->key;
   cuda::check(d.cuModuleGetFunction(&lk->fn, mod, lk->gen.kernel.c_str()), "cuModuleGetFunction");
+  const auto& L = lk->gen.launch;
+  cuda::check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&lk->blocks_per_sm, lk->fn, L.bx * L.by, 0),
+              "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  lk->blocks_per_sm = std::max(1, lk->blocks_per_sm);
   for (auto& f : lk->gen.finalize) {
     CUfunction fn;
     cuda::check(d.cuModuleGetFunction(&fn, mod, f.kernel.c_str()), "cuModuleGetFunction");

@@ -38,6 +38,7 @@ struct LoadedKernel {
   codegen::Generated gen;
   std::string key;
   CUfunction fn = nullptr;
+  int blocks_per_sm = 1;  // resident blocks of `fn` per SM at its block size (the driver's occupancy)
   std::map<std::string, CUfunction> finalize;  // param name ("bias") -> kernel
 };
 

@@ -46,8 +46,13 @@ std::optional<std::string> epilogue_problem(const std::string& epi, const std::v
     if (a && s) p = "epilogue RESIDUAL implements [linear bias|scale add_extra_input]";
   } else if (epi == "DGRAD_ACCUMULATE") p = want({"make_extra_output", "linear"});
   else if (epi == "SCALED") p = want({"linear", "scale"});
-  else p = "unknown epilogue " + epi;
-  if (!p && n != (epi == "BIAS" || epi == "DGRAD_ACCUMULATE" || epi == "SCALED" ? 2 : 3))
+  else if (epi == "BGRADB") p = want({"linear", "bias"});
+  else if (epi == "DGELU_BGRAD") {
+    p = n == 4 ? want({"bias", "gelu", "linear", "bias"}) : want({"bias", "gelu", "linear"});
+    if (!p && ops[b + 1].str("approximate") != "tanh") p = "DGELU_BGRAD differentiates the tanh approximation only";
+  } else p = "unknown epilogue " + epi;
+  const bool two = epi == "BIAS" || epi == "DGRAD_ACCUMULATE" || epi == "SCALED" || epi == "BGRADB";
+  if (!p && !(n == (two ? 2 : 3) || (epi == "DGELU_BGRAD" && n == 4)))
     p = "epilogue_ops does not match the ops epilogue " + epi + " covers";
   return p;
 }
@@ -91,7 +96,8 @@ std::optional<std::string> check_legal(const rules::Rule& rule, const std::vecto
       return std::nullopt;
     }
     case K::cublaslt: {
-      bool bwd_epi = impl.epilogue == "DGRAD_ACCUMULATE" || impl.epilogue == "SCALED";
+      bool bwd_epi = impl.epilogue == "DGRAD_ACCUMULATE" || impl.epilogue == "SCALED" ||
+                     impl.epilogue == "DGELU_BGRAD" || impl.epilogue == "BGRADB";
       if (bwd_epi != (pass == rules::Pass::backward))
         return "epilogue " + impl.epilogue + " belongs to the " + (bwd_epi ? "backward" : "forward") + " pass";
       if (e - b < impl.epilogue_ops) return "window shorter than epilogue_ops";

@@ -17,7 +17,8 @@ namespace jitfuse::exec {
 //  - cublaslt: the window starts with the op pattern its epilogue implements (BIAS: linear bias;
 //    GELU_AUX_BIAS: linear bias gelu(tanh); RELU_BIAS: linear bias relu; RESIDUAL: linear
 //    [bias|scale] add_extra_input; DGRAD_ACCUMULATE (backward): make_extra_output linear;
-//    SCALED (backward): linear scale), and any tail after it is a legal elementwise chain;
+//    SCALED (backward): linear scale; DGELU_BGRAD (backward): bias gelu(tanh) linear [bias];
+//    BGRADB (backward): linear bias), and any tail after it is a legal elementwise chain;
 //  - joint regenerate_dropout_mask: an elementwise chain holding an active dropout;
 //    joint recompute_linear_output: linear followed by one pointwise op that saves its input.
 fuser::LegalityFn legality();

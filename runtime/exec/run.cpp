@@ -149,14 +149,17 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
   }
   const auto& L = lk->gen.launch;
   unsigned gx, gy = 1, bx = static_cast<unsigned>(L.bx), by = static_cast<unsigned>(L.by);
-  const int64_t max_blocks = static_cast<int64_t>(cp.device.sm_count) * (2048 / (L.bx * L.by));
+  // Persistent kernels (per-block partials) get the blocks that fit on the device at once; the others
+  // one block per row slab (see codegen::Launch::persistent).
+  const int64_t resident = static_cast<int64_t>(cp.device.sm_count) * lk->blocks_per_sm;
   if (ks.spec.skeleton == codegen::Skeleton::rownorm) {
-    gx = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, max_blocks)));
+    const int64_t cap = L.persistent ? resident : int64_t{0x7fffffff};
+    gx = static_cast<unsigned>(std::clamp<int64_t>(rows, 1, cap));
   } else {
     gx = static_cast<unsigned>(L.grid_x);
     int64_t slab = static_cast<int64_t>(L.by) * L.rows_per_thread_iter;
     int64_t want = (rows + slab - 1) / slab;
-    int64_t cap = std::max<int64_t>(1, max_blocks / std::max<int64_t>(1, L.grid_x));
+    int64_t cap = L.persistent ? std::max<int64_t>(1, resident / std::max<int64_t>(1, L.grid_x)) : 65535;
     gy = static_cast<unsigned>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 65535)));
   }
   const int parts = static_cast<int>(ks.spec.skeleton == codegen::Skeleton::rownorm ? gx : gy);
@@ -300,7 +303,8 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
       continue;
     }
     const std::string& epi = g.impl.kind == K::cublaslt ? g.impl.epilogue : std::string();
-    const int li = epi == "DGRAD_ACCUMULATE" ? g.begin + 1 : g.begin;  // the linear op
+    // The linear op: second in [make_extra_output linear], third in [bias gelu linear (bias)], else first.
+    const int li = epi == "DGRAD_ACCUMULATE" ? g.begin + 1 : epi == "DGELU_BGRAD" ? g.begin + 2 : g.begin;
     const auto& lin = cp.ops[li];
     const void* dy = gv[g.end];
     float alpha = 1.f;
@@ -328,14 +332,29 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
       dg.beta = 1.f;
       dg.c = ba.grad_extra_out.at(cp.ops[g.begin].extra_slot);
     }
+    if (epi == "DGELU_BGRAD") {
+      // d(bias input) = gelu'(h) * (dy W) with h = gelu's saved input; db = its column sums.
+      dg.epilogue = cuda::Epilogue::dgelu_bgrad;
+      dg.aux = bd.saved_read(g.begin + 1, "input");
+      dg.bias = bd.grad(g.begin, "bias");
+    }
     rt.blas->gemm(dg, ba.stream);
     cuda::GemmCall wg = dg;
     wg.kind = cuda::GemmKind::wgrad;
+    wg.epilogue = cuda::Epilogue::none;
+    wg.bias = nullptr;
+    wg.aux = nullptr;
     wg.a = dy;
     wg.b = bd.saved_read(li, "input");
     wg.d = bd.grad(li, "weight");
     wg.c = nullptr;
     wg.beta = lin.flag("accumulate_grad") ? 1.f : 0.f;
+    // A bias right after the linear ([linear bias], [bias gelu linear bias]): db = column sums of dy, taken
+    // by the wgrad GEMM that reads dy anyway.
+    if (li + 1 < g.end && cp.ops[li + 1].family == Family::bias && (epi == "BGRADB" || epi == "DGELU_BGRAD")) {
+      wg.epilogue = cuda::Epilogue::bgradb;
+      wg.bias = bd.grad(li + 1, "bias");
+    }
     rt.blas->gemm(wg, ba.stream);
   }
 }

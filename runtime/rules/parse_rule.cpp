@@ -30,6 +30,9 @@ const std::vector<EpilogueShape>& epilogue_table() {
       {"RESIDUAL", Pass::forward, {{"linear"}, {"add_extra_input"}}},
       {"DGRAD_ACCUMULATE", Pass::backward, {{"make_extra_output"}, {"linear"}}},
       {"SCALED", Pass::backward, {{"linear"}, {"scale"}}},
+      {"DGELU_BGRAD", Pass::backward, {{"bias"}, {"gelu"}, {"linear"}}},
+      {"DGELU_BGRAD", Pass::backward, {{"bias"}, {"gelu"}, {"linear"}, {"bias"}}},
+      {"BGRADB", Pass::backward, {{"linear"}, {"bias"}}},
   };
   return table;
 }

@@ -42,6 +42,7 @@ struct Impl {
   std::string skeleton;  // generated: "elementwise" | "gated" | "rownorm"
   // cublaslt: forward "BIAS" | "GELU_AUX_BIAS" | "RELU_BIAS" | "RESIDUAL" (C = extra input, alpha = scale)
   //           backward "DGRAD_ACCUMULATE" (make_extra_output + linear) | "SCALED" (linear + scale)
+  //           | "DGELU_BGRAD" (bias + gelu + linear [+ bias]) | "BGRADB" (linear + bias)
   std::string epilogue;
   int epilogue_ops = 0;  // how many leading ops of the window the GEMM + epilogue covers; rest: generated tail
   std::string tail;      // skeleton of the generated tail, if any

@@ -1,5 +1,6 @@
 // Every built-in rule against the float64 reference (fused forward and backward), the check that the
 // rule was really taken, and interchangeability: fused forward + unfused backward and the reverse.
+#include <algorithm>
 #include <fstream>
 
 #include "gpu/gpu_check.hpp"
@@ -13,6 +14,7 @@ struct RuleCase {
   const char* rule;
   const char* ops;
   ops::Shape shape;
+  std::vector<std::string> disable = {};  // higher-priority rules switched off so `rule` is taken
 };
 
 const RuleCase kCases[] = {
@@ -37,6 +39,11 @@ const RuleCase kCases[] = {
     {"pointwise_chain", R"([{"op": "gelu"}, {"op": "scale", "value": 3.0}, {"op": "add_extra_input"}])", {100, 72}},
     {"extra_output_linear", R"([{"op": "make_extra_output"}, {"op": "linear", "in_features": 64, "out_features": 32}])", {96, 64}},
     {"linear_scale_bwd", R"([{"op": "linear", "in_features": 64, "out_features": 32}, {"op": "scale", "value": 0.125}])", {96, 64}},
+    {"bias_gelu_linear_bias_bwd", R"([{"op": "bias"}, {"op": "gelu", "approximate": "tanh"}, {"op": "linear", "in_features": 72, "out_features": 40}, {"op": "bias"}])", {96, 72},
+     {"act_dbias", "linear_bias_bwd"}},
+    {"bias_gelu_linear_bwd", R"([{"op": "bias"}, {"op": "gelu", "approximate": "tanh"}, {"op": "linear", "in_features": 72, "out_features": 40}])", {96, 72},
+     {"act_dbias"}},
+    {"linear_bias_bwd", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}])", {96, 64}},
     {"norm_residual_bwd", R"([{"op": "make_extra_output"}, {"op": "layernorm"}])", {40, 512}},
     {"bias_dropout_add_joint", R"([{"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 3}, {"op": "add_extra_input"}])", {100, 72}},
     {"linear_silu_recompute", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "silu"}])", {96, 64}},
@@ -55,14 +62,14 @@ bool rule_taken(jf_context ctx, const std::string& seq, const ops::Shape& shape,
   return false;
 }
 
-// A context whose rules of `pass` are switched off by overriding each by name with an impossible
-// condition, so the other direction's fusions run against unfused ops.
-jf_context context_without(const char* pass) {
-  std::string path = std::string("/tmp/jf_disable_") + pass + ".json";
+// A context whose rules of `pass` (all, or only those named in `only`) are switched off by overriding
+// each by name with an impossible condition, so the other direction's fusions run against unfused ops.
+jf_context context_without(const char* pass, const std::vector<std::string>& only = {}) {
+  std::string path = std::string("/tmp/jf_disable_") + pass + std::to_string(only.size()) + ".json";
   nlohmann::json rules = nlohmann::json::array();
   const rules::RuleSet builtins = rules::RuleSet::with_builtins();
   for (const auto& r : builtins.rules())
-    if (rules::pass_name(r.pass) == pass)
+    if (rules::pass_name(r.pass) == pass && (only.empty() || std::find(only.begin(), only.end(), r.name) != only.end()))
       rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
                        {"pattern", r.impl.strategy == "regenerate_dropout_mask" ? nlohmann::json::array({"dropout"})
                                    : r.impl.strategy.empty() ? nlohmann::json::array({"identity"}) : nlohmann::json::array({"linear", "silu"})},
@@ -85,8 +92,10 @@ TEST_CASE("every built-in rule is taken and matches the reference", "[fusion]") 
   for (const auto& c : kCases) {
     std::string seq = test::seq_json(c.ops, c.rule);
     INFO("rule " << c.rule << ": " << c.ops);
-    CHECK(rule_taken(test::shared_context(), seq, c.shape, c.rule));
-    for (const char* recipe : {"fp32", "bf16"}) run_check(seq, recipe, c.shape);
+    jf_context ctx = c.disable.empty() ? test::shared_context() : context_without("backward", c.disable);
+    CHECK(rule_taken(ctx, seq, c.shape, c.rule));
+    for (const char* recipe : {"fp32", "bf16"}) run_check(seq, recipe, c.shape, true, false, 1, ctx);
+    if (ctx != test::shared_context()) jf_context_destroy(ctx);
   }
 }
 

@@ -19,7 +19,10 @@ TEST_CASE("explain on the mlp example: candidates, reasons and final groups", "[
   CHECK_THAT(r.out, Catch::Contains("forward groups:\n  [0, 1)     layernorm"));
   CHECK_THAT(r.out, Catch::Contains("[1, 4)     linear bias gelu                   linear_bias_gelu: cublaslt GELU_AUX_BIAS (3 ops)"));
   CHECK_THAT(r.out, Catch::Contains("backward groups:"));
-  CHECK_THAT(r.out, Catch::Contains("[2, 4)     bias gelu                          act_dbias: generated elementwise"));
+  CHECK_THAT(r.out, Catch::Contains("[1, 3)     linear bias                        linear_bias_bwd: cublaslt BGRADB (2 ops)"));
+  CHECK_THAT(r.out, Catch::Contains("[3, 4)     gelu                               unfused"));
+  CHECK_THAT(r.out, Catch::Contains("act_dbias                priority 20   not taken: overlaps higher-priority rule "
+                                    "linear_bias_bwd at ops [1, 3)"));
 }
 
 TEST_CASE("explain --json and --arch; divisibility reasons", "[fuser][cli]") {
@@ -86,7 +89,7 @@ TEST_CASE("explain with a broken rules directory reports the errors and uses the
   auto r = run_cli("explain '" + seq + "' --recipe bf16 --shape 8x64 --rules '" + dir.path() + "/rules'");
   INFO(r.out);
   REQUIRE(r.status == 0);
-  CHECK_THAT(r.out, Catch::Contains("20 rules loaded (1 skipped with errors, listed on stderr)"));
+  CHECK_THAT(r.out, Catch::Contains("23 rules loaded (1 skipped with errors, listed on stderr)"));
   CHECK_THAT(r.out, Catch::Contains("rule skipped: " + jf_test::loc(file, text, "\"gelux\"") + ": "));
   CHECK_THAT(r.out, Catch::Contains("rule 'broken': unknown op 'gelux'"));
   CHECK_THAT(r.out, Catch::Contains("gelu_scale               priority 90   taken"));

@@ -233,7 +233,7 @@ TEST_CASE("the mlp example plans as DESIGN.md expects, deterministically", "[fus
   auto ops = jitfuse::ops::infer(def, {8192, 4096});
   Plan p = jitfuse::fuser::plan(ops, bf16(), rs, kAllow);
   CHECK(spans(p.forward) == "[0,1) [1,4):linear_bias_gelu [4,7):linear_bias_residual");
-  CHECK(spans(p.backward) == "[0,1) [1,2) [2,4):act_dbias [4,5) [5,6) [6,7)");
+  CHECK(spans(p.backward) == "[0,1) [1,3):linear_bias_bwd [3,4) [4,6):linear_bias_bwd [6,7)");
   CHECK(decision(p, Pass::forward, "linear_bias", 1, 3)->reason ==
         "overlaps higher-priority rule linear_bias_gelu at ops [1, 4)");
   Plan again = jitfuse::fuser::plan(ops, bf16(), rs, kAllow);

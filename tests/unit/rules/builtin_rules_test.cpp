@@ -27,7 +27,8 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"act_dbias", Pass::backward},          {"extra_output_linear", Pass::backward},
       {"linear_scale_bwd", Pass::backward},   {"norm_residual_bwd", Pass::backward},
       {"bias_gated_bwd", Pass::backward},     {"bias_dropout_add_joint", Pass::joint},
-      {"linear_silu_recompute", Pass::joint},
+      {"linear_silu_recompute", Pass::joint}, {"bias_gelu_linear_bias_bwd", Pass::backward},
+      {"bias_gelu_linear_bwd", Pass::backward}, {"linear_bias_bwd", Pass::backward},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;
@@ -55,6 +56,9 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
   CHECK(find_rule(rs, "linear_bias_gelu")->impl.epilogue == "GELU_AUX_BIAS");
   CHECK(find_rule(rs, "linear_bias_gelu")->pattern[2].attrs == nlohmann::json{{"approximate", "tanh"}});
   CHECK(find_rule(rs, "extra_output_linear")->impl.epilogue == "DGRAD_ACCUMULATE");
+  CHECK(find_rule(rs, "bias_gelu_linear_bias_bwd")->impl.epilogue == "DGELU_BGRAD");
+  CHECK(find_rule(rs, "bias_gelu_linear_bias_bwd")->impl.epilogue_ops == 4);
+  CHECK(find_rule(rs, "linear_bias_bwd")->impl.epilogue == "BGRADB");
   CHECK(find_rule(rs, "bias_dropout_add_joint")->impl.saves == std::vector<std::string>{"seed", "offset"});
   CHECK(find_rule(rs, "linear_silu_recompute")->impl.strategy == "recompute_linear_output");
   CHECK(find_rule(rs, "pointwise_chain")->priority < find_rule(rs, "bias_act")->priority);

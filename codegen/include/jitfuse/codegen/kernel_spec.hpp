@@ -88,11 +88,16 @@ struct Arg {
 };
 
 struct Launch {
-  // elementwise/gated: block (bx, by), grid.x fixed, grid.y chosen at run time (<= max_grid_y),
-  // threads loop over rows. rownorm: block (bx), grid.x = rows or fewer (grid-stride).
+  // elementwise/gated: block (bx, by), grid.x fixed, grid.y chosen at run time; threads loop over
+  // rows. rownorm: block (bx), grid.x = rows or fewer (grid-stride).
   int bx = 256, by = 1;
   int64_t grid_x = 1;
   int rows_per_thread_iter = 1;  // unroll over rows
+  // true: the kernel writes one partial row per block (column reductions), so the grid is sized to
+  // the blocks that fit on the device at once and blocks loop over rows. false: every row slab gets
+  // its own block (measured faster on an H200 than a device-sized grid-stride loop: bias+gelu 96 % vs
+  // 88 % of copy bandwidth, layernorm 85 % vs 79 %).
+  bool persistent = false;
 };
 
 // A finalize kernel sums [parts, cols] fp32 partials into a parameter grad.
