@@ -33,7 +33,8 @@ Generated generate_elementwise(const KernelSpec& spec) {
   Args args;
   Setup setup;
   args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
-  args.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
+  if (spec.fp8 && !fwd) throw std::invalid_argument("codegen: an FP8 cast ends forward kernels only");
+  args.ptr(Arg::Role::out, -1, "out", "out", out_type(spec), true);
   args.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
 
   Writer body;  // the per-row work, inside the unrolled row loop
@@ -76,7 +77,7 @@ Generated generate_elementwise(const KernelSpec& spec) {
     if (!gated) {
       body.line("float (&v)[8] = x[u];");
       for (auto& s : spec.pre) emit_stage_fwd(body, args, setup, s, with_preload(ctx("v", cols, "0", "")));
-      body.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, v, n);", cols);
+      emit_out_store(body, spec, fmt::format("r * {} + c0", cols), "v");
     } else {
       body.line("float (&a)[8] = x[u];");
       body.line("float (&b)[8] = xb[u];");
@@ -96,7 +97,7 @@ Generated generate_elementwise(const KernelSpec& spec) {
       body.line("#pragma unroll");
       body.line("for (int e = 0; e < 8; ++e) v[e] = {}::fwd(a[e]) * b[e];", gs.functor);
       for (auto& s : spec.post) emit_stage_fwd(body, args, setup, s, ctx("v", cols, "0", ""));
-      body.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, v, n);", cols);
+      emit_out_store(body, spec, fmt::format("r * {} + c0", cols), "v");
     }
   } else {
     body.line("float (&gr)[8] = x[u];");
@@ -126,6 +127,9 @@ Generated generate_elementwise(const KernelSpec& spec) {
     }
   }
 
+  Writer fp8_setup;  // its arguments must exist before the signature is written
+  fp8_setup.open();
+  emit_fp8_prologue(fp8_setup, args, spec);
   Writer w;
   emit_prelude(w, spec, g.headers);
   w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", bx * by, g.kernel, args.decl());
@@ -143,6 +147,7 @@ Generated generate_elementwise(const KernelSpec& spec) {
       start = end + 1;
     }
   }
+  w.raw(fp8_setup.str());
   w.line("if (active) {{");
   w.open();
   const int slab = by * unroll;
@@ -179,12 +184,13 @@ Generated generate_elementwise(const KernelSpec& spec) {
   w.line("}}");
   w.close();
   w.line("}}");
+  emit_fp8_epilogue(w, spec);
   emit_accumulator_flush(w, setup, bx, by, cols, "blockIdx.y");
   w.close();
   w.line("}}");
 
   g.launch.persistent = !setup.accs.empty();
-  finish(w, setup, args, g);
+  finish(w, setup, args, g, spec);
   return g;
 }
 

@@ -31,7 +31,8 @@ Generated generate_rownorm(const KernelSpec& spec) {
   Args args;
   Setup setup;
   args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
-  args.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
+  if (spec.fp8 && !fwd) throw std::invalid_argument("codegen: an FP8 cast ends forward kernels only");
+  args.ptr(Arg::Role::out, -1, "out", "out", out_type(spec), true);
   args.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
   const std::string gamma = fmt::format("p{}_weight", ns.op), beta = fmt::format("p{}_bias", ns.op);
   args.ptr(Arg::Role::param, ns.op, "weight", gamma, "ST", false);
@@ -72,6 +73,7 @@ Generated generate_rownorm(const KernelSpec& spec) {
   Writer k;  // kernel body
   k.open();
   k.line("__shared__ float jf_sm[33];");
+  emit_fp8_prologue(k, args, spec);
   if (!fwd) {
     k.line("float dgam[{}][8], dbet[{}][8];", nch, nch);
     k.line("#pragma unroll");
@@ -134,7 +136,7 @@ Generated generate_rownorm(const KernelSpec& spec) {
       k.line("for (int e = 0; e < 8; ++e) v[e] = (x[k][e] - mu) * rs * gw[e] + bw[e];");
     }
     for (auto& s : spec.post) emit_stage_fwd(k, args, setup, s, ctx("v"));
-    k.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, v, n);", cols);
+    emit_out_store(k, spec, fmt::format("r * {} + c0", cols), "v");
     k.close();
     k.line("}}");
     chunk_loop_close(k);
@@ -188,6 +190,7 @@ Generated generate_rownorm(const KernelSpec& spec) {
   }
   k.close();
   k.line("}}");
+  emit_fp8_epilogue(k, spec);
   if (!fwd) {
     // Parameter-grad partials: one row per block; this thread's columns are fixed across rows.
     std::string pg = fmt::format("part{}_weight", ns.op);
@@ -210,17 +213,19 @@ Generated generate_rownorm(const KernelSpec& spec) {
   }
   k.close();
 
-  // Forward: at most 64 registers per thread, so 2048 / threads blocks (rows) fit per SM; left to itself
-  // the compiler used 72-95 and fit 5-7 rows (H200: layernorm 82 % of copy bandwidth capped vs 76 %).
-  // The backward keeps dgamma/dbeta accumulators in registers and is not capped.
-  const std::string bounds = fwd ? fmt::format("{}, {}", threads, std::max(1, 65536 / (threads * 64))) : std::to_string(threads);
+  // Forward: ask for 1024 / threads resident blocks (at most 16), which caps registers at 64 per thread
+  // when threads divides 1024: on an H200 the compiler otherwise used 72-95 and fit 5-7 rows per SM
+  // (layernorm 82 % of copy bandwidth capped vs 76 %). The backward keeps dgamma/dbeta accumulators in
+  // registers and is not capped.
+  const int min_blocks = std::clamp(65536 / (threads * 64), 1, 16);
+  const std::string bounds = fwd ? fmt::format("{}, {}", threads, min_blocks) : std::to_string(threads);
   w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", bounds, g.kernel, args.decl());
   w.raw(k.str());
   w.line("}}");
   // Stage accumulators (a bias stage) have no flush here; the legality predicate keeps bias out of
   // rownorm groups, so one arriving is a lowering bug.
   if (!setup.accs.empty()) throw std::invalid_argument("codegen: a rownorm kernel cannot reduce a bias stage");
-  finish(w, setup, args, g);
+  finish(w, setup, args, g, spec);
   return g;
 }
 

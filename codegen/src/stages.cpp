@@ -190,7 +190,89 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
   }
 }
 
-void finish(Writer& w, Setup& setup, const Args& args, Generated& g) {
+std::string out_type(const KernelSpec& spec) { return spec.fp8 ? "unsigned char" : "ST"; }
+
+void emit_out_store(Writer& w, const KernelSpec& spec, const std::string& index, const std::string& var) {
+  if (!spec.fp8) {
+    w.line("jf_store8<DT, JF_VEC>(out + {}, {}, n);", index, var);
+    return;
+  }
+  const auto& q = *spec.fp8;
+  w.line("// op {} quantize: {}", q.op, q.amax_only ? "amax of the output (the cast pass follows)" : "E4M3 cast of x * scale");
+  if (q.amax_only || q.delayed) w.line("jf_amax8(jf_am, {}, n);", var);
+  if (!q.amax_only) w.line("jf_store8_e4m3<JF_VEC>(out + {}, {}, jf_scale, n);", index, var);
+}
+
+void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec) {
+  if (!spec.fp8) return;
+  const auto& q = *spec.fp8;
+  const std::string sc = fmt::format("q{}_scale", q.op), si = fmt::format("q{}_scale_inv", q.op),
+                    am = fmt::format("q{}_amax", q.op);
+  if (q.amax_only) {
+    args.ptr(Arg::Role::fp8_amax, q.op, "amax", am, "float", true);
+    w.line("float jf_am = 0.f;");
+    return;
+  }
+  if (q.delayed) {
+    args.ptr(Arg::Role::fp8_scale, q.op, "scale", sc, "float", false);
+    args.ptr(Arg::Role::fp8_amax, q.op, "amax", am, "float", true);
+    w.line("float jf_am = 0.f;");
+    w.line("const float jf_scale = {}[0];", sc);
+    return;
+  }
+  args.ptr(Arg::Role::fp8_amax, q.op, "amax", am, "float", false);
+  args.ptr(Arg::Role::fp8_scale, q.op, "scale", sc, "float", true);
+  args.ptr(Arg::Role::fp8_scale_inv, q.op, "scale_inv", si, "float", true);
+  w.line("const float jf_scale = jf_fp8_scale({}[0], {});", am, num(std::ldexp(1.0, static_cast<int>(q.margin))));
+  w.line("if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {{ {}[0] = jf_scale; {}[0] = 1.f / jf_scale; }}",
+         sc, si);
+}
+
+void emit_fp8_epilogue(Writer& w, const KernelSpec& spec) {
+  if (!spec.fp8 || !(spec.fp8->amax_only || spec.fp8->delayed)) return;
+  w.line("jf_amax_flush(jf_am, q{}_amax);", spec.fp8->op);
+}
+
+namespace {
+
+void emit_fp8_update(Writer& w, const std::string& kernel, double margin) {
+  w.line("// fp8_delayed: roll the amax history, record this call's amax, scale_inv = 1 / the scale used,");
+  w.line("// scale = 448 / max(history) / 2^margin for the next call. History length <= 1024.");
+  w.line("extern \"C\" __global__ void __launch_bounds__(256) {}(const float* __restrict__ amax, float* __restrict__ hist, "
+         "int len, float* __restrict__ scale, float* __restrict__ scale_inv) {{", kernel);
+  w.open();
+  w.line("__shared__ float jf_sm[8];");
+  w.line("const float a = amax[0];");
+  w.line("float m = a, keep[4];");
+  w.line("#pragma unroll");
+  w.line("for (int k = 0; k < 4; ++k) {{ const int i = threadIdx.x + 256 * k; keep[k] = i + 1 < len ? hist[i] : 0.f; m = fmaxf(m, keep[k]); }}");
+  w.line("__syncthreads();");
+  w.line("#pragma unroll");
+  w.line("for (int k = 0; k < 4; ++k) {{ const int i = threadIdx.x + 256 * k; if (i + 1 < len) hist[i + 1] = keep[k]; }}");
+  w.line("for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));");
+  w.line("if ((threadIdx.x & 31) == 0) jf_sm[threadIdx.x >> 5] = m;");
+  w.line("__syncthreads();");
+  w.line("if (threadIdx.x == 0) {{");
+  w.open();
+  w.line("for (int k = 1; k < 8; ++k) m = fmaxf(m, jf_sm[k]);");
+  w.line("m = fmaxf(m, jf_sm[0]);");
+  w.line("hist[0] = a;");
+  w.line("scale_inv[0] = 1.f / scale[0];");
+  w.line("scale[0] = jf_fp8_scale(m, {});", num(std::ldexp(1.0, static_cast<int>(margin))));
+  w.close();
+  w.line("}}");
+  w.close();
+  w.line("}}");
+}
+
+}  // namespace
+
+void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec) {
+  if (spec.fp8 && spec.fp8->delayed) {
+    g.fp8_update = g.kernel + "_fp8_update";
+    w.line("");
+    emit_fp8_update(w, g.fp8_update, spec.fp8->margin);
+  }
   for (auto& f : setup.finalize) {
     f.kernel = fmt::format("{}_fin{}_{}", g.kernel, f.op, f.name);
     w.line("");

@@ -41,8 +41,15 @@ void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
 void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 // Sums each accumulator over the block's threadIdx.y rows into one partial row (columns < cols).
 void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, int64_t cols, const std::string& part_index);
+// The kernel's output: a store of `var` at out + index, or, with an FP8 cast, its amax and/or E4M3 bytes.
+void emit_out_store(Writer& w, const KernelSpec& spec, const std::string& index, const std::string& var);
+// FP8: the output pointer type, the scale/amax arguments and per-thread state (before the row loop).
+std::string out_type(const KernelSpec& spec);
+void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec);
+// FP8: folds the per-thread amax into the amax argument (after the row loop; every thread).
+void emit_fp8_epilogue(Writer& w, const KernelSpec& spec);
 // Appends the finalize kernels of `setup` to `w` and fills g.finalize, g.args and g.source.
-void finish(Writer& w, Setup& setup, const Args& args, Generated& g);
+void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec);
 // Registers partials + finalize for a parameter grad reduced over rows.
 std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,
                                 const std::string& col_off, const std::string& half);

@@ -74,6 +74,7 @@ std::vector<std::string> headers_for(const KernelSpec& spec) {
   stages.insert(stages.end(), spec.post.begin(), spec.post.end());
   for (auto& s : stages)
     if (s.kind == Stage::Kind::dropout) add("ops/dropout.cuh");
+  if (spec.fp8) add("ops/fp8.cuh");
   return out;
 }
 

@@ -61,7 +61,12 @@ void need(const void* p, const char* what) {
 }
 
 std::string dl_dtype_name(DLDataType t) {
-  const char* base = t.code == kDLFloat ? "float" : t.code == kDLBfloat ? "bfloat" : t.code == kDLInt ? "int" : "other";
+  const char* base = t.code == kDLFloat    ? "float"
+                     : t.code == kDLBfloat ? "bfloat"
+                     : t.code == kDLInt    ? "int"
+                     : t.code == kDLUInt   ? "uint"
+                     : t.code == 10        ? "float8_e4m3fn"
+                                           : "other";
   return fmt::format("{}{}", base, t.bits);
 }
 
@@ -71,6 +76,8 @@ bool dtype_matches(DLDataType t, jitfuse::ops::DType d) {
     case jitfuse::ops::DType::f32: return t.code == kDLFloat && t.bits == 32;
     case jitfuse::ops::DType::f16: return t.code == kDLFloat && t.bits == 16;
     case jitfuse::ops::DType::bf16: return t.code == kDLBfloat && t.bits == 16;
+    // E4M3 bytes: DLPack 1.0's kDLFloat8_e4m3fn (code 10), or 8-bit unsigned storage for older DLPack.
+    case jitfuse::ops::DType::e4m3: return (t.code == 10 || t.code == kDLUInt) && t.bits == 8;
     default: return false;
   }
 }
@@ -185,6 +192,7 @@ static jf_status make_sequence(jf_context ctx, const std::string& text, const st
     need(out, "out");
     auto r = jitfuse::ops::parse_recipe(recipe);
     auto def = jitfuse::ops::parse_sequence(text, where, ctx->impl.registry());
+    jitfuse::ops::check_recipe_support(def, r);
     auto* s = new jf_sequence_s();
     s->impl = std::make_unique<jitfuse::api::Sequence>(ctx->impl, std::move(def), r);
     *out = s;
@@ -278,6 +286,22 @@ static jf_status bind(jf_sequence seq, int op_index, const char* name, const DLT
   });
 }
 
+jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(out, "out");
+    auto& s = *seq->impl;
+    if (!s.recipe.is_fp8())
+      fail(Status::invalid_argument, "sequence '{}' runs recipe {}: FP8 recipe state exists under fp8_delayed and "
+           "fp8_current only", s.def.name, jitfuse::ops::recipe_name(s.recipe.kind));
+    if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()) || s.def.ops[op_index].kind != "quantize")
+      fail(Status::invalid_argument, "op {} of sequence '{}' is not a quantize op: only quantize has FP8 recipe state",
+           op_index, s.def.name);
+    const auto& st = s.fp8_state().at(op_index);
+    *out = jf_fp8_state{st.scale, st.scale_inv, st.history, st.len};
+  });
+}
+
 jf_status jf_sequence_bind_param(jf_sequence seq, int op_index, const char* name, const DLTensor* t) {
   return bind(seq, op_index, name, t, false);
 }
@@ -307,7 +331,8 @@ jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* con
     fa.stream = reinterpret_cast<CUstream>(stream);
     fa.rng_offset = options ? options->rng_offset : 0;
     fa.input = check_tensor(input, "input", s.recipe.dtype, &in_shape);
-    fa.output = check_tensor(output, "output", s.recipe.dtype, &cp->ops.back().out);
+    fa.output = check_tensor(output, "output", s.output_dtype(), &cp->ops.back().out);
+    if (s.recipe.is_fp8()) fa.fp8 = s.fp8_state();
     for (const auto& op : cp->ops) {
       if (op.family == jitfuse::ops::Family::add_extra_input)
         fa.extra_in.push_back(check_tensor(extra_inputs[op.extra_slot],

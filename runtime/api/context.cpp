@@ -1,9 +1,13 @@
 // Context and Sequence: rule loading (built-ins, JITFUSE_RULE_PATH, API), plan caching per shape.
 #include "api/context.hpp"
 
+#include <algorithm>
+#include <vector>
+
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/log.hpp"
+#include "cuda/driver.hpp"
 #include "exec/lowering.hpp"
 
 namespace jitfuse::api {
@@ -59,6 +63,42 @@ void Context::set_allocator(const exec::Allocator& a) {
 }
 
 Sequence::Sequence(Context& c, ops::SequenceDef d, ops::Recipe r) : ctx(c), def(std::move(d)), recipe(r) {}
+
+Sequence::~Sequence() {
+  if (auto* d = cuda::try_driver())
+    for (auto& [dev, states] : fp8_)
+      for (auto& [op, st] : states) d->cuMemFree(reinterpret_cast<CUdeviceptr>(st.scale));  // one block each
+}
+
+ops::DType Sequence::output_dtype() const {
+  return recipe.is_fp8() && !def.ops.empty() && def.ops.back().kind == "quantize" ? ops::DType::e4m3 : recipe.dtype;
+}
+
+const std::map<int, exec::Fp8State>& Sequence::fp8_state() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int dev = cuda::current_ordinal();  // makes the primary context current if none is
+  auto it = fp8_.find(dev);
+  if (it != fp8_.end()) return it->second;
+  auto& states = fp8_[dev];
+  const auto& d = cuda::driver();
+  for (const auto& op : def.ops) {
+    if (op.kind != "quantize") continue;
+    // One allocation: [scale, scale_inv, history...]; a one-time setup like the cuBLASLt workspace.
+    const int len = std::max(1, recipe.amax_history);
+    std::vector<float> init(2 + static_cast<size_t>(len), 0.f);
+    init[0] = init[1] = 1.f;
+    CUdeviceptr p = 0;
+    cuda::check(d.cuMemAlloc(&p, init.size() * sizeof(float)), "cuMemAlloc(FP8 recipe state)");
+    cuda::check(d.cuMemcpyHtoD(p, init.data(), init.size() * sizeof(float)), "cuMemcpyHtoD(FP8 recipe state)");
+    exec::Fp8State st;
+    st.scale = reinterpret_cast<float*>(p);
+    st.scale_inv = st.scale + 1;
+    st.history = st.scale + 2;
+    st.len = len;
+    states[op.index] = st;
+  }
+  return states;
+}
 
 fuser::Plan Sequence::plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const {
   fuser::PlanInputs in;

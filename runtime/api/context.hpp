@@ -43,6 +43,9 @@ class Context {
 class Sequence {
  public:
   Sequence(Context& ctx, ops::SequenceDef def, ops::Recipe recipe);
+  ~Sequence();
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
   // The compiled plan for an input shape (cached per shape, training flag and rule-set generation).
   std::shared_ptr<const exec::CompiledPlan> plan_for(const ops::Shape& input, bool training);
   fuser::Plan plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const;
@@ -55,7 +58,13 @@ class Sequence {
   std::map<exec::Key, ops::Shape> param_shapes, grad_shapes;
   std::string explain_buffer;
 
+  // The output tensor's dtype: E4M3 when an FP8 recipe ends the sequence in quantize, else the recipe's.
+  ops::DType output_dtype() const;
+  // FP8 recipes: the recipe state of every quantize op on the current device (allocated on first use).
+  const std::map<int, exec::Fp8State>& fp8_state();
+
  private:
+  std::map<int, std::map<int, exec::Fp8State>> fp8_;  // device ordinal -> quantize op -> state
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<const exec::CompiledPlan>> plans_;
 };

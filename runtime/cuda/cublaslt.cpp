@@ -198,4 +198,18 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
              "cublasLtMatmul");
 }
 
+void Blas::column_sums(ops::DType dtype, int64_t m, int64_t n, const void* x, const void* ones, void* out,
+                       CUstream stream) {
+  GemmCall c;
+  c.kind = GemmKind::wgrad;
+  c.m = m;
+  c.n = n;
+  c.k = 1;
+  c.dtype = dtype;
+  c.a = x;
+  c.b = ones;
+  c.d = out;
+  gemm(c, stream);
+}
+
 }  // namespace jitfuse::cuda

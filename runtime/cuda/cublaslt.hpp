@@ -41,6 +41,10 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
   void gemm(const GemmCall& call, CUstream stream);
+  // out[n] = sum over the m rows of x [m, n] (row-major), given a column of m ones: the wgrad GEMM of a
+  // linear with one input feature (dW^T [1, n] = ones^T [1, m] x [m, n]). The fallback when BGRADB has no
+  // algorithm for a problem.
+  void column_sums(ops::DType dtype, int64_t m, int64_t n, const void* x, const void* ones, void* out, CUstream stream);
   size_t heuristic_cache_size() const;
   static std::string version();
 

@@ -47,12 +47,31 @@ GroupExec lower_group(const std::vector<ops::Op>& ops, const fuser::Group& g, bo
     ge.gemm_ops = 1;  // unfused linear
   }
   if (impl.kind == K::joint && impl.strategy == "regenerate_dropout_mask") opt.regenerate_dropout = true;
+  if (recipe.is_fp8() && forward) {
+    codegen::Fp8Spec q;
+    q.delayed = recipe.kind == ops::RecipeKind::fp8_delayed;
+    q.margin = recipe.margin;
+    opt.fp8 = q;
+  }
   int kb = b + ge.gemm_ops;
   if (kb < g.end) {
     opt.vec = chain_vectorizable(ops, kb, g.end);
     ge.kernel = std::make_unique<KernelStep>();
     ge.kernel->spec = chain_spec(ops, kb, g.end, opt);
     ge.kernel->meta = kernel_meta(ops, g, kb, recipe, seq, forward ? "forward" : "backward");
+    if (ge.kernel->spec.fp8 && !ge.kernel->spec.fp8->delayed) {
+      // Current scaling needs amax(output) before the first byte is cast: a first pass reduces it.
+      ge.amax_pass = std::make_unique<KernelStep>(*ge.kernel);
+      auto& spec = ge.amax_pass->spec;
+      spec.fp8->amax_only = true;
+      // The cast pass saves the group's context; this one only reads.
+      if (spec.norm) spec.norm->save_stats = spec.norm->save_input = false;
+      if (spec.gated) spec.gated->save_input = false;
+      for (auto* stages : {&spec.pre, &spec.post})
+        for (auto& st : *stages) st.save_input = st.save_output = st.dropout_save_mask = false;
+      ge.amax_pass->spec.label += "_amax";
+      ge.amax_pass->meta["pass"] = "forward (amax)";
+    }
   }
   return ge;
 }
@@ -67,11 +86,18 @@ std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> plan_kernel_specs(co
   auto add = [&](const std::vector<fuser::Group>& groups, bool fwd) {
     for (auto& g : groups) {
       GroupExec ge = lower_group(ops, g, fwd, recipe, training, seq);
-      if (ge.kernel) out.emplace_back(ge.kernel->spec, ge.kernel->meta);
+      for (auto* ks : ge.steps()) out.emplace_back(ks->spec, ks->meta);
     }
   };
   add(plan.forward, true);
   if (training) add(plan.backward, false);
+  return out;
+}
+
+std::vector<KernelStep*> GroupExec::steps() const {
+  std::vector<KernelStep*> out;
+  if (amax_pass) out.push_back(amax_pass.get());
+  if (kernel) out.push_back(kernel.get());
   return out;
 }
 
@@ -92,16 +118,13 @@ std::shared_ptr<CompiledPlan> compile_plan(std::vector<ops::Op> ops, fuser::Plan
   std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> specs;
   for (auto* list : {&cp->fwd, &cp->bwd})
     for (auto& ge : *list)
-      if (ge.kernel) specs.emplace_back(ge.kernel->spec, ge.kernel->meta);
+      for (auto* ks : ge.steps()) specs.emplace_back(ks->spec, ks->meta);
   rt.kernels->prefetch(specs, cp->target, std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   for (auto* list : {&cp->fwd, &cp->bwd})
     for (auto& ge : *list)
-      if (ge.kernel) {
-        auto& ks = *ge.kernel;
-        auto spec = ks.spec;
-        spec.vec = ks.spec.vec;
-        const LoadedKernel& lk = rt.kernels->load(spec, cp->target, ks.meta);
-        (spec.vec ? ks.vec : ks.scalar) = &lk;
+      for (auto* ks : ge.steps()) {
+        const LoadedKernel& lk = rt.kernels->load(ks->spec, cp->target, ks->meta);
+        (ks->spec.vec ? ks->vec : ks->scalar) = &lk;
       }
   return cp;
 }

@@ -34,6 +34,14 @@ struct SavedContext {
   bool released = false;
 };
 
+// The device buffers of a quantize op's FP8 recipe state (owned by the sequence, kept across calls).
+struct Fp8State {
+  float* scale = nullptr;      // [1] the factor applied before the cast
+  float* scale_inv = nullptr;  // [1] dequantizes the last forward's output
+  float* history = nullptr;    // [len] amax history, newest first (fp8_current: len 1, this call's amax)
+  int len = 0;
+};
+
 struct ForwardArgs {
   const void* input = nullptr;
   std::vector<const void*> extra_in;
@@ -41,6 +49,7 @@ struct ForwardArgs {
   std::vector<void*> extra_out;
   uint64_t rng_offset = 0;
   CUstream stream = nullptr;
+  std::map<int, Fp8State> fp8;  // by quantize op index (FP8 recipes)
 };
 
 struct BackwardArgs {
@@ -63,6 +72,9 @@ struct GroupExec {
   fuser::Group group;
   int gemm_ops = 0;                    // leading ops run by cuBLASLt (0: none)
   std::unique_ptr<KernelStep> kernel;  // the generated part ([begin + gemm_ops, end)), if any
+  std::unique_ptr<KernelStep> amax_pass;  // fp8_current: the same chain reducing amax(output) first
+  // The group's generated kernels in launch order.
+  std::vector<KernelStep*> steps() const;
 };
 
 struct CompiledPlan {

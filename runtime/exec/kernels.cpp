@@ -136,6 +136,8 @@ const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const T
     cuda::check(d.cuModuleGetFunction(&fn, mod, f.kernel.c_str()), "cuModuleGetFunction");
     lk->finalize[std::to_string(f.op) + "." + f.name] = fn;
   }
+  if (!lk->gen.fp8_update.empty())
+    cuda::check(d.cuModuleGetFunction(&lk->fp8_update, mod, lk->gen.fp8_update.c_str()), "cuModuleGetFunction");
   auto& ref = *lk;
   loaded_[key] = std::move(lk);
   return ref;

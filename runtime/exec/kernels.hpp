@@ -40,6 +40,7 @@ struct LoadedKernel {
   CUfunction fn = nullptr;
   int blocks_per_sm = 1;  // resident blocks of `fn` per SM at its block size (the driver's occupancy)
   std::map<std::string, CUfunction> finalize;  // param name ("bias") -> kernel
+  CUfunction fp8_update = nullptr;             // fp8_delayed: the recipe-state update after the kernel
 };
 
 class KernelLibrary {

@@ -184,6 +184,13 @@ KernelSpec chain_spec(const std::vector<Op>& ops, int b, int e, const ChainOptio
       after_anchor = true;
       continue;
     }
+    if (op.kind == "quantize" && opt.fp8 && fwd) {
+      // Under an FP8 recipe quantize is the sequence's last op: the cast of the kernel's output.
+      if (i + 1 != e) fail(Status::internal, "lowering: {} under an FP8 recipe must end its group", op.label());
+      spec.fp8 = *opt.fp8;
+      spec.fp8->op = i;
+      continue;
+    }
     Stage s;
     s.op = i;
     s.op_kind = op.kind;

@@ -35,6 +35,8 @@ struct ChainOptions {
   bool vec = true;
   std::string rule;
   bool regenerate_dropout = false;  // joint: forward saves no mask, backward regenerates it
+  // FP8 recipes: a forward chain ending in quantize casts its output (fp8.op is filled in by chain_spec).
+  std::optional<codegen::Fp8Spec> fp8;
   // Saved values the forward must write because they are internal to the group. Values at group
   // boundaries are materialized anyway and are aliased instead.
 };

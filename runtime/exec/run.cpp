@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/error.hpp"
+#include "common/log.hpp"
 #include "exec/executor.hpp"
 
 namespace jitfuse::exec {
@@ -74,6 +75,13 @@ struct Binder {
   const BackwardArgs* ba = nullptr;
   uint64_t rng_offset = 0;
 
+  const Fp8State& fp8(int op) const {
+    if (fa) {
+      auto it = fa->fp8.find(op);
+      if (it != fa->fp8.end()) return it->second;
+    }
+    fail(Status::internal, "{}: no FP8 recipe state", cp.ops[op].label());
+  }
   const void* param(int op, const std::string& name) const {
     auto it = params.find({op, name});
     if (it == params.end() || !it->second)
@@ -131,6 +139,15 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
       case codegen::Arg::Role::extra_out: p = bd.fa->extra_out.at(op->extra_slot); break;
       case codegen::Arg::Role::grad_extra_out: p = const_cast<void*>(bd.ba->grad_extra_out.at(op->extra_slot)); break;
       case codegen::Arg::Role::grad_extra_in: p = bd.ba->grad_extra_in.at(op->extra_slot); break;
+      case codegen::Arg::Role::fp8_scale: ptrs[i] = bd.fp8(a.op).scale; continue;
+      case codegen::Arg::Role::fp8_scale_inv: ptrs[i] = bd.fp8(a.op).scale_inv; continue;
+      case codegen::Arg::Role::fp8_amax:
+        // Current scaling reduces into amax_history[0]; delayed scaling into a temporary the update
+        // kernel folds into the history. Either starts at 0 (the reduction is an atomic max).
+        ptrs[i] = ks.spec.fp8->delayed ? bd.buf.temp(sizeof(float)) : bd.fp8(a.op).history;
+        if (a.writes)
+          cuda::check(d.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(ptrs[i]), 0, 1, stream), "cuMemsetD32Async");
+        continue;
       default: continue;  // partials and scalars below
     }
     if (a.name != "mask" && !aligned16(p)) all_aligned = false;
@@ -198,6 +215,18 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
     cuda::check(d.cuLaunchKernel(lk->finalize.at(k), grid, 1, 1, 256, 1, 1, 0, stream, fp, nullptr),
                 "cuLaunchKernel(finalize)");
   }
+  if (lk->fp8_update) {
+    const Fp8State& st = bd.fp8(ks.spec.fp8->op);
+    void* amax = nullptr;
+    for (size_t i = 0; i < args.size(); ++i)
+      if (args[i].role == codegen::Arg::Role::fp8_amax) amax = ptrs[i];
+    void* hist = st.history;
+    void* scale = st.scale;
+    void* scale_inv = st.scale_inv;
+    int len = st.len;
+    void* up[] = {&amax, &hist, &len, &scale, &scale_inv};
+    cuda::check(d.cuLaunchKernel(lk->fp8_update, 1, 1, 1, 256, 1, 1, 0, stream, up, nullptr), "cuLaunchKernel(fp8 update)");
+  }
 }
 
 // The GEMM of a linear op in row-major terms (x [m,k], W [n,k]); callers add operands and epilogue.
@@ -209,6 +238,20 @@ cuda::GemmCall linear_gemm(const CompiledPlan& cp, const ops::Op& lin, cuda::Gem
   c.n = ops::cols_of(lin.out);
   c.dtype = cp.recipe.dtype;
   return c;
+}
+
+// A column of m ones in the recipe's dtype (for Blas::column_sums).
+void* ones_column(const CompiledPlan& cp, int64_t m, Buffers& buf, CUstream stream) {
+  void* ones = buf.temp(static_cast<size_t>(m) * elt(cp));
+  const auto& d = cuda::driver();
+  const auto p = reinterpret_cast<CUdeviceptr>(ones);
+  const size_t n = static_cast<size_t>(m);
+  switch (cp.recipe.dtype) {
+    case ops::DType::f32: cuda::check(d.cuMemsetD32Async(p, 0x3F800000u, n, stream), "cuMemsetD32Async"); break;
+    case ops::DType::f16: cuda::check(d.cuMemsetD16Async(p, 0x3C00u, n, stream), "cuMemsetD16Async"); break;
+    default: cuda::check(d.cuMemsetD16Async(p, 0x3F80u, n, stream), "cuMemsetD16Async"); break;
+  }
+  return ones;
 }
 
 void register_boundary_saves(const CompiledPlan& cp, int b, int e, const std::vector<void*>& val, SavedContext* saved,
@@ -272,7 +315,8 @@ void run_forward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, co
       }
       if (recompute && saved) saved->tensors.erase({g.begin + 1, "input"});
     } else {
-      launch(cp, rt, *ge.kernel, bd, val[g.begin], val[g.end], ops::rows_of(cp.ops[g.begin].in), fa.stream);
+      for (auto* ks : ge.steps())
+        launch(cp, rt, *ks, bd, val[g.begin], val[g.end], ops::rows_of(cp.ops[g.begin].in), fa.stream);
       register_boundary_saves(cp, g.begin, g.end, val, saved, false);
     }
   }
@@ -354,6 +398,19 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
     if (li + 1 < g.end && cp.ops[li + 1].family == Family::bias && (epi == "BGRADB" || epi == "DGELU_BGRAD")) {
       wg.epilogue = cuda::Epilogue::bgradb;
       wg.bias = bd.grad(li + 1, "bias");
+      try {
+        rt.blas->gemm(wg, ba.stream);
+      } catch (const Error& err) {
+        if (err.status() != Status::unsupported) throw;
+        // No BGRADB algorithm for this problem (dtype, alignment, shape): the plain wgrad, then db = 1^T dy.
+        log().debug("{}: {}; computing the bias gradient with a separate GEMM", cp.ops[li + 1].label(), err.what());
+        wg.epilogue = cuda::Epilogue::none;
+        void* db = bd.grad(li + 1, "bias");
+        wg.bias = nullptr;
+        rt.blas->gemm(wg, ba.stream);
+        rt.blas->column_sums(cp.recipe.dtype, wg.m, wg.n, dy, ones_column(cp, wg.m, buf, ba.stream), db, ba.stream);
+      }
+      continue;
     }
     rt.blas->gemm(wg, ba.stream);
   }

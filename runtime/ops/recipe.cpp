@@ -14,10 +14,15 @@ Recipe parse_recipe(const std::string& name) {
   } else if (name == "bf16") {
     r.kind = RecipeKind::bf16; r.dtype = DType::bf16;
   } else if (name == "fp8_delayed" || name == "fp8_current") {
-    fail(Status::unsupported,
-         "recipe '{}' is declared but not implemented yet in this build; use fp32, fp16 or bf16", name);
+    // Activations, parameters and gradients stay bf16; quantize casts its input to E4M3 with a per-tensor
+    // scale (delayed: from the amax history of earlier calls; current: from this tensor's amax).
+    r.kind = name == "fp8_delayed" ? RecipeKind::fp8_delayed : RecipeKind::fp8_current;
+    r.dtype = DType::bf16;
+    r.amax_history = r.kind == RecipeKind::fp8_delayed ? 1024 : 1;
+    r.margin = 0;
   } else {
-    fail(Status::invalid_argument, "unknown recipe '{}': expected one of fp32, fp16, bf16", name);
+    fail(Status::invalid_argument, "unknown recipe '{}': expected one of fp32, fp16, bf16, fp8_delayed, fp8_current",
+         name);
   }
   return r;
 }

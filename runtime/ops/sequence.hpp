@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ops/op.hpp"
+#include "ops/recipe.hpp"
 
 namespace jitfuse::ops {
 
@@ -24,6 +25,10 @@ struct SequenceDef {
 
 SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry);
 SequenceDef parse_sequence_file(const std::string& path, const Registry& registry);
+
+// What a recipe can run: under the FP8 recipes a sequence holds no linear (FP8 GEMMs are not
+// implemented) and quantize, the FP8 cast, only as its last op (the E4M3 output is the sequence's).
+void check_recipe_support(const SequenceDef& def, const Recipe& recipe);
 
 // Shapes through the whole sequence; an error names the op where they stop fitting.
 std::vector<Op> infer(const SequenceDef& def, const Shape& input);

@@ -58,6 +58,9 @@ void philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t ou
 
 // ---- rounding to a storage dtype ("fp32", "fp16", "bf16"), round-to-nearest-even ----
 double round_to(const std::string& dtype, double v);
+// FP8 E4M3 (the "fn" variant: no infinities, NaN = S.1111.111, max 448): round to nearest even, saturate.
+uint8_t e4m3_bits(double v);
+double e4m3_value(uint8_t bits);
 void round_all(const std::string& dtype, Vec& v);
 // Storage bytes of a dtype (what the GPU reads and writes) from/to doubles.
 std::vector<uint8_t> encode(const std::string& dtype, CSpan v);

@@ -156,4 +156,28 @@ Vec decode(const std::string& dtype, const std::vector<uint8_t>& bytes) {
   return out;
 }
 
+uint8_t e4m3_bits(double v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
+  if (std::isnan(v)) return sign | 0x7F;
+  const double a = std::fabs(v);
+  if (a >= 448.0) return sign | 0x7E;  // saturate (the device casts with satfinite semantics)
+  if (a < 0x1p-6) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0));  // subnormals, steps of 2^-9
+  int e = std::ilogb(a);
+  double q = std::nearbyint((std::ldexp(a, -e) - 1.0) * 8.0);  // 3 mantissa bits, ties to even
+  if (q == 8.0) {
+    q = 0.0;
+    ++e;
+  }
+  if (e > 8 || (e == 8 && q == 7.0)) return sign | 0x7E;
+  return sign | static_cast<uint8_t>(((e + 7) << 3) | static_cast<int>(q));
+}
+
+double e4m3_value(uint8_t bits) {
+  const double sign = (bits & 0x80) ? -1.0 : 1.0;
+  const int e = (bits >> 3) & 0xF, m = bits & 0x7;
+  if (e == 0xF && m == 0x7) return std::numeric_limits<double>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(m, -9);
+  return sign * std::ldexp(1.0 + m / 8.0, e - 7);
+}
+
 }  // namespace jitfuse::reference

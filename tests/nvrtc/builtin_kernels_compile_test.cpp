@@ -44,6 +44,15 @@ const char* kSequences[] = {
     R"([{"op": "dropout", "p": 0.3, "training": false}])",
 };
 
+// Under the FP8 recipes (quantize is the E4M3 cast; current scaling adds an amax pass).
+const char* kFp8Sequences[] = {
+    R"([{"op": "layernorm"}, {"op": "quantize"}])",
+    R"([{"op": "rmsnorm"}, {"op": "quantize"}])",
+    R"([{"op": "bias"}, {"op": "gelu"}, {"op": "quantize"}])",
+    R"([{"op": "swiglu"}, {"op": "quantize"}])",
+    R"([{"op": "add_extra_input"}, {"op": "dropout", "p": 0.1}, {"op": "quantize"}])",
+};
+
 }  // namespace
 
 TEST_CASE("every kernel of the built-in rules compiles with NVRTC for sm_80 and sm_90a", "[nvrtc]") {
@@ -55,18 +64,22 @@ TEST_CASE("every kernel of the built-in rules compiles with NVRTC for sm_80 and 
   size_t compiled = 0;
   for (const char* arch : {"sm_80", "sm_90a"}) {
     exec::Target target = exec::target_for_arch(arch);
-    for (const char* ops_json : kSequences) {
+    std::vector<std::pair<const char*, std::vector<const char*>>> cases;
+    for (const char* ops_json : kSequences) cases.push_back({ops_json, {"fp32", "fp16", "bf16"}});
+    for (const char* ops_json : kFp8Sequences) cases.push_back({ops_json, {"fp8_delayed", "fp8_current"}});
+    for (const auto& [ops_json, recipes] : cases) {
       std::string text = std::string(R"({"format": "jitfuse.sequence/1", "name": "n", "ops": )") + ops_json + "}";
       auto def = ops::parse_sequence(text, "<nvrtc test>", rs.registry());
-      for (const char* recipe : {"fp32", "fp16", "bf16"})
+      for (const char* recipe : recipes)
         for (bool training : {true, false})
           for (ops::Shape shape : {ops::Shape{16, 64}, ops::Shape{3, 66}}) {
             // Odd widths exercise the scalar paths; linear's in_features fixes its input width.
             if (ops::cols_of(shape) != 64 && std::string(ops_json).find("linear") != std::string::npos) continue;
             auto ops = ops::infer(def, shape);
-            fuser::PlanInputs in{recipe, recipe, arch[3] == '9' ? 90 : 80, training, false};
+            const ops::Recipe rc = ops::parse_recipe(recipe);
+            fuser::PlanInputs in{recipe, ops::dtype_name(rc.dtype), arch[3] == '9' ? 90 : 80, training, false};
             auto plan = fuser::plan(ops, in, rs, exec::legality());
-            for (auto [spec, meta] : exec::plan_kernel_specs(ops, plan, ops::parse_recipe(recipe), training, "n"))
+            for (auto [spec, meta] : exec::plan_kernel_specs(ops, plan, rc, training, "n"))
               for (bool vec : {true, false}) {
                 if (vec && !spec.vec) continue;
                 spec.vec = vec;

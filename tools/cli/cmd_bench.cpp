@@ -291,8 +291,8 @@ void add_bench_commands(CLI::App& app) {
   auto o = std::make_shared<BenchOpts>();
   auto* cmd = app.add_subcommand("bench", "Time the fused kernels: GB/s vs copy bandwidth, TFLOP/s vs bare cuBLASLt");
   cmd->add_flag("--json", o->json, "Machine-readable output");
-  cmd->add_option("--warmup", o->warmup, "Untimed runs before timing (default 10)");
-  cmd->add_option("--iters", o->iters, "Timed runs; the median is reported (default 50)");
+  cmd->add_option("--warmup", o->warmup, "Untimed runs before timing (default 10)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--iters", o->iters, "Timed runs; the median is reported (default 50)")->check(CLI::PositiveNumber);
   cmd->add_flag("--sync", o->sync, "Wait for each timed call before enqueuing the next (host overhead included)");
   cmd->add_option("--case", o->only, "Run one case: bias_gelu, dgelu_dbias, layernorm, rmsnorm, swiglu, "
                                      "bias_dropout_add, linear_bias_gelu, mlp");

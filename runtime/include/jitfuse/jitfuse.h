@@ -97,6 +97,19 @@ JF_API jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* gr
                              const DLTensor* const* grad_extra_outputs, int n_grad_extra_outputs, DLTensor* grad_input,
                              DLTensor* const* grad_extra_inputs, int n_grad_extra_inputs, jf_stream stream);
 
+/* FP8 recipes (fp8_delayed, fp8_current): the recipe state of a quantize op on the current device, owned
+ * by the sequence and kept across calls (allocated on first use: scale = scale_inv = 1, history zeros).
+ * All fp32 device pointers, read and written stream-ordered by jf_forward. After a forward, scale_inv
+ * dequantizes its E4M3 output (x ~ e4m3 * scale_inv). fp8_current: history_len 1, the last call's amax.
+ * fp8_delayed: history_len 1024, newest first; `scale` is the one the next call will use. */
+typedef struct jf_fp8_state {
+  float* scale;
+  float* scale_inv;
+  float* amax_history;
+  int64_t history_len;
+} jf_fp8_state;
+JF_API jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out);
+
 /* Frees a saved context's tensors (stream-ordered on `stream`). */
 JF_API jf_status jf_saved_release(jf_saved saved, jf_stream stream);
 

@@ -38,7 +38,24 @@ TEST_CASE("C ABI errors: status codes and messages naming the problem", "[api]")
   CHECK(has("<sequence>:1:"));
   CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"bias\"}]}", "fp64", &seq) == JF_ERR_INVALID_ARGUMENT);
   CHECK(has("unknown recipe 'fp64'"));
-  CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"bias\"}]}", "fp8_delayed", &seq) == JF_ERR_UNSUPPORTED);
+  // FP8 recipes: pointwise/norm sequences ending in quantize; no FP8 GEMMs; quantize only last.
+  CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"linear\", \"in_features\": 8, \"out_features\": 8}, "
+                                "{\"op\": \"quantize\"}]}", "fp8_delayed", &seq) == JF_ERR_UNSUPPORTED);
+  CHECK(has("op 0 (linear) under recipe fp8_delayed: FP8 GEMMs are not implemented"));
+  CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"quantize\"}, {\"op\": \"gelu\"}]}", "fp8_current", &seq) ==
+        JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("op 0 (quantize) under recipe fp8_current must be the last op"));
+  REQUIRE(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"bias\"}, {\"op\": \"quantize\"}]}", "fp8_current", &seq) ==
+          JF_OK);
+  jf_fp8_state st{};
+  CHECK(jf_sequence_fp8_state(seq, 0, &st) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("op 0 of sequence"));
+  CHECK(has("is not a quantize op"));
+  jf_sequence_destroy(seq);
+  REQUIRE(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"quantize\"}]}", "bf16", &seq) == JF_OK);
+  CHECK(jf_sequence_fp8_state(seq, 0, &st) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("runs recipe bf16"));
+  jf_sequence_destroy(seq);
   CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"gelu\", \"approximate\": \"fast\"}]}", "bf16", &seq) ==
         JF_ERR_INVALID_ARGUMENT);
   CHECK(has("op 0"));

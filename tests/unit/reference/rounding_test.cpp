@@ -96,3 +96,32 @@ TEST_CASE("round_all rounds in place and rejects unknown dtypes", "[reference]")
   CHECK_THROWS_AS(ref::round_to("half", 1.0), std::invalid_argument);
   CHECK_THROWS_AS(ref::round_all("FP16", v), std::invalid_argument);
 }
+
+TEST_CASE("E4M3 rounding: nearest even, subnormals, saturation at 448, NaN", "[reference]") {
+  CHECK(ref::e4m3_bits(0.0) == 0x00);
+  CHECK(ref::e4m3_bits(-0.0) == 0x80);
+  CHECK(ref::e4m3_bits(1.0) == 0x38);
+  CHECK(ref::e4m3_bits(-1.0) == 0xB8);
+  CHECK(ref::e4m3_bits(448.0) == 0x7E);
+  CHECK(ref::e4m3_bits(1e6) == 0x7E);    // saturates
+  CHECK(ref::e4m3_bits(-500.0) == 0xFE);
+  CHECK(ref::e4m3_bits(1.0625) == 0x38);  // tie between 1 and 1.125: even mantissa (1)
+  CHECK(ref::e4m3_bits(1.1875) == 0x3A);  // tie between 1.125 and 1.25: even (1.25)
+  CHECK(ref::e4m3_bits(1.07) == 0x39);
+  CHECK(ref::e4m3_bits(0x1p-9) == 0x01);   // smallest subnormal
+  CHECK(ref::e4m3_bits(0x1p-10) == 0x00);  // tie with 0: even
+  CHECK(ref::e4m3_bits(0x1.8p-9) == 0x02); // tie between 1 and 2 steps: even (2)
+  CHECK(ref::e4m3_bits(0x1.fp-7) == 0x08); // rounds up into the first normal 2^-6
+  CHECK(ref::e4m3_bits(240.0) == 0x77);
+  CHECK(ref::e4m3_bits(232.0) == 0x76);    // tie between 224 (0x76) and 240: even mantissa (224)
+  CHECK((ref::e4m3_bits(std::nan("")) & 0x7F) == 0x7F);
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7F) == 0x7F) continue;  // NaN
+    const double v = ref::e4m3_value(static_cast<uint8_t>(b));
+    INFO("bits " << b << " value " << v);
+    CHECK(ref::e4m3_bits(v) == (b == 0x80 ? 0x80 : b));  // every code round-trips
+  }
+  CHECK(ref::e4m3_value(0x7E) == 448.0);
+  CHECK(ref::e4m3_value(0x01) == 0x1p-9);
+  CHECK(std::isnan(ref::e4m3_value(0xFF)));
+}

@@ -1,5 +1,6 @@
 // The built-in rules: they load without a single error, carry what the issue asks (math, passes, epilogues,
 // cuBLASLt alignment conditions), and each one's canonical window passes its conditions and the legality predicate.
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -29,6 +30,8 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"bias_gated_bwd", Pass::backward},     {"bias_dropout_add_joint", Pass::joint},
       {"linear_silu_recompute", Pass::joint}, {"bias_gelu_linear_bias_bwd", Pass::backward},
       {"bias_gelu_linear_bwd", Pass::backward}, {"linear_bias_bwd", Pass::backward},
+      {"norm_quantize", Pass::forward},       {"bias_act_quantize", Pass::forward},
+      {"gated_quantize", Pass::forward},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;
@@ -109,6 +112,10 @@ TEST_CASE("every built-in rule's canonical window passes its conditions and the 
     auto ops = jf_test::make_ops(rs, canonical_ops(r, cols), {16, cols});
     jitfuse::fuser::PlanInputs in;
     in.recipe = in.dtype = "bf16";
+    // The FP8 cast rules apply under the FP8 recipes only (activations stay bf16).
+    if (std::find(r.conditions.recipes.begin(), r.conditions.recipes.end(), "bf16") == r.conditions.recipes.end() &&
+        !r.conditions.recipes.empty())
+      in.recipe = r.conditions.recipes.front();
     in.arch = 90;
     auto plan = jitfuse::fuser::plan(ops, in, rs, jitfuse::exec::legality());
     bool seen = false;

@@ -51,6 +51,15 @@ struct GatedSpec {
   bool save_input = false;
 };
 
+// A trailing FP8 (E4M3) cast of the kernel's output (quantize under an FP8 recipe) and the per-tensor
+// amax reduction its scale comes from.
+struct Fp8Spec {
+  int op = -1;             // the quantize op
+  bool delayed = false;    // fp8_delayed: cast with the stored scale, fold amax into the history after
+  bool amax_only = false;  // fp8_current, first pass: reduce amax(output), store nothing
+  double margin = 0;       // scale = 448 / amax / 2^margin
+};
+
 struct KernelSpec {
   Skeleton skeleton = Skeleton::elementwise;
   Direction dir = Direction::forward;
@@ -61,6 +70,7 @@ struct KernelSpec {
   std::optional<NormSpec> norm;
   std::optional<GatedSpec> gated;
   std::vector<Stage> post;     // stages after the anchor
+  std::optional<Fp8Spec> fp8;  // the output is cast to E4M3 (forward only)
   std::map<std::string, std::string> headers;  // template files the stages need (name -> "" until filled)
   std::string label;           // "bias_gelu": kernel name stem
   std::string rule;            // provenance for comments and cache metadata
@@ -81,6 +91,9 @@ struct Arg {
     rows,          // jf_i64
     seed, offset,  // jf_u64 (dropout op)
     parts,         // int: number of partial rows
+    fp8_scale,     // (op) float[1]: delayed: read; current: written by the cast pass
+    fp8_scale_inv, // (op) float[1]: written (current: cast pass; delayed: update kernel)
+    fp8_amax,      // (op) float[1]: current: amax_history[0]; delayed: a zeroed temporary
   } role;
   int op = -1;
   std::string name;
@@ -96,7 +109,7 @@ struct Launch {
   // true: the kernel writes one partial row per block (column reductions), so the grid is sized to
   // the blocks that fit on the device at once and blocks loop over rows. false: every row slab gets
   // its own block (measured faster on an H200 than a device-sized grid-stride loop: bias+gelu 96 % vs
-  // 88 % of copy bandwidth, layernorm 85 % vs 79 %).
+  // 88 % of copy bandwidth, layernorm 83 % vs 79 %).
   bool persistent = false;
 };
 
@@ -114,6 +127,9 @@ struct Generated {
   std::vector<Arg> args;
   Launch launch;
   std::vector<Finalize> finalize;  // same module
+  // fp8_delayed: one block of 256 threads after the kernel: (amax, history, len, scale, scale_inv) rolls the
+  // history, records amax, writes scale_inv = 1 / the scale used and the next scale.
+  std::string fp8_update;
   std::vector<std::string> headers;  // template files included, in order
 };
 
