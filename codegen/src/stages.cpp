@@ -235,30 +235,41 @@ void emit_fp8_epilogue(Writer& w, const KernelSpec& spec) {
 
 namespace {
 
-void emit_fp8_update(Writer& w, const std::string& kernel, double margin) {
+// The one-block kernel after an FP8 kernel that reduced amax into per-block partials.
+void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
+  if (q.amax_only) {
+    w.line("// fp8_current: amax_history[0] = max over the blocks' partial amax (the cast pass reads it)");
+    w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const float* __restrict__ part, int count, "
+           "float* __restrict__ hist) {{", kernel);
+    w.open();
+    w.line("const float m = jf_amax_reduce(part, count);");
+    w.line("if (threadIdx.x == 0) hist[0] = m;");
+    w.close();
+    w.line("}}");
+    return;
+  }
   w.line("// fp8_delayed: roll the amax history, record this call's amax, scale_inv = 1 / the scale used,");
-  w.line("// scale = 448 / max(history) / 2^margin for the next call. History length <= 1024.");
-  w.line("extern \"C\" __global__ void __launch_bounds__(256) {}(const float* __restrict__ amax, float* __restrict__ hist, "
-         "int len, float* __restrict__ scale, float* __restrict__ scale_inv) {{", kernel);
+  w.line("// scale = 448 / max(history) / 2^margin for the next call. One thread per history entry (len <= 1024).");
+  w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const float* __restrict__ part, int count, "
+         "float* __restrict__ hist, int len, float* __restrict__ scale, float* __restrict__ scale_inv) {{", kernel);
   w.open();
-  w.line("__shared__ float jf_sm[8];");
-  w.line("const float a = amax[0];");
-  w.line("float m = a, keep[4];");
-  w.line("#pragma unroll");
-  w.line("for (int k = 0; k < 4; ++k) {{ const int i = threadIdx.x + 256 * k; keep[k] = i + 1 < len ? hist[i] : 0.f; m = fmaxf(m, keep[k]); }}");
+  w.line("__shared__ float jf_sm[32];");
+  w.line("const float a = jf_amax_reduce(part, count);  // thread 0");
+  w.line("const int i = threadIdx.x;");
+  w.line("const float keep = i + 1 < len ? hist[i] : 0.f;");
+  w.line("float m = keep;");
   w.line("__syncthreads();");
-  w.line("#pragma unroll");
-  w.line("for (int k = 0; k < 4; ++k) {{ const int i = threadIdx.x + 256 * k; if (i + 1 < len) hist[i + 1] = keep[k]; }}");
+  w.line("if (i + 1 < len) hist[i + 1] = keep;");
   w.line("for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));");
   w.line("if ((threadIdx.x & 31) == 0) jf_sm[threadIdx.x >> 5] = m;");
   w.line("__syncthreads();");
   w.line("if (threadIdx.x == 0) {{");
   w.open();
-  w.line("for (int k = 1; k < 8; ++k) m = fmaxf(m, jf_sm[k]);");
-  w.line("m = fmaxf(m, jf_sm[0]);");
+  w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
+  w.line("m = fmaxf(m, a);");
   w.line("hist[0] = a;");
   w.line("scale_inv[0] = 1.f / scale[0];");
-  w.line("scale[0] = jf_fp8_scale(m, {});", num(std::ldexp(1.0, static_cast<int>(margin))));
+  w.line("scale[0] = jf_fp8_scale(m, {});", num(std::ldexp(1.0, static_cast<int>(q.margin))));
   w.close();
   w.line("}}");
   w.close();
@@ -268,10 +279,10 @@ void emit_fp8_update(Writer& w, const std::string& kernel, double margin) {
 }  // namespace
 
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec) {
-  if (spec.fp8 && spec.fp8->delayed) {
+  if (spec.fp8 && (spec.fp8->delayed || spec.fp8->amax_only)) {
     g.fp8_update = g.kernel + "_fp8_update";
     w.line("");
-    emit_fp8_update(w, g.fp8_update, spec.fp8->margin);
+    emit_fp8_update(w, g.fp8_update, *spec.fp8);
   }
   for (auto& f : setup.finalize) {
     f.kernel = fmt::format("{}_fin{}_{}", g.kernel, f.op, f.name);

@@ -142,11 +142,8 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
       case codegen::Arg::Role::fp8_scale: ptrs[i] = bd.fp8(a.op).scale; continue;
       case codegen::Arg::Role::fp8_scale_inv: ptrs[i] = bd.fp8(a.op).scale_inv; continue;
       case codegen::Arg::Role::fp8_amax:
-        // Current scaling reduces into amax_history[0]; delayed scaling into a temporary the update
-        // kernel folds into the history. Either starts at 0 (the reduction is an atomic max).
-        ptrs[i] = ks.spec.fp8->delayed ? bd.buf.temp(sizeof(float)) : bd.fp8(a.op).history;
-        if (a.writes)
-          cuda::check(d.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(ptrs[i]), 0, 1, stream), "cuMemsetD32Async");
+        // Written: per-block partials, sized with the grid below. Read: current scaling's amax_history[0].
+        if (!a.writes) ptrs[i] = bd.fp8(a.op).history;
         continue;
       default: continue;  // partials and scalars below
     }
@@ -180,6 +177,8 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
     gy = static_cast<unsigned>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 65535)));
   }
   const int parts = static_cast<int>(ks.spec.skeleton == codegen::Skeleton::rownorm ? gx : gy);
+  void* amax_part = nullptr;  // FP8: one partial amax per block
+  int amax_parts = 0;
   // Scalars and partials.
   std::vector<int64_t> i64s(args.size());
   std::vector<uint64_t> u64s(args.size());
@@ -192,6 +191,12 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
       case codegen::Arg::Role::seed:
         u64s[i] = cp.ops[a.op].attrs["seed"].get<uint64_t>(); kparams[i] = &u64s[i]; continue;
       case codegen::Arg::Role::offset: u64s[i] = bd.rng_offset; kparams[i] = &u64s[i]; continue;
+      case codegen::Arg::Role::fp8_amax:
+        if (a.writes) {
+          amax_parts = static_cast<int>(gx * gy);
+          amax_part = ptrs[i] = bd.buf.temp(static_cast<size_t>(amax_parts) * sizeof(float));
+        }
+        break;
       case codegen::Arg::Role::partials: {
         int64_t width = 0;
         for (auto& f : lk->gen.finalize)
@@ -216,16 +221,16 @@ void launch(const CompiledPlan& cp, Runtime& rt, const KernelStep& ks, Binder& b
                 "cuLaunchKernel(finalize)");
   }
   if (lk->fp8_update) {
+    // Reduce the partials: into amax_history[0] (current scaling's amax pass), or into the history with
+    // the scale update (delayed scaling).
     const Fp8State& st = bd.fp8(ks.spec.fp8->op);
-    void* amax = nullptr;
-    for (size_t i = 0; i < args.size(); ++i)
-      if (args[i].role == codegen::Arg::Role::fp8_amax) amax = ptrs[i];
     void* hist = st.history;
     void* scale = st.scale;
     void* scale_inv = st.scale_inv;
     int len = st.len;
-    void* up[] = {&amax, &hist, &len, &scale, &scale_inv};
-    cuda::check(d.cuLaunchKernel(lk->fp8_update, 1, 1, 1, 256, 1, 1, 0, stream, up, nullptr), "cuLaunchKernel(fp8 update)");
+    void* up[] = {&amax_part, &amax_parts, &hist, &len, &scale, &scale_inv};
+    cuda::check(d.cuLaunchKernel(lk->fp8_update, 1, 1, 1, 1024, 1, 1, 0, stream, up, nullptr),
+                "cuLaunchKernel(fp8 update)");
   }
 }
 

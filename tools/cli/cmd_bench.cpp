@@ -90,9 +90,11 @@ struct SeqBench {
   }
 
   SeqBench(jf_context ctx, const std::string& ops_json, const ops::Shape& in, const ops::Shape& out,
-           const std::vector<std::tuple<int, std::string, ops::Shape>>& params, int n_extra_in, int n_extra_out) {
+           const std::vector<std::tuple<int, std::string, ops::Shape>>& params, int n_extra_in, int n_extra_out,
+           const char* recipe = "bf16") {
     std::string j = R"({"format": "jitfuse.sequence/1", "name": "bench", "ops": )" + ops_json + "}";
-    ok(jf_sequence_create(ctx, j.c_str(), "bf16", &seq), "jf_sequence_create");
+    ok(jf_sequence_create(ctx, j.c_str(), recipe, &seq), "jf_sequence_create");
+    const bool fp8_out = std::string(recipe).rfind("fp8", 0) == 0;
     uint64_t seed = 1;
     for (auto& [op, name, shape] : params) {
       DeviceTensor* p = make(shape, seed++);
@@ -101,7 +103,13 @@ struct SeqBench {
       ok(jf_sequence_bind_grad(seq, op, name.c_str(), g->dl()), "bind_grad");
     }
     x = make(in, seed++);
-    y = make(out, seed++);
+    if (fp8_out) {  // E4M3 bytes: nothing to upload, the forward writes them
+      keep.push_back(std::make_unique<DeviceTensor>(out, "e4m3"));
+      y = keep.back().get();
+      seed++;
+    } else {
+      y = make(out, seed++);
+    }
     gy = make(out, seed++);
     gx = make(in, seed++);
     for (int i = 0; i < n_extra_in; ++i) {
@@ -168,6 +176,16 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     SeqBench b(ctx, fmt::format(R"([{{"op": "{}"}}])", norm), {R, C}, {R, C}, params, 0, 0);
     rows.push_back({std::string(norm) + " fwd", "8192x4096", median_ms(s, [&] { b.forward(s, nullptr); }, o),
                     e * 2.0 * R * C});
+  }
+  // FP8: the norm with its E4M3 cast; the minimum traffic is a bf16 read and a 1-byte write per element.
+  // fp8_current reads the input twice (the amax pass, then the cast pass); fp8_delayed once.
+  for (const char* recipe : {"fp8_current", "fp8_delayed"}) {
+    const std::string name = std::string("layernorm_") + recipe;
+    if (!want(name.c_str())) continue;
+    const int64_t C = 4096;
+    SeqBench b(ctx, R"([{"op": "layernorm"}, {"op": "quantize"}])", {R, C}, {R, C}, {{0, "weight", {C}}, {0, "bias", {C}}},
+               0, 0, recipe);
+    rows.push_back({name + " fwd", "8192x4096 -> e4m3", median_ms(s, [&] { b.forward(s, nullptr); }, o), 3.0 * R * C});
   }
   if (want("swiglu")) {
     SeqBench b(ctx, R"([{"op": "swiglu"}])", {R, 22016}, {R, 11008}, {}, 0, 0);
@@ -294,8 +312,9 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--warmup", o->warmup, "Untimed runs before timing (default 10)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--iters", o->iters, "Timed runs; the median is reported (default 50)")->check(CLI::PositiveNumber);
   cmd->add_flag("--sync", o->sync, "Wait for each timed call before enqueuing the next (host overhead included)");
-  cmd->add_option("--case", o->only, "Run one case: bias_gelu, dgelu_dbias, layernorm, rmsnorm, swiglu, "
-                                     "bias_dropout_add, linear_bias_gelu, mlp");
+  cmd->add_option("--case", o->only,
+                  "Run one case: bias_gelu, dgelu_dbias, layernorm, rmsnorm, layernorm_fp8_current, "
+                  "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp");
   cmd->callback([o] { run_bench(*o); });
 }
 

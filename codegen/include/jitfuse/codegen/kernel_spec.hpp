@@ -93,7 +93,8 @@ struct Arg {
     parts,         // int: number of partial rows
     fp8_scale,     // (op) float[1]: delayed: read; current: written by the cast pass
     fp8_scale_inv, // (op) float[1]: written (current: cast pass; delayed: update kernel)
-    fp8_amax,      // (op) float[1]: current: amax_history[0]; delayed: a zeroed temporary
+    fp8_amax,      // (op) writes: float[grid blocks], one partial amax per block; reads (current scaling's
+                   //      cast pass): amax_history[0]
   } role;
   int op = -1;
   std::string name;
@@ -127,8 +128,9 @@ struct Generated {
   std::vector<Arg> args;
   Launch launch;
   std::vector<Finalize> finalize;  // same module
-  // fp8_delayed: one block of 256 threads after the kernel: (amax, history, len, scale, scale_inv) rolls the
-  // history, records amax, writes scale_inv = 1 / the scale used and the next scale.
+  // One block of 1024 threads after a kernel that wrote per-block amax partials. fp8_current's amax pass:
+  // (partials, count, history) sets history[0]. fp8_delayed: (partials, count, history, len, scale,
+  // scale_inv) rolls the history, records amax, writes scale_inv = 1 / the scale used and the next scale.
   std::string fp8_update;
   std::vector<std::string> headers;  // template files included, in order
 };
