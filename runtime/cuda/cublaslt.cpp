@@ -58,6 +58,8 @@ std::string epilogue_name(Epilogue e) {
     case Epilogue::gelu_aux_bias: return "GELU_AUX_BIAS";
     case Epilogue::relu_bias: return "RELU_BIAS";
     case Epilogue::dgelu_bgrad: return "DGELU_BGRAD";
+    case Epilogue::relu_aux_bias: return "RELU_AUX_BIAS";
+    case Epilogue::drelu_bgrad: return "DRELU_BGRAD";
     case Epilogue::bgradb: return "BGRADB";
   }
   return "?";
@@ -129,10 +131,12 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
     case Epilogue::relu_bias: epi = CUBLASLT_EPILOGUE_RELU_BIAS; break;
     // dgrad's D is dx^T [k, m]: DGELU_BGRAD's bias gradient has one entry per row of D (k features).
     case Epilogue::dgelu_bgrad: epi = CUBLASLT_EPILOGUE_DGELU_BGRAD; break;
+    case Epilogue::relu_aux_bias: epi = CUBLASLT_EPILOGUE_RELU_AUX_BIAS; break;
+    case Epilogue::drelu_bgrad: epi = CUBLASLT_EPILOGUE_DRELU_BGRAD; break;
     // wgrad's B is dy (m x n after the transpose): BGRADB sums it over GEMM-k (the m tokens), n entries.
     case Epilogue::bgradb: epi = CUBLASLT_EPILOGUE_BGRADB; break;
   }
-  const GemmKind epi_kind = g.epilogue == Epilogue::dgelu_bgrad ? GemmKind::dgrad
+  const GemmKind epi_kind = g.epilogue == Epilogue::dgelu_bgrad || g.epilogue == Epilogue::drelu_bgrad ? GemmKind::dgrad
                             : g.epilogue == Epilogue::bgradb    ? GemmKind::wgrad
                                                                 : GemmKind::fwd;
   if (g.epilogue != Epilogue::none && g.kind != epi_kind)
@@ -141,10 +145,12 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
   if (g.bias)
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)),
                "set BIAS_POINTER");
-  if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::dgelu_bgrad) {
+  const bool relu_mask = g.epilogue == Epilogue::relu_aux_bias || g.epilogue == Epilogue::drelu_bgrad;
+  if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::dgelu_bgrad || relu_mask) {
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)),
                "set EPILOGUE_AUX_POINTER");
-    int64_t ld = static_cast<int64_t>(ldd);
+    // The pre-activation has D's layout; the ReLU mask is one bit per value, ld in bits.
+    int64_t ld = relu_mask ? relu_mask_ld(static_cast<int64_t>(m)) : static_cast<int64_t>(ldd);
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)),
                "set EPILOGUE_AUX_LD");
   }
@@ -196,6 +202,11 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
   check_blas(cublasLtMatmul(impl_->handle, op.d, &g.alpha, A, la.l, B, lb.l, &g.beta, C, lc.l, g.d, ld.l, &algo,
                             reinterpret_cast<void*>(ws), kWorkspace, reinterpret_cast<cudaStream_t>(stream)),
              "cublasLtMatmul");
+}
+
+int64_t relu_mask_ld(int64_t features) { return (features + 127) / 128 * 128; }
+size_t relu_mask_bytes(int64_t features, int64_t rows) {
+  return static_cast<size_t>(relu_mask_ld(features) / 8) * static_cast<size_t>(rows);
 }
 
 void Blas::column_sums(ops::DType dtype, int64_t m, int64_t n, const void* x, const void* ones, void* out,

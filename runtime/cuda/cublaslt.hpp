@@ -15,9 +15,15 @@
 namespace jitfuse::cuda {
 
 enum class GemmKind { fwd, dgrad, wgrad };
-// Forward: bias, gelu_bias, gelu_aux_bias (writes the pre-activation to aux), relu_bias.
-// dgrad: dgelu_bgrad (d = gelu'(aux) * (dy W), bias = its column sums). wgrad: bgradb (bias = column sums of dy).
-enum class Epilogue { none, bias, gelu_bias, gelu_aux_bias, relu_bias, dgelu_bgrad, bgradb };
+// Forward: bias, gelu_bias, gelu_aux_bias (writes the pre-activation to aux), relu_bias, relu_aux_bias
+// (writes cuBLASLt's 1-bit ReLU mask to aux). dgrad: dgelu_bgrad (d = gelu'(aux) * (dy W), bias = its
+// column sums), drelu_bgrad (the same with the ReLU mask). wgrad: bgradb (bias = column sums of dy).
+enum class Epilogue { none, bias, gelu_bias, gelu_aux_bias, relu_bias, relu_aux_bias, dgelu_bgrad, drelu_bgrad, bgradb };
+
+// cuBLASLt's ReLU bit-mask for `features` x `rows` values: its leading dimension (bits, a multiple of 128)
+// and its size in bytes.
+int64_t relu_mask_ld(int64_t features);
+size_t relu_mask_bytes(int64_t features, int64_t rows);
 std::string epilogue_name(Epilogue e);
 
 struct GemmCall {
@@ -31,7 +37,8 @@ struct GemmCall {
   const void* c = nullptr;  // beta != 0: C operand (may equal d)
   void* d = nullptr;        // output
   const void* bias = nullptr;  // forward epilogues: bias in; dgelu_bgrad / bgradb: the bias gradient out
-  void* aux = nullptr;      // gelu_aux_bias: pre-activation out; dgelu_bgrad: pre-activation in
+  void* aux = nullptr;      // gelu_aux_bias: pre-activation out; dgelu_bgrad: pre-activation in;
+                            // relu_aux_bias: ReLU bit-mask out; drelu_bgrad: ReLU bit-mask in
 };
 
 class Blas {

@@ -40,6 +40,8 @@ GroupExec lower_group(const std::vector<ops::Op>& ops, const fuser::Group& g, bo
   int b = g.begin;
   if (impl.kind == K::cublaslt) {
     ge.gemm_ops = impl.epilogue_ops;
+  } else if (impl.kind == K::joint && impl.strategy == "relu_bitmask") {
+    ge.gemm_ops = g.end - g.begin;  // two GEMMs forward, four backward, all on cuBLASLt (run.cpp)
   } else if (impl.kind == K::joint && impl.strategy == "recompute_linear_output") {
     ge.gemm_ops = 1;
     opt.training = false;  // the forward saves nothing of the pointwise op: the backward recomputes it

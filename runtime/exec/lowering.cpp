@@ -126,6 +126,16 @@ std::optional<std::string> check_legal(const rules::Rule& rule, const std::vecto
           return "recompute_linear_output implements [linear, pointwise op that saves its input]";
         return std::nullopt;
       }
+      if (impl.strategy == "relu_bitmask") {
+        if (e - b < 4 || e - b > 5 || ops[b].family != Family::linear || ops[b + 1].family != Family::bias ||
+            ops[b + 2].kind != "relu" || ops[b + 3].family != Family::linear ||
+            (e - b == 5 && ops[b + 4].family != Family::bias))
+          return "relu_bitmask implements [linear, bias, relu, linear] and [linear, bias, relu, linear, bias]";
+        if (ops::cols_of(ops[b].out) % 8 != 0)
+          return "relu_bitmask: the hidden width " + std::to_string(ops::cols_of(ops[b].out)) +
+                 " must be a multiple of 8 (cuBLASLt rows are 16-byte aligned)";
+        return std::nullopt;
+      }
       return "unknown joint strategy " + impl.strategy;
     }
   }

@@ -20,7 +20,8 @@ namespace jitfuse::exec {
 //    SCALED (backward): linear scale; DGELU_BGRAD (backward): bias gelu(tanh) linear [bias];
 //    BGRADB (backward): linear bias), and any tail after it is a legal elementwise chain;
 //  - joint regenerate_dropout_mask: an elementwise chain holding an active dropout;
-//    joint recompute_linear_output: linear followed by one pointwise op that saves its input.
+//    joint recompute_linear_output: linear followed by one pointwise op that saves its input;
+//    joint relu_bitmask: linear bias relu linear [bias] with a hidden width that is a multiple of 8.
 fuser::LegalityFn legality();
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
                                        rules::Pass pass);

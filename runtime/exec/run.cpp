@@ -259,6 +259,24 @@ void* ones_column(const CompiledPlan& cp, int64_t m, Buffers& buf, CUstream stre
   return ones;
 }
 
+// The wgrad GEMM (its `a` is dy) with BGRADB also writing db = column sums of dy; when cuBLASLt has no
+// BGRADB algorithm for the problem (dtype, alignment, shape), the plain wgrad and then db = 1^T dy.
+void wgrad_with_bias_grad(const CompiledPlan& cp, Runtime& rt, cuda::GemmCall wg, void* db, const ops::Op& bias,
+                          Buffers& buf, CUstream stream) {
+  wg.epilogue = cuda::Epilogue::bgradb;
+  wg.bias = db;
+  try {
+    rt.blas->gemm(wg, stream);
+  } catch (const Error& err) {
+    if (err.status() != Status::unsupported) throw;
+    log().debug("{}: {}; computing the bias gradient with a separate GEMM", bias.label(), err.what());
+    wg.epilogue = cuda::Epilogue::none;
+    wg.bias = nullptr;
+    rt.blas->gemm(wg, stream);
+    rt.blas->column_sums(cp.recipe.dtype, wg.m, wg.n, wg.a, ones_column(cp, wg.m, buf, stream), db, stream);
+  }
+}
+
 void register_boundary_saves(const CompiledPlan& cp, int b, int e, const std::vector<void*>& val, SavedContext* saved,
                              bool joint_recompute) {
   if (!saved) return;
@@ -286,6 +304,37 @@ void run_forward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, co
   for (const auto& ge : cp.fwd) {
     const auto& g = ge.group;
     materialize(g.end);
+    if (g.impl.kind == K::joint && g.impl.strategy == "relu_bitmask") {
+      // [linear bias relu linear (bias)]: h = relu(x W1^T + b1) with RELU_AUX_BIAS also writing the 1-bit
+      // ReLU mask (training), then y = h W2^T (+ b2). Saved: x, h (the inputs of the linears), the mask.
+      const int b = g.begin;
+      const auto& l1 = cp.ops[b];
+      materialize(b + 3);
+      cuda::GemmCall c1 = linear_gemm(cp, l1, cuda::GemmKind::fwd);
+      c1.a = val[b];
+      c1.b = bd.param(b, "weight");
+      c1.bias = bd.param(b + 1, "bias");
+      c1.d = val[b + 3];
+      c1.epilogue = cuda::Epilogue::relu_bias;
+      if (saved) {
+        c1.epilogue = cuda::Epilogue::relu_aux_bias;
+        c1.aux = buf.temp(cuda::relu_mask_bytes(ops::cols_of(l1.out), ops::rows_of(l1.out)));
+        saved->tensors[{b + 2, "mask"}] = c1.aux;
+        saved->tensors[{b, "input"}] = val[b];
+        saved->tensors[{b + 3, "input"}] = val[b + 3];
+      }
+      rt.blas->gemm(c1, fa.stream);
+      cuda::GemmCall c2 = linear_gemm(cp, cp.ops[b + 3], cuda::GemmKind::fwd);
+      c2.a = val[b + 3];
+      c2.b = bd.param(b + 3, "weight");
+      c2.d = val[g.end];
+      if (g.end - b == 5) {  // [... linear bias]: the second bias in the epilogue
+        c2.epilogue = cuda::Epilogue::bias;
+        c2.bias = bd.param(b + 4, "bias");
+      }
+      rt.blas->gemm(c2, fa.stream);
+      continue;
+    }
     const bool recompute = g.impl.kind == K::joint && g.impl.strategy == "recompute_linear_output";
     if (ge.gemm_ops > 0) {
       const auto& lin = cp.ops[g.begin];
@@ -351,6 +400,44 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
       launch(cp, rt, *ge.kernel, bd, gv[g.end], gv[g.begin], ops::rows_of(cp.ops[g.begin].in), ba.stream);
       continue;
     }
+    if (g.impl.kind == K::joint && g.impl.strategy == "relu_bitmask") {
+      // dh = relu'(mask) * (dy W2) and db1 = sum_rows dh in the second linear's dgrad (DRELU_BGRAD), its
+      // wgrad from the saved h (with BGRADB for b2), then the first linear's dgrad and wgrad from dh.
+      const int b = g.begin;
+      const auto& l1 = cp.ops[b];
+      const auto& l2 = cp.ops[b + 3];
+      const void* dy = gv[g.end];
+      void* dh = buf.temp(bytes_of(cp, l1.out));
+      cuda::GemmCall d2 = linear_gemm(cp, l2, cuda::GemmKind::dgrad);
+      d2.a = dy;
+      d2.b = bd.param(b + 3, "weight");
+      d2.d = dh;
+      d2.epilogue = cuda::Epilogue::drelu_bgrad;
+      d2.aux = bd.saved_read(b + 2, "mask");
+      d2.bias = bd.grad(b + 1, "bias");
+      rt.blas->gemm(d2, ba.stream);
+      cuda::GemmCall w2 = linear_gemm(cp, l2, cuda::GemmKind::wgrad);
+      w2.a = dy;
+      w2.b = bd.saved_read(b + 3, "input");
+      w2.d = bd.grad(b + 3, "weight");
+      w2.beta = l2.flag("accumulate_grad") ? 1.f : 0.f;
+      if (g.end - b == 5)
+        wgrad_with_bias_grad(cp, rt, w2, bd.grad(b + 4, "bias"), cp.ops[b + 4], buf, ba.stream);
+      else
+        rt.blas->gemm(w2, ba.stream);
+      cuda::GemmCall d1 = linear_gemm(cp, l1, cuda::GemmKind::dgrad);
+      d1.a = dh;
+      d1.b = bd.param(b, "weight");
+      d1.d = gv[b];
+      rt.blas->gemm(d1, ba.stream);
+      cuda::GemmCall w1 = linear_gemm(cp, l1, cuda::GemmKind::wgrad);
+      w1.a = dh;
+      w1.b = bd.saved_read(b, "input");
+      w1.d = bd.grad(b, "weight");
+      w1.beta = l1.flag("accumulate_grad") ? 1.f : 0.f;
+      rt.blas->gemm(w1, ba.stream);
+      continue;
+    }
     const std::string& epi = g.impl.kind == K::cublaslt ? g.impl.epilogue : std::string();
     // The linear op: second in [make_extra_output linear], third in [bias gelu linear (bias)], else first.
     const int li = epi == "DGRAD_ACCUMULATE" ? g.begin + 1 : epi == "DGELU_BGRAD" ? g.begin + 2 : g.begin;
@@ -401,20 +488,7 @@ void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, c
     // A bias right after the linear ([linear bias], [bias gelu linear bias]): db = column sums of dy, taken
     // by the wgrad GEMM that reads dy anyway.
     if (li + 1 < g.end && cp.ops[li + 1].family == Family::bias && (epi == "BGRADB" || epi == "DGELU_BGRAD")) {
-      wg.epilogue = cuda::Epilogue::bgradb;
-      wg.bias = bd.grad(li + 1, "bias");
-      try {
-        rt.blas->gemm(wg, ba.stream);
-      } catch (const Error& err) {
-        if (err.status() != Status::unsupported) throw;
-        // No BGRADB algorithm for this problem (dtype, alignment, shape): the plain wgrad, then db = 1^T dy.
-        log().debug("{}: {}; computing the bias gradient with a separate GEMM", cp.ops[li + 1].label(), err.what());
-        wg.epilogue = cuda::Epilogue::none;
-        void* db = bd.grad(li + 1, "bias");
-        wg.bias = nullptr;
-        rt.blas->gemm(wg, ba.stream);
-        rt.blas->column_sums(cp.recipe.dtype, wg.m, wg.n, dy, ones_column(cp, wg.m, buf, ba.stream), db, ba.stream);
-      }
+      wgrad_with_bias_grad(cp, rt, wg, bd.grad(li + 1, "bias"), cp.ops[li + 1], buf, ba.stream);
       continue;
     }
     rt.blas->gemm(wg, ba.stream);

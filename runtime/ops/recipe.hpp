@@ -1,5 +1,6 @@
 // Recipes: how numbers are represented. Plain recipes fix the activation/parameter dtype; FP8 recipes
-// (declared, not executed yet) add per-tensor scales and an amax history that live with the sequence.
+// keep bf16 activations and make quantize an E4M3 cast with a per-tensor scale, from this tensor's amax
+// (fp8_current) or an amax history (fp8_delayed) that lives with the sequence.
 #pragma once
 #include <cstdint>
 #include <string>

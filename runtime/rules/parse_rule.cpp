@@ -341,7 +341,8 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
   } else {
     check_keys(v, p, {"kind", "strategy", "saves"}, "joint impl");
     impl.kind = Impl::Kind::joint;
-    impl.strategy = need_string(v, "strategy", p, "\"regenerate_dropout_mask\" or \"recompute_linear_output\"");
+    impl.strategy = need_string(v, "strategy", p,
+                                "\"regenerate_dropout_mask\", \"recompute_linear_output\" or \"relu_bitmask\"");
     auto required = [&](const char* kind_name, bool not_last) {
       for (size_t i = 0; i < pat.size(); ++i)
         if (!pat[i].optional && pat[i].kinds == std::vector<std::string>{kind_name} && (!not_last || i + 1 < pat.size()))
@@ -353,9 +354,11 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
       required("dropout", false);
     } else if (impl.strategy == "recompute_linear_output") {
       required("linear", true);
+    } else if (impl.strategy == "relu_bitmask") {
+      required("relu", true);
     } else {
-      invalid(p + "/strategy", fmt::format("unknown joint strategy {}; use \"regenerate_dropout_mask\" or "
-                                           "\"recompute_linear_output\"",
+      invalid(p + "/strategy", fmt::format("unknown joint strategy {}; use \"regenerate_dropout_mask\", "
+                                           "\"recompute_linear_output\" or \"relu_bitmask\"",
                                            show(impl.strategy)));
     }
     if (!v.contains("saves")) invalid(p, "missing \"saves\": what the joint forward keeps for its backward");

@@ -19,6 +19,7 @@ struct RuleCase {
   const char* ops;
   ops::Shape shape;
   std::vector<std::string> disable = {};  // higher-priority rules switched off so `rule` is taken
+  const char* rules_file = nullptr;       // an opt-in rule file (fusion_rules/optional) to load first
 };
 
 const RuleCase kCases[] = {
@@ -51,6 +52,12 @@ const RuleCase kCases[] = {
     {"norm_residual_bwd", R"([{"op": "make_extra_output"}, {"op": "layernorm"}])", {40, 512}},
     {"bias_dropout_add_joint", R"([{"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 3}, {"op": "add_extra_input"}])", {100, 72}},
     {"linear_silu_recompute", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "silu"}])", {96, 64}},
+    {"linear_bias_relu_linear_joint", R"([{"op": "linear", "in_features": 64, "out_features": 200}, {"op": "bias"}, {"op": "relu"},
+                                         {"op": "linear", "in_features": 200, "out_features": 40}])", {96, 64}, {},
+     JF_SOURCE_DIR "/fusion_rules/optional/relu_bitmask.json"},
+    {"linear_bias_relu_linear_joint", R"([{"op": "linear", "in_features": 64, "out_features": 128}, {"op": "bias"}, {"op": "relu"},
+                                         {"op": "linear", "in_features": 128, "out_features": 48}, {"op": "bias"}])", {33, 64}, {},
+     JF_SOURCE_DIR "/fusion_rules/optional/relu_bitmask.json"},
 };
 
 bool rule_taken(jf_context ctx, const std::string& seq, const ops::Shape& shape, const std::string& rule) {
@@ -77,8 +84,10 @@ jf_context context_without(const char* pass, const std::vector<std::string>& onl
   for (const auto& r : builtins.rules())
     if (rules::pass_name(r.pass) == pass && (only.empty() || std::find(only.begin(), only.end(), r.name) != only.end()))
       rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
-                       {"pattern", r.impl.strategy == "regenerate_dropout_mask" ? nlohmann::json::array({"dropout"})
-                                   : r.impl.strategy.empty() ? nlohmann::json::array({"identity"}) : nlohmann::json::array({"linear", "silu"})},
+                       {"pattern", r.impl.strategy == "regenerate_dropout_mask"   ? nlohmann::json::array({"dropout"})
+                                   : r.impl.strategy == "relu_bitmask"            ? nlohmann::json::array({"relu", "identity"})
+                                   : r.impl.strategy.empty()                      ? nlohmann::json::array({"identity"})
+                                                                                  : nlohmann::json::array({"linear", "silu"})},
                        {"conditions", {{"min_arch", 1000}}},
                        {"impl", std::string(pass) == "joint"
                                     ? nlohmann::json{{"kind", "joint"}, {"strategy", r.impl.strategy}, {"saves", r.impl.saves}}
@@ -99,6 +108,12 @@ TEST_CASE("every built-in rule is taken and matches the reference", "[fusion]") 
     std::string seq = test::seq_json(c.ops, c.rule);
     INFO("rule " << c.rule << ": " << c.ops);
     jf_context ctx = c.disable.empty() ? test::shared_context() : context_without("backward", c.disable);
+    if (c.rules_file) {
+      REQUIRE(jf_context_create(&ctx) == JF_OK);
+      int errors = -1;
+      REQUIRE(jf_context_load_rules(ctx, c.rules_file, &errors) == JF_OK);
+      REQUIRE(errors == 0);
+    }
     CHECK(rule_taken(ctx, seq, c.shape, c.rule));
     for (const char* recipe : {"fp32", "bf16"}) run_check(seq, recipe, c.shape, true, false, 1, ctx);
     if (ctx != test::shared_context()) jf_context_destroy(ctx);

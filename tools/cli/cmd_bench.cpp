@@ -252,6 +252,43 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     }, o);
     rows.push_back(r);
   }
+  if (want("mlp_relu")) {
+    // The relu MLP runs as one joint group: RELU_AUX_BIAS saves cuBLASLt's ReLU bit-mask, DRELU_BGRAD
+    // applies it in the second linear's dgrad. Bare cuBLASLt: the same six GEMMs and epilogues.
+    const int64_t H = 4096, F = 16384;
+    SeqBench b(ctx, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "relu"},
+                      {"op": "linear", "in_features": 16384, "out_features": 4096}, {"op": "bias"}])",
+               {R, H}, {R, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}}, 0, 0);
+    Row r{"mlp_relu fwd+bwd", "8192: 4096->16384->4096", 0, 0, 3 * 2 * (2.0 * R * H * F)};
+    r.ms = median_ms(s, [&] {
+      jf_saved saved = nullptr;
+      b.forward(s, &saved);
+      b.backward(s, saved);
+      jf_saved_release(saved, reinterpret_cast<jf_stream>(s));
+    }, o);
+    cuda::Blas blas;
+    DeviceTensor h({R, F}, "bf16"), dh({R, F}, "bf16");
+    DeviceTensor mask({static_cast<int64_t>(cuda::relu_mask_bytes(F, R) / 2)}, "bf16");  // bytes, as 2-byte words
+    h.upload_values(random_values(static_cast<size_t>(R * F), 7, -1, 1));
+    auto p = [&](int i) { return reinterpret_cast<void*>(b.keep[static_cast<size_t>(i)]->ptr()); };
+    auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
+    r.baseline_ms = median_ms(s, [&] {
+      cuda::GemmCall f1{cuda::GemmKind::fwd, R, F, H, ops::DType::bf16, cuda::Epilogue::relu_aux_bias, 1, 0,
+                        P(*b.x), p(0), nullptr, P(h), p(2), P(mask)};
+      cuda::GemmCall f2{cuda::GemmKind::fwd, R, H, F, ops::DType::bf16, cuda::Epilogue::bias, 1, 0,
+                        P(h), p(4), nullptr, P(*b.y), p(6), nullptr};
+      cuda::GemmCall d2{cuda::GemmKind::dgrad, R, H, F, ops::DType::bf16, cuda::Epilogue::drelu_bgrad, 1, 0,
+                        P(*b.gy), p(4), nullptr, P(dh), p(3), P(mask)};
+      cuda::GemmCall w2{cuda::GemmKind::wgrad, R, H, F, ops::DType::bf16, cuda::Epilogue::bgradb, 1, 0,
+                        P(*b.gy), P(h), nullptr, p(5), p(7), nullptr};
+      cuda::GemmCall d1{cuda::GemmKind::dgrad, R, F, H, ops::DType::bf16, cuda::Epilogue::none, 1, 0,
+                        P(dh), p(0), nullptr, P(*b.gx), nullptr, nullptr};
+      cuda::GemmCall w1{cuda::GemmKind::wgrad, R, F, H, ops::DType::bf16, cuda::Epilogue::none, 1, 0,
+                        P(dh), P(*b.x), nullptr, p(1), nullptr, nullptr};
+      for (auto* g : {&f1, &f2, &d2, &w2, &d1, &w1}) blas.gemm(*g, s);
+    }, o);
+    rows.push_back(r);
+  }
   return rows;
 }
 
@@ -314,7 +351,7 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_flag("--sync", o->sync, "Wait for each timed call before enqueuing the next (host overhead included)");
   cmd->add_option("--case", o->only,
                   "Run one case: bias_gelu, dgelu_dbias, layernorm, rmsnorm, layernorm_fp8_current, "
-                  "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp");
+                  "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp, mlp_relu");
   cmd->callback([o] { run_bench(*o); });
 }
 

@@ -32,7 +32,7 @@ void add_plan_options(CLI::App* cmd, PlanOpts& o, bool many) {
     cmd->add_option("SEQ", o.seqs, "Sequence file (jitfuse.sequence/1)")->required()->expected(1);
     cmd->add_option("--shape", o.shapes, "Input shape, e.g. 8192x4096")->required()->expected(1);
   }
-  cmd->add_option("--recipe", o.recipe, "Recipe: fp32, fp16 or bf16")->required();
+  cmd->add_option("--recipe", o.recipe, "Recipe: fp32, fp16, bf16, fp8_delayed or fp8_current")->required();
   cmd->add_option("--arch", o.arch, "Target GPU arch (default: this GPU, else sm_90)");
   cmd->add_option("--rules", o.rules, "Extra rule directories or files");
   cmd->add_flag("--inference", o.inference, "Forward only, no saved context");
@@ -144,6 +144,11 @@ int run_check(const PlanOpts& o) {
   std::string why;
   if (!cuda::try_driver(&why)) {
     std::printf("no GPU present (%s): kernels generated and compiled; running them needs a GPU\n", why.c_str());
+    return 0;
+  }
+  if (ops::parse_recipe(o.recipe).is_fp8()) {
+    std::printf("kernels generated and compiled; the run against the float64 reference covers the plain recipes "
+                "(the FP8 casts are checked by the gpu test tier, jf_gpu_tests \"[fp8]\"): rerun with --recipe bf16\n");
     return 0;
   }
   jf_context ctx = nullptr;

@@ -25,7 +25,7 @@ typedef enum jf_status {
   JF_OK = 0,
   JF_ERR_INVALID_ARGUMENT = 1, /* bad tensor, shape, attribute, handle */
   JF_ERR_PARSE = 2,            /* malformed JSON (message has file:line:col) */
-  JF_ERR_UNSUPPORTED = 3,      /* valid request this build cannot do (e.g. FP8 recipes) */
+  JF_ERR_UNSUPPORTED = 3,      /* valid request this build cannot do (e.g. a linear under an FP8 recipe) */
   JF_ERR_COMPILE = 4,          /* NVRTC rejected a generated kernel (message holds the log) */
   JF_ERR_CUDA = 5,             /* a driver / cuBLASLt call failed */
   JF_ERR_IO = 6,               /* a file could not be read or written */
@@ -64,7 +64,9 @@ JF_API jf_status jf_context_load_rules(jf_context ctx, const char* path, int* n_
 /* alloc == NULL restores the default (cuMemAllocAsync / cuMemFreeAsync). */
 JF_API jf_status jf_context_set_allocator(jf_context ctx, const jf_allocator* allocator);
 
-/* Sequence from JSON text ("jitfuse.sequence/1") or a file, under a recipe: "fp32", "fp16", "bf16". */
+/* Sequence from JSON text ("jitfuse.sequence/1") or a file, under a recipe: "fp32", "fp16", "bf16", or
+ * "fp8_delayed" / "fp8_current" (bf16 activations; a sequence without linear ops whose last op, quantize,
+ * writes E4M3 bytes). */
 JF_API jf_status jf_sequence_create(jf_context ctx, const char* json, const char* recipe, jf_sequence* out);
 JF_API jf_status jf_sequence_create_from_file(jf_context ctx, const char* path, const char* recipe, jf_sequence* out);
 JF_API jf_status jf_sequence_destroy(jf_sequence seq);

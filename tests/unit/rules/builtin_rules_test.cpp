@@ -5,6 +5,7 @@
 #include <set>
 
 #include "common/embedded.hpp"
+#include "jitfuse/jitfuse.h"
 #include "exec/lowering.hpp"
 #include "fuser/plan.hpp"
 #include "unit/rules/rules_test_util.hpp"
@@ -128,4 +129,15 @@ TEST_CASE("every built-in rule's canonical window passes its conditions and the 
     }
     CHECK(seen);
   }
+}
+
+TEST_CASE("the opt-in rules in fusion_rules/optional load cleanly and are not built in", "[rules]") {
+  jf_context ctx = nullptr;
+  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  int errors = -1;
+  REQUIRE(jf_context_load_rules(ctx, JF_SOURCE_DIR "/fusion_rules/optional", &errors) == JF_OK);
+  CHECK(errors == 0);
+  jf_context_destroy(ctx);
+  RuleSet rs = RuleSet::with_builtins();
+  for (const auto& r : rs.rules()) CHECK(r.impl.strategy != "relu_bitmask");
 }
