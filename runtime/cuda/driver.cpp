@@ -4,6 +4,8 @@
 
 #include <dlfcn.h>
 
+#include <map>
+
 #include <mutex>
 
 #include "common/error.hpp"
@@ -132,6 +134,26 @@ int driver_version() {
   int v = 0;
   check(driver().cuDriverGetVersion(&v), "cuDriverGetVersion");
   return v;
+}
+
+CUmemoryPool temp_pool() {
+  static std::mutex mu;
+  static std::map<int, CUmemoryPool> pools;
+  const int dev = current_ordinal();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = pools.find(dev);
+  if (it != pools.end()) return it->second;
+  const Driver& d = driver();
+  CUmemPoolProps props{};
+  props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  props.location.id = dev;
+  CUmemoryPool pool = nullptr;
+  check(d.cuMemPoolCreate(&pool, &props), "cuMemPoolCreate");
+  cuuint64_t keep = cuuint64_t{1} << 30;
+  check(d.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep), "cuMemPoolSetAttribute");
+  pools[dev] = pool;
+  return pool;
 }
 
 }  // namespace jitfuse::cuda

@@ -36,5 +36,10 @@ DeviceInfo current_device();
 int driver_version();
 // The device ordinal of the current context (making the primary context of device 0 current if none).
 int current_ordinal();
+// jitfuse's stream-ordered memory pool on the current device, for its temporaries and saved contexts when
+// the host sets no allocator. Unlike the device's default pool (release threshold 0: freed memory goes
+// back to the driver at every synchronisation, so the next call maps it again), it keeps up to 1 GiB of
+// freed memory cached; created on first use, one per device, for the life of the process.
+CUmemoryPool temp_pool();
 
 }  // namespace jitfuse::cuda

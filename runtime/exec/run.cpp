@@ -43,7 +43,7 @@ class Buffers {
       return p;
     }
     CUdeviceptr p = 0;
-    cuda::check(cuda::driver().cuMemAllocAsync(&p, bytes, s), "cuMemAllocAsync");
+    cuda::check(cuda::driver().cuMemAllocFromPoolAsync(&p, bytes, cuda::temp_pool(), s), "cuMemAllocFromPoolAsync");
     return reinterpret_cast<void*>(p);
   }
   static void free_one(const Allocator& a, CUstream s, void* p, size_t bytes) {

@@ -61,7 +61,8 @@ JF_API jf_status jf_context_destroy(jf_context ctx);
  * path) is skipped, *n_errors (may be NULL) counts the problems and jf_last_error() lists them, each with
  * file:line:col; JF_OK is returned unless an argument is invalid. */
 JF_API jf_status jf_context_load_rules(jf_context ctx, const char* path, int* n_errors);
-/* alloc == NULL restores the default (cuMemAllocAsync / cuMemFreeAsync). */
+/* alloc == NULL restores the default: cuMemAllocFromPoolAsync / cuMemFreeAsync on a jitfuse memory pool per
+ * device that keeps up to 1 GiB of freed memory cached. */
 JF_API jf_status jf_context_set_allocator(jf_context ctx, const jf_allocator* allocator);
 
 /* Sequence from JSON text ("jitfuse.sequence/1") or a file, under a recipe: "fp32", "fp16", "bf16", or
