@@ -109,3 +109,20 @@ TEST_CASE("explain with a broken rules directory reports the errors and uses the
   CHECK(bad.status == 1);
   CHECK_THAT(bad.out, Catch::Contains("cannot read"));
 }
+
+TEST_CASE("planning commands refuse what an FP8 recipe cannot run; bench refuses --iters 0", "[fuser][cli]") {
+  jf_test::TempDir dir;
+  std::string seq = dir.write("fp8.json", R"J({"format": "jitfuse.sequence/1", "name": "fp8", "ops": [
+    {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "quantize"}]})J");
+  auto r = run_cli("explain '" + seq + "' --recipe fp8_current --shape 8x64");
+  CHECK(r.status != 0);
+  CHECK_THAT(r.out, Catch::Contains("op 0 (linear) under recipe fp8_current: FP8 GEMMs are not implemented"));
+  std::string ok = dir.write("ok.json", R"J({"format": "jitfuse.sequence/1", "name": "ok", "ops": [
+    {"op": "layernorm"}, {"op": "quantize"}]})J");
+  r = run_cli("explain '" + ok + "' --recipe fp8_delayed --shape 8x64");
+  CHECK(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains("norm_quantize: generated rownorm"));
+  r = run_cli("bench --iters 0");
+  CHECK(r.status != 0);
+  CHECK_THAT(r.out, Catch::Contains("--iters"));
+}

@@ -85,6 +85,9 @@ TEST_CASE("unknown impl identifiers are errors", "[rules]") {
   expect_one_error(
       file_with(R"J({"name": "bad", "math": "y = x", "pass": "joint", "pattern": ["dropout"], "impl": {"kind": "joint", "strategy": "magic", "saves": []}})J"),
       "\"magic\"", "bad", "unknown joint strategy 'magic'");
+  expect_one_error(
+      file_with(R"J({"name": "bad", "math": "y = x", "pass": "joint", "pattern": ["linear", "bias", "linear"], "impl": {"kind": "joint", "strategy": "relu_bitmask", "saves": ["mask"]}})J"),
+      "\"relu_bitmask\"", "bad", "strategy relu_bitmask needs a required \"relu\" element in the pattern, followed by the op that uses it");
 }
 
 TEST_CASE("impl kinds and epilogues are checked against the pass and the pattern", "[rules]") {
