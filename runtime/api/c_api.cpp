@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "api/context.hpp"
+#include "api/handles.hpp"
 #include "common/error.hpp"
 #include "common/json_util.hpp"
 #include "common/log.hpp"
@@ -12,16 +12,6 @@
 
 static_assert(JF_ERR_INTERNAL == static_cast<int>(jitfuse::Status::internal), "jf_status mirrors Status");
 
-struct jf_context_s {
-  jitfuse::api::Context impl;
-};
-struct jf_sequence_s {
-  std::unique_ptr<jitfuse::api::Sequence> impl;
-};
-struct jf_saved_s {
-  jitfuse::exec::SavedContext impl;
-  jf_sequence seq = nullptr;
-};
 struct jf_builder_s {
   std::string name;
   nlohmann::json ops = nlohmann::json::array();
@@ -325,15 +315,16 @@ jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* con
       fail(Status::invalid_argument, "sequence '{}' makes {} extra output(s) (make_extra_output ops), got {}",
            s.def.name, s.def.extra_outputs, n_extra_outputs);
     jitfuse::ops::Shape in_shape = shape_of(input);
-    auto cp = s.plan_for(in_shape, train);
-    check_bindings(s, cp->ops, false);
+    auto pp = s.prepared_for(in_shape, train);
+    const auto& prog = *pp->program;
+    check_bindings(s, prog.ops, false);
     jitfuse::exec::ForwardArgs fa;
     fa.stream = reinterpret_cast<CUstream>(stream);
     fa.rng_offset = options ? options->rng_offset : 0;
     fa.input = check_tensor(input, "input", s.recipe.dtype, &in_shape);
-    fa.output = check_tensor(output, "output", s.output_dtype(), &cp->ops.back().out);
+    fa.output = check_tensor(output, "output", s.output_dtype(), &prog.ops.back().out);
     if (s.recipe.is_fp8()) fa.fp8 = s.fp8_state();
-    for (const auto& op : cp->ops) {
+    for (const auto& op : prog.ops) {
       if (op.family == jitfuse::ops::Family::add_extra_input)
         fa.extra_in.push_back(check_tensor(extra_inputs[op.extra_slot],
                                            fmt::format("extra input {} (op {})", op.extra_slot, op.index).c_str(),
@@ -347,10 +338,8 @@ jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* con
     if (train) {
       sv = std::make_unique<jf_saved_s>();
       sv->seq = seq;
-      sv->impl.plan = cp;
-      sv->impl.allocator = s.ctx.runtime().allocator;
     }
-    jitfuse::exec::run_forward(*cp, s.ctx.runtime(), s.params, fa, sv ? &sv->impl : nullptr);
+    jitfuse::exec::run_forward(pp, s.ctx.runtime(), s.params, fa, sv ? &sv->impl : nullptr);
     if (train) *saved = sv.release();
   });
 }
@@ -364,7 +353,7 @@ jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* grad_outp
     auto& s = *seq->impl;
     if (saved->seq != seq) fail(Status::invalid_argument, "this saved context belongs to another sequence");
     if (saved->impl.released) fail(Status::invalid_argument, "this saved context was already released");
-    const auto& cp = *saved->impl.plan;
+    const auto& cp = *saved->impl.prepared->program;
     if (n_grad_extra_outputs != s.def.extra_outputs || n_grad_extra_inputs != s.def.extra_inputs)
       fail(Status::invalid_argument, "sequence '{}' needs {} grad extra output(s) and {} grad extra input(s), got {} and {}",
            s.def.name, s.def.extra_outputs, s.def.extra_inputs, n_grad_extra_outputs, n_grad_extra_inputs);
@@ -383,7 +372,7 @@ jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* grad_outp
                                                  fmt::format("grad extra output {} (op {})", op.extra_slot, op.index).c_str(),
                                                  s.recipe.dtype, &op.in));
     }
-    jitfuse::exec::run_backward(cp, s.ctx.runtime(), s.params, s.grads, saved->impl, ba);
+    jitfuse::exec::run_backward(*saved->impl.prepared, s.ctx.runtime(), s.params, s.grads, saved->impl, ba);
   });
 }
 
@@ -404,7 +393,12 @@ jf_status jf_sequence_explain(jf_sequence seq, const int64_t* shape, int ndim, i
     auto& s = *seq->impl;
     auto ops = jitfuse::ops::infer(s.def, jitfuse::ops::Shape(shape, shape + ndim));
     auto plan = s.plan_only(ops, training != 0, arch);
-    s.explain_buffer = jitfuse::fuser::plan_json(plan, ops).dump(2);
+    nlohmann::json j = jitfuse::fuser::plan_json(plan, ops);
+    jitfuse::exec::DeviceModel dev;
+    if (arch > 0) dev.arch = arch == 90 ? "sm_90a" : "sm_" + std::to_string(arch);
+    auto program = jitfuse::exec::make_program(ops, plan, s.recipe, training != 0, s.def.name, dev);
+    j["program"] = jitfuse::exec::program_json(*program, 0);
+    s.explain_buffer = j.dump(2);
     *json_out = s.explain_buffer.c_str();
   });
 }

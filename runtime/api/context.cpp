@@ -8,7 +8,7 @@
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "cuda/driver.hpp"
-#include "exec/lowering.hpp"
+#include "exec/program.hpp"
 
 namespace jitfuse::api {
 
@@ -21,6 +21,11 @@ Context::Context() : rules_(rules::RuleSet::with_builtins()) {
   cache_ = std::make_unique<cache::KernelCache>(cache::config_from_env());
   kernels_ = std::make_unique<exec::KernelLibrary>(*cache_, templates_);
   runtime_.kernels = kernels_.get();
+  if (env::flag("JITFUSE_VERIFY")) {
+    verify_ = std::make_unique<exec::VerifyLog>();
+    runtime_.verify = verify_.get();
+    log().info("JITFUSE_VERIFY: every fused group is compared with the unfused ops on the GPU (slow)");
+  }
 }
 
 Context::~Context() = default;
@@ -101,24 +106,22 @@ const std::map<int, exec::Fp8State>& Sequence::fp8_state() {
 }
 
 fuser::Plan Sequence::plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const {
-  fuser::PlanInputs in;
-  in.recipe = ops::recipe_name(recipe.kind);
-  in.dtype = ops::dtype_name(recipe.dtype);
-  in.arch = arch;
-  in.training = training;
-  in.disable_fusion = env::flag("JITFUSE_DISABLE_FUSION");
+  exec::PlanOptions o;
+  o.arch = arch;
+  o.training = training;
+  o.disable_fusion = env::flag("JITFUSE_DISABLE_FUSION");
   rules::RuleSet rs = ctx.rules_snapshot();
-  return fuser::plan(ops, in, rs, exec::legality());
+  return exec::make_plan(ops, recipe, o, rs);
 }
 
-std::shared_ptr<const exec::CompiledPlan> Sequence::plan_for(const ops::Shape& input, bool training) {
-  // Plans hold loaded kernels, which belong to the device of the current context.
+std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& input, bool training) {
+  // Programs hold loaded kernels, which belong to the device of the current context.
   std::string key = fmt::format("{}|{}|{}|{}|dev{}", ops::shape_str(input), training, ctx.rules_generation(),
                                 env::flag("JITFUSE_DISABLE_FUSION"), cuda::current_ordinal());
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = plans_.find(key);
-    if (it != plans_.end()) return it->second;
+    auto it = programs_.find(key);
+    if (it != programs_.end()) return it->second;
   }
   exec::Runtime& rt = ctx.runtime();
   std::vector<ops::Op> ops = ops::infer(def, input);
@@ -127,10 +130,29 @@ std::shared_ptr<const exec::CompiledPlan> Sequence::plan_for(const ops::Shape& i
   for (const auto& d : plan.decisions)
     log().debug("[{}] {} ops [{}, {}) priority {}: {}", rules::pass_name(d.pass), d.rule.empty() ? "-" : d.rule,
                 d.begin, d.end, d.priority, d.taken ? "taken" : "not taken: " + d.reason);
-  auto cp = exec::compile_plan(std::move(ops), std::move(plan), recipe, training, def.name, rt);
+  exec::DeviceModel model;
+  model.arch = dev.arch();
+  model.sm_count = dev.sm_count;
+  std::shared_ptr<const exec::Prepared> reference;
+  const bool fused = std::any_of(plan.forward.begin(), plan.forward.end(), [](auto& g) { return !g.rule.empty(); }) ||
+                     std::any_of(plan.backward.begin(), plan.backward.end(), [](auto& g) { return !g.rule.empty(); });
+  if (rt.verify && fused) {
+    // The same ops, one group each: what every fused group is compared with.
+    exec::PlanOptions o;
+    o.arch = dev.arch_number();
+    o.training = training;
+    o.disable_fusion = true;
+    rules::RuleSet rs = ctx.rules_snapshot();
+    auto unfused = exec::make_plan(ops, recipe, o, rs);
+    reference = exec::prepare_program(exec::make_program(ops, std::move(unfused), recipe, training, def.name, model), rt);
+  }
+  auto prepared = exec::prepare_program(
+      exec::make_program(std::move(ops), std::move(plan), recipe, training, def.name, model), rt);
+  auto pp = std::const_pointer_cast<exec::Prepared>(prepared);
+  pp->reference = reference;
   std::lock_guard<std::mutex> lock(mu_);
-  plans_[key] = cp;
-  return cp;
+  programs_[key] = pp;
+  return prepared;
 }
 
 }  // namespace jitfuse::api

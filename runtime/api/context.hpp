@@ -28,6 +28,8 @@ class Context {
   cache::KernelCache& cache() { return *cache_; }
   void set_allocator(const exec::Allocator& a);
   std::mutex& mutex() { return mu_; }
+  // JITFUSE_VERIFY=1: what the shadow runs of this context's sequences found (null when off).
+  exec::VerifyLog* verify_log() { return verify_.get(); }
 
  private:
   void sync_templates();
@@ -38,6 +40,7 @@ class Context {
   std::unique_ptr<exec::KernelLibrary> kernels_;
   std::unique_ptr<cuda::Blas> blas_;
   exec::Runtime runtime_;
+  std::unique_ptr<exec::VerifyLog> verify_;
 };
 
 class Sequence {
@@ -46,8 +49,8 @@ class Sequence {
   ~Sequence();
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;
-  // The compiled plan for an input shape (cached per shape, training flag and rule-set generation).
-  std::shared_ptr<const exec::CompiledPlan> plan_for(const ops::Shape& input, bool training);
+  // The prepared program for an input shape (cached per shape, training flag, rule-set generation and device).
+  std::shared_ptr<const exec::Prepared> prepared_for(const ops::Shape& input, bool training);
   fuser::Plan plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const;
 
   Context& ctx;
@@ -66,7 +69,7 @@ class Sequence {
  private:
   std::map<int, std::map<int, exec::Fp8State>> fp8_;  // device ordinal -> quantize op -> state
   std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const exec::CompiledPlan>> plans_;
+  std::map<std::string, std::shared_ptr<const exec::Prepared>> programs_;
 };
 
 }  // namespace jitfuse::api

@@ -61,6 +61,9 @@ std::string epilogue_name(Epilogue e) {
     case Epilogue::relu_aux_bias: return "RELU_AUX_BIAS";
     case Epilogue::drelu_bgrad: return "DRELU_BGRAD";
     case Epilogue::bgradb: return "BGRADB";
+    case Epilogue::gelu: return "GELU";
+    case Epilogue::gelu_aux: return "GELU_AUX";
+    case Epilogue::relu: return "RELU";
   }
   return "?";
 }
@@ -128,6 +131,9 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
     case Epilogue::bias: epi = CUBLASLT_EPILOGUE_BIAS; break;
     case Epilogue::gelu_bias: epi = CUBLASLT_EPILOGUE_GELU_BIAS; break;
     case Epilogue::gelu_aux_bias: epi = CUBLASLT_EPILOGUE_GELU_AUX_BIAS; break;
+    case Epilogue::gelu: epi = CUBLASLT_EPILOGUE_GELU; break;
+    case Epilogue::gelu_aux: epi = CUBLASLT_EPILOGUE_GELU_AUX; break;
+    case Epilogue::relu: epi = CUBLASLT_EPILOGUE_RELU; break;
     case Epilogue::relu_bias: epi = CUBLASLT_EPILOGUE_RELU_BIAS; break;
     // dgrad's D is dx^T [k, m]: DGELU_BGRAD's bias gradient has one entry per row of D (k features).
     case Epilogue::dgelu_bgrad: epi = CUBLASLT_EPILOGUE_DGELU_BGRAD; break;
@@ -146,7 +152,8 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)),
                "set BIAS_POINTER");
   const bool relu_mask = g.epilogue == Epilogue::relu_aux_bias || g.epilogue == Epilogue::drelu_bgrad;
-  if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::dgelu_bgrad || relu_mask) {
+  if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu_bgrad ||
+      relu_mask) {
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)),
                "set EPILOGUE_AUX_POINTER");
     // The pre-activation has D's layout; the ReLU mask is one bit per value, ld in bits.

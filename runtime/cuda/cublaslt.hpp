@@ -18,7 +18,10 @@ enum class GemmKind { fwd, dgrad, wgrad };
 // Forward: bias, gelu_bias, gelu_aux_bias (writes the pre-activation to aux), relu_bias, relu_aux_bias
 // (writes cuBLASLt's 1-bit ReLU mask to aux). dgrad: dgelu_bgrad (d = gelu'(aux) * (dy W), bias = its
 // column sums), drelu_bgrad (the same with the ReLU mask). wgrad: bgradb (bias = column sums of dy).
-enum class Epilogue { none, bias, gelu_bias, gelu_aux_bias, relu_bias, relu_aux_bias, dgelu_bgrad, drelu_bgrad, bgradb };
+// Without bias: gelu, gelu_aux (pre-activation to aux), relu.
+enum class Epilogue {
+  none, bias, gelu_bias, gelu_aux_bias, relu_bias, relu_aux_bias, gelu, gelu_aux, relu, dgelu_bgrad, drelu_bgrad, bgradb
+};
 
 // cuBLASLt's ReLU bit-mask for `features` x `rows` values: its leading dimension (bits, a multiple of 128)
 // and its size in bytes.

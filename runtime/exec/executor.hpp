@@ -1,38 +1,32 @@
-// Running a Plan: forward (saving each op's context), backward (reading it), on the caller's stream,
-// with memory from the caller's stream-ordered allocator and no host synchronisation.
+// Running a Program: prepare (compile, load, lay out) once, then forward (leaving the saved context) and
+// backward (reading it) as loops over steps on the caller's stream: bind buffer ids to pointers, launch.
+// One arena allocation per call and one saved block per training forward; no host synchronisation.
 #pragma once
 #include <cuda.h>
 
+#include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "cuda/cublaslt.hpp"
 #include "cuda/driver.hpp"
 #include "exec/kernels.hpp"
-#include "fuser/plan.hpp"
-#include "ops/recipe.hpp"
+#include "exec/program.hpp"
+#include "exec/verify.hpp"
 
 namespace jitfuse::exec {
 
 struct Allocator {
-  void* (*alloc)(size_t bytes, CUstream stream, void* user) = nullptr;  // null: cuMemAllocAsync
+  void* (*alloc)(size_t bytes, CUstream stream, void* user) = nullptr;  // null: jitfuse's stream-ordered pool
   void (*free)(void* ptr, size_t bytes, CUstream stream, void* user) = nullptr;
   void* user = nullptr;
 };
 
 using Key = std::pair<int, std::string>;  // (op index, name)
-
-struct SavedContext {
-  std::map<Key, void*> tensors;                  // "input", "output", "mean", "rstd", "mask"
-  std::vector<std::pair<void*, size_t>> owned;   // freed by release()
-  uint64_t rng_offset = 0;
-  Allocator allocator;
-  std::shared_ptr<const struct CompiledPlan> plan;
-  bool released = false;
-};
+using ParamMap = std::map<Key, const void*>;
+using GradMap = std::map<Key, void*>;
 
 // The device buffers of a quantize op's FP8 recipe state (owned by the sequence, kept across calls).
 struct Fp8State {
@@ -40,6 +34,21 @@ struct Fp8State {
   float* scale_inv = nullptr;  // [1] dequantizes the last forward's output
   float* history = nullptr;    // [len] amax history, newest first (fp8_current: len 1, this call's amax)
   int len = 0;
+};
+
+// A program ready to run on one device: every kernel variant loaded, launch shapes from real occupancy.
+struct Prepared {
+  std::shared_ptr<Program> program;
+  cuda::DeviceInfo device;
+  Target target;
+  std::shared_ptr<const Prepared> reference;  // JITFUSE_VERIFY: the unfused program of the same ops
+};
+
+struct Runtime {  // what a context lends to programs
+  KernelLibrary* kernels = nullptr;
+  cuda::Blas* blas = nullptr;
+  Allocator allocator;
+  VerifyLog* verify = nullptr;  // JITFUSE_VERIFY: where shadow runs report
 };
 
 struct ForwardArgs {
@@ -60,57 +69,31 @@ struct BackwardArgs {
   CUstream stream = nullptr;
 };
 
-// One generated kernel of a plan: its spec, plus the vector and scalar variants loaded on demand.
-struct KernelStep {
-  codegen::KernelSpec spec;  // spec.vec = what the shape allows
-  nlohmann::json meta;
-  const LoadedKernel* vec = nullptr;
-  const LoadedKernel* scalar = nullptr;
-};
-
-struct GroupExec {
-  fuser::Group group;
-  int gemm_ops = 0;                    // leading ops run by cuBLASLt (0: none)
-  std::unique_ptr<KernelStep> kernel;  // the generated part ([begin + gemm_ops, end)), if any
-  std::unique_ptr<KernelStep> amax_pass;  // fp8_current: the same chain reducing amax(output) first
-  // The group's generated kernels in launch order.
-  std::vector<KernelStep*> steps() const;
-};
-
-struct CompiledPlan {
-  std::vector<ops::Op> ops;
-  fuser::Plan plan;
-  ops::Recipe recipe;
-  bool training = true;
-  cuda::DeviceInfo device;
-  Target target;
-  std::vector<GroupExec> fwd, bwd;
-  mutable std::mutex mu;  // guards lazy loading of kernel variants
-};
-
-struct Runtime {  // what a context lends to plans
-  KernelLibrary* kernels = nullptr;
-  cuda::Blas* blas = nullptr;
+// What a training forward leaves for its backward: the saved block (freed on release) and the pointers of
+// the forward-side buffers the backward reads (saved inputs alias the caller's tensors).
+struct SavedContext {
+  std::shared_ptr<const Prepared> prepared;
+  void* block = nullptr;
+  size_t bytes = 0;
+  std::vector<void*> ptrs;  // by buffer id; forward-side entries only
+  uint64_t rng_offset = 0;
   Allocator allocator;
+  std::shared_ptr<Shadow> shadow;  // JITFUSE_VERIFY: the unfused run's memory, for the backward's comparison
+  bool released = false;
 };
 
-// Builds the executable form of `plan` and compiles/loads its kernels (vector variants eagerly).
-std::shared_ptr<CompiledPlan> compile_plan(std::vector<ops::Op> ops, fuser::Plan plan, const ops::Recipe& recipe,
-                                           bool training, const std::string& sequence_name, Runtime& rt);
+// Compiles (in parallel, through the cache) and loads every kernel variant, then lays the program out for
+// the current device. Everything that cannot happen in a launch path happens here.
+std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program, Runtime& rt);
 
-// The specs of every kernel a plan needs (for warmup and codegen; no GPU needed).
-std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> plan_kernel_specs(const std::vector<ops::Op>& ops,
-                                                                              const fuser::Plan& plan,
-                                                                              const ops::Recipe& recipe, bool training,
-                                                                              const std::string& sequence_name);
-
-using ParamMap = std::map<Key, const void*>;
-using GradMap = std::map<Key, void*>;
-
-void run_forward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, const ForwardArgs& args,
-                 SavedContext* saved);
-void run_backward(const CompiledPlan& cp, Runtime& rt, const ParamMap& params, const GradMap& grads,
-                  SavedContext& saved, const BackwardArgs& args);
+void run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ParamMap& params,
+                 const ForwardArgs& args, SavedContext* saved);
+void run_backward(const Prepared& pp, Runtime& rt, const ParamMap& params, const GradMap& grads,
+                  const SavedContext& saved, const BackwardArgs& args);
 void release_saved(SavedContext& saved, CUstream stream);
+
+// Runs `steps` with buffer pointers `ptr`; `after_group(g)` (if given) after the last step of each group g.
+void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
+               uint64_t rng_offset, CUstream stream, const std::function<void(int)>& after_group = {});
 
 }  // namespace jitfuse::exec

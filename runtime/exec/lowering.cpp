@@ -1,5 +1,8 @@
-// The legality predicate and the translation of op chains into KernelSpecs.
+// Chains of ops into KernelSpecs and kernel steps, linear ops into GEMM steps: the lowering vocabulary
+// the implementations share.
 #include "exec/lowering.hpp"
+
+#include "exec/impl/implementation.hpp"
 
 #include "common/error.hpp"
 
@@ -20,133 +23,7 @@ bool saves(const Op& op, ops::SavedKind k) {
   return false;
 }
 
-std::optional<std::string> epilogue_problem(const std::string& epi, const std::vector<Op>& ops, int b, int e, int n) {
-  auto kind = [&](int i) { return i < e ? ops[i].kind : std::string("<end>"); };
-  auto want = [&](std::initializer_list<const char*> ks) -> std::optional<std::string> {
-    int i = b;
-    std::string got, expect;
-    for (auto k : ks) {
-      expect += (expect.empty() ? "" : " ") + std::string(k);
-      got += (got.empty() ? "" : " ") + kind(i);
-      ++i;
-    }
-    if (got != expect)
-      return "epilogue " + epi + " implements [" + expect + "], the window starts with [" + got + "]";
-    return std::nullopt;
-  };
-  std::optional<std::string> p;
-  if (epi == "BIAS") p = want({"linear", "bias"});
-  else if (epi == "GELU_AUX_BIAS") {
-    p = want({"linear", "bias", "gelu"});
-    if (!p && ops[b + 2].str("approximate") != "tanh") p = "GELU_AUX_BIAS computes the tanh approximation only";
-  } else if (epi == "RELU_BIAS") p = want({"linear", "bias", "relu"});
-  else if (epi == "RESIDUAL") {
-    auto a = want({"linear", "bias", "add_extra_input"});
-    auto s = want({"linear", "scale", "add_extra_input"});
-    if (a && s) p = "epilogue RESIDUAL implements [linear bias|scale add_extra_input]";
-  } else if (epi == "DGRAD_ACCUMULATE") p = want({"make_extra_output", "linear"});
-  else if (epi == "SCALED") p = want({"linear", "scale"});
-  else if (epi == "BGRADB") p = want({"linear", "bias"});
-  else if (epi == "DGELU_BGRAD") {
-    p = n == 4 ? want({"bias", "gelu", "linear", "bias"}) : want({"bias", "gelu", "linear"});
-    if (!p && ops[b + 1].str("approximate") != "tanh") p = "DGELU_BGRAD differentiates the tanh approximation only";
-  } else p = "unknown epilogue " + epi;
-  const bool two = epi == "BIAS" || epi == "DGRAD_ACCUMULATE" || epi == "SCALED" || epi == "BGRADB";
-  if (!p && !(n == (two ? 2 : 3) || (epi == "DGELU_BGRAD" && n == 4)))
-    p = "epilogue_ops does not match the ops epilogue " + epi + " covers";
-  return p;
-}
-
 }  // namespace
-
-std::optional<std::string> chain_problem(const std::vector<Op>& ops, int b, int e, Skeleton* skeleton) {
-  Skeleton sk = Skeleton::elementwise;
-  int anchor = -1;
-  for (int i = b; i < e; ++i) {
-    const Op& op = ops[i];
-    if (op.family == Family::linear) return "a generated kernel cannot run linear (" + op.label() + ")";
-    if (op.kind == "reshape" && e - b > 1) return "reshape changes the column layout and runs alone";
-    if (op.family == Family::norm || op.family == Family::gated) {
-      if (anchor >= 0) return "two anchors (" + ops[anchor].label() + ", " + op.label() + ") in one kernel";
-      anchor = i;
-      sk = op.family == Family::norm ? Skeleton::rownorm : Skeleton::gated;
-    }
-  }
-  for (int i = b; i < e; ++i) {
-    const Op& op = ops[i];
-    if (sk == Skeleton::rownorm && op.family == Family::bias) return "a rownorm kernel holds no bias stage";
-    if (sk == Skeleton::gated && i < anchor && op.family == Family::dropout)
-      return "dropout before a gated op would split mask bytes";
-  }
-  if (skeleton) *skeleton = sk;
-  return std::nullopt;
-}
-
-std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<Op>& ops, int b, int e,
-                                       rules::Pass pass) {
-  using K = rules::Impl::Kind;
-  const auto& impl = rule.impl;
-  switch (impl.kind) {
-    case K::unfused: return std::nullopt;
-    case K::generated: {
-      Skeleton sk;
-      if (auto p = chain_problem(ops, b, e, &sk)) return p;
-      if (codegen::skeleton_name(sk) != impl.skeleton)
-        return "the ops need the " + codegen::skeleton_name(sk) + " skeleton, the rule names " + impl.skeleton;
-      return std::nullopt;
-    }
-    case K::cublaslt: {
-      bool bwd_epi = impl.epilogue == "DGRAD_ACCUMULATE" || impl.epilogue == "SCALED" ||
-                     impl.epilogue == "DGELU_BGRAD" || impl.epilogue == "BGRADB";
-      if (bwd_epi != (pass == rules::Pass::backward))
-        return "epilogue " + impl.epilogue + " belongs to the " + (bwd_epi ? "backward" : "forward") + " pass";
-      if (e - b < impl.epilogue_ops) return "window shorter than epilogue_ops";
-      if (auto p = epilogue_problem(impl.epilogue, ops, b, e, impl.epilogue_ops)) return p;
-      if (b + impl.epilogue_ops < e) {
-        if (pass != rules::Pass::forward) return "backward GEMM groups take no generated tail";
-        Skeleton sk;
-        if (auto p = chain_problem(ops, b + impl.epilogue_ops, e, &sk)) return "tail: " + *p;
-        if (sk != Skeleton::elementwise) return "tail must be an elementwise chain";
-      }
-      return std::nullopt;
-    }
-    case K::joint: {
-      if (impl.strategy == "regenerate_dropout_mask") {
-        Skeleton sk;
-        if (auto p = chain_problem(ops, b, e, &sk)) return p;
-        if (sk != Skeleton::elementwise) return "regenerate_dropout_mask needs an elementwise chain";
-        bool any = false;
-        for (int i = b; i < e; ++i) any |= dropout_active(ops[i]);
-        if (!any) return "no active dropout in the window (eval mode or p = 0): nothing to regenerate";
-        return std::nullopt;
-      }
-      if (impl.strategy == "recompute_linear_output") {
-        if (e - b != 2 || ops[b].family != Family::linear || ops[b + 1].family != Family::pointwise ||
-            !saves(ops[b + 1], ops::SavedKind::input))
-          return "recompute_linear_output implements [linear, pointwise op that saves its input]";
-        return std::nullopt;
-      }
-      if (impl.strategy == "relu_bitmask") {
-        if (e - b < 4 || e - b > 5 || ops[b].family != Family::linear || ops[b + 1].family != Family::bias ||
-            ops[b + 2].kind != "relu" || ops[b + 3].family != Family::linear ||
-            (e - b == 5 && ops[b + 4].family != Family::bias))
-          return "relu_bitmask implements [linear, bias, relu, linear] and [linear, bias, relu, linear, bias]";
-        if (ops::cols_of(ops[b].out) % 8 != 0)
-          return "relu_bitmask: the hidden width " + std::to_string(ops::cols_of(ops[b].out)) +
-                 " must be a multiple of 8 (cuBLASLt rows are 16-byte aligned)";
-        return std::nullopt;
-      }
-      return "unknown joint strategy " + impl.strategy;
-    }
-  }
-  return "unknown implementation";
-}
-
-fuser::LegalityFn legality() {
-  return [](const rules::Rule& rule, const std::vector<Op>& ops, int b, int e, rules::Pass pass) {
-    return check_legal(rule, ops, b, e, pass);
-  };
-}
 
 bool chain_vectorizable(const std::vector<Op>& ops, int b, int e) {
   for (int i = b; i < e; ++i)
@@ -156,7 +33,7 @@ bool chain_vectorizable(const std::vector<Op>& ops, int b, int e) {
 
 KernelSpec chain_spec(const std::vector<Op>& ops, int b, int e, const ChainOptions& opt) {
   Skeleton sk;
-  if (auto p = chain_problem(ops, b, e, &sk)) fail(Status::internal, "lowering an illegal chain: {}", *p);
+  if (auto p = chain_problem(window_of(ops, b, e), 0, &sk)) fail(Status::internal, "lowering an illegal chain: {}", *p);
   KernelSpec spec;
   spec.skeleton = sk;
   spec.dir = opt.dir;
@@ -235,6 +112,91 @@ KernelSpec chain_spec(const std::vector<Op>& ops, int b, int e, const ChainOptio
   if (sk == Skeleton::elementwise) spec.cols = ops::cols_of(ops[b].in);
   spec.label = label;
   return spec;
+}
+
+ChainOptions chain_options(const Builder& b) {
+  ChainOptions opt;
+  opt.dir = b.forward() ? codegen::Direction::forward : codegen::Direction::backward;
+  opt.training = b.training();
+  opt.dtype = ops::dtype_name(b.recipe().dtype);
+  opt.rule = b.group().rule;
+  if (b.recipe().is_fp8() && b.forward()) {
+    codegen::Fp8Spec q;
+    q.delayed = b.recipe().kind == ops::RecipeKind::fp8_delayed;
+    q.margin = b.recipe().margin;
+    opt.fp8 = q;
+  }
+  return opt;
+}
+
+void lower_chain(Builder& b, int kb, int e, const ChainOptions& opt0, int64_t rows, int in, int out) {
+  ChainOptions opt = opt0;
+  opt.vec = chain_vectorizable(b.ops(), kb, e);
+  const bool fwd = b.forward();
+  if (in < 0) in = fwd ? b.act(kb) : b.grad_of(e);
+  if (out < 0) out = fwd ? b.act(e) : b.grad_of(kb);
+  KernelSpec spec = chain_spec(b.ops(), kb, e, opt);
+  nlohmann::json meta = b.kernel_meta(kb, fwd ? "forward" : "backward");
+  const std::string what = (b.group().rule.empty() ? std::string("(unfused)") : b.group().rule) + ": generated " +
+                           codegen::skeleton_name(spec.skeleton);
+  if (spec.fp8 && !spec.fp8->delayed) {
+    // Current scaling needs amax(output) before the first byte is cast: a first pass reduces it and
+    // saves nothing (the cast pass saves the group's context).
+    KernelSpec amax = spec;
+    amax.fp8->amax_only = true;
+    if (amax.norm) amax.norm->save_stats = amax.norm->save_input = false;
+    if (amax.gated) amax.gated->save_input = false;
+    for (auto* stages : {&amax.pre, &amax.post})
+      for (auto& st : *stages) st.save_input = st.save_output = st.dropout_save_mask = false;
+    amax.label += "_amax";
+    nlohmann::json m = meta;
+    m["pass"] = "forward (amax)";
+    b.kernel(amax, m, in, out, rows, what + " (amax pass)");
+  }
+  b.kernel(spec, meta, in, out, rows, what);
+}
+
+GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
+  GemmStep g = b.linear_gemm(lin, cuda::GemmKind::fwd);
+  g.a = x;
+  g.b = b.param(lin, "weight");
+  g.d = y;
+  g.call.epilogue = epi;
+  return g;
+}
+
+void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
+  const auto& op = b.ops()[lin];
+  const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
+  GemmStep dg = b.linear_gemm(lin, cuda::GemmKind::dgrad);
+  dg.call.alpha = lb.alpha;
+  dg.a = lb.dy;
+  dg.b = b.param(lin, "weight");
+  dg.d = lb.dx;
+  if (lb.accumulate >= 0) {
+    dg.call.beta = 1.f;
+    dg.c = lb.accumulate;
+  }
+  dg.call.epilogue = lb.dgrad_epilogue;
+  dg.aux = lb.dgrad_aux;
+  dg.bias = lb.dgrad_bias;
+  b.gemm(dg, who + ": dgrad " + op.label() + (lb.dgrad_epilogue == cuda::Epilogue::none
+                                                  ? std::string()
+                                                  : " + " + cuda::epilogue_name(lb.dgrad_epilogue)));
+  GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::wgrad);
+  wg.call.alpha = lb.alpha;
+  wg.a = lb.dy;
+  wg.b = lb.input >= 0 ? lb.input : b.saved(lin, "input");
+  wg.d = b.grad(lin, "weight");
+  wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
+  if (lb.bias_grad_op >= 0) {
+    // db = column sums of dy, taken by the wgrad GEMM that reads dy anyway (ones: the fallback's column).
+    wg.call.epilogue = cuda::Epilogue::bgradb;
+    wg.bias = b.grad(lb.bias_grad_op, "bias");
+    wg.bias_grad_fallback = true;
+    wg.ones = b.temp("ones", b.recipe().dtype, wg.call.m, 1);
+  }
+  b.gemm(wg, who + ": wgrad " + op.label() + (lb.bias_grad_op >= 0 ? " + BGRADB" : ""));
 }
 
 }  // namespace jitfuse::exec

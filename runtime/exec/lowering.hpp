@@ -1,33 +1,21 @@
-// Lowering: how a group of ops becomes kernels. Holds the one legality predicate for fusion (what the
-// skeletons and cuBLASLt epilogues can implement) and turns chains of non-GEMM ops into KernelSpecs.
+// Lowering helpers shared by the implementations: chains of non-GEMM ops become KernelSpecs (and kernel
+// steps), linear ops become cuBLASLt GEMM steps. What may fuse is decided by the implementations
+// (exec/impl/), through the one legality predicate each declares.
 #pragma once
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "exec/builder.hpp"
 #include "fuser/plan.hpp"
 #include "jitfuse/codegen/kernel_spec.hpp"
 
 namespace jitfuse::exec {
 
-// The legality predicate used by the fuser. A rule may implement ops [b, e) in a pass when:
-//  - generated: no linear op; reshape only alone; at most one anchor (a norm or a gated op);
-//    the rule's skeleton is the one the anchor implies (rownorm / gated / elementwise);
-//    rownorm groups hold no bias and no gated op; gated groups hold no dropout before the gate;
-//  - cublaslt: the window starts with the op pattern its epilogue implements (BIAS: linear bias;
-//    GELU_AUX_BIAS: linear bias gelu(tanh); RELU_BIAS: linear bias relu; RESIDUAL: linear
-//    [bias|scale] add_extra_input; DGRAD_ACCUMULATE (backward): make_extra_output linear;
-//    SCALED (backward): linear scale; DGELU_BGRAD (backward): bias gelu(tanh) linear [bias];
-//    BGRADB (backward): linear bias), and any tail after it is a legal elementwise chain;
-//  - joint regenerate_dropout_mask: an elementwise chain holding an active dropout;
-//    joint recompute_linear_output: linear followed by one pointwise op that saves its input;
-//    joint relu_bitmask: linear bias relu linear [bias] with a hidden width that is a multiple of 8.
+// The fuser's legality predicate: the implementation a rule names, asked about the window.
 fuser::LegalityFn legality();
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
                                        rules::Pass pass);
-
-// Is ops [b, e) a chain that one generated kernel can run? nullopt if yes, else why not.
-std::optional<std::string> chain_problem(const std::vector<ops::Op>& ops, int b, int e, codegen::Skeleton* skeleton);
 
 struct ChainOptions {
   codegen::Direction dir = codegen::Direction::forward;
@@ -38,13 +26,34 @@ struct ChainOptions {
   bool regenerate_dropout = false;  // joint: forward saves no mask, backward regenerates it
   // FP8 recipes: a forward chain ending in quantize casts its output (fp8.op is filled in by chain_spec).
   std::optional<codegen::Fp8Spec> fp8;
-  // Saved values the forward must write because they are internal to the group. Values at group
-  // boundaries are materialized anyway and are aliased instead.
 };
 
 codegen::KernelSpec chain_spec(const std::vector<ops::Op>& ops, int b, int e, const ChainOptions& opt);
 
 // True if every pointer a chain touches can use 16-byte vectors for its shape (cols % 8 == 0).
 bool chain_vectorizable(const std::vector<ops::Op>& ops, int b, int e);
+
+// The chain options of the builder's current group (direction, recipe, rule).
+ChainOptions chain_options(const Builder& b);
+// The generated kernel(s) of ops [kb, e) in the builder's direction over `rows` rows: forward reads `in`
+// (default act(kb)) and writes act(e), with an amax pass first under current FP8 scaling; backward reads
+// `in` (default grad_of(e)) and writes `out` (default grad_of(kb)).
+void lower_chain(Builder& b, int kb, int e, const ChainOptions& opt, int64_t rows, int in = -1, int out = -1);
+
+// y = x W^T of linear op `lin` with an epilogue; the caller fills operands.
+GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi = cuda::Epilogue::none);
+
+// The backward of linear op `lin`: dx = alpha dy W (+ c), dW (+)= alpha dy^T x. `bias_grad`: the bias op right
+// after the linear whose gradient the wgrad GEMM takes (BGRADB) — its column sums of dy.
+struct LinearBackward {
+  int dy = -1, dx = -1;
+  float alpha = 1.f;
+  int accumulate = -1;  // dgrad adds this buffer (beta = 1)
+  cuda::Epilogue dgrad_epilogue = cuda::Epilogue::none;
+  int dgrad_aux = -1, dgrad_bias = -1;
+  int bias_grad_op = -1;
+  int input = -1;  // the linear's saved input (default: saved(lin, "input"))
+};
+void linear_backward(Builder& b, int lin, const LinearBackward& lb);
 
 }  // namespace jitfuse::exec

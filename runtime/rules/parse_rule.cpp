@@ -6,43 +6,13 @@
 #include <fmt/format.h>
 
 #include "ops/recipe.hpp"
+#include "rules/implementable.hpp"
 #include "rules/parse.hpp"
 
 namespace jitfuse::rules::detail {
 namespace {
 
 using nlohmann::json;
-
-// What each cuBLASLt epilogue covers: the allowed op kinds of each leading window element, in order. The
-// loader checks rules against this table so a rule cannot claim, say, a BIAS epilogue over [linear, gelu].
-struct EpilogueShape {
-  const char* name;
-  Pass pass;
-  std::vector<std::vector<std::string>> covers;
-};
-
-const std::vector<EpilogueShape>& epilogue_table() {
-  static const std::vector<EpilogueShape> table = {
-      {"BIAS", Pass::forward, {{"linear"}, {"bias"}}},
-      {"GELU_AUX_BIAS", Pass::forward, {{"linear"}, {"bias"}, {"gelu"}}},
-      {"RELU_BIAS", Pass::forward, {{"linear"}, {"bias"}, {"relu"}}},
-      {"RESIDUAL", Pass::forward, {{"linear"}, {"bias", "scale"}, {"add_extra_input"}}},
-      {"RESIDUAL", Pass::forward, {{"linear"}, {"add_extra_input"}}},
-      {"DGRAD_ACCUMULATE", Pass::backward, {{"make_extra_output"}, {"linear"}}},
-      {"SCALED", Pass::backward, {{"linear"}, {"scale"}}},
-      {"DGELU_BGRAD", Pass::backward, {{"bias"}, {"gelu"}, {"linear"}}},
-      {"DGELU_BGRAD", Pass::backward, {{"bias"}, {"gelu"}, {"linear"}, {"bias"}}},
-      {"BGRADB", Pass::backward, {{"linear"}, {"bias"}}},
-  };
-  return table;
-}
-
-std::vector<std::string> epilogue_names(Pass pass) {
-  std::vector<std::string> out;
-  for (const auto& e : epilogue_table())
-    if (e.pass == pass && std::find(out.begin(), out.end(), e.name) == out.end()) out.push_back(e.name);
-  return out;
-}
 
 Pass parse_pass(const json& j, const std::string& p) {
   std::string s = need_string(j, "pass", p, "\"joint\", \"forward\" or \"backward\"");
@@ -213,84 +183,11 @@ Conditions parse_conditions(const json& c, const std::string& p) {
   return out;
 }
 
-bool has_family(const PatternElem& e, const ops::Registry& reg, ops::Family f) {
-  return std::any_of(e.kinds.begin(), e.kinds.end(), [&](const std::string& k) { return reg.find(k)->family == f; });
-}
-bool only_family(const PatternElem& e, const ops::Registry& reg, ops::Family f) {
-  return std::all_of(e.kinds.begin(), e.kinds.end(), [&](const std::string& k) { return reg.find(k)->family == f; });
-}
-
-void check_generated_ops(const std::vector<PatternElem>& pat, size_t from, const std::string& skeleton,
-                         const std::string& p, const ops::Registry& reg) {
-  int norms = 0, gated = 0;
-  for (size_t i = from; i < pat.size(); ++i) {
-    const auto& e = pat[i];
-    if (has_family(e, reg, ops::Family::linear))
-      invalid(p, fmt::format("pattern element {} is a GEMM (linear): a generated kernel cannot contain one; use "
-                             "{{\"kind\": \"cublaslt\", ...}}", i));
-    bool norm = has_family(e, reg, ops::Family::norm), gate = has_family(e, reg, ops::Family::gated);
-    if ((norm || gate) && skeleton == "elementwise")
-      invalid(p, fmt::format("pattern element {} ({}) needs skeleton \"{}\", not \"elementwise\"", i,
-                             join(e.kinds, "|"), norm ? "rownorm" : "gated"));
-    if (norm && (skeleton != "rownorm" || !only_family(e, reg, ops::Family::norm) || e.optional))
-      invalid(p, fmt::format("pattern element {} ({}): a norm must be a required element of its own in a "
-                             "\"rownorm\" rule", i, join(e.kinds, "|")));
-    if (gate && (skeleton != "gated" || !only_family(e, reg, ops::Family::gated) || e.optional))
-      invalid(p, fmt::format("pattern element {} ({}): a gated activation must be a required element of its own in "
-                             "a \"gated\" rule", i, join(e.kinds, "|")));
-    norms += norm;
-    gated += gate;
-  }
-  if (skeleton == "rownorm" && norms != 1)
-    invalid(p, "skeleton \"rownorm\" needs exactly one layernorm/rmsnorm element in the pattern");
-  if (skeleton == "gated" && gated != 1)
-    invalid(p, "skeleton \"gated\" needs exactly one swiglu/geglu/reglu element in the pattern");
-}
-
-void check_epilogue(Impl& impl, const std::vector<PatternElem>& pat, Pass pass, const std::string& p,
-                    const ops::Registry& reg) {
-  std::vector<const EpilogueShape*> shapes;
-  for (const auto& e : epilogue_table())
-    if (impl.epilogue == e.name) shapes.push_back(&e);
-  std::vector<std::string> all = epilogue_names(Pass::forward), bwd = epilogue_names(Pass::backward);
-  all.insert(all.end(), bwd.begin(), bwd.end());
-  if (shapes.empty())
-    invalid(p + "/epilogue", fmt::format("unknown cuBLASLt epilogue {}; known: {}", show(impl.epilogue), join(all)));
-  if (shapes[0]->pass != pass)
-    invalid(p + "/epilogue", fmt::format("epilogue {} belongs to pass \"{}\"; in pass \"{}\" use one of: {}",
-                                         impl.epilogue, pass_name(shapes[0]->pass), pass_name(pass),
-                                         join(epilogue_names(pass))));
-  const EpilogueShape* shape = nullptr;
-  std::vector<std::string> counts;
-  for (const auto* s : shapes) {
-    counts.push_back(std::to_string(s->covers.size()));
-    if (static_cast<int>(s->covers.size()) == impl.epilogue_ops) shape = s;
-  }
-  if (!shape)
-    invalid(p + "/epilogue_ops", fmt::format("epilogue {} covers {} ops, but \"epilogue_ops\" is {}", impl.epilogue,
-                                             join(counts, " or "), impl.epilogue_ops));
+// Syntax of a cuBLASLt impl's tail: present exactly when the pattern continues after the epilogue's ops.
+void check_tail(const Impl& impl, const std::vector<PatternElem>& pat, const std::string& p) {
   if (static_cast<size_t>(impl.epilogue_ops) > pat.size())
     invalid(p + "/epilogue_ops", fmt::format("\"epilogue_ops\" is {} but the pattern has only {} elements",
                                              impl.epilogue_ops, pat.size()));
-  for (size_t i = 0; i < shape->covers.size(); ++i) {
-    const auto& allowed = shape->covers[i];
-    const auto& el = pat[i];
-    bool ok = !el.optional && std::all_of(el.kinds.begin(), el.kinds.end(), [&](const std::string& k) {
-      return std::find(allowed.begin(), allowed.end(), k) != allowed.end();
-    });
-    if (!ok)
-      invalid(p + "/epilogue", fmt::format("epilogue {} covers ops of kind {} at pattern element {}, but the element "
-                                           "is {}{}",
-                                           impl.epilogue, join(allowed, "|"), i, join(el.kinds, "|"),
-                                           el.optional ? " (optional)" : ""));
-  }
-  if (impl.epilogue == "GELU_AUX_BIAS") {
-    // cuBLASLt's GELU is the tanh approximation: an exact-erf gelu must not be matched by this rule.
-    const auto& a = pat[2].attrs;
-    if (!a.contains("approximate") || a.at("approximate") != "tanh")
-      invalid(p + "/epilogue", "cuBLASLt's GELU epilogue computes gelu_tanh: constrain the gelu element with "
-                               "\"attrs\": {\"approximate\": \"tanh\"}");
-  }
   size_t rest = pat.size() - static_cast<size_t>(impl.epilogue_ops);
   if (rest > 0 && impl.tail.empty())
     invalid(p, fmt::format("the pattern has {} element(s) after the {} ops of the epilogue: give a generated "
@@ -298,7 +195,6 @@ void check_epilogue(Impl& impl, const std::vector<PatternElem>& pat, Pass pass, 
                            rest, impl.epilogue_ops));
   if (rest == 0 && !impl.tail.empty())
     invalid(p + "/tail", "\"tail\" given, but the pattern has no elements after the epilogue's ops");
-  if (rest > 0) check_generated_ops(pat, static_cast<size_t>(impl.epilogue_ops), impl.tail, p + "/tail", reg);
 }
 
 Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vector<PatternElem>& pat,
@@ -324,7 +220,6 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
     if (impl.skeleton != "elementwise" && impl.skeleton != "gated" && impl.skeleton != "rownorm")
       invalid(p + "/skeleton", fmt::format("unknown skeleton {}; use \"elementwise\", \"gated\" or \"rownorm\"",
                                            show(impl.skeleton)));
-    check_generated_ops(pat, 0, impl.skeleton, p, reg);
   } else if (kind == "cublaslt") {
     check_keys(v, p, {"kind", "epilogue", "epilogue_ops", "tail"}, "cublaslt impl");
     impl.kind = Impl::Kind::cublaslt;
@@ -337,30 +232,12 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
       if (impl.tail != "elementwise")
         invalid(p + "/tail", fmt::format("unknown tail {}; the only tail skeleton is \"elementwise\"", show(impl.tail)));
     }
-    check_epilogue(impl, pat, pass, p, reg);
+    check_tail(impl, pat, p);
   } else {
     check_keys(v, p, {"kind", "strategy", "saves"}, "joint impl");
     impl.kind = Impl::Kind::joint;
     impl.strategy = need_string(v, "strategy", p,
                                 "\"regenerate_dropout_mask\", \"recompute_linear_output\" or \"relu_bitmask\"");
-    auto required = [&](const char* kind_name, bool not_last) {
-      for (size_t i = 0; i < pat.size(); ++i)
-        if (!pat[i].optional && pat[i].kinds == std::vector<std::string>{kind_name} && (!not_last || i + 1 < pat.size()))
-          return;
-      invalid(p + "/strategy", fmt::format("strategy {} needs a required \"{}\" element in the pattern{}",
-                                           impl.strategy, kind_name, not_last ? ", followed by the op that uses it" : ""));
-    };
-    if (impl.strategy == "regenerate_dropout_mask") {
-      required("dropout", false);
-    } else if (impl.strategy == "recompute_linear_output") {
-      required("linear", true);
-    } else if (impl.strategy == "relu_bitmask") {
-      required("relu", true);
-    } else {
-      invalid(p + "/strategy", fmt::format("unknown joint strategy {}; use \"regenerate_dropout_mask\", "
-                                           "\"recompute_linear_output\" or \"relu_bitmask\"",
-                                           show(impl.strategy)));
-    }
     if (!v.contains("saves")) invalid(p, "missing \"saves\": what the joint forward keeps for its backward");
     const json& s = v.at("saves");
     if (!s.is_array() || s.size() > 8) invalid(p + "/saves", "\"saves\" must be an array of at most 8 strings");
@@ -374,6 +251,10 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
       impl.saves.push_back(text);
     }
   }
+  // What the implementation can run: asked of the implementation itself, so the loader and the planner
+  // cannot disagree (a rule no window can ever satisfy is refused here, with the implementation's reason).
+  if (auto no = refuse_unimplementable(impl, pat, pass, reg))
+    invalid(no->field.empty() ? p : p + "/" + no->field, no->message);
   return impl;
 }
 

@@ -26,6 +26,8 @@ const RuleCase kCases[] = {
     {"linear_bias", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}])", {96, 64}},
     {"linear_bias_gelu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}, {"op": "gelu"}])", {96, 64}},
     {"linear_bias_relu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}, {"op": "relu"}])", {96, 64}},
+    {"linear_gelu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "gelu", "approximate": "tanh"}])", {96, 64}},
+    {"linear_relu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "relu"}])", {96, 64}},
     {"linear_bias_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}, {"op": "add_extra_input"}])", {96, 64}},
     {"linear_scale_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "scale", "value": 0.5}, {"op": "add_extra_input"}])", {96, 64}},
     {"add_norm", R"([{"op": "add_extra_input"}, {"op": "layernorm"}])", {50, 264}},
@@ -85,7 +87,7 @@ jf_context context_without(const char* pass, const std::vector<std::string>& onl
     if (rules::pass_name(r.pass) == pass && (only.empty() || std::find(only.begin(), only.end(), r.name) != only.end()))
       rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
                        {"pattern", r.impl.strategy == "regenerate_dropout_mask"   ? nlohmann::json::array({"dropout"})
-                                   : r.impl.strategy == "relu_bitmask"            ? nlohmann::json::array({"relu", "identity"})
+                                   : r.impl.strategy == "relu_bitmask"            ? nlohmann::json::array({"linear", "bias", "relu", "linear"})
                                    : r.impl.strategy.empty()                      ? nlohmann::json::array({"identity"})
                                                                                   : nlohmann::json::array({"linear", "silu"})},
                        {"conditions", {{"min_arch", 1000}}},

@@ -6,7 +6,7 @@
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "cuda/driver.hpp"
-#include "exec/lowering.hpp"
+#include "exec/program.hpp"
 
 namespace jitfuse::cli {
 
@@ -46,13 +46,14 @@ Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::
   p.recipe = ops::parse_recipe(recipe);
   ops::check_recipe_support(p.def, p.recipe);
   p.ops = ops::infer(p.def, ops::parse_shape(shape));
-  fuser::PlanInputs in;
-  in.recipe = recipe;
-  in.dtype = ops::dtype_name(p.recipe.dtype);
-  in.arch = arch;
-  in.training = training;
-  in.disable_fusion = env::flag("JITFUSE_DISABLE_FUSION");
-  p.plan = fuser::plan(p.ops, in, rs, exec::legality());
+  exec::PlanOptions o;
+  o.arch = arch;
+  o.training = training;
+  o.disable_fusion = env::flag("JITFUSE_DISABLE_FUSION");
+  p.plan = exec::make_plan(p.ops, p.recipe, o, rs);
+  exec::DeviceModel dev;
+  dev.arch = arch_target(arch);
+  p.program = exec::make_program(p.ops, p.plan, p.recipe, training, p.def.name, dev);
   return p;
 }
 

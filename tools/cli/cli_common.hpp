@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "exec/kernels.hpp"
+#include "exec/program.hpp"
 #include "fuser/plan.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
@@ -26,6 +27,7 @@ struct Planned {
   ops::Recipe recipe;
   std::vector<ops::Op> ops;
   fuser::Plan plan;
+  std::shared_ptr<exec::Program> program;  // laid out for the arch planned for (occupancy estimated)
 };
 Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::string& recipe,
                   const std::string& shape, int arch, bool training);

@@ -12,6 +12,7 @@
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "fuser/explain.hpp"
+#include "exec/program.hpp"
 #include "fuser/plan.hpp"
 
 namespace jitfuse::cli {
@@ -22,7 +23,8 @@ using nlohmann::json;
 struct ExplainOpts {
   std::string seq, recipe, shape, arch = "sm_90";
   std::vector<std::string> rules;
-  bool json = false, dot = false, inference = false, arch_given = false;
+  bool json = false, dot = false, inference = false, arch_given = false, program = false;
+  double bandwidth = 3350;  // GB/s: H100 SXM's HBM3 (pass the copy bandwidth measured by `jitfuse bench`)
 };
 
 std::string dot_escape(const std::string& s) {
@@ -123,9 +125,11 @@ void run(const ExplainOpts& o) {
     out.update(header);
     out["rule_errors"] = json::array();
     for (const auto& e : rs.errors()) out["rule_errors"].push_back(e.to_string());
+    if (o.program) out["program"] = exec::program_json(*p.program, o.bandwidth);
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     print_text(o, p.def, p.ops, in, rs, p.plan);
+    if (o.program) std::printf("\n%s", exec::program_text(*p.program, o.bandwidth).c_str());
   }
 }
 
@@ -143,6 +147,10 @@ void add_explain_command(CLI::App& app) {
   CLI::Option* as_json = cmd->add_flag("--json", o->json, "Machine-readable output");
   CLI::Option* dot = cmd->add_flag("--dot", o->dot, "Graphviz drawing: fused groups as clusters, forward and backward");
   as_json->excludes(dot);
+  cmd->add_flag("--program", o->program,
+                "Also show the program: every GEMM and kernel step, buffers, saved set, arena and napkin time");
+  cmd->add_option("--bandwidth", o->bandwidth, "GB/s for the napkin times of --program (default 3350)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--inference", o->inference, "Plan for inference (no backward; joint rules that need training fail)");
   cmd->callback([o, arch] {
     o->arch_given = arch->count() > 0;

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/handles.hpp"
 #include "cli_common.hpp"
 #include "commands.hpp"
 #include "common/error.hpp"
@@ -20,7 +21,7 @@ namespace {
 struct PlanOpts {
   std::vector<std::string> seqs, shapes, rules;
   std::string recipe, arch;
-  bool inference = false, json = false, compile = false;
+  bool inference = false, json = false, compile = false, verify = false;
   unsigned jobs = 0;
 };
 
@@ -43,15 +44,16 @@ struct Collected {
   std::vector<std::string> labels;
 };
 
+// all_variants: every kernel variant a prepared program loads (warmup), else the one the shape allows.
 Collected collect(const PlanOpts& o, const rules::RuleSet& rs, const exec::TemplateStore& templates,
-                  const exec::Target& target) {
+                  const exec::Target& target, bool all_variants) {
   Collected c;
   cache::KernelCache scratch(cache::Config{});
   exec::KernelLibrary lib(scratch, templates);
   for (const auto& seq : o.seqs)
     for (const auto& shape : o.shapes) {
       Planned p = plan_file(rs, seq, o.recipe, shape, parse_arch(target.arch), !o.inference);
-      for (auto& [spec, meta] : exec::plan_kernel_specs(p.ops, p.plan, p.recipe, !o.inference, p.def.name)) {
+      for (auto& [spec, meta] : exec::program_kernels(*p.program, all_variants)) {
         c.requests.push_back(lib.request(spec, target, meta));
         c.labels.push_back(seq + " " + shape + ": " + c.requests.back().meta["kernel"].get<std::string>());
       }
@@ -71,7 +73,7 @@ void run_codegen(const PlanOpts& o) {
   auto rs = load_rules(o.rules);
   auto templates = templates_for(rs);
   exec::Target target = exec::target_for_arch(default_arch(o.arch));
-  Collected c = collect(o, rs, templates, target);
+  Collected c = collect(o, rs, templates, target, false);
   nlohmann::json out = nlohmann::json::array();
   cache::KernelCache scratch(cache::Config{});
   exec::KernelLibrary lib(scratch, templates);
@@ -100,7 +102,7 @@ void run_warmup(const PlanOpts& o) {
   auto rs = load_rules(o.rules);
   auto templates = templates_for(rs);
   exec::Target target = exec::target_for_arch(default_arch(o.arch));
-  Collected c = collect(o, rs, templates, target);
+  Collected c = collect(o, rs, templates, target, true);
   cache::KernelCache kc(cache::config_from_env());
   exec::KernelLibrary lib(kc, templates);
   std::vector<cache::Origin> origins;
@@ -152,6 +154,7 @@ int run_check(const PlanOpts& o) {
     return 0;
   }
   jf_context ctx = nullptr;
+  if (o.verify) setenv("JITFUSE_VERIFY", "1", 1);  // read when the context is created
   if (jf_context_create(&ctx) != JF_OK) fail(Status::internal, "jf_context_create: {}", jf_last_error());
   struct Guard {
     jf_context c;
@@ -165,8 +168,17 @@ int run_check(const PlanOpts& o) {
   auto rep = reference::check_sequence(ctx, rs.registry(), json_util::read_file(o.seqs[0]), co);
   std::printf("ran on %s against the float64 reference (fresh random inputs, outputs poisoned):\n%s",
               cuda::current_device().name.c_str(), rep.table().c_str());
-  std::printf("%s\n", rep.pass() ? "PASS" : "FAIL");
-  return rep.pass() ? 0 : 1;
+  bool verified = true;
+  if (const exec::VerifyLog* v = api::context_of(ctx).verify_log()) {
+    std::printf("JITFUSE_VERIFY: %d fused groups compared with their unfused ops on the GPU (%d tensors): %s\n",
+                v->groups_compared, v->tensors_compared,
+                v->failures ? ("FIRST DIFFERENCE: " + v->first).c_str() : "no difference beyond the tolerance");
+    for (const auto& why : v->skipped) std::printf("  not compared: %s\n", why.c_str());
+    verified = v->failures == 0;
+  }
+  const bool pass = rep.pass() && verified;
+  std::printf("%s\n", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
 }
 
 }  // namespace
@@ -194,6 +206,9 @@ void add_plan_commands(CLI::App& app) {
     auto* cmd = app.add_subcommand("check", "Plan a sequence, show the fusion decisions, compile its kernels and, "
                                             "with a GPU, run them against the float64 reference");
     add_plan_options(cmd, *o, false);
+    cmd->add_flag("--verify", o->verify,
+                  "Also compare every fused group with its unfused ops on the GPU (JITFUSE_VERIFY=1) and report the "
+                  "first that differs");
     cmd->callback([o] {
       int rc = run_check(*o);
       if (rc) throw CLI::RuntimeError(rc);

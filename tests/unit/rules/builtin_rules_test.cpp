@@ -32,7 +32,8 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"linear_silu_recompute", Pass::joint}, {"bias_gelu_linear_bias_bwd", Pass::backward},
       {"bias_gelu_linear_bwd", Pass::backward}, {"linear_bias_bwd", Pass::backward},
       {"norm_quantize", Pass::forward},       {"bias_act_quantize", Pass::forward},
-      {"gated_quantize", Pass::forward},
+      {"gated_quantize", Pass::forward},       {"linear_gelu", Pass::forward},
+      {"linear_relu", Pass::forward},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;

@@ -49,13 +49,13 @@ TEST_CASE("rules list shows built-ins and extra rules, also as JSON", "[rules][c
   CHECK_THAT(r.out, Catch::Contains("linear bias gelu{approximate=tanh}"));
   CHECK_THAT(r.out, Catch::Contains("cublaslt GELU_AUX_BIAS (3 ops)"));
   CHECK_THAT(r.out, Catch::Contains("<builtin>/joint.json"));
-  CHECK_THAT(r.out, Catch::Contains("25 rules"));
+  CHECK_THAT(r.out, Catch::Contains("27 rules"));
 
   r = run_cli("rules list --json --rules '" + jf_test::src("docs/examples/softplus") + "'", "", true);
   REQUIRE(r.status == 0);
   auto j = nlohmann::json::parse(r.out);
   CHECK(j.at("errors").empty());
-  CHECK(j.at("rules").size() == 27);
+  CHECK(j.at("rules").size() == 29);
   bool found = false;
   for (const auto& rule : j.at("rules"))
     if (rule.at("name") == "bias_softplus") {

@@ -1,0 +1,22 @@
+// What the C ABI's opaque handles hold. Internal: the CLI and the tests reach a context's internals
+// (its JITFUSE_VERIFY log, say) through context_of, never through the public header.
+#pragma once
+#include <memory>
+
+#include "api/context.hpp"
+#include "jitfuse/jitfuse.h"
+
+struct jf_context_s {
+  jitfuse::api::Context impl;
+};
+struct jf_sequence_s {
+  std::unique_ptr<jitfuse::api::Sequence> impl;
+};
+struct jf_saved_s {
+  jitfuse::exec::SavedContext impl;
+  jf_sequence seq = nullptr;
+};
+
+namespace jitfuse::api {
+inline Context& context_of(jf_context ctx) { return ctx->impl; }
+}  // namespace jitfuse::api

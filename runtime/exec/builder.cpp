@@ -1,0 +1,368 @@
+// The program builder: buffers by role, saved context by (op, name), GEMM and kernel steps with their
+// arguments bound to buffer ids once, so the executor never looks anything up by name.
+#include "exec/builder.hpp"
+
+#include <algorithm>
+
+#include "common/error.hpp"
+
+namespace jitfuse::exec {
+
+using codegen::Arg;
+
+Builder::Builder(Program& p, const std::string& seq) : p_(p), seq_(seq) {
+  const int n = static_cast<int>(p.ops.size());
+  act_.assign(n + 1, -1);
+  grad_.assign(n + 1, -1);
+  p.values.assign(n + 1, -1);
+  p.gradients.assign(n + 1, -1);
+}
+
+void Builder::begin_group(bool forward, int gi, const fuser::Group& g) {
+  forward_ = forward;
+  group_ = gi;
+  g_ = g;
+}
+
+size_t Builder::dtype_bytes_of(int64_t rows, int64_t cols) const {
+  return static_cast<size_t>(rows) * static_cast<size_t>(cols) * static_cast<size_t>(ops::dtype_bytes(p_.recipe.dtype));
+}
+
+int Builder::add(Buffer b) {
+  b.id = static_cast<int>(p_.buffers.size());
+  if (b.bytes == 0 && b.rows >= 0) b.bytes = static_cast<size_t>(b.rows * b.cols) * ops::dtype_bytes(b.dtype);
+  p_.buffers.push_back(std::move(b));
+  return p_.buffers.back().id;
+}
+
+int Builder::caller(BufferRole role, const std::string& name, int op, int slot, ops::DType dt, int64_t rows,
+                    int64_t cols) {
+  Buffer b;
+  b.role = role;
+  b.storage = Storage::caller;
+  b.name = name;
+  b.op = op;
+  b.slot = slot;
+  b.dtype = dt;
+  b.rows = rows;
+  b.cols = cols;
+  return add(b);
+}
+
+int Builder::keyed(int id, const std::string& key) {
+  p_.buffers.at(static_cast<size_t>(id)).key = key;
+  return id;
+}
+
+int Builder::act(int i) {
+  auto& id = act_.at(static_cast<size_t>(i));
+  if (id >= 0) return id;
+  const int n = static_cast<int>(p_.ops.size());
+  const auto& shape = i < n ? p_.ops[i].in : p_.ops[n - 1].out;
+  const int64_t rows = ops::rows_of(shape), cols = ops::cols_of(shape);
+  if (i == 0) {
+    id = p_.input = caller(BufferRole::input, "input", -1, -1, p_.recipe.dtype, rows, cols);
+  } else if (i == n) {
+    const bool fp8_out = p_.recipe.is_fp8() && p_.ops[n - 1].kind == "quantize";
+    id = p_.output = caller(BufferRole::output, "output", -1, -1, fp8_out ? ops::DType::e4m3 : p_.recipe.dtype, rows,
+                            cols);
+  } else {
+    Buffer b;
+    b.role = BufferRole::activation;
+    b.storage = Storage::fwd_arena;
+    b.name = "act" + std::to_string(i);
+    b.op = i;
+    b.dtype = p_.recipe.dtype;
+    b.rows = rows;
+    b.cols = cols;
+    id = add(b);
+  }
+  p_.values[static_cast<size_t>(i)] = id;
+  return id;
+}
+
+int Builder::grad_of(int i) {
+  auto& id = grad_.at(static_cast<size_t>(i));
+  if (id >= 0) return id;
+  const int n = static_cast<int>(p_.ops.size());
+  const auto& shape = i < n ? p_.ops[i].in : p_.ops[n - 1].out;
+  const int64_t rows = ops::rows_of(shape), cols = ops::cols_of(shape);
+  if (i == 0) {
+    id = p_.grad_input = caller(BufferRole::grad_input, "grad_input", -1, -1, p_.recipe.dtype, rows, cols);
+  } else if (i == n) {
+    id = p_.grad_output = caller(BufferRole::grad_output, "grad_output", -1, -1, p_.recipe.dtype, rows, cols);
+  } else {
+    Buffer b;
+    b.role = BufferRole::gradient;
+    b.storage = Storage::bwd_arena;
+    b.name = "grad" + std::to_string(i);
+    b.op = i;
+    b.dtype = p_.recipe.dtype;
+    b.rows = rows;
+    b.cols = cols;
+    id = add(b);
+  }
+  p_.gradients[static_cast<size_t>(i)] = id;
+  return id;
+}
+
+int Builder::param(int op, const std::string& name) {
+  auto key = std::make_pair(op, name);
+  if (auto it = params_.find(key); it != params_.end()) return it->second;
+  for (const auto& prm : p_.ops.at(static_cast<size_t>(op)).params)
+    if (prm.name == name)
+      return params_[key] = keyed(caller(BufferRole::param, "op" + std::to_string(op) + "." + name, op, -1,
+                                         p_.recipe.dtype, ops::rows_of(prm.shape), ops::cols_of(prm.shape)),
+                                  name);
+  fail(Status::internal, "{} has no parameter '{}'", p_.ops[op].label(), name);
+}
+
+int Builder::grad(int op, const std::string& name) {
+  auto key = std::make_pair(op, name);
+  if (auto it = grads_.find(key); it != grads_.end()) return it->second;
+  const Buffer prm = p_.buffer(param(op, name));
+  return grads_[key] = keyed(caller(BufferRole::grad, "grad op" + std::to_string(op) + "." + name, op, -1,
+                                    prm.dtype, prm.rows, prm.cols),
+                             name);
+}
+
+int Builder::extra_in(int op) {
+  auto key = std::make_pair(op, std::string("extra_in"));
+  if (auto it = extra_.find(key); it != extra_.end()) return it->second;
+  const auto& o = p_.ops.at(static_cast<size_t>(op));
+  int id = caller(BufferRole::extra_in, "extra_input[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
+                  p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
+  if (static_cast<int>(p_.extra_in.size()) <= o.extra_slot) p_.extra_in.resize(o.extra_slot + 1, -1);
+  p_.extra_in[o.extra_slot] = id;
+  return extra_[key] = id;
+}
+
+int Builder::extra_out(int op) {
+  auto key = std::make_pair(op, std::string("extra_out"));
+  if (auto it = extra_.find(key); it != extra_.end()) return it->second;
+  const auto& o = p_.ops.at(static_cast<size_t>(op));
+  int id = caller(BufferRole::extra_out, "extra_output[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
+                  p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
+  if (static_cast<int>(p_.extra_out.size()) <= o.extra_slot) p_.extra_out.resize(o.extra_slot + 1, -1);
+  p_.extra_out[o.extra_slot] = id;
+  return extra_[key] = id;
+}
+
+int Builder::grad_extra_out(int op) {
+  auto key = std::make_pair(op, std::string("grad_extra_out"));
+  if (auto it = extra_.find(key); it != extra_.end()) return it->second;
+  const auto& o = p_.ops.at(static_cast<size_t>(op));
+  int id = caller(BufferRole::grad_extra_out, "grad_extra_output[" + std::to_string(o.extra_slot) + "]", op,
+                  o.extra_slot, p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
+  if (static_cast<int>(p_.grad_extra_out.size()) <= o.extra_slot) p_.grad_extra_out.resize(o.extra_slot + 1, -1);
+  p_.grad_extra_out[o.extra_slot] = id;
+  return extra_[key] = id;
+}
+
+int Builder::grad_extra_in(int op) {
+  auto key = std::make_pair(op, std::string("grad_extra_in"));
+  if (auto it = extra_.find(key); it != extra_.end()) return it->second;
+  const auto& o = p_.ops.at(static_cast<size_t>(op));
+  int id = caller(BufferRole::grad_extra_in, "grad_extra_input[" + std::to_string(o.extra_slot) + "]", op,
+                  o.extra_slot, p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
+  if (static_cast<int>(p_.grad_extra_in.size()) <= o.extra_slot) p_.grad_extra_in.resize(o.extra_slot + 1, -1);
+  p_.grad_extra_in[o.extra_slot] = id;
+  return extra_[key] = id;
+}
+
+int Builder::fp8_state(int op, const std::string& which) {
+  auto key = std::make_pair(op, which);
+  if (auto it = state_.find(key); it != state_.end()) return it->second;
+  const int64_t len = which == "amax_history" ? std::max(1, p_.recipe.amax_history) : 1;
+  return state_[key] = keyed(caller(BufferRole::recipe_state, "op" + std::to_string(op) + "." + which, op, -1,
+                                    ops::DType::f32, 1, len),
+                             which);
+}
+
+size_t Builder::saved_size(int op, const std::string& name) const {
+  const auto& o = p_.ops.at(static_cast<size_t>(op));
+  const int64_t rows = ops::rows_of(o.in), cols = ops::cols_of(o.in);
+  if (name == "mean" || name == "rstd") return static_cast<size_t>(rows) * 4;
+  if (name == "mask") return static_cast<size_t>(rows * ((cols + 7) / 8));
+  if (name == "output") return dtype_bytes_of(ops::rows_of(o.out), ops::cols_of(o.out));
+  return dtype_bytes_of(rows, cols);
+}
+
+int Builder::saved_new(int op, const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes) {
+  if (!p_.training) fail(Status::internal, "an inference program saves no context ({} '{}')", p_.ops[op].label(), name);
+  Buffer b;
+  b.role = BufferRole::saved;
+  b.storage = Storage::saved;
+  b.name = "op" + std::to_string(op) + "." + name;
+  b.op = op;
+  b.dtype = dtype;
+  b.rows = rows;
+  b.cols = cols;
+  b.bytes = bytes;
+  b.key = name;
+  b.needs_align16 = name != "mask";
+  int id = add(b);
+  saved_[{op, name}] = id;
+  return id;
+}
+
+void Builder::save_alias(int op, const std::string& name, int id) {
+  if (!p_.training) return;
+  auto& b = p_.buffers.at(static_cast<size_t>(id));
+  if (b.storage == Storage::fwd_arena) b.storage = Storage::saved;  // must outlive the forward call
+  saved_[{op, name}] = id;
+}
+
+void Builder::boundary_saves(int b, int e) {
+  if (!p_.training) return;
+  for (int i = b; i < e; ++i)
+    for (auto k : p_.ops[i].saved) {
+      if (k == ops::SavedKind::input && i == b) save_alias(i, "input", act(b));
+      if (k == ops::SavedKind::output && i + 1 == e) save_alias(i, "output", act(e));
+    }
+}
+
+void Builder::forget_saved(int op, const std::string& name) { saved_.erase({op, name}); }
+
+int Builder::saved(int op, const std::string& name) const {
+  auto it = saved_.find({op, name});
+  if (it == saved_.end())
+    fail(Status::internal, "{}: saved context '{}' missing: the forward group did not save what this backward needs",
+         p_.ops.at(static_cast<size_t>(op)).label(), name);
+  return it->second;
+}
+
+void Builder::provide_saved(int op, const std::string& name, int id) { saved_[{op, name}] = id; }
+
+int Builder::temp(const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes) {
+  Buffer b;
+  b.role = BufferRole::temp;
+  b.storage = forward_ ? Storage::fwd_arena : Storage::bwd_arena;
+  b.name = name;
+  b.dtype = dtype;
+  b.rows = rows;
+  b.cols = cols;
+  b.bytes = bytes;
+  return add(b);
+}
+
+void Builder::touch(int id) {
+  if (id < 0) return;
+  auto& b = p_.buffers.at(static_cast<size_t>(id));
+  const int step = static_cast<int>((forward_ ? p_.forward : p_.backward).size());
+  if (b.first < 0) b.first = step;
+  b.last = std::max(b.last, step);
+}
+
+GemmStep Builder::linear_gemm(int lin, cuda::GemmKind kind) const {
+  const auto& o = p_.ops.at(static_cast<size_t>(lin));
+  GemmStep g;
+  g.call.kind = kind;
+  g.call.m = ops::rows_of(o.in);
+  g.call.k = ops::cols_of(o.in);
+  g.call.n = ops::cols_of(o.out);
+  g.call.dtype = p_.recipe.dtype;
+  return g;
+}
+
+void Builder::gemm(const GemmStep& g, const std::string& what) {
+  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones}) touch(id);
+  Step s;
+  s.kind = Step::Kind::gemm;
+  s.group = group_;
+  s.what = what;
+  s.gemm = g;
+  (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
+}
+
+nlohmann::json Builder::kernel_meta(int b, const char* pass) const {
+  nlohmann::json kinds = nlohmann::json::array();
+  for (int i = b; i < g_.end; ++i) kinds.push_back(p_.ops[i].kind);
+  return {{"rule", g_.rule.empty() ? "(unfused)" : g_.rule},
+          {"ops", kinds},
+          {"recipe", ops::recipe_name(p_.recipe.kind)},
+          {"shape", "?x" + std::to_string(ops::cols_of(p_.ops[b].in))},
+          {"sequence", seq_},
+          {"pass", pass}};
+}
+
+void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
+                     const std::string& what) {
+  auto ks = std::make_shared<KernelStep>();
+  ks->spec = spec;
+  ks->meta = meta;
+  ks->gen = codegen::generate(spec);
+  ks->rows = rows;
+  for (const Arg& a : ks->gen.args) {
+    KArg k;
+    switch (a.role) {
+      case Arg::Role::in: k.buffer = in; break;
+      case Arg::Role::out: k.buffer = out; break;
+      case Arg::Role::param: k.buffer = param(a.op, a.name); break;
+      case Arg::Role::saved:
+        if (a.writes) {
+          const auto& o = p_.ops[a.op];
+          const bool stats = a.name == "mean" || a.name == "rstd", mask = a.name == "mask";
+          const bool output = a.name == "output";
+          k.buffer = saved_new(a.op, a.name, stats ? ops::DType::f32 : p_.recipe.dtype,
+                               ops::rows_of(output ? o.out : o.in),
+                               stats ? 1 : mask ? (ops::cols_of(o.in) + 7) / 8 : ops::cols_of(output ? o.out : o.in),
+                               saved_size(a.op, a.name));
+        } else {
+          k.buffer = saved(a.op, a.name);
+        }
+        break;
+      case Arg::Role::extra_in: k.buffer = extra_in(a.op); break;
+      case Arg::Role::extra_out: k.buffer = extra_out(a.op); break;
+      case Arg::Role::grad_extra_out: k.buffer = grad_extra_out(a.op); break;
+      case Arg::Role::grad_extra_in: k.buffer = grad_extra_in(a.op); break;
+      case Arg::Role::partials: {
+        // fp32 [parts, width]; parts is known once the launch shape is (layout_program).
+        int64_t width = 0;
+        for (const auto& f : ks->gen.finalize)
+          if (f.op == a.op && f.name == a.name) width = f.cols;
+        k.buffer = temp("partials op" + std::to_string(a.op) + "." + a.name, ops::DType::f32, -1, width);
+        for (const auto& f : ks->gen.finalize)
+          if (f.op == a.op && f.name == a.name)
+            ks->finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, std::to_string(f.op) + "." + f.name});
+        break;
+      }
+      case Arg::Role::rows: k.kind = KArg::Kind::rows; break;
+      case Arg::Role::seed:
+        k.kind = KArg::Kind::u64_const;
+        k.value = p_.ops[a.op].attrs["seed"].get<uint64_t>();
+        break;
+      case Arg::Role::offset: k.kind = KArg::Kind::rng_offset; break;
+      case Arg::Role::parts: k.kind = KArg::Kind::int_const; break;  // filled by layout_program
+      case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, "scale"); break;
+      case Arg::Role::fp8_scale_inv: k.buffer = fp8_state(a.op, "scale_inv"); break;
+      case Arg::Role::fp8_amax:
+        if (a.writes) {
+          k.buffer = ks->amax_partials = temp("amax partials op" + std::to_string(a.op), ops::DType::f32, -1, 1);
+        } else {
+          k.buffer = fp8_state(a.op, "amax_history");
+        }
+        break;
+    }
+    ks->args.push_back(k);
+  }
+  if (!ks->gen.fp8_update.empty()) {
+    const int q = spec.fp8->op;
+    ks->fp8_scale = fp8_state(q, "scale");
+    ks->fp8_scale_inv = fp8_state(q, "scale_inv");
+    ks->fp8_history = fp8_state(q, "amax_history");
+    ks->fp8_len = std::max(1, p_.recipe.amax_history);
+  }
+  for (const auto& k : ks->args)
+    if (k.kind == KArg::Kind::buffer) touch(k.buffer);
+  for (const auto& f : ks->finalize) touch(f.grad);
+  for (int id : {ks->fp8_scale, ks->fp8_scale_inv, ks->fp8_history}) touch(id);
+  Step s;
+  s.kind = Step::Kind::kernel;
+  s.group = group_;
+  s.what = what;
+  s.kernel = std::move(ks);
+  (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
+}
+
+}  // namespace jitfuse::exec

@@ -1,0 +1,80 @@
+// The program builder that implementations lower groups with: value, parameter, saved and scratch
+// buffers by role, GEMM and kernel steps. Saved context is keyed by (op, name) here, once, at build time.
+#pragma once
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "exec/program.hpp"
+
+namespace jitfuse::exec {
+
+class Builder {
+ public:
+  Builder(Program& p, const std::string& sequence_name);
+
+  const std::vector<ops::Op>& ops() const { return p_.ops; }
+  const ops::Recipe& recipe() const { return p_.recipe; }
+  bool training() const { return p_.training; }
+
+  // Starts lowering group `gi` of the forward (or backward) pass; steps added next belong to it.
+  void begin_group(bool forward, int gi, const fuser::Group& g);
+
+  // The forward value entering op i (0: the caller's input, n: the caller's output).
+  int act(int i);
+  // The gradient of the value entering op i (n: the caller's grad_output, 0: the caller's grad_input).
+  int grad_of(int i);
+  int param(int op, const std::string& name);
+  int grad(int op, const std::string& name);
+  int extra_in(int op);
+  int extra_out(int op);
+  int grad_extra_out(int op);
+  int grad_extra_in(int op);
+  int fp8_state(int op, const std::string& which);  // "scale" | "scale_inv" | "amax_history"
+
+  // Forward: saved context (op, name) written into the saved block by a kernel or a GEMM epilogue.
+  int saved_new(int op, const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes);
+  // Forward: saved context (op, name) is the value buffer `id` (kept alive in the saved block if scratch).
+  void save_alias(int op, const std::string& name, int id);
+  // Forward: what ops [b, e) of a group save at its boundaries (an op's input at b, its output at e);
+  // context inside the group is written by the group's own kernels.
+  void boundary_saves(int b, int e);
+  void forget_saved(int op, const std::string& name);
+  // Backward: the buffer holding saved context (op, name); throws if the forward did not save it.
+  int saved(int op, const std::string& name) const;
+  // Backward: (op, name) is provided by a buffer the backward itself computed (recompute strategies).
+  void provide_saved(int op, const std::string& name, int id);
+
+  int temp(const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes = 0);
+
+  // A cuBLASLt GEMM for linear op `lin` (dims from its shapes, dtype from the recipe).
+  GemmStep linear_gemm(int lin, cuda::GemmKind kind) const;
+  void gemm(const GemmStep& g, const std::string& what);
+  // A generated kernel: `spec` over `rows` rows reading buffer `in` and writing buffer `out`.
+  void kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
+              const std::string& what);
+
+  // Cache metadata of a kernel that runs ops [b, group end).
+  nlohmann::json kernel_meta(int b, const char* pass) const;
+  const fuser::Group& group() const { return g_; }
+  bool forward() const { return forward_; }
+
+ private:
+  int add(Buffer b);
+  int caller(BufferRole role, const std::string& name, int op, int slot, ops::DType dt, int64_t rows, int64_t cols);
+  int keyed(int id, const std::string& key);
+  void touch(int id);
+  size_t dtype_bytes_of(int64_t rows, int64_t cols) const;
+  size_t saved_size(int op, const std::string& name) const;
+
+  Program& p_;
+  std::string seq_;
+  bool forward_ = true;
+  int group_ = -1;
+  fuser::Group g_;
+  std::vector<int> act_, grad_;
+  std::map<std::pair<int, std::string>, int> params_, grads_, state_, saved_, extra_;
+};
+
+}  // namespace jitfuse::exec

@@ -1,0 +1,29 @@
+// cuBLASLt DGRAD_ACCUMULATE (backward of [make_extra_output linear]): dx = dy W + d_extra in one GEMM
+// (C = the extra output's gradient, beta = 1), then the wgrad.
+#include "exec/impl/cublaslt_epilogue.hpp"
+#include "exec/impl/registrar.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+class DgradAccumulate final : public CublasEpilogue {
+ public:
+  std::string name() const override { return "DGRAD_ACCUMULATE"; }
+
+ protected:
+  rules::Pass pass() const override { return rules::Pass::backward; }
+  std::vector<Kinds> shapes() const override { return {{{"make_extra_output"}, {"linear"}}}; }
+  void backward(Builder& b) const override {
+    const auto& g = b.group();
+    LinearBackward lb;
+    lb.dy = b.grad_of(g.end);
+    lb.dx = b.grad_of(g.begin);
+    lb.accumulate = b.grad_extra_out(role(b, ops::Family::make_extra_output));
+    linear_backward(b, role(b, ops::Family::linear), lb);
+  }
+};
+
+const Registrar kRegistered(std::make_unique<DgradAccumulate>());
+
+}  // namespace
+}  // namespace jitfuse::exec

@@ -1,0 +1,122 @@
+// The implementations jitfuse knows (each file registers its own) and the questions asked of them: the
+// fuser's legality predicate and the rule loader's "can this rule ever run?".
+#include <algorithm>
+#include <functional>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "common/error.hpp"
+#include "exec/impl/implementation.hpp"
+#include "exec/impl/registrar.hpp"
+#include "exec/lowering.hpp"
+#include "rules/implementable.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+using Table = std::map<std::pair<int, std::string>, std::unique_ptr<Implementation>>;
+Table& table() {
+  static Table t;
+  return t;
+}
+
+}  // namespace
+
+Registrar::Registrar(std::unique_ptr<Implementation> impl) {
+  auto key = std::make_pair(static_cast<int>(impl->kind()), impl->name());
+  table()[key] = std::move(impl);
+}
+
+const Implementation* find_implementation(const rules::Impl& impl) {
+  const std::string& name = impl.kind == rules::Impl::Kind::generated  ? impl.skeleton
+                            : impl.kind == rules::Impl::Kind::cublaslt ? impl.epilogue
+                            : impl.kind == rules::Impl::Kind::joint    ? impl.strategy
+                                                                       : std::string("unfused");
+  auto it = table().find({static_cast<int>(impl.kind), name});
+  return it == table().end() ? nullptr : it->second.get();
+}
+
+const Implementation& implementation_for(const rules::Impl& impl) {
+  if (const auto* i = find_implementation(impl)) return *i;
+  fail(Status::internal, "no implementation for impl '{}{}{}'", impl.skeleton, impl.epilogue, impl.strategy);
+}
+
+std::vector<const Implementation*> implementations() {
+  std::vector<const Implementation*> out;
+  for (const auto& [k, v] : table()) out.push_back(v.get());
+  return out;
+}
+
+std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
+                                       rules::Pass pass) {
+  const Implementation* impl = find_implementation(rule.impl);
+  if (!impl) return "no implementation named by the rule";
+  return impl->check(window_of(ops, b, e), rule.impl, pass);
+}
+
+fuser::LegalityFn legality() {
+  return [](const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e, rules::Pass pass) {
+    return check_legal(rule, ops, b, e, pass);
+  };
+}
+
+}  // namespace jitfuse::exec
+
+namespace jitfuse::rules {
+
+// Every expansion of the pattern (each optional element present or not, each alternative kind), until
+// one can be implemented; the reason of the first one otherwise.
+std::optional<Refusal> refuse_unimplementable(const Impl& impl, const std::vector<PatternElem>& pattern, Pass pass,
+                                              const ops::Registry& reg) {
+  const exec::Implementation* im = exec::find_implementation(impl);
+  const char* field = impl.kind == Impl::Kind::generated  ? "skeleton"
+                      : impl.kind == Impl::Kind::cublaslt ? "epilogue"
+                                                          : "strategy";
+  if (!im) {
+    std::string known;
+    for (const auto* i : exec::implementations())
+      if (i->kind() == impl.kind) known += (known.empty() ? "" : ", ") + i->name();
+    const std::string& name = impl.kind == Impl::Kind::generated  ? impl.skeleton
+                              : impl.kind == Impl::Kind::cublaslt ? impl.epilogue
+                                                                  : impl.strategy;
+    const char* what = impl.kind == Impl::Kind::generated  ? "skeleton"
+                       : impl.kind == Impl::Kind::cublaslt ? "cuBLASLt epilogue"
+                                                           : "joint strategy";
+    return Refusal{field, fmt::format("unknown {} '{}'; known: {}", what, name, known)};
+  }
+  std::vector<exec::OpUse> window;
+  std::optional<std::string> first;
+  size_t leaves = 0;
+  constexpr size_t kMaxExpansions = 4096;
+  std::function<bool(size_t)> expand = [&](size_t i) -> bool {
+    if (i == pattern.size()) {
+      ++leaves;
+      if (window.empty()) return false;
+      auto why = im->check(window, impl, pass);
+      if (!why) return true;
+      if (!first) first = why;
+      return false;
+    }
+    if (leaves >= kMaxExpansions) return false;
+    const auto& el = pattern[i];
+    if (el.optional && expand(i + 1)) return true;
+    for (const auto& k : el.kinds) {
+      const ops::OpKind* kind = reg.find(k);
+      if (!kind) continue;
+      window.push_back({kind, &el.attrs, nullptr});
+      bool ok = expand(i + 1);
+      window.pop_back();
+      if (ok) return true;
+    }
+    return false;
+  };
+  if (expand(0)) return std::nullopt;
+  std::string why = first ? *first : "the pattern matches no op kind";
+  if (leaves >= kMaxExpansions)
+    why += fmt::format(" (checked the first {} expansions of the pattern; split the rule)", kMaxExpansions);
+  return Refusal{field, im->name() + " cannot run any window this pattern matches: " + why + "; it implements " +
+                         im->covers_text()};
+}
+
+}  // namespace jitfuse::rules

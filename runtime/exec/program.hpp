@@ -1,0 +1,167 @@
+// A Program: what exactly runs for one (sequence, recipe, shape, training, device) — an ordered list of
+// typed steps (cuBLASLt GEMMs, generated kernels) over a table of typed buffers. Built once by
+// make_program; the executor (executor.hpp) only binds buffer ids to pointers and launches.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cuda/cublaslt.hpp"
+#include "fuser/plan.hpp"
+#include "jitfuse/codegen/kernel_spec.hpp"
+#include "ops/op.hpp"
+#include "ops/recipe.hpp"
+
+namespace jitfuse::exec {
+
+struct LoadedKernel;
+
+// Who provides a buffer's memory, and for how long it lives.
+enum class Storage {
+  caller,     // a tensor the caller passes with the call (input, output, extras, params, grads, recipe state)
+  saved,      // the saved-for-backward block: written by the forward, read by the backward, freed on release
+  fwd_arena,  // the forward call's arena, packed by lifetime
+  bwd_arena,  // the backward call's arena, packed by lifetime
+};
+
+enum class BufferRole {
+  input, output, extra_in, extra_out,                       // forward tensors of the caller
+  grad_output, grad_input, grad_extra_out, grad_extra_in,   // backward tensors of the caller
+  param, grad,                                              // (op, name) parameters and their gradients
+  recipe_state,                                             // (op, "scale"|"scale_inv"|"amax_history") FP8 state
+  activation,                                               // a value between two forward groups
+  gradient,                                                 // a gradient between two backward groups
+  saved,                                                    // (op, name) context a forward kernel or GEMM writes
+  temp,                                                     // scratch: partial sums, recomputed values, masks
+};
+std::string role_name(BufferRole r);
+std::string storage_name(Storage s);
+
+struct Buffer {
+  int id = 0;
+  BufferRole role = BufferRole::temp;
+  Storage storage = Storage::fwd_arena;
+  std::string name;         // "input", "op3.bias", "op2.mask", "act4", "partials op1.bias"
+  int op = -1;              // the op it belongs to (params, grads, saved, extras), else -1
+  std::string key;          // params, grads, saved, recipe state: the name within the op ("bias", "mean", "scale")
+  int slot = -1;            // extra_in / extra_out / grad_extra_* index
+  ops::DType dtype = ops::DType::f32;
+  int64_t rows = 0, cols = 0;  // elements = rows * cols (bit masks and byte blobs use dtype u8)
+  size_t bytes = 0;
+  size_t offset = 0;        // saved / arena storage: byte offset in its block
+  int first = -1, last = -1;  // first and last step (of its pass) that touches it
+  bool needs_align16 = true;  // a misaligned pointer selects the scalar variant of the kernels using it
+};
+
+// How one kernel argument is bound at launch.
+struct KArg {
+  enum class Kind { buffer, rows, u64_const, rng_offset, int_const } kind = Kind::buffer;
+  int buffer = -1;
+  uint64_t value = 0;
+};
+
+struct KernelLaunch {
+  unsigned gx = 1, gy = 1, bx = 1, by = 1;
+  int parts = 1;  // per-block partial rows the kernel writes (column reductions, FP8 amax)
+};
+
+// One generated kernel (and the finalize / FP8 update kernels of its module), both variants resolved.
+struct KernelStep {
+  codegen::KernelSpec spec;  // spec.vec: the shape allows the vector variant
+  nlohmann::json meta;       // cache metadata (rule, ops, recipe, ...)
+  codegen::Generated gen;    // of the variant the shape allows (args, launch shape, follow-up kernels)
+  std::vector<KArg> args;    // in gen.args order
+  struct Variant {
+    const LoadedKernel* kernel = nullptr;  // set by load_program
+    KernelLaunch launch;
+  } vec, scalar;
+  std::vector<int> align_buffers;  // caller buffers whose misalignment selects the scalar variant
+  struct Follow {                  // a finalize kernel: grad(op,name) = sum of the partials
+    int partials = -1, grad = -1;
+    int64_t cols = 0;
+    std::string key;  // LoadedKernel::finalize key
+  };
+  std::vector<Follow> finalize;
+  // FP8: the per-block amax partials and the recipe-state update kernel after the main kernel.
+  int amax_partials = -1;
+  int fp8_scale = -1, fp8_scale_inv = -1, fp8_history = -1, fp8_len = 0;
+  int64_t rows = 0;
+  int64_t bytes_read = 0, bytes_written = 0;  // napkin traffic of the main kernel
+};
+
+struct GemmStep {
+  cuda::GemmCall call;  // dims, kind, epilogue, alpha/beta, dtype; pointers are bound per call from:
+  int a = -1, b = -1, c = -1, d = -1, bias = -1, aux = -1;
+  // BGRADB may have no cuBLASLt algorithm for a problem: then the plain wgrad and db = ones^T dy.
+  int ones = -1;
+  bool bias_grad_fallback = false;
+  int64_t flops() const { return 2 * call.m * call.n * call.k; }
+};
+
+struct Step {
+  enum class Kind { gemm, kernel } kind = Kind::gemm;
+  int group = -1;              // index into the pass's groups
+  std::string what;            // "linear_bias_gelu: cublaslt GELU_AUX_BIAS" (explain only; never dispatched on)
+  GemmStep gemm;
+  std::shared_ptr<KernelStep> kernel;
+};
+
+struct Program {
+  std::vector<ops::Op> ops;
+  fuser::Plan plan;
+  ops::Recipe recipe;
+  bool training = true;
+  std::string arch;  // "sm_90a"
+  std::vector<Buffer> buffers;
+  std::vector<Step> forward, backward;  // the backward in execution order
+  size_t fwd_arena = 0, bwd_arena = 0, saved_bytes = 0;
+  // Buffer ids of the caller's tensors, by role.
+  int input = -1, output = -1, grad_output = -1, grad_input = -1;
+  std::vector<int> extra_in, extra_out, grad_extra_out, grad_extra_in;
+  std::vector<int> values, gradients;  // by op boundary i (0..n): the forward value / its gradient, -1 if none
+  std::vector<int> saved() const;  // ids of the buffers a training forward leaves for the backward
+
+  const Buffer& buffer(int id) const { return buffers.at(static_cast<size_t>(id)); }
+  int find(BufferRole role, int op, const std::string& name) const;  // -1 if absent
+};
+
+// The device model a program is laid out for: grids of persistent kernels and the partial-sum buffers
+// they size depend on the SM count and on each kernel's occupancy.
+struct DeviceModel {
+  std::string arch = "sm_90a";
+  int sm_count = 132;
+  bool estimated = true;  // no GPU: occupancy estimated from the block size
+};
+
+struct PlanOptions {
+  int arch = 0;  // 90 for sm_90; 0: unknown (arch conditions then fail with that reason)
+  bool training = true;
+  bool disable_fusion = false;  // JITFUSE_DISABLE_FUSION
+};
+// The one way a plan is made (context, CLI and tests): the three passes over `ops` with the rules of `rs`,
+// legality answered by the implementations.
+fuser::Plan make_plan(const std::vector<ops::Op>& ops, const ops::Recipe& recipe, const PlanOptions& o,
+                      const rules::RuleSet& rs);
+
+// Lowers every group of `plan` through its implementation into steps over buffers. Needs no GPU: the
+// launch shapes use `dev` and, until load_program gives real occupancies, an estimate.
+std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan, const ops::Recipe& recipe,
+                                      bool training, const std::string& sequence_name, const DeviceModel& dev);
+
+// Every kernel (spec + cache metadata) a program launches: each variant it may select (what prepare loads
+// and warmup compiles), or only the variant the shape allows (what codegen prints).
+std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p,
+                                                                           bool all_variants = true);
+
+// Grids, partial-sum sizes, arena offsets: from each kernel's occupancy (load_program) or the estimate.
+void layout_program(Program& p, const DeviceModel& dev);
+
+// The JSON and text forms `jitfuse explain --program` prints.
+nlohmann::json program_json(const Program& p, double bandwidth_gbs);
+std::string program_text(const Program& p, double bandwidth_gbs);
+
+}  // namespace jitfuse::exec

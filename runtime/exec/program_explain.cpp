@@ -1,0 +1,217 @@
+// What `jitfuse explain --program` shows: every step (GEMM dims, layouts, epilogue; kernel grid and bytes),
+// every buffer, the saved set, the arenas, and the napkin minimum time at a given bandwidth.
+#include <fmt/format.h>
+
+#include "exec/program.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+using nlohmann::json;
+
+// cuBLASLt's column-major view of the row-major linear products (cuda/cublaslt.cpp).
+const char* layout(cuda::GemmKind k) {
+  switch (k) {
+    case cuda::GemmKind::fwd: return "TN";
+    case cuda::GemmKind::dgrad: return "NN";
+    case cuda::GemmKind::wgrad: return "NT";
+  }
+  return "?";
+}
+const char* formula(cuda::GemmKind k) {
+  switch (k) {
+    case cuda::GemmKind::fwd: return "y[m,n] = x[m,k] W[n,k]^T";
+    case cuda::GemmKind::dgrad: return "dx[m,k] = dy[m,n] W[n,k]";
+    case cuda::GemmKind::wgrad: return "dW[n,k] = dy[m,n]^T x[m,k]";
+  }
+  return "?";
+}
+const char* kind_name(cuda::GemmKind k) {
+  return k == cuda::GemmKind::fwd ? "fwd" : k == cuda::GemmKind::dgrad ? "dgrad" : "wgrad";
+}
+
+std::string bytes_text(double b) {
+  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
+  if (b >= 1024.0 * 1024) return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
+  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{:.0f} B", b);
+}
+
+// Napkin bytes of a GEMM: every operand read once, the output written once.
+std::pair<int64_t, int64_t> gemm_bytes(const Program& p, const GemmStep& g) {
+  int64_t r = 0, w = 0;
+  for (int id : {g.a, g.b, g.c, g.bias, g.aux}) {
+    if (id < 0) continue;
+    const bool out = (id == g.bias && (g.call.epilogue == cuda::Epilogue::bgradb ||
+                                       g.call.epilogue == cuda::Epilogue::dgelu_bgrad ||
+                                       g.call.epilogue == cuda::Epilogue::drelu_bgrad)) ||
+                     (id == g.aux && (g.call.epilogue == cuda::Epilogue::gelu_aux_bias ||
+                                      g.call.epilogue == cuda::Epilogue::gelu_aux ||
+                                      g.call.epilogue == cuda::Epilogue::relu_aux_bias));
+    (out ? w : r) += static_cast<int64_t>(p.buffer(id).bytes);
+  }
+  w += static_cast<int64_t>(p.buffer(g.d).bytes);
+  if (g.call.beta != 0.f && g.c < 0) r += static_cast<int64_t>(p.buffer(g.d).bytes);
+  return {r, w};
+}
+
+json step_json(const Program& p, const Step& s, double bw) {
+  json j = {{"group", s.group}, {"what", s.what}};
+  auto name = [&](int id) { return id >= 0 ? json(p.buffer(id).name) : json(nullptr); };
+  int64_t r = 0, w = 0;
+  if (s.kind == Step::Kind::gemm) {
+    const auto& g = s.gemm;
+    std::tie(r, w) = gemm_bytes(p, g);
+    j.update({{"kind", "gemm"},
+              {"gemm", kind_name(g.call.kind)},
+              {"formula", formula(g.call.kind)},
+              {"m", g.call.m},
+              {"n", g.call.n},
+              {"k", g.call.k},
+              {"layout", layout(g.call.kind)},
+              {"epilogue", cuda::epilogue_name(g.call.epilogue)},
+              {"dtype", ops::dtype_name(g.call.dtype)},
+              {"alpha", g.call.alpha},
+              {"beta", g.call.beta},
+              {"flops", g.flops()},
+              {"operands", {{"a", name(g.a)}, {"b", name(g.b)}, {"c", name(g.c)}, {"d", name(g.d)},
+                            {"bias", name(g.bias)}, {"aux", name(g.aux)}}}});
+    if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
+  } else {
+    const auto& k = *s.kernel;
+    r = k.bytes_read;
+    w = k.bytes_written;
+    const auto& L = k.spec.vec ? k.vec.launch : k.scalar.launch;
+    json args = json::array();
+    for (const auto& a : k.args) args.push_back(a.kind == KArg::Kind::buffer ? name(a.buffer) : json(nullptr));
+    j.update({{"kind", "kernel"},
+              {"kernel", k.gen.kernel},
+              {"skeleton", codegen::skeleton_name(k.spec.skeleton)},
+              {"vector", k.spec.vec},
+              {"grid", {L.gx, L.gy}},
+              {"block", {L.bx, L.by}},
+              {"rows", k.rows},
+              {"args", args},
+              {"finalize_kernels", k.finalize.size()},
+              {"fp8_update", !k.gen.fp8_update.empty()}});
+  }
+  j["bytes_read"] = r;
+  j["bytes_written"] = w;
+  if (bw > 0) j["napkin_us"] = static_cast<double>(r + w) / (bw * 1e3);
+  return j;
+}
+
+double pass_bytes(const json& steps) {
+  double t = 0;
+  for (const auto& s : steps) t += s["bytes_read"].get<double>() + s["bytes_written"].get<double>();
+  return t;
+}
+
+}  // namespace
+
+json program_json(const Program& p, double bw) {
+  json out = {{"arch", p.arch}, {"training", p.training}, {"recipe", ops::recipe_name(p.recipe.kind)}};
+  for (const auto& [key, steps] : {std::pair<const char*, const std::vector<Step>*>{"forward", &p.forward},
+                                   {"backward", &p.backward}}) {
+    json list = json::array();
+    for (const auto& s : *steps) list.push_back(step_json(p, s, bw));
+    out[key] = list;
+  }
+  json buffers = json::array();
+  for (const auto& b : p.buffers)
+    buffers.push_back({{"id", b.id},
+                       {"name", b.name},
+                       {"role", role_name(b.role)},
+                       {"storage", storage_name(b.storage)},
+                       {"dtype", ops::dtype_name(b.dtype)},
+                       {"rows", b.rows},
+                       {"cols", b.cols},
+                       {"bytes", b.bytes},
+                       {"offset", b.offset},
+                       {"first_step", b.first},
+                       {"last_step", b.last}});
+  out["buffers"] = buffers;
+  json saved = json::array();
+  size_t saved_total = 0;
+  for (int id : p.saved()) {
+    saved.push_back({{"name", p.buffer(id).name}, {"bytes", p.buffer(id).bytes},
+                     {"dtype", ops::dtype_name(p.buffer(id).dtype)}, {"storage", storage_name(p.buffer(id).storage)}});
+    saved_total += p.buffer(id).bytes;
+  }
+  out["saved"] = {{"buffers", saved}, {"bytes", saved_total}, {"block_bytes", p.saved_bytes}};
+  out["arena_bytes"] = {{"forward", p.fwd_arena}, {"backward", p.bwd_arena}};
+  if (bw > 0) {
+    out["bandwidth_gbs"] = bw;
+    out["napkin_us"] = {{"forward", pass_bytes(out["forward"]) / (bw * 1e3)},
+                        {"backward", pass_bytes(out["backward"]) / (bw * 1e3)}};
+  }
+  return out;
+}
+
+std::string program_text(const Program& p, double bw) {
+  json j = program_json(p, bw);
+  std::string out = fmt::format("program ({}, {}, recipe {}; napkin times = bytes / {:.0f} GB/s):\n", p.arch,
+                                p.training ? "training" : "inference", ops::recipe_name(p.recipe.kind), bw);
+  for (const char* pass : {"forward", "backward"}) {
+    const auto& steps = j[pass];
+    if (steps.empty()) continue;
+    out += fmt::format("\n{} steps:\n", pass);
+    int i = 0;
+    for (const auto& s : steps) {
+      std::string line;
+      if (s["kind"] == "gemm") {
+        line = fmt::format("gemm {:<5} m={} n={} k={} {} {} {}", s["gemm"].get<std::string>(), s["m"].get<int64_t>(),
+                           s["n"].get<int64_t>(), s["k"].get<int64_t>(), s["layout"].get<std::string>(),
+                           s["dtype"].get<std::string>(), s["epilogue"].get<std::string>());
+        if (s["alpha"].get<double>() != 1.0) line += fmt::format(" alpha={}", s["alpha"].get<double>());
+        if (s["beta"].get<double>() != 0.0) line += fmt::format(" beta={}", s["beta"].get<double>());
+        line += fmt::format(", {:.1f} GFLOP", s["flops"].get<double>() / 1e9);
+        std::string ops_text;
+        for (const auto& [k, v] : s["operands"].items())
+          if (!v.is_null()) ops_text += fmt::format(" {}={}", k, v.get<std::string>());
+        line += "\n             " + ops_text.substr(1);
+      } else {
+        line = fmt::format("kernel {} grid {}x{} block {}x{}{}", s["kernel"].get<std::string>(),
+                           s["grid"][0].get<unsigned>(), s["grid"][1].get<unsigned>(), s["block"][0].get<unsigned>(),
+                           s["block"][1].get<unsigned>(), s["vector"].get<bool>() ? "" : " (scalar)");
+        std::string args;
+        for (const auto& a : s["args"])
+          if (!a.is_null()) args += " " + a.get<std::string>();
+        line += "\n             args:" + args;
+      }
+      out += fmt::format("  {:>3}  g{:<3} {}\n             {} | reads {}, writes {}, >= {:.1f} us\n", i++,
+                         s["group"].get<int>(), line, s["what"].get<std::string>(),
+                         bytes_text(s["bytes_read"].get<double>()), bytes_text(s["bytes_written"].get<double>()),
+                         s.value("napkin_us", 0.0));
+    }
+  }
+  out += "\nbuffers:\n";
+  out += fmt::format("  {:>3}  {:<26} {:<14} {:<9} {:<5} {:>14} {:>11} {:>11}  steps\n", "id", "name", "role",
+                     "storage", "dtype", "rows x cols", "bytes", "offset");  // steps: an arena buffer's lifetime
+  for (const auto& b : p.buffers) {
+    const bool raw = b.bytes != static_cast<size_t>(b.rows * b.cols) * ops::dtype_bytes(b.dtype);
+    out += fmt::format("  {:>3}  {:<26} {:<14} {:<9} {:<5} {:>14} {:>11} {:>11}  {}\n", b.id, b.name,
+                       role_name(b.role), storage_name(b.storage), raw ? "bytes" : ops::dtype_name(b.dtype),
+                       fmt::format("{}x{}", b.rows, b.cols), bytes_text(static_cast<double>(b.bytes)),
+                       b.storage == Storage::caller ? std::string("-") : std::to_string(b.offset),
+                       b.first < 0 || (b.storage != Storage::fwd_arena && b.storage != Storage::bwd_arena)
+                           ? std::string("-")
+                           : fmt::format("{}..{}", b.first, b.last));
+  }
+  const auto& sv = j["saved"];
+  out += fmt::format("\nsaved for backward: {} buffers, {} ({} allocated by jitfuse, the rest are the caller's "
+                     "tensors kept alive)\n",
+                     sv["buffers"].size(), bytes_text(sv["bytes"].get<double>()),
+                     bytes_text(sv["block_bytes"].get<double>()));
+  for (const auto& b : sv["buffers"])
+    out += fmt::format("  {:<26} {:>11}  {}\n", b["name"].get<std::string>(), bytes_text(b["bytes"].get<double>()),
+                       b["storage"].get<std::string>());
+  out += fmt::format("arena per call: forward {}, backward {}\n", bytes_text(static_cast<double>(p.fwd_arena)),
+                     bytes_text(static_cast<double>(p.bwd_arena)));
+  if (j.contains("napkin_us"))
+    out += fmt::format("napkin minimum at {:.0f} GB/s: forward {:.1f} us, backward {:.1f} us\n", bw,
+                       j["napkin_us"]["forward"].get<double>(), j["napkin_us"]["backward"].get<double>());
+  return out;
+}
+
+}  // namespace jitfuse::exec

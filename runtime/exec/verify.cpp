@@ -1,0 +1,251 @@
+// The shadow run behind JITFUSE_VERIFY: the unfused program of the same sequence, bound to the caller's
+// inputs and parameters and to scratch outputs, run group by group beside the fused one and compared on
+// the host (a debugging mode: it synchronises the stream and allocates synchronously).
+#include "exec/verify.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include "common/error.hpp"
+#include "common/log.hpp"
+#include "exec/executor.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+// IEEE half and bfloat16 bits to double (the float64 oracle stays out of the shipped library).
+double half_bits(uint16_t h) {
+  const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+  double v = e == 0 ? std::ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(1024 + m, e - 25);
+  return s ? -v : v;
+}
+double bf16_bits(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+double to_double(const unsigned char* p, ops::DType dt) {
+  switch (dt) {
+    case ops::DType::f32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case ops::DType::f16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return half_bits(h);
+    }
+    case ops::DType::bf16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return bf16_bits(h);
+    }
+    default: return 0;
+  }
+}
+
+// DESIGN's tolerances; fp32 GEMMs take fp16's (TF32-class accumulation orders differ between epilogues).
+std::pair<double, double> tolerance(ops::DType dt, bool gemm) {
+  switch (dt) {
+    case ops::DType::f32: return gemm ? std::pair{1e-3, 1e-5} : std::pair{1.3e-6, 1e-5};
+    case ops::DType::f16: return {1e-3, 1e-5};
+    default: return {1.6e-2, 1e-5};
+  }
+}
+
+}  // namespace
+
+void VerifyLog::note_skip(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& s : skipped)
+    if (s == why) return;
+  skipped.push_back(why);
+  log().warn("JITFUSE_VERIFY: {}", why);
+}
+
+Shadow::Shadow(std::shared_ptr<const Prepared> fused, std::shared_ptr<const Prepared> reference, VerifyLog& log,
+               Runtime& rt)
+    : fused_(std::move(fused)), ref_(std::move(reference)), log_(log), rt_(rt) {
+  ptr_.assign(ref_->program->buffers.size(), nullptr);
+}
+
+Shadow::~Shadow() {
+  if (auto* d = cuda::try_driver())
+    for (void* p : owned_) d->cuMemFree(reinterpret_cast<CUdeviceptr>(p));
+}
+
+void* Shadow::scratch(size_t bytes) {
+  CUdeviceptr p = 0;
+  cuda::check(cuda::driver().cuMemAlloc(&p, std::max<size_t>(bytes, 256)), "cuMemAlloc(JITFUSE_VERIFY)");
+  owned_.push_back(reinterpret_cast<void*>(p));
+  return owned_.back();
+}
+
+void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fused_ptr, bool training) {
+  const Program& r = *ref_->program;
+  const Program& f = *fused_->program;
+  (void)training;
+  // Arenas and the saved block: one scratch allocation each, laid out as the reference program says.
+  char* fwd = static_cast<char*>(scratch(r.fwd_arena));
+  char* sav = static_cast<char*>(scratch(r.saved_bytes));
+  for (const auto& b : r.buffers) {
+    const size_t id = static_cast<size_t>(b.id);
+    if (b.storage == Storage::fwd_arena) ptr_[id] = fwd + b.offset;
+    if (b.storage == Storage::saved) ptr_[id] = sav + b.offset;
+    if (b.role == BufferRole::param)
+      for (const auto& fb : f.buffers)
+        if (fb.role == BufferRole::param && fb.op == b.op && fb.key == b.key) ptr_[id] = fused_ptr[fb.id];
+  }
+  ptr_[static_cast<size_t>(r.input)] = const_cast<void*>(fa.input);
+  ptr_[static_cast<size_t>(r.output)] = scratch(r.buffer(r.output).bytes);
+  for (size_t k = 0; k < r.extra_in.size(); ++k)
+    if (r.extra_in[k] >= 0) ptr_[static_cast<size_t>(r.extra_in[k])] = const_cast<void*>(fa.extra_in.at(k));
+  for (int id : r.extra_out)
+    if (id >= 0) ptr_[static_cast<size_t>(id)] = scratch(r.buffer(id).bytes);
+}
+
+void Shadow::run_ops(bool forward, int b, int e, uint64_t rng_offset, CUstream stream) {
+  const Program& r = *ref_->program;
+  // The unfused plan has one group per op: its group index is the op index.
+  std::vector<Step> steps;
+  for (const auto& s : forward ? r.forward : r.backward)
+    if (s.group >= b && s.group < e) steps.push_back(s);
+  run_steps(*ref_, rt_, steps, ptr_, rng_offset, stream);
+}
+
+void Shadow::compare(const char* pass, int gi, const std::string& tensor, const void* fused, const void* ref,
+                     int buffer, bool gemm, CUstream stream) {
+  if (failed_ || !fused || !ref) return;
+  const Buffer& b = ref_->program->buffer(buffer);
+  const auto& d = cuda::driver();
+  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(JITFUSE_VERIFY)");
+  std::vector<unsigned char> hf(b.bytes), hr(b.bytes);
+  cuda::check(d.cuMemcpyDtoH(hf.data(), reinterpret_cast<CUdeviceptr>(fused), b.bytes), "cuMemcpyDtoH");
+  cuda::check(d.cuMemcpyDtoH(hr.data(), reinterpret_cast<CUdeviceptr>(ref), b.bytes), "cuMemcpyDtoH");
+  const size_t es = static_cast<size_t>(ops::dtype_bytes(b.dtype));
+  const size_t n = b.bytes / es;
+  auto [rtol, atol] = tolerance(b.dtype, gemm);
+  double worst = 0, worst_err = 0, worst_ref = 0;
+  size_t bad = 0, at = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = to_double(&hf[i * es], b.dtype), y = to_double(&hr[i * es], b.dtype);
+    const double err = std::fabs(x - y), tol = atol + rtol * std::fabs(y);
+    const double ratio = std::isfinite(err) ? err / tol : INFINITY;
+    if (!(ratio <= 1.0)) ++bad;
+    if (!(ratio <= worst)) {
+      worst = ratio;
+      worst_err = err;
+      worst_ref = y;
+      at = i;
+    }
+  }
+  const auto& g = (std::string(pass) == "forward" ? fused_->program->plan.forward : fused_->program->plan.backward)
+      .at(static_cast<size_t>(gi));
+  std::lock_guard<std::mutex> lock(log_.mu);
+  ++log_.tensors_compared;
+  if (bad == 0) return;
+  failed_ = true;
+  ++log_.failures;
+  std::string msg = fmt::format(
+      "{} group [{}, {}) rule '{}': {} differs from the unfused ops in {} of {} elements; worst at element {}: "
+      "|fused - unfused| = {:.4g} (unfused {:.6g}), {:.3g}x the tolerance (rtol {}, atol {})",
+      pass, g.begin, g.end, g.rule, tensor, bad, n, at, worst_err, worst_ref, worst, rtol, atol);
+  if (log_.first.empty()) {
+    log_.first = msg;
+    log().error("JITFUSE_VERIFY: {}", msg);
+  }
+}
+
+void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t rng_offset, CUstream stream) {
+  const Program& f = *fused_->program;
+  const Program& r = *ref_->program;
+  const auto& g = f.plan.forward.at(static_cast<size_t>(gi));
+  if (g.rule.empty()) return;  // unfused in both: nothing to compare
+  const auto& d = cuda::driver();
+  // The unfused ops start from the fused run's value at the group's input.
+  if (g.begin > 0) {
+    const int fv = f.values[static_cast<size_t>(g.begin)], rv = r.values[static_cast<size_t>(g.begin)];
+    cuda::check(d.cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(ptr_[rv]),
+                                    reinterpret_cast<CUdeviceptr>(fused_ptr[fv]), r.buffer(rv).bytes, stream),
+                "cuMemcpyDtoDAsync(JITFUSE_VERIFY)");
+  }
+  run_ops(true, g.begin, g.end, rng_offset, stream);
+  bool gemm = false;
+  for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
+  {
+    std::lock_guard<std::mutex> lock(log_.mu);
+    ++log_.groups_compared;
+  }
+  const int fv = f.values[static_cast<size_t>(g.end)], rv = r.values[static_cast<size_t>(g.end)];
+  compare("forward", gi, g.end == static_cast<int>(f.ops.size()) ? "output" : fmt::format("the value after op {}", g.end - 1),
+          fused_ptr[fv], ptr_[rv], rv, gemm, stream);
+  for (size_t k = 0; k < r.extra_out.size(); ++k) {
+    const int rid = r.extra_out[k];
+    if (rid < 0 || r.buffer(rid).op < g.begin || r.buffer(rid).op >= g.end) continue;
+    compare("forward", gi, r.buffer(rid).name, fused_ptr[f.extra_out[k]], ptr_[rid], rid, gemm, stream);
+  }
+}
+
+void Shadow::begin_backward(const BackwardArgs& ba, const std::vector<void*>& fused_ptr) {
+  const Program& r = *ref_->program;
+  const Program& f = *fused_->program;
+  char* bwd = static_cast<char*>(scratch(r.bwd_arena));
+  for (const auto& b : r.buffers) {
+    const size_t id = static_cast<size_t>(b.id);
+    if (b.storage == Storage::bwd_arena) ptr_[id] = bwd + b.offset;
+    if (b.role == BufferRole::grad) ptr_[id] = scratch(b.bytes);
+    if (b.role == BufferRole::param)
+      for (const auto& fb : f.buffers)
+        if (fb.role == BufferRole::param && fb.op == b.op && fb.key == b.key) ptr_[id] = fused_ptr[fb.id];
+  }
+  ptr_[static_cast<size_t>(r.grad_output)] = const_cast<void*>(ba.grad_output);
+  ptr_[static_cast<size_t>(r.grad_input)] = scratch(r.buffer(r.grad_input).bytes);
+  for (size_t k = 0; k < r.grad_extra_out.size(); ++k)
+    if (r.grad_extra_out[k] >= 0) ptr_[static_cast<size_t>(r.grad_extra_out[k])] = const_cast<void*>(ba.grad_extra_out.at(k));
+  for (int id : r.grad_extra_in)
+    if (id >= 0) ptr_[static_cast<size_t>(id)] = scratch(r.buffer(id).bytes);
+}
+
+void Shadow::backward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t rng_offset, CUstream stream) {
+  const Program& f = *fused_->program;
+  const Program& r = *ref_->program;
+  const auto& g = f.plan.backward.at(static_cast<size_t>(gi));
+  if (g.rule.empty()) return;
+  const auto& d = cuda::driver();
+  const int n = static_cast<int>(f.ops.size());
+  if (g.end < n) {
+    const int fv = f.gradients[static_cast<size_t>(g.end)], rv = r.gradients[static_cast<size_t>(g.end)];
+    cuda::check(d.cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(ptr_[rv]),
+                                    reinterpret_cast<CUdeviceptr>(fused_ptr[fv]), r.buffer(rv).bytes, stream),
+                "cuMemcpyDtoDAsync(JITFUSE_VERIFY)");
+  }
+  run_ops(false, g.begin, g.end, rng_offset, stream);
+  bool gemm = false;
+  for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
+  {
+    std::lock_guard<std::mutex> lock(log_.mu);
+    ++log_.groups_compared;
+  }
+  const int fv = f.gradients[static_cast<size_t>(g.begin)], rv = r.gradients[static_cast<size_t>(g.begin)];
+  compare("backward", gi, g.begin == 0 ? "grad_input" : fmt::format("the gradient before op {}", g.begin),
+          fused_ptr[fv], ptr_[rv], rv, gemm, stream);
+  for (const auto& rb : r.buffers) {
+    if (rb.op < g.begin || rb.op >= g.end) continue;
+    if (rb.role == BufferRole::grad) {
+      if (f.ops[rb.op].attrs.contains("accumulate_grad") && f.ops[rb.op].flag("accumulate_grad")) {
+        log_.note_skip(f.ops[rb.op].label() + " accumulates its gradient: not compared");
+        continue;
+      }
+      for (const auto& fb : f.buffers)
+        if (fb.role == BufferRole::grad && fb.op == rb.op && fb.key == rb.key)
+          compare("backward", gi, rb.name, fused_ptr[fb.id], ptr_[rb.id], rb.id, gemm, stream);
+    }
+    if (rb.role == BufferRole::grad_extra_in)
+      compare("backward", gi, rb.name, fused_ptr[f.grad_extra_in.at(rb.slot)], ptr_[rb.id], rb.id, gemm, stream);
+  }
+}
+
+}  // namespace jitfuse::exec

@@ -1,0 +1,115 @@
+// The sequences that exercise every built-in rule (and every op alone), shared by the nvrtc tier (they
+// all compile) and the golden-source test (their generated sources do not drift).
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "exec/program.hpp"
+#include "ops/recipe.hpp"
+#include "ops/sequence.hpp"
+#include "rules/rule.hpp"
+
+namespace jitfuse::test {
+
+// One sequence per built-in rule pattern, plus every op alone (the unfused kernels).
+inline const std::vector<const char*>& builtin_sequences() {
+  static const std::vector<const char*> v = {
+      R"([{"op": "bias"}, {"op": "gelu"}])",
+      R"([{"op": "bias"}, {"op": "gelu", "approximate": "none"}])",
+      R"([{"op": "bias"}, {"op": "relu"}])",
+      R"([{"op": "bias"}, {"op": "silu"}])",
+      R"([{"op": "bias"}, {"op": "qgelu"}])",
+      R"([{"op": "bias"}, {"op": "srelu"}])",
+      R"([{"op": "bias"}, {"op": "swiglu"}])",
+      R"([{"op": "bias"}, {"op": "geglu"}])",
+      R"([{"op": "bias"}, {"op": "reglu"}])",
+      R"([{"op": "swiglu"}, {"op": "scale", "value": 0.5}])",
+      R"([{"op": "bias"}, {"op": "dropout", "p": 0.1}, {"op": "add_extra_input"}])",
+      R"([{"op": "add_extra_input"}, {"op": "layernorm"}])",
+      R"([{"op": "add_extra_input"}, {"op": "rmsnorm", "zero_centered_gamma": true}])",
+      R"([{"op": "layernorm"}, {"op": "gelu"}, {"op": "scale", "value": 2.0}, {"op": "dropout", "p": 0.2}])",
+      R"([{"op": "rmsnorm"}, {"op": "silu"}])",
+      R"([{"op": "make_extra_output"}, {"op": "layernorm"}])",
+      R"([{"op": "make_extra_output"}, {"op": "rmsnorm"}])",
+      R"([{"op": "gelu"}, {"op": "scale", "value": 3.0}, {"op": "add_extra_input"}])",
+      R"([{"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"}, {"op": "gelu"}])",
+      R"([{"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"}, {"op": "relu"}])",
+      R"([{"op": "linear", "in_features": 64, "out_features": 64}, {"op": "silu"}])",
+      R"([{"op": "make_extra_output"}, {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "scale", "value": 0.5}])",
+      R"([{"op": "identity"}, {"op": "quantize"}, {"op": "reshape", "shape": [-1]}])",
+      R"([{"op": "dropout", "p": 0.3, "training": false}])",
+  };
+  return v;
+}
+
+// Under the FP8 recipes (quantize is the E4M3 cast; current scaling adds an amax pass).
+inline const std::vector<const char*>& builtin_fp8_sequences() {
+  static const std::vector<const char*> v = {
+      R"([{"op": "layernorm"}, {"op": "quantize"}])",
+      R"([{"op": "rmsnorm"}, {"op": "quantize"}])",
+      R"([{"op": "bias"}, {"op": "gelu"}, {"op": "quantize"}])",
+      R"([{"op": "swiglu"}, {"op": "quantize"}])",
+      R"([{"op": "add_extra_input"}, {"op": "dropout", "p": 0.1}, {"op": "quantize"}])",
+  };
+  return v;
+}
+
+struct BuiltinCase {
+  int seq = 0;  // index into builtin_sequences() then builtin_fp8_sequences()
+  std::string ops_json;
+  std::string recipe;
+  bool training = true;
+  ops::Shape shape;
+  std::string id() const {
+    return recipe + (training ? " train " : " infer ") + ops::shape_str(shape) + " " + ops_json;
+  }
+};
+
+// Every (sequence, recipe, training, shape) the tiers cover; odd widths exercise the scalar paths and
+// linear's in_features fixes its input width.
+inline std::vector<BuiltinCase> builtin_cases() {
+  std::vector<BuiltinCase> out;
+  int seq = 0;
+  auto add = [&](const char* ops_json, std::vector<const char*> recipes) {
+    for (const char* recipe : recipes)
+      for (bool training : {true, false})
+        for (ops::Shape shape : {ops::Shape{16, 64}, ops::Shape{3, 66}}) {
+          if (ops::cols_of(shape) != 64 && std::string(ops_json).find("linear") != std::string::npos) continue;
+          out.push_back({seq, ops_json, recipe, training, shape});
+        }
+    ++seq;
+  };
+  for (const char* s : builtin_sequences()) add(s, {"fp32", "fp16", "bf16"});
+  for (const char* s : builtin_fp8_sequences()) add(s, {"fp8_delayed", "fp8_current"});
+  return out;
+}
+
+inline std::vector<ops::Op> case_ops(const BuiltinCase& c, const rules::RuleSet& rs) {
+  std::string text = std::string(R"({"format": "jitfuse.sequence/1", "name": "n", "ops": )") + c.ops_json + "}";
+  auto def = ops::parse_sequence(text, "<builtin case>", rs.registry());
+  return ops::infer(def, c.shape);
+}
+
+// The program of a case, planned and lowered as a context does (occupancy estimated: no GPU).
+inline std::shared_ptr<exec::Program> case_program(const BuiltinCase& c, const rules::RuleSet& rs, int arch = 90) {
+  auto ops = case_ops(c, rs);
+  const ops::Recipe rc = ops::parse_recipe(c.recipe);
+  exec::PlanOptions o;
+  o.arch = arch;
+  o.training = c.training;
+  auto plan = exec::make_plan(ops, rc, o, rs);
+  exec::DeviceModel dev;
+  dev.arch = arch == 90 ? "sm_90a" : "sm_" + std::to_string(arch);
+  return exec::make_program(ops, plan, rc, c.training, "n", dev);
+}
+
+// The kernels (spec + cache metadata) a case's program launches, in step order, each in the variant its
+// shape allows.
+inline std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> case_kernels(const BuiltinCase& c,
+                                                                               const rules::RuleSet& rs,
+                                                                               int arch = 90) {
+  return exec::program_kernels(*case_program(c, rs, arch), false);
+}
+
+}  // namespace jitfuse::test

@@ -1,0 +1,166 @@
+// Programs (runtime/exec/program.*, builder.*, impl/): the golden step list of every built-in rule case,
+// forward and backward; arena packing never overlaps two live buffers; saved sets; the new epilogues.
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <sstream>
+
+#include "common/env.hpp"
+#include "exec/impl/implementation.hpp"
+#include "exec/program.hpp"
+#include "rules/rule.hpp"
+#include "support/builtin_cases.hpp"
+
+using namespace jitfuse;
+
+namespace {
+
+const std::string kGolden = std::string(JF_SOURCE_DIR) + "/tests/golden/programs/builtin_bf16_16x64.txt";
+
+std::string read(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+std::shared_ptr<exec::Program> program_of(const char* ops_json, const char* recipe = "bf16", bool training = true,
+                                          ops::Shape shape = {16, 64}) {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  test::BuiltinCase c{0, ops_json, recipe, training, shape};
+  return test::case_program(c, rs);
+}
+
+std::string step_names(const std::vector<exec::Step>& steps) {
+  std::string out;
+  for (const auto& s : steps)
+    out += (out.empty() ? "" : " | ") +
+           (s.kind == exec::Step::Kind::gemm
+                ? "gemm " + cuda::epilogue_name(s.gemm.call.epilogue)
+                : "kernel " + s.kernel->gen.kernel);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("the program of every built-in rule case matches its golden step list", "[exec][golden]") {
+  rules::RuleSet rs = rules::RuleSet::with_builtins();
+  std::string text;
+  for (const auto& c : test::builtin_cases()) {
+    if (c.recipe != "bf16" && c.recipe != "fp8_current") continue;
+    if (ops::cols_of(c.shape) != 64) continue;
+    auto p = test::case_program(c, rs);
+    text += "===== " + c.id() + "\n" + exec::program_text(*p, 3350) + "\n";
+  }
+  if (env::flag("JITFUSE_UPDATE_GOLDEN")) {
+    std::ofstream(kGolden, std::ios::binary) << text;
+    WARN("golden programs rewritten: " << kGolden);
+    return;
+  }
+  const std::string golden = read(kGolden);
+  REQUIRE_FALSE(golden.empty());
+  if (golden != text) {
+    // Show the first differing line.
+    std::istringstream g(golden), t(text);
+    std::string gl, tl;
+    int line = 0;
+    while (std::getline(g, gl) && std::getline(t, tl)) {
+      ++line;
+      INFO("line " << line);
+      REQUIRE(gl == tl);
+    }
+  }
+  CHECK(golden == text);
+}
+
+TEST_CASE("arena packing never overlaps two buffers that are live at once", "[exec]") {
+  rules::RuleSet rs = rules::RuleSet::with_builtins();
+  size_t checked = 0;
+  for (const auto& c : test::builtin_cases()) {
+    auto p = test::case_program(c, rs);
+    for (auto arena : {exec::Storage::fwd_arena, exec::Storage::bwd_arena}) {
+      const size_t total = arena == exec::Storage::fwd_arena ? p->fwd_arena : p->bwd_arena;
+      for (const auto& a : p->buffers) {
+        if (a.storage != arena || a.first < 0) continue;
+        INFO(c.id() << " buffer " << a.name);
+        CHECK(a.offset % 256 == 0);
+        CHECK(a.offset + a.bytes <= total);
+        for (const auto& b : p->buffers) {
+          if (b.id <= a.id || b.storage != arena || b.first < 0) continue;
+          const bool live_together = a.first <= b.last && b.first <= a.last;
+          const bool overlap = a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
+          INFO("and " << b.name);
+          CHECK_FALSE((live_together && overlap));
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked > 50);
+}
+
+TEST_CASE("saved buffers are what the backward reads, in the saved block or the caller's tensors", "[exec]") {
+  auto p = program_of(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"}, {"op": "gelu", "approximate": "tanh"}])");
+  std::vector<std::string> names;
+  for (int id : p->saved()) names.push_back(p->buffer(id).name);
+  // layernorm: its input (the caller's) and row stats; linear: its input (act1, kept in the saved block);
+  // gelu: its input, written by the GELU_AUX_BIAS epilogue.
+  CHECK(names == std::vector<std::string>{"input", "act1", "op0.mean", "op0.rstd", "op3.input"});
+  CHECK(p->buffer(p->find(exec::BufferRole::activation, 1, "act1")).storage == exec::Storage::saved);
+  CHECK(p->saved_bytes == 256 + 256 + 16 * 64 * 2 + 16 * 64 * 2);
+  auto inference = program_of(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 64, "out_features": 64}])",
+                              "bf16", false);
+  CHECK(inference->saved().empty());
+  CHECK(inference->saved_bytes == 0);
+  CHECK(inference->backward.empty());
+}
+
+TEST_CASE("linear gelu and linear relu without bias run as one cuBLASLt GEMM", "[exec]") {
+  auto gelu = program_of(R"([{"op": "linear", "in_features": 64, "out_features": 64}, {"op": "gelu", "approximate": "tanh"}])");
+  CHECK(gelu->plan.forward.size() == 1);
+  CHECK(gelu->plan.forward[0].rule == "linear_gelu");
+  CHECK(step_names(gelu->forward) == "gemm GELU_AUX");
+  REQUIRE(gelu->forward[0].gemm.aux >= 0);
+  CHECK(gelu->buffer(gelu->forward[0].gemm.aux).name == "op1.input");
+  // The backward reads gelu's input from the aux output (dgelu kernel), then the linear's dgrad and wgrad.
+  CHECK(step_names(gelu->backward) == "kernel jf_gelu_bwd | gemm DEFAULT | gemm DEFAULT");
+  auto gelu_inf = program_of(R"([{"op": "linear", "in_features": 64, "out_features": 64}, {"op": "gelu", "approximate": "tanh"}])",
+                             "bf16", false);
+  CHECK(step_names(gelu_inf->forward) == "gemm GELU");
+  auto erf = program_of(R"([{"op": "linear", "in_features": 64, "out_features": 64}, {"op": "gelu", "approximate": "none"}])");
+  CHECK(erf->plan.forward.size() == 2);  // cuBLASLt's GELU is the tanh one: erf gelu stays a kernel
+
+  auto relu = program_of(R"([{"op": "linear", "in_features": 64, "out_features": 64}, {"op": "relu"}])");
+  CHECK(relu->plan.forward[0].rule == "linear_relu");
+  CHECK(step_names(relu->forward) == "gemm RELU");
+  // relu saves its output: the GEMM's D, which is the caller's output tensor.
+  std::vector<std::string> saved;
+  for (int id : relu->saved()) saved.push_back(relu->buffer(id).name);
+  CHECK(saved == std::vector<std::string>{"input", "output"});
+}
+
+TEST_CASE("implementations answer the loader: impossible rules are refused at load with a reason", "[exec][rules]") {
+  auto load = [](const std::string& rule) {
+    rules::RuleSet rs = rules::RuleSet::with_builtins();
+    return rs.load_text(R"({"format": "jitfuse.rules/1", "rules": [)" + rule + "]}", "x.json", ".");
+  };
+  auto residual2 = load(R"J({"name": "r2", "math": "y = x W^T + e", "pass": "forward", "pattern": ["linear", "add_extra_input"], "impl": {"kind": "cublaslt", "epilogue": "RESIDUAL", "epilogue_ops": 2}})J");
+  REQUIRE(residual2.size() == 1);
+  CHECK(residual2[0].where.rfind("x.json:1:", 0) == 0);
+  CHECK(residual2[0].message.find("RESIDUAL cannot run any window this pattern matches") != std::string::npos);
+  CHECK(residual2[0].message.find("[linear bias|scale add_extra_input]") != std::string::npos);
+  auto bad_tail = load(R"J({"name": "t", "math": "y", "pass": "forward", "pattern": ["linear", "bias", "layernorm"], "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2, "tail": "elementwise"}})J");
+  REQUIRE(bad_tail.size() == 1);
+  CHECK(bad_tail[0].message.find("tail must be an elementwise chain") != std::string::npos);
+  auto recompute = load(R"J({"name": "rc", "math": "y", "pass": "joint", "pattern": ["linear", "bias"], "impl": {"kind": "joint", "strategy": "recompute_linear_output", "saves": ["x"]}})J");
+  REQUIRE(recompute.size() == 1);
+  CHECK(recompute[0].message.find("recompute_linear_output implements [linear, pointwise op that saves its input]") !=
+        std::string::npos);
+  auto ok = load(R"J({"name": "ok", "math": "y = relu(x W^T)", "pass": "forward", "pattern": ["linear", {"op": ["relu", "gelu"]}], "impl": {"kind": "cublaslt", "epilogue": "RELU", "epilogue_ops": 2}})J");
+  CHECK(ok.empty());  // some window (linear relu) can run: the relu alternative
+  // Every built-in rule passes its own implementation's check.
+  CHECK(rules::RuleSet::with_builtins().errors().empty());
+  // One implementation per rule kind the built-ins use, each with a description.
+  for (const auto* impl : exec::implementations()) CHECK_FALSE(impl->covers_text().empty());
+  CHECK(exec::implementations().size() == 17);  // 10 epilogues, 3 skeletons, 3 joint strategies, unfused
+}
