@@ -25,5 +25,4 @@ TEST_CASE("warmup lists every failing kernel with template file:line", "[cli][ru
   CHECK_THAT(r.out, Catch::Contains("kernel #0 (") && Catch::Contains("kernel #1 ("));
   std::string real = std::filesystem::canonical(dir.path() + "/r/broken.cuh").string();
   CHECK_THAT(r.out, Catch::Contains("(in " + real + ":3: "));
-  CHECK(r.out.find("reporting the first") == std::string::npos);
 }
