@@ -86,7 +86,7 @@ Generated generate_elementwise(const KernelSpec& spec) {
         emit_stage_fwd(body, args, setup, s, ctx("b", in_cols, n_str, "_b"));
       }
       const auto& gs = *spec.gated;
-      body.line("// op {} gated: y = {}(a) * b", gs.op, gs.functor);
+      body.line("// op {} gated: y = {}(a) * b", gs.op, comment_text(gs.functor));
       if (gs.save_input) {
         std::string sp = fmt::format("s{}_input", gs.op);
         args.ptr(Arg::Role::saved, gs.op, "input", sp, "ST", true);

@@ -13,7 +13,7 @@ uint32_t keep_threshold(double p) {
 }
 
 void comment(Writer& w, const Stage& s, const char* dir) {
-  w.line("// op {} {} ({}): {}", s.op, s.op_kind, dir, s.math);
+  w.line("// op {} {} ({}): {}", s.op, comment_text(s.op_kind), dir, comment_text(s.math));
 }
 
 std::string saved_ptr(Args& args, int op, const std::string& what, bool writes) {

@@ -43,6 +43,11 @@ class Args {
   std::vector<std::string> decls_, names_;
 };
 
+// Text from a rule or sequence (math notes, op kinds, rule names) made safe for the inside of one `//`
+// comment: control characters, non-ASCII bytes and a backslash that would end the line (splicing the next
+// source line into the comment) become \xNN, as does the '/' of a "??/" trigraph. Plain printable ASCII is
+// kept as is, so the comments of the built-in rules do not change.
+std::string comment_text(const std::string& s);
 std::string num(double v);  // float literal with 9 significant digits: "1.702f", never text from a rule
 std::string storage_struct(const std::string& dtype);  // "jf_bf16"
 std::string consts_suffix(const std::vector<double>& consts);  // ", 0.5f, 2f"

@@ -10,7 +10,7 @@ void add_norm(Registry& r, const char* name, const char* math, bool has_beta) {
   k.family = Family::norm;
   k.math = math;
   k.attrs = {
-      {AttrSpec::Type::number, "eps", 1e-5, {}, 0.0, {}},
+      {AttrSpec::Type::number, "eps", 1e-5, {}, 0.0, {}, false, true},  // eps > 0
       {AttrSpec::Type::boolean, "zero_centered_gamma", false, {}, {}, {}},
   };
   k.infer = [has_beta](Op& op) {

@@ -1,6 +1,8 @@
 // Shapes, attribute validation and the registry of op kinds.
 #include "ops/op.hpp"
 
+#include <cfloat>
+#include <cmath>
 #include <sstream>
 
 #include "common/error.hpp"
@@ -78,7 +80,16 @@ std::string type_name(AttrSpec::Type t) {
 }
 }  // namespace
 
-nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, const std::string& where) {
+std::string float_range_problem(double v) {
+  if (!std::isfinite(v)) return "a finite number";
+  if (std::fabs(v) > static_cast<double>(FLT_MAX)) return fmt::format("a number within float range (|x| <= {:g})", FLT_MAX);
+  if (v != 0 && std::fabs(v) < static_cast<double>(FLT_MIN))
+    return fmt::format("0 or a number of magnitude >= {:g} (smaller ones are flushed to zero in float)", FLT_MIN);
+  return "";
+}
+
+nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, const std::string& where,
+                              const std::function<std::string(const std::string&)>& where_attr) {
   if (!attrs.is_object()) fail(Status::invalid_argument, "{}: an op must be a JSON object", where);
   nlohmann::json out = nlohmann::json::object();
   for (auto& [key, value] : attrs.items()) {
@@ -102,8 +113,10 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
     }
     const auto& v = attrs.at(a.name);
     auto bad = [&](const std::string& expected) {
-      fail(Status::invalid_argument, "{}: attribute '{}' of op '{}': expected {}, got {}", where, a.name,
-           kind.name, expected, v.dump());
+      std::string got = v.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace);
+      if (got.size() > 80) got = got.substr(0, 80) + "...";
+      fail(Status::invalid_argument, "{}: attribute '{}' of op '{}': expected {}, got {}",
+           where_attr ? where_attr(a.name) : where, a.name, kind.name, expected, got);
     };
     switch (a.type) {
       case AttrSpec::Type::number:
@@ -112,7 +125,10 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
         double d = v.get<double>();
         if (a.type == AttrSpec::Type::integer && (!v.is_number_integer() || d != static_cast<double>(v.get<int64_t>())))
           bad(type_name(a.type));
-        if (a.min && d < *a.min) bad(fmt::format("a value >= {}", *a.min));
+        if (a.type == AttrSpec::Type::number)
+          if (std::string p = float_range_problem(d); !p.empty()) bad(p);
+        if (a.min && (a.min_exclusive ? d <= *a.min : d < *a.min))
+          bad(fmt::format("a value {} {}", a.min_exclusive ? ">" : ">=", *a.min));
         if (a.max && (a.max_exclusive ? d >= *a.max : d > *a.max))
           bad(fmt::format("a value {} {}", a.max_exclusive ? "<" : "<=", *a.max));
         break;

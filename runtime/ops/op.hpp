@@ -48,7 +48,13 @@ struct AttrSpec {
   std::vector<std::string> choices;  // strings only
   std::optional<double> min, max;    // numbers only; min inclusive, max exclusive when max_exclusive
   bool max_exclusive = false;
+  bool min_exclusive = false;        // e.g. eps > 0
 };
+
+// Checks a number attribute against what a kernel can use: finite, |v| <= FLT_MAX (it becomes a float
+// constant), and not a nonzero value below FLT_MIN (it would be flushed or lose its precision). Returns
+// what is wrong ("" if nothing).
+std::string float_range_problem(double v);
 
 struct Op;
 
@@ -65,6 +71,7 @@ struct OpKind {
   SavedKind saves = SavedKind::input;    // pointwise only
   bool user_declared = false;
   std::string declared_in;  // file for user-declared ops
+  std::string template_path;  // user-declared ops: the template's real path (for compiler messages)
 };
 
 struct Param {
@@ -113,7 +120,9 @@ void register_dropout(Registry& r);
 void register_structural(Registry& r);
 
 // Validates `attrs` against `kind.attrs` (unknown names, types, ranges, choices) and fills defaults.
-nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, const std::string& where);
+// Errors about one attribute name `where_attr(name)` when given (its own file:line:col), else `where`.
+nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, const std::string& where,
+                              const std::function<std::string(const std::string&)>& where_attr = {});
 
 [[noreturn]] void shape_error(const Op& op, const std::string& what);
 

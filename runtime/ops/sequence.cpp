@@ -8,7 +8,8 @@ namespace jitfuse::ops {
 
 SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry) {
   nlohmann::json j = json_util::parse(text, where);
-  auto at = [&](const std::string& ptr) { return json_util::where(where, text, ptr); };
+  json_util::Locator locator(text);  // one per text: locating every op stays linear in the file
+  auto at = [&](const std::string& ptr) { return locator.where(where, ptr); };
   if (!j.is_object()) fail(Status::parse_error, "{}: a sequence file is a JSON object with \"ops\"", at(""));
   if (j.contains("format") && j["format"] != "jitfuse.sequence/1")
     fail(Status::parse_error, "{}: unsupported format {}: this build reads \"jitfuse.sequence/1\"", at("/format"),
@@ -38,7 +39,11 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
     d.index = static_cast<int>(i);
     d.kind = kind;
     d.info = info;
-    d.attrs = validate_attrs(*info, o, fmt::format("{} ({})", loc, kind));
+    // Attribute errors point at the attribute itself (a key with '/' or '~' cannot be in the kind's list).
+    auto where_attr = [&](const std::string& attr) {
+      return fmt::format("{}: op {} ({})", o.contains(attr) ? at(ptr + "/" + attr) : at(ptr), i, kind);
+    };
+    d.attrs = validate_attrs(*info, o, fmt::format("{} ({})", loc, kind), where_attr);
     if (info->family == Family::add_extra_input) ++def.extra_inputs;
     if (info->family == Family::make_extra_output) ++def.extra_outputs;
     nlohmann::json c = d.attrs;

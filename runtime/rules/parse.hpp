@@ -24,7 +24,7 @@ struct Invalid : std::runtime_error {
 // Limits that keep a hostile or mistaken file from costing more than it is worth (and keep the matcher cheap).
 inline constexpr size_t kMaxPattern = 8;        // elements per pattern (optional ones make 2^k matches)
 inline constexpr size_t kMaxNameLen = 64;
-inline constexpr size_t kMaxTemplateBytes = 1 << 20;
+inline constexpr size_t kMaxTemplateBytes = 256u << 10;  // 256 KiB per template file
 
 // [A-Za-z_][A-Za-z0-9_]*: names that may safely appear in logs, kernel names and generated identifiers.
 bool is_identifier(const std::string& s, size_t max_len = kMaxNameLen);

@@ -1,9 +1,13 @@
 // Parsing user-declared pointwise ops (the "ops" array of a rules file): name, math, a template file beside
 // the rules file that defines the device functor, number attributes (float constants) and what it saves.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
 
@@ -52,26 +56,57 @@ std::string check_template_path(const std::string& tpl, const std::string& p) {
   return base;
 }
 
-std::string read_template(const std::string& dir, const std::string& tpl, const std::string& p) {
+// The template is code that will be compiled and run: it must be a regular file that really lies inside the
+// rules file's directory (after resolving symlinks), and small. Opened without blocking (a FIFO or device
+// must not hang the loader) and checked with fstat on the open descriptor, then read up to the cap.
+std::string read_template(const std::string& dir, const std::string& tpl, const std::string& p, std::string& real_path) {
   if (dir.empty())
     invalid(p, "this rules text was loaded without a directory, so its template cannot be found; load the rules "
                "from a file or directory instead");
-  fs::path full = fs::path(dir) / tpl;
   std::error_code ec;
-  if (!fs::is_regular_file(full, ec))
-    invalid(p, fmt::format("template {} not found (looked for {}); put it beside the rules file",
-                           show(tpl), show(full.string())));
-  auto size = fs::file_size(full, ec);
-  if (ec || size > kMaxTemplateBytes)
-    invalid(p, fmt::format("template {} is not readable or larger than {} bytes", show(full.string()),
+  fs::path root = fs::canonical(fs::path(dir), ec);
+  if (ec) invalid(p, fmt::format("cannot resolve the rules directory {}: {}", show(dir), ec.message()));
+  fs::path full = fs::path(dir) / tpl;
+  fs::path real = fs::canonical(full, ec);
+  if (ec)
+    invalid(p, fmt::format("template {} not found (looked for {}); put it beside the rules file", show(tpl),
+                           show(full.string())));
+  auto rel = real.lexically_relative(root);
+  if (rel.empty() || *rel.begin() == ".." || rel == ".")
+    invalid(p, fmt::format("template {} resolves to {}, outside the rules directory {} (a symlink that leaves the "
+                           "directory?); templates must lie inside the directory of the rules file that declares them",
+                           show(tpl), show(real.string()), show(root.string())));
+  int fd = ::open(real.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0)
+    invalid(p, fmt::format("cannot open template {}: {}; check its permissions", show(real.string()),
+                           std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+    invalid(p, fmt::format("template {} is not a regular file (a directory, device, FIFO or socket); give a .cuh "
+                           "text file", show(real.string())));
+  if (st.st_size > static_cast<off_t>(kMaxTemplateBytes))
+    invalid(p, fmt::format("template {} is {} bytes, more than the limit of {} bytes (256 KiB)", show(real.string()),
+                           st.st_size, kMaxTemplateBytes));
+  std::string text;
+  char buf[16384];
+  while (text.size() <= kMaxTemplateBytes) {  // the file may grow after fstat: read at most one buffer past the cap
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      invalid(p, fmt::format("cannot read template {}: {}", show(real.string()), std::strerror(errno)));
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  if (text.size() > kMaxTemplateBytes)
+    invalid(p, fmt::format("template {} is larger than the limit of {} bytes (256 KiB)", show(real.string()),
                            kMaxTemplateBytes));
-  std::ifstream in(full, std::ios::binary);
-  std::ostringstream ss;
-  if (!in || !(ss << in.rdbuf()))
-    invalid(p, fmt::format("cannot read template {}; check its permissions", show(full.string())));
-  std::string text = ss.str();
-  if (text.size() > kMaxTemplateBytes || text.find('\0') != std::string::npos)
-    invalid(p, fmt::format("template {} is not a text file", show(full.string())));
+  if (text.find('\0') != std::string::npos)
+    invalid(p, fmt::format("template {} is not a text file (it contains NUL bytes)", show(real.string())));
+  real_path = real.string();
   return text;
 }
 
@@ -102,6 +137,10 @@ std::vector<ops::AttrSpec> parse_attrs(const json& op, const std::string& p) {
     if (a[i].contains("default")) {
       const json& d = a[i].at("default");
       if (!d.is_number()) invalid(ip + "/default", fmt::format("\"default\" must be a number, got {}", show(d)));
+      // The default becomes a float constant in the kernel: it must be one.
+      if (std::string why = ops::float_range_problem(d.get<double>()); !why.empty())
+        invalid(ip + "/default", fmt::format("\"default\" of attribute {} must be {}, got {}", show(spec.name), why,
+                                             show(d)));
       spec.default_value = d.get<double>();
     }
     out.push_back(std::move(spec));
@@ -147,7 +186,7 @@ DeclaredOp parse_op(const json& j, const std::string& p, const std::string& dir,
     invalid(p + "/functor", fmt::format("functor {} must be a C identifier", show(k.functor)));
   std::string tpl = need_string(j, "template", p, "the .cuh file beside the rules file that defines the functor");
   std::string base = check_template_path(tpl, p + "/template");
-  d.template_text = read_template(dir, tpl, p + "/template");
+  d.template_text = read_template(dir, tpl, p + "/template", k.template_path);
   if (!contains_word(d.template_text, k.functor))
     invalid(p + "/functor", fmt::format("functor {} does not appear in template {}; define struct {} {{ fwd, bwd }} "
                                         "there",

@@ -262,7 +262,8 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
 
 Rule parse_rule(const json& j, const std::string& p, const ops::Registry& reg) {
   if (!j.is_object()) invalid(p, "a rule is an object with \"name\", \"pass\", \"pattern\", \"impl\" and \"math\"");
-  check_keys(j, p, {"name", "pass", "priority", "pattern", "conditions", "impl", "math", "comment"}, "rule");
+  check_keys(j, p, {"name", "pass", "priority", "pattern", "conditions", "impl", "math", "comment", "overrides"},
+             "rule");
   Rule r;
   r.name = need_string(j, "name", p, "an identifier such as \"bias_gelu\"");
   if (!is_identifier(r.name))
@@ -270,6 +271,11 @@ Rule parse_rule(const json& j, const std::string& p, const ops::Registry& reg) {
                                      "characters)",
                                      show(r.name), kMaxNameLen));
   r.math = need_math(j, p, "rule");
+  if (j.contains("overrides")) {
+    if (!j.at("overrides").is_boolean())
+      invalid(p + "/overrides", fmt::format("\"overrides\" must be true or false, got {}", show(j.at("overrides"))));
+    r.overrides = j.at("overrides").get<bool>();
+  }
   r.pass = parse_pass(j, p);
   if (j.contains("priority"))
     r.priority = need_int(j.at("priority"), p + "/priority", -1000000, 1000000, "\"priority\"");

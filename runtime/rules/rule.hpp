@@ -5,6 +5,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -61,6 +62,8 @@ struct Rule {
   std::string file;   // where it was declared ("<builtin>/bias_act.json" for built-ins)
   std::string where;  // file:line:col of the rule object
   size_t order = 0;   // load order, for deterministic tie-breaking
+  bool overrides = false;  // "overrides": true: replaces a rule of the same name loaded before (a built-in)
+  std::string overridden;  // where the replaced rule was declared; empty if this rule replaced none
 };
 
 struct LoadError {
@@ -91,6 +94,8 @@ class RuleSet {
   std::vector<LoadError> errors_;
   ops::Registry registry_;
   std::map<std::string, std::string> user_templates_;
+  std::unordered_map<std::string, size_t> rule_index_;  // name -> index in rules_ (keeps loading linear)
+  size_t next_order_ = 0;
   uint64_t generation_ = 0;
 };
 

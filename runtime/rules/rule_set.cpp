@@ -19,7 +19,9 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kFormat = "jitfuse.rules/1";
-constexpr size_t kMaxFileBytes = 16u << 20;
+constexpr size_t kMaxFileBytes = 16u << 20;  // docs/rules.md, "Limits"
+constexpr size_t kMaxRulesPerFile = 100000;
+constexpr size_t kMaxOpsPerFile = 1024;
 #ifdef JF_FUZZ_STRICT
 constexpr bool kRethrowValidatorBugs = true;  // the fuzzer must see validator bugs, not recorded load errors
 #else
@@ -98,6 +100,16 @@ std::vector<LoadError> RuleSet::load_path(const std::string& path) {
   auto load_file = [&](const fs::path& file) {
     std::string text;
     try {
+      // Only a regular file of bounded size is read: "/dev/zero" or a FIFO must not hang or exhaust the host.
+      std::error_code sec;
+      auto st = fs::status(file, sec);
+      if (sec || !fs::is_regular_file(st))
+        fail(Status::io_error, "'{}' is not a regular file; a rule path names a rules file or a directory of *.json "
+             "files", file.string());
+      auto size = fs::file_size(file, sec);
+      if (!sec && size > kMaxFileBytes)
+        fail(Status::io_error, "'{}' is {} bytes, more than the limit of {} bytes (16 MiB) for a rules file; split it",
+             file.string(), size, kMaxFileBytes);
       text = json_util::read_file(file.string());
     } catch (const Error& e) {
       LoadError le{file.string(), "", e.what()};
@@ -140,8 +152,9 @@ std::vector<LoadError> RuleSet::load_path(const std::string& path) {
 
 std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::string& file, const std::string& dir) {
   std::vector<LoadError> errs;
+  json_util::Locator locator(text);  // one per text: locating every rule stays linear in the file
   auto record = [&](const std::string& ptr, const std::string& rule, const std::string& msg) {
-    errs.push_back({json_util::where(file, text, ptr), rule, msg});
+    errs.push_back({locator.where(file, ptr), rule, msg});
   };
   auto finish = [&] {
     for (const auto& e : errs) log().warn("{} (skipped)", e.to_string());
@@ -162,6 +175,15 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
     std::string what = e.what();
     auto at = what.find("] ");
     errs.push_back({file, "", "invalid JSON: " + detail::show(at == std::string::npos ? what : what.substr(at + 2))});
+    return finish();
+  }
+  try {
+    json_util::check_duplicate_keys(text, file);
+  } catch (const Error& e) {  // "file:line:col: duplicate key ...": split so the where column is the place
+    std::string what = e.what();
+    size_t colon = what.find(": duplicate key");
+    errs.push_back({colon == std::string::npos ? file : what.substr(0, colon), "",
+                    colon == std::string::npos ? what : what.substr(colon + 2) + " (the file was not loaded)"});
     return finish();
   }
   if (!j.is_object()) {
@@ -187,13 +209,18 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
   if (j.contains("ops")) {
     const json& ops_j = j.at("ops");
     if (!ops_j.is_array()) record("/ops", "", "\"ops\" must be an array of op declarations");
+    if (ops_j.is_array() && ops_j.size() > kMaxOpsPerFile) {
+      record("/ops", "", fmt::format("{} op declarations; a rules file may declare at most {} (split the file)",
+                                     ops_j.size(), kMaxOpsPerFile));
+      return finish();
+    }
     for (size_t i = 0; ops_j.is_array() && i < ops_j.size(); ++i) {
       std::string ptr = "/ops/" + std::to_string(i);
       std::string name = display_name(ops_j[i]);
       std::string prefix = name.empty() ? "" : "op '" + name + "': ";
       try {
         detail::DeclaredOp d = detail::parse_op(ops_j[i], ptr, dir, registry_);
-        d.kind.declared_in = json_util::where(file, text, ptr);
+        d.kind.declared_in = locator.where(file, ptr);
         // One template file name, one content: another op must not silently change what this one includes.
         auto it = user_templates_.find(d.template_key);
         if (it != user_templates_.end() && it->second != d.template_text) {
@@ -206,8 +233,11 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
                                           d.template_key, k->name, k->declared_in));
           }
         }
-        if (const ops::OpKind* prev = registry_.find(d.kind.name))
-          log().info("op {} from {} overrides the one from {}", d.kind.name, d.kind.declared_in, prev->declared_in);
+        // A second declaration would silently change what the first file's rules run: refuse it.
+        if (const ops::OpKind* prev = registry_.find(d.kind.name); prev && prev->user_declared)
+          detail::invalid(ptr + "/name", fmt::format("op '{}' is already declared at {}; an op is declared once "
+                                                     "(rename one of them, or remove one of the files from the rule "
+                                                     "path)", d.kind.name, prev->declared_in));
         log().debug("op {} declared at {} (functor {}, template {})", d.kind.name, d.kind.declared_in,
                     d.kind.functor, d.template_key);
         registry_.add(std::move(d.kind));
@@ -226,24 +256,43 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
   if (j.contains("rules")) {
     const json& rules_j = j.at("rules");
     if (!rules_j.is_array()) record("/rules", "", "\"rules\" must be an array of rules");
+    if (rules_j.is_array() && rules_j.size() > kMaxRulesPerFile) {
+      record("/rules", "", fmt::format("{} rules; a rules file may hold at most {} (split the file)", rules_j.size(),
+                                       kMaxRulesPerFile));
+      return finish();
+    }
     for (size_t i = 0; rules_j.is_array() && i < rules_j.size(); ++i) {
       std::string ptr = "/rules/" + std::to_string(i);
       std::string name = display_name(rules_j[i]);
       try {
         Rule r = detail::parse_rule(rules_j[i], ptr, registry_);
         r.file = file;
-        r.where = json_util::where(file, text, ptr);
-        auto it = std::find_if(rules_.begin(), rules_.end(), [&](const Rule& x) { return x.name == r.name; });
-        if (it != rules_.end()) {
+        r.where = locator.where(file, ptr);
+        auto it = rule_index_.find(r.name);
+        if (it != rule_index_.end()) {
+          Rule& prev = rules_[it->second];
+          // Two rules of one name in one file is a mistake; replacing a rule of another file (a built-in)
+          // must be asked for with "overrides": true, so it never happens by accident.
+          if (prev.file == file)
+            detail::invalid(ptr + "/name", fmt::format("rule {} is declared twice in this file (first at {}); "
+                                                       "rename one of them", detail::show(r.name), prev.where));
+          if (!r.overrides)
+            detail::invalid(ptr + "/name", fmt::format("rule {} is already declared at {}; to replace it, add "
+                                                       "\"overrides\": true to this rule, or rename it",
+                                                       detail::show(r.name), prev.where));
           // The override takes the place (and tie-breaking order) of the rule it replaces.
-          log().info("rule {} from {} overrides the one from {}", r.name, r.where, it->where);
-          r.order = it->order;
-          *it = std::move(r);
+          log().info("rule {} from {} overrides the one from {}", r.name, r.where, prev.where);
+          r.order = prev.order;
+          r.overridden = prev.where;
+          prev = std::move(r);
         } else {
-          size_t next = 0;
-          for (const auto& x : rules_) next = std::max(next, x.order + 1);
-          r.order = next;
+          if (r.overrides)
+            detail::invalid(ptr + "/overrides", fmt::format("rule {} says \"overrides\": true, but no rule of that "
+                                                            "name was loaded before it; remove \"overrides\"",
+                                                            detail::show(r.name)));
+          r.order = next_order_++;
           log().debug("rule {} loaded from {}", r.name, r.where);
+          rule_index_.emplace(r.name, rules_.size());
           rules_.push_back(std::move(r));
         }
         ++generation_;

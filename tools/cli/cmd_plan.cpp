@@ -1,6 +1,7 @@
 // `jitfuse codegen`, `jitfuse warmup` and `jitfuse check`: generated sources, ahead-of-time
 // compilation into the kernel cache (no GPU needed), and the end-to-end run against the reference.
 #include <cstdio>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -98,6 +99,53 @@ void run_codegen(const PlanOpts& o) {
   if (o.json) std::printf("%s\n", out.dump(2).c_str());
 }
 
+// NVRTC reports lines of the stitched kernel source ("jf_x_fwd.cu(104): error"); a line inside a user
+// template (between stitch's "// ---- begin template user/x.cuh" markers) is mapped back to the template's
+// own file:line and quoted. Lines outside user templates stay as they are.
+std::string map_kernel_log(const std::string& what, const std::string& source, const rules::RuleSet& rs) {
+  std::vector<std::string> src;
+  {
+    std::istringstream in(source);
+    for (std::string l; std::getline(in, l);) src.push_back(l);
+  }
+  std::string out;
+  std::istringstream in(what);
+  for (std::string line; std::getline(in, line);) {
+    out += line + "\n";
+    size_t open = line.find(".cu(");
+    size_t close = open == std::string::npos ? std::string::npos : line.find(')', open);
+    if (close == std::string::npos) continue;
+    std::string num = line.substr(open + 4, close - open - 4);
+    if (num.empty() || num.size() > 8 || num.find_first_not_of("0123456789") != std::string::npos) continue;
+    size_t n = std::stoul(num);
+    if (n == 0 || n > src.size()) continue;
+    for (size_t i = n - 1; i-- > 0;) {  // the nearest marker above the line
+      if (src[i].rfind("// ---- end template ", 0) == 0) break;
+      if (src[i].rfind("// ---- begin template ", 0) != 0) continue;
+      std::string key = src[i].substr(23);
+      const ops::OpKind* op = nullptr;
+      for (const auto& name : rs.registry().names()) {
+        const ops::OpKind* k = rs.registry().find(name);
+        if (k->user_declared && k->template_file == key) op = k;
+      }
+      auto tpl = rs.user_templates().find(key);
+      if (!op || tpl == rs.user_templates().end() || tpl->second.find("#include") != std::string::npos) break;
+      // Stitching drops "#pragma once" lines: count them back in.
+      std::istringstream t(tpl->second);
+      size_t kept = 0, at = 0;
+      std::string tl;
+      while (kept < n - 1 - i && std::getline(t, tl)) {
+        ++at;
+        if (tl.rfind("#pragma once", 0) != 0) ++kept;
+      }
+      out += fmt::format("  (in {}:{}: {})\n", op->template_path.empty() ? key : op->template_path, at,
+                         n - 1 < src.size() ? src[n - 1] : "");
+      break;
+    }
+  }
+  return out;
+}
+
 void run_warmup(const PlanOpts& o) {
   auto rs = load_rules(o.rules);
   auto templates = templates_for(rs);
@@ -107,7 +155,25 @@ void run_warmup(const PlanOpts& o) {
   exec::KernelLibrary lib(kc, templates);
   std::vector<cache::Origin> origins;
   unsigned jobs = o.jobs ? o.jobs : std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
-  kc.get_or_compile_all(c.requests, lib.compiler(), jobs, &origins, o.json ? std::function<void(size_t, size_t)>() : progress_bar);
+  try {
+    kc.get_or_compile_all(c.requests, lib.compiler(), jobs, &origins,
+                          o.json ? std::function<void(size_t, size_t)>() : progress_bar);
+  } catch (const Error& e) {
+    // The cache rethrows only the first failure: ask each kernel again (the good ones are in memory now) and
+    // report every one that fails, with its label and its errors mapped back to user templates.
+    std::vector<std::string> failures;
+    for (size_t i = 0; i < c.requests.size(); ++i) {
+      try {
+        kc.get_or_compile(c.requests[i], lib.compiler());
+      } catch (const Error& ke) {
+        failures.push_back(fmt::format("kernel #{} ({}): {}", i, c.labels[i],
+                                       map_kernel_log(ke.what(), c.requests[i].source, rs)));
+      }
+    }
+    if (failures.empty()) throw;
+    for (const auto& f : failures) std::fprintf(stderr, "%s\n", f.c_str());
+    fail(e.status(), "{} of {} kernels failed (each listed above)", failures.size(), c.requests.size());
+  }
   size_t compiled = 0, disk = 0, memory = 0;
   for (auto og : origins) {
     compiled += og == cache::Origin::compiled;

@@ -16,6 +16,7 @@
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "rules/rule.hpp"
+#include "rules/template_check.hpp"
 
 namespace jitfuse::cli {
 namespace {
@@ -71,7 +72,8 @@ json rule_json(const rules::Rule& r) {
   if (c.training) cond["training"] = *c.training;
   return {{"name", r.name},       {"pass", rules::pass_name(r.pass)}, {"priority", r.priority},
           {"pattern", pattern},   {"conditions", cond},               {"impl", impl_json(r.impl)},
-          {"math", r.math},       {"file", r.file},                   {"where", r.where}};
+          {"math", r.math},       {"file", r.file},                   {"where", r.where},
+          {"overrides", r.overridden.empty() ? json(nullptr) : json(r.overridden)}};
 }
 
 json error_json(const rules::LoadError& e) {
@@ -92,13 +94,14 @@ void list_rules(const std::vector<std::string>& extra, bool as_json) {
     json out = {{"rules", json::array()}, {"errors", json::array()}};
     for (const auto* r : sorted) out["rules"].push_back(rule_json(*r));
     for (const auto& e : rs.errors()) out["errors"].push_back(error_json(e));
-    std::printf("%s\n", out.dump(2).c_str());
+    std::printf("%s\n", out.dump(2, ' ', false, json::error_handler_t::replace).c_str());
     return;
   }
   std::vector<std::array<std::string, 6>> rows = {{"NAME", "PASS", "PRIORITY", "PATTERN", "IMPL", "FILE"}};
   for (const auto* r : sorted)
     rows.push_back({r->name, rules::pass_name(r->pass), std::to_string(r->priority), pattern_text(*r),
-                    fuser::impl_text(r->impl), r->file});
+                    fuser::impl_text(r->impl),
+                    r->overridden.empty() ? r->file : r->file + " (overrides " + r->overridden + ")"});
   std::array<size_t, 6> width{};
   for (const auto& row : rows)
     for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
@@ -108,7 +111,55 @@ void list_rules(const std::vector<std::string>& extra, bool as_json) {
       line += c + 1 < row.size() ? fmt::format("{:<{}}  ", row[c], width[c]) : row[c];
     std::printf("%s\n", line.c_str());
   }
-  std::printf("\n%zu rules\n", sorted.size());
+  size_t overrides = std::count_if(sorted.begin(), sorted.end(), [](const rules::Rule* r) { return !r->overridden.empty(); });
+  std::printf("\n%zu rules", sorted.size());
+  if (overrides) std::printf(" (%zu replacing a rule loaded before them: \"overrides\": true)", overrides);
+  std::printf("\n");
+}
+
+// `rules list --ops`: every op kind a sequence may use, built in or declared by a rules file.
+void list_ops(const std::vector<std::string>& extra, bool as_json) {
+  quiet_library_log();
+  rules::RuleSet rs = load_rules(extra);
+  const auto& reg = rs.registry();
+  std::vector<std::string> names = reg.names();  // sorted (std::map)
+  if (as_json) {
+    json out = {{"ops", json::array()}, {"errors", json::array()}};
+    for (const auto& n : names) {
+      const ops::OpKind* k = reg.find(n);
+      json attrs = json::array();
+      for (const auto& a : k->attrs) attrs.push_back(a.name);
+      out["ops"].push_back({{"name", k->name},
+                            {"family", ops::family_name(k->family)},
+                            {"kind", k->user_declared ? "user" : "builtin"},
+                            {"math", k->math},
+                            {"attrs", attrs},
+                            {"functor", k->functor},
+                            {"template", k->template_file},
+                            {"file", k->user_declared ? k->declared_in : "<builtin>"}});
+    }
+    for (const auto& e : rs.errors()) out["errors"].push_back(error_json(e));
+    std::printf("%s\n", out.dump(2, ' ', false, json::error_handler_t::replace).c_str());
+    return;
+  }
+  std::vector<std::array<std::string, 5>> rows = {{"OP", "FAMILY", "KIND", "TEMPLATE", "DECLARED IN"}};
+  size_t user = 0;
+  for (const auto& n : names) {
+    const ops::OpKind* k = reg.find(n);
+    user += k->user_declared;
+    rows.push_back({k->name, ops::family_name(k->family), k->user_declared ? "user" : "builtin",
+                    k->template_file.empty() ? "-" : k->template_file, k->user_declared ? k->declared_in : "<builtin>"});
+  }
+  std::array<size_t, 5> width{};
+  for (const auto& row : rows)
+    for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c)
+      line += c + 1 < row.size() ? fmt::format("{:<{}}  ", row[c], width[c]) : row[c];
+    std::printf("%s\n", line.c_str());
+  }
+  std::printf("\n%zu ops (%zu built in, %zu user-declared)\n", names.size(), names.size() - user, user);
 }
 
 // Whether a rule's file came from `path` (the file itself, or a *.json directly inside the directory).
@@ -121,7 +172,7 @@ bool under(const std::string& file, const std::string& path) {
   return norm(file) == norm(path) || norm(fs::path(file).parent_path()) == norm(path);
 }
 
-int validate(const std::vector<std::string>& paths, bool as_json) {
+int validate(const std::vector<std::string>& paths, bool as_json, bool compile) {
   quiet_library_log();
   // Validated on top of what a context would have loaded before them (JITFUSE_RULE_PATH errors go to stderr
   // and do not count against the files validated here).
@@ -131,6 +182,11 @@ int validate(const std::vector<std::string>& paths, bool as_json) {
   for (const auto& path : paths) {
     // Later paths may use ops declared by earlier ones, as they would when loaded in this order.
     std::vector<rules::LoadError> errs = rs.load_path(path);
+    // "ok" must mean usable: the functors of the ops this path declares must compile (NVRTC, no GPU needed).
+    if (compile) {
+      auto cerrs = rules::compile_user_ops(rs, "sm_90a", [&](const std::string& f) { return under(f, path); });
+      errs.insert(errs.end(), cerrs.begin(), cerrs.end());
+    }
     size_t n_rules = 0, n_ops = 0;
     for (const auto& r : rs.rules()) n_rules += under(r.file, path);
     for (const auto& name : rs.registry().names()) {
@@ -151,7 +207,7 @@ int validate(const std::vector<std::string>& paths, bool as_json) {
     }
   }
   out["valid"] = all_ok;
-  if (as_json) std::printf("%s\n", out.dump(2).c_str());
+  if (as_json) std::printf("%s\n", out.dump(2, ' ', false, json::error_handler_t::replace).c_str());
   return all_ok ? 0 : 1;
 }
 
@@ -164,36 +220,33 @@ void add_rules_commands(CLI::App& app) {
   struct ListOpts {
     std::vector<std::string> rules;
     bool json = false;
+    bool ops = false;
   };
   auto list_opts = std::make_shared<ListOpts>();
   CLI::App* list = rules_cmd->add_subcommand("list", "List loaded rules: built-ins, JITFUSE_RULE_PATH, then --rules");
   list->add_option("--rules", list_opts->rules, "Extra rule file or directory (repeatable)");
   list->add_flag("--json", list_opts->json, "Machine-readable output");
+  list->add_flag("--ops", list_opts->ops, "List the declared ops (built-in and user) instead of the rules");
   list->callback([list_opts] {
-    try {
-      list_rules(list_opts->rules, list_opts->json);
-    } catch (const Error& e) {
-      std::fprintf(stderr, "jitfuse rules list: error: %s\n", e.what());
-      throw CLI::RuntimeError(1);
-    }
+    if (list_opts->ops)
+      list_ops(list_opts->rules, list_opts->json);
+    else
+      list_rules(list_opts->rules, list_opts->json);  // errors: main() prints them and exits 2
   });
 
   struct ValidateOpts {
     std::vector<std::string> files;
     bool json = false;
+    bool no_compile = false;
   };
   auto val_opts = std::make_shared<ValidateOpts>();
   CLI::App* val = rules_cmd->add_subcommand(
       "validate", "Validate rule files or directories (exit 0 when all are valid, 1 otherwise)");
   val->add_option("FILE", val_opts->files, "Rules file or directory of *.json")->required();
   val->add_flag("--json", val_opts->json, "Machine-readable output");
+  val->add_flag("--no-compile", val_opts->no_compile, "Skip compiling the user ops' functors with NVRTC");
   val->callback([val_opts] {
-    int rc = 1;
-    try {
-      rc = validate(val_opts->files, val_opts->json);
-    } catch (const Error& e) {
-      std::fprintf(stderr, "jitfuse rules validate: error: %s\n", e.what());
-    }
+    int rc = validate(val_opts->files, val_opts->json, !val_opts->no_compile);  // 1: a file is invalid; errors: main(), exit 2
     if (rc != 0) throw CLI::RuntimeError(rc);
   });
 }

@@ -95,18 +95,18 @@ TEST_CASE("explain with a broken rules directory reports the errors and uses the
   CHECK_THAT(r.out, Catch::Contains("gelu_scale               priority 90   taken"));
   CHECK_THAT(r.out, Catch::Contains("bias_act                 priority 20   not taken: overlaps higher-priority rule gelu_scale at ops [1, 3)"));
 
-  // A broken sequence or bad options: a clear error and exit 1, no crash.
+  // A broken sequence or bad options: a clear error and exit 2 (docs/cli.md), no crash.
   auto bad = run_cli("explain '" + seq + "' --recipe bf17 --shape 8x64");
-  CHECK(bad.status == 1);
+  CHECK(bad.status == 2);
   CHECK_THAT(bad.out, Catch::Contains("unknown recipe 'bf17'"));
   bad = run_cli("explain '" + seq + "' --recipe bf16 --shape 8x64 --arch hopper");
-  CHECK(bad.status == 1);
+  CHECK(bad.status == 2);
   CHECK_THAT(bad.out, Catch::Contains("bad --arch 'hopper'"));
   bad = run_cli("explain '" + seq + "' --recipe bf16 --shape 8xfoo");
-  CHECK(bad.status == 1);
+  CHECK(bad.status == 2);
   CHECK_THAT(bad.out, Catch::Contains("bad shape '8xfoo'"));
   bad = run_cli("explain '" + dir.path() + "/nope.json' --recipe bf16 --shape 8x64");
-  CHECK(bad.status == 1);
+  CHECK(bad.status == 2);
   CHECK_THAT(bad.out, Catch::Contains("cannot read"));
 }
 

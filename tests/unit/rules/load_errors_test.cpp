@@ -191,7 +191,7 @@ TEST_CASE("file-level problems: format, top-level keys, non-array rules", "[rule
   CHECK(rs.errors().size() == 5);
 }
 
-TEST_CASE("a rule with the name of an earlier one overrides it, and the log says so", "[rules]") {
+TEST_CASE("a rule with \"overrides\": true replaces an earlier one of its name, and the log says so", "[rules]") {
   std::ostringstream captured;
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(captured);
   auto& logger = jitfuse::log();
@@ -205,9 +205,7 @@ TEST_CASE("a rule with the name of an earlier one overrides it, and the log says
   size_t order = builtin->order, count = rs.rules().size();
   auto gen = rs.generation();
   std::string text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n" + std::string(kGood) + ",\n" +
-                     R"J({"name": "bias_act", "math": "y = relu(x + b)", "pass": "forward", "priority": 99, "pattern": ["bias", "relu"], "impl": {"kind": "generated", "skeleton": "elementwise"}})J" +
-                     ",\n" +
-                     R"J({"name": "good", "math": "y = silu(x + b)", "pass": "forward", "priority": 11, "pattern": ["bias", "silu"], "impl": {"kind": "generated", "skeleton": "elementwise"}})J" +
+                     R"J({"name": "bias_act", "overrides": true, "math": "y = relu(x + b)", "pass": "forward", "priority": 99, "pattern": ["bias", "relu"], "impl": {"kind": "generated", "skeleton": "elementwise"}})J" +
                      "\n]}";
   auto errs = rs.load_text(text, "user.json", "");
   logger.sinks().pop_back();
@@ -220,18 +218,18 @@ TEST_CASE("a rule with the name of an earlier one overrides it, and the log says
   CHECK(over->priority == 99);
   CHECK(over->order == order);  // takes the place (and tie-breaking order) of the rule it replaces
   CHECK(over->file == "user.json");
-  CHECK(find_rule(rs, "good")->priority == 11);  // the later of two same-named rules in one file wins
+  CHECK_THAT(over->overridden, Catch::StartsWith("<builtin>/forward_pointwise.json:"));
+  CHECK(find_rule(rs, "good")->overridden.empty());
   CHECK(rs.generation() > gen);
   std::string log = captured.str();
   CHECK_THAT(log, Catch::Contains("rule bias_act from user.json:3:1 overrides the one from <builtin>/forward_pointwise.json:"));
-  CHECK_THAT(log, Catch::Contains("rule good from user.json:4:1 overrides the one from user.json:2:1"));
 }
 
 TEST_CASE("a broken override leaves the earlier rule in place", "[rules]") {
   RuleSet rs = RuleSet::with_builtins();
   auto gen = rs.generation();
   auto errs = rs.load_text(
-      R"J({"format": "jitfuse.rules/1", "rules": [{"name": "bias_act", "math": "y = x", "pass": "forward", "pattern": ["bias", "nope"], "impl": {"kind": "generated", "skeleton": "elementwise"}}]})J",
+      R"J({"format": "jitfuse.rules/1", "rules": [{"name": "bias_act", "overrides": true, "math": "y = x", "pass": "forward", "pattern": ["bias", "nope"], "impl": {"kind": "generated", "skeleton": "elementwise"}}]})J",
       "user.json", "");
   CHECK(errs.size() == 1);
   CHECK(find_rule(rs, "bias_act")->file == "<builtin>/forward_pointwise.json");
@@ -245,12 +243,12 @@ TEST_CASE("load_path: missing paths, directories in sorted order, schema.json sk
   REQUIRE(errs.size() == 1);
   CHECK_THAT(errs[0].message, Catch::Contains("no such file or directory"));
 
-  auto rule = [](const char* name, int prio) {
+  auto rule = [](const char* name, int prio, bool overrides = false) {
     return std::string(R"J({"format": "jitfuse.rules/1", "rules": [{"name": ")J") + name +
-           R"J(", "math": "y = gelu(x + b)", "pass": "forward", "priority": )J" + std::to_string(prio) +
+           (overrides ? "\", \"overrides\": true" : "\"") + R"J(, "math": "y = gelu(x + b)", "pass": "forward", "priority": )J" + std::to_string(prio) +
            R"J(, "pattern": ["bias", "gelu"], "impl": {"kind": "generated", "skeleton": "elementwise"}}]})J";
   };
-  dir.write("b.json", rule("shared", 2));
+  dir.write("b.json", rule("shared", 2, true));
   dir.write("a.json", rule("shared", 1));
   dir.write("c.json", rule("only_c", 3));
   dir.write("notes.txt", "not json");
@@ -259,7 +257,7 @@ TEST_CASE("load_path: missing paths, directories in sorted order, schema.json sk
   errs = rs2.load_path(dir.path());
   CHECK(errs.empty());
   REQUIRE(rs2.rules().size() == 2);
-  CHECK(find_rule(rs2, "shared")->priority == 2);  // b.json loads after a.json and overrides it
+  CHECK(find_rule(rs2, "shared")->priority == 2);  // b.json loads after a.json and overrides it (explicitly)
   CHECK(find_rule(rs2, "shared")->file == dir.path() + "/b.json");
   CHECK(find_rule(rs2, "only_c") != nullptr);
 

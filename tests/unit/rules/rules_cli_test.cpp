@@ -67,3 +67,69 @@ TEST_CASE("rules list shows built-ins and extra rules, also as JSON", "[rules][c
   CHECK(found);
   CHECK(j.at("rules")[0].at("pass") == "joint");  // listed in the order the passes run
 }
+
+TEST_CASE("rules list --ops lists built-in and user ops with file and family, also as JSON", "[rules][cli]") {
+  std::string softplus = jf_test::src("docs/examples/softplus");
+  auto r = run_cli("rules list --ops --rules '" + softplus + "'");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains("OP") && Catch::Contains("FAMILY") && Catch::Contains("DECLARED IN"));
+  CHECK_THAT(r.out, Catch::Matches("(.|\n)*layernorm +norm +builtin +- +<builtin>(.|\n)*"));
+  CHECK_THAT(r.out, Catch::Matches("(.|\n)*softplus +pointwise +user +user/softplus.cuh +" + softplus +
+                                   "/rules.json:[0-9]+:[0-9]+(.|\n)*"));
+  CHECK_THAT(r.out, Catch::Contains("(1 user-declared)") || Catch::Contains(", 1 user-declared)"));
+
+  r = run_cli("rules list --ops --json --rules '" + softplus + "'", "", true);
+  REQUIRE(r.status == 0);
+  auto j = nlohmann::json::parse(r.out);
+  bool user = false, builtin = false;
+  for (const auto& op : j.at("ops")) {
+    if (op.at("name") == "softplus") {
+      user = true;
+      CHECK(op.at("kind") == "user");
+      CHECK(op.at("family") == "pointwise");
+      CHECK(op.at("functor") == "jf_op_softplus");
+      CHECK_THAT(op.at("file").get<std::string>(), Catch::StartsWith(softplus + "/rules.json:"));
+    }
+    if (op.at("name") == "dropout") {
+      builtin = true;
+      CHECK(op.at("kind") == "builtin");
+      CHECK(op.at("file") == "<builtin>");
+    }
+  }
+  CHECK(user);
+  CHECK(builtin);
+}
+
+TEST_CASE("rules list marks a rule that overrides a built-in", "[rules][cli]") {
+  jf_test::TempDir dir;
+  std::string file = dir.write("o/rules.json", R"J({"format": "jitfuse.rules/1", "rules": [
+  {"name": "bias_act", "overrides": true, "math": "y = relu(x + b)", "pass": "forward", "pattern": ["bias", "relu"], "impl": {"kind": "generated", "skeleton": "elementwise"}}]})J");
+  auto r = run_cli("rules list --rules '" + file + "'");
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains(file + ":2:3 (overrides <builtin>/forward_pointwise.json:") ||
+                        Catch::Contains(file + " (overrides <builtin>/forward_pointwise.json:"));
+  CHECK_THAT(r.out, Catch::Contains("25 rules (1 replacing a rule loaded before them"));
+  r = run_cli("rules list --json --rules '" + file + "'", "", true);
+  auto j = nlohmann::json::parse(r.out);
+  for (const auto& rule : j.at("rules"))
+    if (rule.at("name") == "bias_act") CHECK_THAT(rule.at("overrides").get<std::string>(), Catch::StartsWith("<builtin>/"));
+    else CHECK(rule.at("overrides").is_null());
+}
+
+TEST_CASE("rules validate compiles user ops: a broken template is not ok", "[rules][cli]") {
+  jf_test::TempDir dir;
+  dir.write("b/broken.cuh", "struct jf_op_b {\n  static __device__ float fwd(float x) { return x; }\n"
+                            "  static __device__ float bwd(float x, float dy) { return dy + undefined_thing; }\n};\n");
+  std::string file = dir.write("b/rules.json", R"J({"format": "jitfuse.rules/1", "ops": [
+  {"name": "b", "math": "y = x", "template": "broken.cuh", "functor": "jf_op_b"}]})J");
+  auto r = run_cli("rules validate '" + dir.path() + "/b'");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains(file + ":2:3: op 'b': functor jf_op_b does not compile"));
+  CHECK_THAT(r.out, Catch::Contains("broken.cuh:3: error"));
+  CHECK_THAT(r.out, Catch::Contains("    3 |   static __device__ float bwd(float x, float dy) { return dy + undefined_thing; }"));
+  r = run_cli("rules validate --no-compile '" + dir.path() + "/b'");
+  CHECK(r.status == 0);
+}
