@@ -17,6 +17,9 @@ struct CheckOptions {
   uint64_t seed = 1;          // inputs are drawn from this seed
   uint64_t rng_offset = 12345;
   bool misalign = false;      // offset every tensor by one element: the scalar path must be taken
+  // No float64 reference (user-declared ops): only check that every output was written; the numerics are
+  // compared with the unfused run by JITFUSE_VERIFY instead.
+  bool no_reference = false;
 };
 
 struct TensorCheck {

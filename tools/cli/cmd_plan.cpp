@@ -219,8 +219,15 @@ int run_check(const PlanOpts& o) {
                 "(the FP8 casts are checked by the gpu test tier, jf_gpu_tests \"[fp8]\"): rerun with --recipe bf16\n");
     return 0;
   }
+  // User-declared ops have no float64 reference: their fused run is compared with the unfused run of the
+  // same ops on the GPU instead (JITFUSE_VERIFY), and the outputs are checked for unwritten elements.
+  std::string user_ops;
+  for (const auto& op : p.ops)
+    if (op.info->user_declared && user_ops.find(op.kind) == std::string::npos)
+      user_ops += (user_ops.empty() ? "" : ", ") + op.kind;
+  const bool verify = o.verify || !user_ops.empty();
   jf_context ctx = nullptr;
-  if (o.verify) setenv("JITFUSE_VERIFY", "1", 1);  // read when the context is created
+  if (verify) setenv("JITFUSE_VERIFY", "1", 1);  // read when the context is created
   if (jf_context_create(&ctx) != JF_OK) fail(Status::internal, "jf_context_create: {}", jf_last_error());
   struct Guard {
     jf_context c;
@@ -231,9 +238,16 @@ int run_check(const PlanOpts& o) {
   co.recipe = o.recipe;
   co.shape = ops::parse_shape(o.shapes[0]);
   co.backward = !o.inference;
+  co.no_reference = !user_ops.empty();
   auto rep = reference::check_sequence(ctx, rs.registry(), json_util::read_file(o.seqs[0]), co);
-  std::printf("ran on %s against the float64 reference (fresh random inputs, outputs poisoned):\n%s",
-              cuda::current_device().name.c_str(), rep.table().c_str());
+  if (co.no_reference)
+    std::printf("ran on %s; the sequence uses user-declared ops (%s), which have no float64 reference: every "
+                "output was checked for unwritten elements (outputs poisoned), and the fused groups were compared "
+                "with the unfused run of the same ops on the GPU (JITFUSE_VERIFY):\n%s",
+                cuda::current_device().name.c_str(), user_ops.c_str(), rep.table().c_str());
+  else
+    std::printf("ran on %s against the float64 reference (fresh random inputs, outputs poisoned):\n%s",
+                cuda::current_device().name.c_str(), rep.table().c_str());
   bool verified = true;
   if (const exec::VerifyLog* v = api::context_of(ctx).verify_log()) {
     std::printf("JITFUSE_VERIFY: %d fused groups compared with their unfused ops on the GPU (%d tensors): %s\n",

@@ -93,5 +93,5 @@ TEST_CASE("duplicate JSON keys in a rules file are an error at the second key", 
   // Also at the top level and inside nested objects.
   errs = rs.load_text("{\"format\": \"jitfuse.rules/1\", \"rules\": [], \"rules\": []}", "e.json", "");
   REQUIRE(errs.size() == 1);
-  CHECK(errs[0].where == "e.json:1:45");
+  CHECK(errs[0].where == "e.json:1:44");  // the second key's opening quote
 }

@@ -110,7 +110,7 @@ TEST_CASE("rules list marks a rule that overrides a built-in", "[rules][cli]") {
   REQUIRE(r.status == 0);
   CHECK_THAT(r.out, Catch::Contains(file + ":2:3 (overrides <builtin>/forward_pointwise.json:") ||
                         Catch::Contains(file + " (overrides <builtin>/forward_pointwise.json:"));
-  CHECK_THAT(r.out, Catch::Contains("25 rules (1 replacing a rule loaded before them"));
+  CHECK_THAT(r.out, Catch::Contains("27 rules (1 replacing a rule loaded before them"));
   r = run_cli("rules list --json --rules '" + file + "'", "", true);
   auto j = nlohmann::json::parse(r.out);
   for (const auto& rule : j.at("rules"))

@@ -121,10 +121,13 @@ TEST_CASE("one template file name, one content", "[rules]") {
   REQUIRE(errs.size() == 1);
   CHECK_THAT(errs[0].message, Catch::Contains("template user/softish.cuh is already used by op 'softish'"));
   CHECK(rs.user_templates().at("user/softish.cuh") == kTemplate);
-  // Redeclaring the same op (same name) may bring a new version of its template.
+  // Redeclaring the same op (same name) from another file is a conflict, not a silent replacement: the first
+  // declaration and its template stay.
   b.write("rules.json", "{\"format\": \"jitfuse.rules/1\", \"ops\": [" + std::string(kGoodOp) + "]}");
-  CHECK(rs.load_path(b.path()).empty());
-  CHECK(rs.user_templates().at("user/softish.cuh") == std::string(kTemplate) + "struct jf_op_other {};\n");
+  errs = rs.load_path(b.path());
+  REQUIRE(errs.size() == 1);
+  CHECK_THAT(errs[0].message, Catch::Contains("op 'softish' is already declared at"));
+  CHECK(rs.user_templates().at("user/softish.cuh") == kTemplate);
 }
 
 TEST_CASE("docs walk-through: softplus declared and fused with bias, without recompiling", "[rules]") {
