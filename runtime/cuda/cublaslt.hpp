@@ -1,5 +1,5 @@
 // cuBLASLt GEMMs for linear in row-major terms (y = x W^T, dx = dy W, dW = dy^T x), with native
-// epilogues (BIAS, GELU_AUX_BIAS, RELU_BIAS; DGELU_BGRAD on dgrad, BGRADB on wgrad) and a C operand for residual accumulation. Heuristic
+// epilogues (Epilogue below) and a C operand for residual accumulation. Heuristic
 // results are cached per problem; workspaces are per stream.
 #pragma once
 #include <cuda.h>

@@ -177,69 +177,53 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   double atol, rtol;
   tolerance(rc, has_gemm, ops.size(), &atol, &rtol);
   CheckReport rep;
-  if (opt.no_reference) {
-    // Written or not: the reference is the result itself with its NaNs (unwritten elements) counted.
-    auto written = [&](const std::string& name, const Vec& got) {
-      Vec self = got;
-      for (auto& v : self)
+  // The backward on a random dy with every gradient buffer poisoned first.
+  Vec gy;
+  DeviceTensor* gx = nullptr;
+  auto run_backward = [&] {
+    gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
+    DeviceTensor* gyt = dev(ops.back().out);
+    gyt->upload_values(gy);
+    gx = dev(opt.shape);
+    gx->poison();
+    for (auto* t : gein) t->poison();
+    for (auto& [k, t] : grads) t->poison();
+    std::vector<const DLTensor*> geout_t;
+    std::vector<DLTensor*> gein_t;
+    for (auto* t : geout) geout_t.push_back(t->dl());
+    for (auto* t : gein) gein_t.push_back(t->dl());
+    jf_status st = jf_backward(seq, saved, gyt->dl(), geout_t.data(), static_cast<int>(geout_t.size()), gx->dl(),
+                               gein_t.data(), static_cast<int>(gein_t.size()), reinterpret_cast<jf_stream>(stream));
+    jf_saved_release(saved, reinterpret_cast<jf_stream>(stream));
+    ok(st, "jf_backward");
+    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
+  };
+  // Every tensor against its reference; without one (user-declared ops), against itself, which counts
+  // only unwritten (NaN) elements.
+  const bool self = opt.no_reference;
+  auto check = [&](const std::string& name, const Vec& got, const Vec* ref) {
+    Vec mine;
+    if (self) {
+      mine = got;
+      for (auto& v : mine)
         if (std::isnan(v)) v = 0;
-      rep.tensors.push_back(compare(name, got, self, atol, rtol));
-    };
-    written("output", y->download_values());
-    for (size_t i = 0; i < eout.size(); ++i) written(fmt::format("extra_output[{}]", i), eout[i]->download_values());
-    if (opt.backward) {
-      DeviceTensor* gyt = dev(ops.back().out);
-      gyt->upload_values(random_vec(rng, ops::numel(ops.back().out), -1, 1, rc));
-      DeviceTensor* gx = dev(opt.shape);
-      gx->poison();
-      for (auto* t : gein) t->poison();
-      for (auto& [k, t] : grads) t->poison();
-      std::vector<const DLTensor*> geout_t;
-      std::vector<DLTensor*> gein_t;
-      for (auto* t : geout) geout_t.push_back(t->dl());
-      for (auto* t : gein) gein_t.push_back(t->dl());
-      jf_status st = jf_backward(seq, saved, gyt->dl(), geout_t.data(), static_cast<int>(geout_t.size()), gx->dl(),
-                                 gein_t.data(), static_cast<int>(gein_t.size()), reinterpret_cast<jf_stream>(stream));
-      jf_saved_release(saved, reinterpret_cast<jf_stream>(stream));
-      ok(st, "jf_backward");
-      cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
-      written("grad_input", gx->download_values());
-      for (size_t i = 0; i < gein.size(); ++i)
-        written(fmt::format("grad_extra_input[{}]", i), gein[i]->download_values());
-      for (auto& [k, t] : grads) written(fmt::format("grad op{}.{}", k.first, k.second), t->download_values());
     }
-    return rep;
-  }
-  SeqForward ref = sequence_forward(ops, in);
-  rep.tensors.push_back(compare("output", y->download_values(), ref.output, atol, rtol));
+    rep.tensors.push_back(compare(name, got, self ? mine : *ref, atol, rtol));
+  };
+  SeqForward ref;
+  if (!self) ref = sequence_forward(ops, in);
+  check("output", y->download_values(), &ref.output);
   for (size_t i = 0; i < eout.size(); ++i)
-    rep.tensors.push_back(compare(fmt::format("extra_output[{}]", i), eout[i]->download_values(), ref.extra_out[i], atol, rtol));
+    check(fmt::format("extra_output[{}]", i), eout[i]->download_values(), self ? nullptr : &ref.extra_out[i]);
   if (!opt.backward) return rep;
-
-  Vec gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
-  DeviceTensor* gyt = dev(ops.back().out);
-  gyt->upload_values(gy);
-  DeviceTensor* gx = dev(opt.shape);
-  gx->poison();
-  for (auto* t : gein) t->poison();
-  for (auto& [k, t] : grads) t->poison();
-  std::vector<const DLTensor*> geout_t;
-  std::vector<DLTensor*> gein_t;
-  for (auto* t : geout) geout_t.push_back(t->dl());
-  for (auto* t : gein) gein_t.push_back(t->dl());
-  jf_status st = jf_backward(seq, saved, gyt->dl(), geout_t.data(), static_cast<int>(geout_t.size()), gx->dl(),
-                             gein_t.data(), static_cast<int>(gein_t.size()), reinterpret_cast<jf_stream>(stream));
-  jf_saved_release(saved, reinterpret_cast<jf_stream>(stream));
-  ok(st, "jf_backward");
-  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
-  SeqGrads rg = sequence_backward(ops, in, ref, gy, gext_out);
-  rep.tensors.push_back(compare("grad_input", gx->download_values(), rg.grad_input, atol, rtol));
+  run_backward();
+  SeqGrads rg;
+  if (!self) rg = sequence_backward(ops, in, ref, gy, gext_out);
+  check("grad_input", gx->download_values(), &rg.grad_input);
   for (size_t i = 0; i < gein.size(); ++i)
-    rep.tensors.push_back(compare(fmt::format("grad_extra_input[{}]", i), gein[i]->download_values(),
-                                  rg.grad_extra_in[i], atol, rtol));
+    check(fmt::format("grad_extra_input[{}]", i), gein[i]->download_values(), self ? nullptr : &rg.grad_extra_in[i]);
   for (auto& [k, t] : grads)
-    rep.tensors.push_back(compare(fmt::format("grad op{}.{}", k.first, k.second), t->download_values(),
-                                  rg.grad_params.at(k), atol, rtol));
+    check(fmt::format("grad op{}.{}", k.first, k.second), t->download_values(), self ? nullptr : &rg.grad_params.at(k));
   return rep;
 }
 

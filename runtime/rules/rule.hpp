@@ -40,14 +40,13 @@ struct Conditions {
 // How a matched group is lowered. Identifiers only (validated on load); never pasted into source.
 struct Impl {
   enum class Kind { unfused, generated, cublaslt, joint } kind = Kind::unfused;
-  std::string skeleton;  // generated: "elementwise" | "gated" | "rownorm"
-  // cublaslt: forward "BIAS" | "GELU_AUX_BIAS" | "RELU_BIAS" | "RESIDUAL" (C = extra input, alpha = scale)
-  //           backward "DGRAD_ACCUMULATE" (make_extra_output + linear) | "SCALED" (linear + scale)
-  //           | "DGELU_BGRAD" (bias + gelu + linear [+ bias]) | "BGRADB" (linear + bias)
-  std::string epilogue;
+  // The implementation's name; each one is a class in runtime/exec/impl/ that says what it covers (the
+  // loader asks it: rules/implementable.hpp). Never pasted into source.
+  std::string skeleton;  // generated: a skeleton ("elementwise", ...)
+  std::string epilogue;  // cublaslt: an epilogue ("BIAS", ...)
   int epilogue_ops = 0;  // how many leading ops of the window the GEMM + epilogue covers; rest: generated tail
   std::string tail;      // skeleton of the generated tail, if any
-  std::string strategy;  // joint: "regenerate_dropout_mask" | "recompute_linear_output"
+  std::string strategy;  // joint: a strategy ("regenerate_dropout_mask", ...)
   std::vector<std::string> saves;  // joint: what the forward saves (documentation + explain)
 };
 

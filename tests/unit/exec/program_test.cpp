@@ -3,6 +3,9 @@
 #include <catch2/catch.hpp>
 
 #include <fstream>
+#include <functional>
+#include <map>
+#include <set>
 #include <sstream>
 
 #include "common/env.hpp"
@@ -163,4 +166,31 @@ TEST_CASE("implementations answer the loader: impossible rules are refused at lo
   // One implementation per rule kind the built-ins use, each with a description.
   for (const auto* impl : exec::implementations()) CHECK_FALSE(impl->covers_text().empty());
   CHECK(exec::implementations().size() == 17);  // 10 epilogues, 3 skeletons, 3 joint strategies, unfused
+}
+
+TEST_CASE("schema.json lists exactly the implementations jitfuse has", "[exec][rules]") {
+  // The schema's enums help editors; the implementations are the truth. One list, checked here.
+  std::ifstream f(std::string(JF_SOURCE_DIR) + "/fusion_rules/schema.json");
+  const auto schema = nlohmann::json::parse(f);
+  std::map<std::string, std::set<std::string>> in_schema;
+  std::function<void(const nlohmann::json&)> walk = [&](const nlohmann::json& j) {
+    if (j.is_object()) {
+      for (const char* key : {"skeleton", "epilogue", "strategy"})
+        if (j.contains(key) && j[key].is_object() && j[key].contains("enum"))
+          for (const auto& v : j[key]["enum"]) in_schema[key].insert(v.get<std::string>());
+      for (const auto& [k, v] : j.items()) walk(v);
+    } else if (j.is_array()) {
+      for (const auto& v : j) walk(v);
+    }
+  };
+  walk(schema);
+  std::map<std::string, std::set<std::string>> have;
+  for (const auto* impl : exec::implementations()) {
+    const char* key = impl->kind() == rules::Impl::Kind::generated  ? "skeleton"
+                      : impl->kind() == rules::Impl::Kind::cublaslt ? "epilogue"
+                      : impl->kind() == rules::Impl::Kind::joint    ? "strategy"
+                                                                    : nullptr;
+    if (key) have[key].insert(impl->name());
+  }
+  CHECK(in_schema == have);
 }
