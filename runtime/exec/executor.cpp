@@ -172,14 +172,15 @@ void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, uint64_t rng
 }  // namespace
 
 void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
-               uint64_t rng_offset, CUstream stream, const std::function<void(int)>& after_group) {
+               uint64_t rng_offset, CUstream stream, const GroupHook& hook) {
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
+    if (hook && (i == 0 || steps[i - 1].group != s.group)) hook(s.group, true);
     if (s.kind == Step::Kind::gemm)
       run_gemm(pp, rt, s.gemm, ptr, stream);
     else
       run_kernel(*s.kernel, ptr, rng_offset, stream);
-    if (after_group && (i + 1 == steps.size() || steps[i + 1].group != s.group)) after_group(s.group);
+    if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);
   }
 }
 
@@ -238,8 +239,14 @@ void run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const P
       shadow->begin_forward(fa, ptr, p.training);
     }
   }
-  std::function<void(int)> hook;
-  if (shadow) hook = [&](int g) { shadow->forward_group(g, ptr, fa.rng_offset, fa.stream); };
+  GroupHook hook;
+  if (shadow)
+    hook = [&](int g, bool before) {
+      if (before)
+        shadow->forward_input(g, ptr, fa.stream);
+      else
+        shadow->forward_group(g, ptr, fa.rng_offset, fa.stream);
+    };
   run_steps(*pp, rt, p.forward, ptr, fa.rng_offset, fa.stream, hook);
   if (saved) {
     saved->shadow = shadow;
@@ -265,10 +272,15 @@ void run_backward(const Prepared& pp, Runtime& rt, const ParamMap& params, const
   bind_params(p, params, &grads, ptr);
   Block arena(rt.allocator, ba.stream, p.bwd_arena);
   place(p, Storage::bwd_arena, arena.get(), ptr);
-  std::function<void(int)> hook;
+  GroupHook hook;
   if (saved.shadow) {
     saved.shadow->begin_backward(ba, ptr);
-    hook = [&](int g) { saved.shadow->backward_group(g, ptr, saved.rng_offset, ba.stream); };
+    hook = [&](int g, bool before) {
+      if (before)
+        saved.shadow->backward_input(g, ptr, ba.stream);
+      else
+        saved.shadow->backward_group(g, ptr, saved.rng_offset, ba.stream);
+    };
   }
   run_steps(pp, rt, p.backward, ptr, saved.rng_offset, ba.stream, hook);
 }

@@ -92,8 +92,10 @@ void run_backward(const Prepared& pp, Runtime& rt, const ParamMap& params, const
                   const SavedContext& saved, const BackwardArgs& args);
 void release_saved(SavedContext& saved, CUstream stream);
 
-// Runs `steps` with buffer pointers `ptr`; `after_group(g)` (if given) after the last step of each group g.
+// Runs `steps` with buffer pointers `ptr`; `hook(g, true)` (if given) before the first step of each group g
+// and `hook(g, false)` after its last.
+using GroupHook = std::function<void(int group, bool before)>;
 void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
-               uint64_t rng_offset, CUstream stream, const std::function<void(int)>& after_group = {});
+               uint64_t rng_offset, CUstream stream, const GroupHook& hook = {});
 
 }  // namespace jitfuse::exec

@@ -171,19 +171,35 @@ void Shadow::compare(const char* pass, int gi, const std::string& tensor, const 
   }
 }
 
+// The unfused ops start from the fused run's value at the group's input, copied before the fused group runs.
+void Shadow::forward_input(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
+  const Program& f = *fused_->program;
+  const auto& g = f.plan.forward.at(static_cast<size_t>(gi));
+  if (g.rule.empty() || g.begin == 0) return;  // the first group reads the caller's input itself
+  copy_in(f.values[static_cast<size_t>(g.begin)], ref_->program->values[static_cast<size_t>(g.begin)], fused_ptr,
+          stream);
+}
+
+void Shadow::backward_input(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
+  const Program& f = *fused_->program;
+  const auto& g = f.plan.backward.at(static_cast<size_t>(gi));
+  if (g.rule.empty() || g.end == static_cast<int>(f.ops.size())) return;  // grad_output is the caller's
+  copy_in(f.gradients[static_cast<size_t>(g.end)], ref_->program->gradients[static_cast<size_t>(g.end)], fused_ptr,
+          stream);
+}
+
+void Shadow::copy_in(int fused_id, int ref_id, const std::vector<void*>& fused_ptr, CUstream stream) {
+  cuda::check(cuda::driver().cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(ptr_[ref_id]),
+                                               reinterpret_cast<CUdeviceptr>(fused_ptr[fused_id]),
+                                               ref_->program->buffer(ref_id).bytes, stream),
+              "cuMemcpyDtoDAsync(JITFUSE_VERIFY)");
+}
+
 void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t rng_offset, CUstream stream) {
   const Program& f = *fused_->program;
   const Program& r = *ref_->program;
   const auto& g = f.plan.forward.at(static_cast<size_t>(gi));
   if (g.rule.empty()) return;  // unfused in both: nothing to compare
-  const auto& d = cuda::driver();
-  // The unfused ops start from the fused run's value at the group's input.
-  if (g.begin > 0) {
-    const int fv = f.values[static_cast<size_t>(g.begin)], rv = r.values[static_cast<size_t>(g.begin)];
-    cuda::check(d.cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(ptr_[rv]),
-                                    reinterpret_cast<CUdeviceptr>(fused_ptr[fv]), r.buffer(rv).bytes, stream),
-                "cuMemcpyDtoDAsync(JITFUSE_VERIFY)");
-  }
   run_ops(true, g.begin, g.end, rng_offset, stream);
   bool gemm = false;
   for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
@@ -226,14 +242,6 @@ void Shadow::backward_group(int gi, const std::vector<void*>& fused_ptr, uint64_
   const Program& r = *ref_->program;
   const auto& g = f.plan.backward.at(static_cast<size_t>(gi));
   if (g.rule.empty()) return;
-  const auto& d = cuda::driver();
-  const int n = static_cast<int>(f.ops.size());
-  if (g.end < n) {
-    const int fv = f.gradients[static_cast<size_t>(g.end)], rv = r.gradients[static_cast<size_t>(g.end)];
-    cuda::check(d.cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(ptr_[rv]),
-                                    reinterpret_cast<CUdeviceptr>(fused_ptr[fv]), r.buffer(rv).bytes, stream),
-                "cuMemcpyDtoDAsync(JITFUSE_VERIFY)");
-  }
   run_ops(false, g.begin, g.end, rng_offset, stream);
   bool gemm = false;
   for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;

@@ -86,6 +86,7 @@ jf_context context_without(const char* pass, const std::vector<std::string>& onl
   for (const auto& r : builtins.rules())
     if (rules::pass_name(r.pass) == pass && (only.empty() || std::find(only.begin(), only.end(), r.name) != only.end()))
       rules.push_back({{"name", r.name}, {"pass", pass}, {"priority", 0}, {"math", "disabled for the test"},
+                       {"overrides", true},
                        {"pattern", r.impl.strategy == "regenerate_dropout_mask"   ? nlohmann::json::array({"dropout"})
                                    : r.impl.strategy == "relu_bitmask"            ? nlohmann::json::array({"linear", "bias", "relu", "linear"})
                                    : r.impl.strategy.empty()                      ? nlohmann::json::array({"identity"})
