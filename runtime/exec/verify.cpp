@@ -175,7 +175,7 @@ void Shadow::compare(const char* pass, int gi, const std::string& tensor, const 
 void Shadow::forward_input(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
   const Program& f = *fused_->program;
   const auto& g = f.plan.forward.at(static_cast<size_t>(gi));
-  if (g.rule.empty() || g.begin == 0) return;  // the first group reads the caller's input itself
+  if (g.begin == 0) return;  // the first group reads the caller's input itself
   copy_in(f.values[static_cast<size_t>(g.begin)], ref_->program->values[static_cast<size_t>(g.begin)], fused_ptr,
           stream);
 }
@@ -199,8 +199,9 @@ void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t
   const Program& f = *fused_->program;
   const Program& r = *ref_->program;
   const auto& g = f.plan.forward.at(static_cast<size_t>(gi));
-  if (g.rule.empty()) return;  // unfused in both: nothing to compare
+  // Unfused groups run too (not compared): the shadow's backward reads the saved context they write.
   run_ops(true, g.begin, g.end, rng_offset, stream);
+  if (g.rule.empty()) return;
   bool gemm = false;
   for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
   {
