@@ -2,6 +2,7 @@
 // no positions, and "rules.json:41:7: rule 'x': unknown op 'gelux'" is worth the 100 lines.
 #include "common/json_util.hpp"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -11,17 +12,36 @@
 namespace jitfuse::json_util {
 namespace {
 
+// Offsets of the first character of every line: offset -> line:col is then a binary search.
+std::vector<size_t> line_starts(const std::string& text) {
+  std::vector<size_t> starts{0};
+  for (size_t i = 0; i < text.size(); ++i)
+    if (text[i] == '\n') starts.push_back(i + 1);
+  return starts;
+}
+
+Location offset_to_location(const std::vector<size_t>& starts, size_t offset) {
+  auto it = std::upper_bound(starts.begin(), starts.end(), offset);  // first line starting after offset
+  size_t line = static_cast<size_t>(it - starts.begin());            // >= 1: starts[0] == 0
+  return {static_cast<int>(line), static_cast<int>(offset - starts[line - 1] + 1)};
+}
+
 Location offset_to_location(const std::string& text, size_t offset) {
-  Location loc{1, 1};
-  for (size_t i = 0; i < offset && i < text.size(); ++i) {
-    if (text[i] == '\n') {
-      ++loc.line;
-      loc.col = 1;
+  return offset_to_location(line_starts(text), std::min(offset, text.size()));
+}
+
+// "~1" -> "/", "~0" -> "~" (RFC 6901).
+std::string unescape_token(const std::string& t) {
+  std::string out;
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t[i] == '~' && i + 1 < t.size() && (t[i + 1] == '0' || t[i + 1] == '1')) {
+      out += t[i + 1] == '0' ? '~' : '/';
+      ++i;
     } else {
-      ++loc.col;
+      out += t[i];
     }
   }
-  return loc;
+  return out;
 }
 
 struct Walker {
@@ -89,59 +109,15 @@ struct Walker {
       ++i;
     return true;
   }
-  // Moves to the start of the child named `token` of the value at i; false if absent.
-  bool descend(const std::string& token) {
-    ws();
-    if (i >= s.size()) return false;
-    if (s[i] == '{') {
-      ++i;
-      while (true) {
-        ws();
-        if (i >= s.size() || s[i] != '"') return false;
-        std::string key = string_token();
-        ws();
-        if (i >= s.size() || s[i] != ':') return false;
-        ++i;
-        ws();
-        if (key == token) return true;
-        if (!skip_value()) return false;
-        ws();
-        if (i < s.size() && s[i] == ',') {
-          ++i;
-          continue;
-        }
-        return false;
-      }
-    }
-    if (s[i] == '[') {
-      size_t idx = 0;
-      try {
-        idx = std::stoul(token);
-      } catch (...) {
-        return false;
-      }
-      ++i;
-      for (size_t k = 0;; ++k) {
-        ws();
-        if (k == idx) return i < s.size() && s[i] != ']';
-        if (!skip_value()) return false;
-        ws();
-        if (i < s.size() && s[i] == ',') {
-          ++i;
-          continue;
-        }
-        return false;
-      }
-    }
-    return false;
-  }
 };
 
 }  // namespace
 
 nlohmann::json parse(const std::string& text, const std::string& where) {
   try {
-    return nlohmann::json::parse(text);
+    nlohmann::json j = nlohmann::json::parse(text);
+    check_duplicate_keys(text, where);
+    return j;
   } catch (const nlohmann::json::parse_error& e) {
     Location loc = offset_to_location(text, e.byte > 0 ? e.byte - 1 : 0);
     std::string what = e.what();
@@ -153,22 +129,133 @@ nlohmann::json parse(const std::string& text, const std::string& where) {
   }
 }
 
-Location locate(const std::string& text, const std::string& pointer) {
-  Walker w{text};
-  std::stringstream ss(pointer);
-  std::string token;
-  std::getline(ss, token, '/');  // leading empty token
-  while (std::getline(ss, token, '/')) {
-    if (!w.descend(token)) return {};
-  }
-  w.ws();
-  return offset_to_location(text, w.i);
+Locator::Locator(const std::string& text) : text_(text), line_starts_(line_starts(text)) {}
+
+Location Locator::at_offset(size_t offset) const {
+  return offset_to_location(line_starts_, std::min(offset, text_.size()));
 }
 
-std::string where(const std::string& file, const std::string& text, const std::string& pointer) {
-  Location loc = locate(text, pointer);
+const std::vector<Locator::Child>* Locator::children(size_t container) {
+  if (auto it = children_.find(container); it != children_.end()) return &it->second;
+  if (container >= text_.size() || (text_[container] != '{' && text_[container] != '[')) return nullptr;
+  std::vector<Child> out;
+  Walker w{text_, container + 1};
+  char close = text_[container] == '{' ? '}' : ']';
+  w.ws();
+  bool ok = true;
+  while (w.i < text_.size() && text_[w.i] != close) {
+    Child c;
+    if (close == '}') {
+      if (text_[w.i] != '"') break;
+      c.key = w.string_token();
+      w.ws();
+      if (w.i >= text_.size() || text_[w.i] != ':') break;
+      ++w.i;
+      w.ws();
+    }
+    c.offset = w.i;
+    ok = w.skip_value();
+    if (!ok) break;
+    out.push_back(std::move(c));
+    w.ws();
+    if (w.i < text_.size() && text_[w.i] == ',') {
+      ++w.i;
+      w.ws();
+    }
+  }
+  return &(children_[container] = std::move(out));
+}
+
+Location Locator::locate(const std::string& pointer) {
+  size_t at = 0;
+  while (at < text_.size() && (text_[at] == ' ' || text_[at] == '\n' || text_[at] == '\r' || text_[at] == '\t')) ++at;
+  size_t pos = 0;
+  if (!pointer.empty() && pointer[0] == '/') pos = 1;
+  while (pos <= pointer.size() && !pointer.empty()) {
+    size_t slash = pointer.find('/', pos);
+    std::string token = unescape_token(pointer.substr(pos, slash == std::string::npos ? std::string::npos : slash - pos));
+    const std::vector<Child>* kids = children(at);
+    if (!kids) return {};
+    bool found = false;
+    if (text_[at] == '{') {
+      for (const auto& c : *kids)
+        if (c.key == token) {
+          at = c.offset;
+          found = true;
+          break;
+        }
+    } else {
+      size_t idx = 0;
+      bool digits = !token.empty() && token.size() < 19 &&
+                    std::all_of(token.begin(), token.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      if (digits) idx = std::stoull(token);
+      if (digits && idx < kids->size()) {
+        at = (*kids)[idx].offset;
+        found = true;
+      }
+    }
+    if (!found) return {};
+    if (slash == std::string::npos) break;
+    pos = slash + 1;
+  }
+  return at_offset(at);
+}
+
+std::string Locator::where(const std::string& file, const std::string& pointer) {
+  Location loc = locate(pointer);
   if (loc.line == 0) return file;
   return fmt::format("{}:{}:{}", file, loc.line, loc.col);
+}
+
+Location locate(const std::string& text, const std::string& pointer) { return Locator(text).locate(pointer); }
+
+std::string where(const std::string& file, const std::string& text, const std::string& pointer) {
+  return Locator(text).where(file, pointer);
+}
+
+void check_duplicate_keys(const std::string& text, const std::string& where) {
+  // `text` is valid JSON (nlohmann parsed it), so a flat scan with a stack of open containers suffices:
+  // a string right after '{' or ',' inside an object is a key.
+  struct Frame {
+    bool object;
+    bool expect_key;
+    std::unordered_map<std::string, size_t> keys;  // key -> offset of its first occurrence
+  };
+  std::vector<Frame> stack;
+  Walker w{text};
+  while (w.i < text.size()) {
+    char c = text[w.i];
+    if (c == '{' || c == '[') {
+      stack.push_back({c == '{', c == '{', {}});
+      ++w.i;
+    } else if (c == '}' || c == ']') {
+      if (!stack.empty()) stack.pop_back();
+      ++w.i;
+    } else if (c == ',') {
+      if (!stack.empty() && stack.back().object) stack.back().expect_key = true;
+      ++w.i;
+    } else if (c == '"') {
+      size_t at = w.i;
+      std::string s = w.string_token();
+      if (!stack.empty() && stack.back().expect_key) {
+        Frame& f = stack.back();
+        f.expect_key = false;
+        auto [it, fresh] = f.keys.emplace(std::move(s), at);
+        if (!fresh) {
+          Location first = offset_to_location(text, it->second), dup = offset_to_location(text, at);
+          std::string shown;
+          for (size_t k = 0; k < it->first.size() && k < 80; ++k) {
+            unsigned char ch = static_cast<unsigned char>(it->first[k]);
+            shown += (ch >= 0x20 && ch < 0x7f) ? static_cast<char>(ch) : '?';
+          }
+          fail(Status::parse_error, "{}:{}:{}: duplicate key '{}' (first at line {}, column {}); a key may appear "
+               "once per object: remove or rename one of them", where, dup.line, dup.col, shown, first.line, first.col);
+        }
+      }
+    } else {
+      ++w.i;
+    }
+  }
 }
 
 std::string read_file(const std::string& path) {
