@@ -4,12 +4,15 @@
 #include <sstream>
 
 #include "common/error.hpp"
+#include "common/text.hpp"
 
 namespace jitfuse::ops {
 
 int64_t numel(const Shape& s) {
   int64_t n = 1;
-  for (auto d : s) n *= d;
+  for (auto d : s)
+    if (__builtin_mul_overflow(n, d, &n))  // a wrapped product would pass every later size check
+      fail(Status::invalid_argument, "shape {} has more elements than a signed 64-bit count can hold", shape_str(s));
   return n;
 }
 int64_t cols_of(const Shape& s) { return s.empty() ? 1 : s.back(); }
@@ -103,7 +106,7 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
     const auto& v = attrs.at(a.name);
     auto bad = [&](const std::string& expected) {
       fail(Status::invalid_argument, "{}: attribute '{}' of op '{}': expected {}, got {}", where, a.name,
-           kind.name, expected, v.dump());
+           kind.name, expected, text::shorten(v.dump()));
     };
     switch (a.type) {
       case AttrSpec::Type::number:
@@ -135,6 +138,7 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
       }
       case AttrSpec::Type::shape:
         if (!v.is_array() || v.empty()) bad(type_name(a.type));
+        if (v.size() > kMaxDims) bad(fmt::format("at most {} dims", kMaxDims));
         for (auto& d : v)
           if (!d.is_number_integer() || (d.get<int64_t>() <= 0 && d.get<int64_t>() != -1))
             bad("positive integers (or one -1)");

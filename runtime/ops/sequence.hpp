@@ -23,6 +23,8 @@ struct SequenceDef {
   std::string canonical;  // canonical JSON of the ops: part of plan cache keys
 };
 
+// Ops per sequence: a real model's longest sequence is a few hundred ops.
+inline constexpr size_t kMaxOps = 100000;
 SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry);
 SequenceDef parse_sequence_file(const std::string& path, const Registry& registry);
 
