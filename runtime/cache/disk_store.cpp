@@ -180,11 +180,14 @@ std::vector<std::pair<std::string, fs::path>> entry_files(const io::Layout& layo
   return out;
 }
 
+// Everything but directories: a FIFO or socket moved into quarantine must still be counted and removed.
 std::vector<fs::path> files_in(const std::string& dir) {
   std::vector<fs::path> out;
   std::error_code ec;
-  for (fs::directory_iterator f(dir, ec), end; !ec && f != end; f.increment(ec))
-    if (f->is_regular_file(ec)) out.push_back(f->path());
+  for (fs::directory_iterator f(dir, ec), end; !ec && f != end; f.increment(ec)) {
+    std::error_code tec;
+    if (!f->is_directory(tec)) out.push_back(f->path());
+  }
   return out;
 }
 

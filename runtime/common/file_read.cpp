@@ -86,12 +86,9 @@ std::string RegularFile::read_all(uint64_t max_bytes, const char* what) const {
 }
 
 std::string read_regular(const std::string& path, uint64_t max_bytes, const char* what) {
-  std::optional<RegularFile> f;
-  try {
-    f = RegularFile::open(path);
-  } catch (const Error& e) {
-    fail(Status::io_error, "cannot read {}: {}", what, e.what());
-  }
+  std::string why;
+  std::optional<RegularFile> f = RegularFile::open(path, &why);
+  if (!why.empty()) fail(Status::io_error, "cannot read {} '{}': {}", what, path, why);
   if (!f) fail(Status::io_error, "cannot read {} '{}': no such file; check the path", what, path);
   return f->read_all(max_bytes, what);
 }

@@ -99,11 +99,11 @@ TEST_CASE("C ABI: files that are not regular are refused without blocking", "[ap
   CHECK(jf_sequence_create_from_file(a.ctx, fifo.c_str(), "bf16", &s) == JF_ERR_IO);
   CHECK_THAT(last(), Catch::Contains(fifo) && Catch::Contains("is a FIFO, not a regular file"));
   CHECK(jf_sequence_create_from_file(a.ctx, "/dev/zero", "bf16", &s) == JF_ERR_IO);
-  CHECK_THAT(last(), Catch::Contains("'/dev/zero' is a character device, not a regular file"));
+  CHECK_THAT(last(), Catch::Contains("'/dev/zero': it is a character device, not a regular file"));
   int n = 0;
   CHECK(jf_context_load_rules(a.ctx, "/dev/zero", &n) == JF_OK);
   CHECK(n == 1);
-  CHECK_THAT(last(), Catch::Contains("'/dev/zero' is a character device, not a regular file"));
+  CHECK_THAT(last(), Catch::Contains("'/dev/zero': it is a character device, not a regular file"));
   CHECK(jf_context_load_rules(a.ctx, fifo.c_str(), &n) == JF_OK);
   CHECK(n == 1);
   CHECK_THAT(last(), Catch::Contains("is a FIFO, not a regular file"));

@@ -66,7 +66,7 @@ TEST_CASE("bounded reader: FIFO, device, directory, sparse giant, missing", "[co
 
   std::tie(st, msg) = error_of([&] { json_util::read_file("/dev/zero"); });
   CHECK(st == Status::io_error);
-  CHECK_THAT(msg, Catch::Contains("'/dev/zero' is a character device, not a regular file"));
+  CHECK_THAT(msg, Catch::Contains("'/dev/zero': it is a character device, not a regular file"));
 
   std::tie(st, msg) = error_of([&] { json_util::read_file(s.path); });
   CHECK_THAT(msg, Catch::Contains("is a directory, not a regular file"));
