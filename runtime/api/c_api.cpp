@@ -185,7 +185,11 @@ static jf_status make_sequence(jf_context ctx, const std::string& text, const st
     jitfuse::api::check_name(recipe, "recipe");
     need(out, "out");
     auto r = jitfuse::ops::parse_recipe(recipe);
-    auto def = jitfuse::ops::parse_sequence(text, where, ctx->impl.registry());
+    auto def = [&] {
+      // jf_context_load_rules on another thread may be adding op kinds: read the registry under its lock.
+      std::lock_guard<std::mutex> lock(ctx->impl.mutex());
+      return jitfuse::ops::parse_sequence(text, where, ctx->impl.registry());
+    }();
     jitfuse::ops::check_recipe_support(def, r);
     auto* s = new jf_sequence_s();
     s->impl = std::make_unique<jitfuse::api::Sequence>(ctx->impl, std::move(def), r);
@@ -237,6 +241,9 @@ jf_status jf_builder_add(jf_builder b, const char* op, const char* attrs_json) {
   return guarded([&] {
     need(b, "builder");
     jitfuse::api::check_name(op, "op");
+    if (b->ops.size() >= jitfuse::ops::kMaxOps)
+      fail(Status::invalid_argument, "builder '{}' already has {} ops, the most a sequence may have",
+           jitfuse::text::shorten(b->name), jitfuse::ops::kMaxOps);
     nlohmann::json o = nlohmann::json::object();
     if (attrs_json && *attrs_json) {
       o = jitfuse::json_util::parse(attrs_json, fmt::format("attributes of op {} ({})", b->ops.size(),

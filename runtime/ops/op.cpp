@@ -29,7 +29,7 @@ Shape parse_shape(const std::string& text) {
   std::string tok;
   for (size_t i = 0; i <= text.size(); ++i) {
     if (i == text.size() || text[i] == 'x' || text[i] == ',' || text[i] == 'X') {
-      if (tok.empty()) fail(Status::invalid_argument, "bad shape '{}': expected dims like 8192x4096", text);
+      if (tok.empty()) fail(Status::invalid_argument, "bad shape '{}': expected dims like 8192x4096", jitfuse::text::shorten(text));
       size_t used = 0;
       long long v = 0;
       try {
@@ -38,7 +38,8 @@ Shape parse_shape(const std::string& text) {
         used = 0;
       }
       if (used != tok.size() || v <= 0)
-        fail(Status::invalid_argument, "bad shape '{}': '{}' is not a positive integer", text, tok);
+        fail(Status::invalid_argument, "bad shape '{}': '{}' is not a positive integer", jitfuse::text::shorten(text),
+             jitfuse::text::shorten(tok));
       s.push_back(v);
       tok.clear();
     } else if (text[i] != ' ') {
@@ -91,7 +92,8 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
     if (!known) {
       std::string list;
       for (auto& a : kind.attrs) list += (list.empty() ? "" : ", ") + a.name;
-      fail(Status::invalid_argument, "{}: unknown attribute '{}' for op '{}'; known attributes: {}", where, key,
+      fail(Status::invalid_argument, "{}: unknown attribute '{}' for op '{}'; known attributes: {}", where,
+           jitfuse::text::shorten(key),
            kind.name, list.empty() ? "none" : list);
     }
   }
@@ -106,7 +108,7 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
     const auto& v = attrs.at(a.name);
     auto bad = [&](const std::string& expected) {
       fail(Status::invalid_argument, "{}: attribute '{}' of op '{}': expected {}, got {}", where, a.name,
-           kind.name, expected, text::shorten(v.dump()));
+           kind.name, expected, jitfuse::text::shorten(v.dump()));
     };
     switch (a.type) {
       case AttrSpec::Type::number:

@@ -15,7 +15,7 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   if (!j.is_object()) fail(Status::parse_error, "{}: a sequence file is a JSON object with \"ops\"", at(""));
   if (j.contains("format") && j["format"] != "jitfuse.sequence/1")
     fail(Status::parse_error, "{}: unsupported format {}: this build reads \"jitfuse.sequence/1\"", at("/format"),
-         text::shorten(j["format"].dump()));
+         jitfuse::text::shorten(j["format"].dump()));
   if (!j.contains("ops") || !j["ops"].is_array() || j["ops"].empty())
     fail(Status::parse_error, "{}: \"ops\" must be a non-empty array of ops", at(""));
   if (j["ops"].size() > kMaxOps)
@@ -25,6 +25,10 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   if (j.contains("name") && !j["name"].is_string())  // j.value() would throw nlohmann's type_error instead
     fail(Status::parse_error, "{}: \"name\" must be a string", at("/name"));
   def.name = j.value("name", "sequence");
+  // The name is quoted in every later message about this sequence: keep it a name.
+  if (def.name.size() > kMaxNameBytes)
+    fail(Status::parse_error, "{}: \"name\" '{}' is longer than {} bytes", at("/name"), jitfuse::text::shorten(def.name),
+         kMaxNameBytes);
   nlohmann::json canon = nlohmann::json::array();
   for (size_t i = 0; i < j["ops"].size(); ++i) {
     const auto& o = j["ops"][i];
@@ -38,7 +42,7 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
       std::string known;
       for (auto& n : registry.names()) known += (known.empty() ? "" : ", ") + n;
       fail(Status::invalid_argument, "{}: unknown op '{}'; known ops: {} (declare new pointwise ops in a rules file)",
-           loc, text::shorten(kind), known);
+           loc, jitfuse::text::shorten(kind), known);
     }
     OpDef d;
     d.index = static_cast<int>(i);

@@ -55,11 +55,11 @@ void register_structural(Registry& r) {
       }
       if (infer_at >= 0) {
         if (known == 0 || numel(op.in) % known != 0)
-          shape_error(op, fmt::format("cannot reshape {} elements to {}", numel(op.in), text::shorten(op.attrs["shape"].dump())));
+          shape_error(op, fmt::format("cannot reshape {} elements to {}", numel(op.in), jitfuse::text::shorten(op.attrs["shape"].dump())));
         s[infer_at] = numel(op.in) / known;
       }
       if (numel(s) != numel(op.in))
-        shape_error(op, fmt::format("reshape to {} has {} elements, the input has {}", text::shorten(op.attrs["shape"].dump()),
+        shape_error(op, fmt::format("reshape to {} has {} elements, the input has {}", jitfuse::text::shorten(op.attrs["shape"].dump()),
                                     numel(s), numel(op.in)));
       op.out = s;
       op.saved.clear();
