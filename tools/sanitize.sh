@@ -35,9 +35,9 @@ if [[ $what == asan || $what == all ]]; then
 fi
 if [[ $what == tsan || $what == all ]]; then
   configure build-tsan "-O1 -g -fsanitize=thread -fno-omit-frame-pointer"
-  nice -n "$NICE" cmake --build build-tsan --parallel "$JOBS" --target jf_unit_tests
+  nice -n "$NICE" cmake --build build-tsan --parallel "$JOBS" --target jf_threads_tests
   echo "== TSan: many-threads C ABI test"
-  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 nice -n "$NICE" build-tsan/tests/jf_unit_tests "[threads]" \
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 nice -n "$NICE" build-tsan/tests/jf_threads_tests \
     || status=1
 fi
 exit $status

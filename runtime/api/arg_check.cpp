@@ -72,9 +72,14 @@ void check_dltensor(const DLTensor* t, const std::string& name) {
       if (t->strides[i] < 0)
         fail(Status::invalid_argument, "tensor '{}': stride {} is {}; negative strides are not supported", name, i,
              t->strides[i]);
-  if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCUDAManaged)
+  // Read as the int a C host stored: a value outside the enum's range is the host's to pass, and loading
+  // it as a DLDeviceType would be undefined behaviour (found by fuzz_args).
+  int device_type = 0;
+  static_assert(sizeof device_type == sizeof t->device.device_type);
+  std::memcpy(&device_type, &t->device.device_type, sizeof device_type);
+  if (device_type != kDLCUDA && device_type != kDLCUDAManaged)
     fail(Status::invalid_argument, "tensor '{}' must be in CUDA device memory (DLPack device type {}), got type {}",
-         name, static_cast<int>(kDLCUDA), static_cast<int>(t->device.device_type));
+         name, static_cast<int>(kDLCUDA), device_type);
   if (t->device.device_id < 0)
     fail(Status::invalid_argument, "tensor '{}': device id {} is negative", name, t->device.device_id);
   if (!t->data) fail(Status::invalid_argument, "tensor '{}': data is NULL", name);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,10 @@ void fuzz_tensor(FuzzedDataProvider& p) {
                                                                                                     : nullptr;
   t.strides = t.shape && p.ConsumeBool() ? strides.data() : nullptr;
   t.dtype = {p.ConsumeIntegral<uint8_t>(), p.ConsumeIntegral<uint8_t>(), p.ConsumeIntegral<uint16_t>()};
-  t.device = {static_cast<DLDeviceType>(p.ConsumeIntegralInRange<int>(0, 16)), p.ConsumeIntegral<int32_t>()};
+  // Any int a C host could store, outside the enum's range included (copied, not converted).
+  int device_type = p.ConsumeBool() ? p.ConsumeIntegralInRange<int>(0, 20) : p.ConsumeIntegral<int>();
+  std::memcpy(&t.device.device_type, &device_type, sizeof device_type);
+  t.device.device_id = p.ConsumeIntegral<int32_t>();
   static char storage[16];
   t.data = p.ConsumeBool() ? storage : nullptr;
   t.byte_offset = p.ConsumeIntegral<uint64_t>();
