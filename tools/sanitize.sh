@@ -35,7 +35,13 @@ if [[ $what == asan || $what == all ]]; then
 fi
 if [[ $what == tsan || $what == all ]]; then
   configure build-tsan "-O1 -g -fsanitize=thread -fno-omit-frame-pointer"
-  nice -n "$NICE" cmake --build build-tsan --parallel "$JOBS" --target jf_threads_tests
+  nice -n "$NICE" cmake --build build-tsan --parallel "$JOBS" --target jf_threads_tests jitfuse
+  echo "== Debug libjitfuse.so: no NEEDED libcuda (the driver is dlopen'ed)"
+  if readelf -d build-tsan/runtime/libjitfuse.so | grep NEEDED | grep -q libcuda; then
+    echo "FAIL: build-tsan/runtime/libjitfuse.so needs libcuda"; status=1
+  else
+    echo "ok"
+  fi
   echo "== TSan: many-threads C ABI test"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 nice -n "$NICE" build-tsan/tests/jf_threads_tests \
     || status=1
