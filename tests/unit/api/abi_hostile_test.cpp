@@ -101,12 +101,14 @@ TEST_CASE("C ABI: files that are not regular are refused without blocking", "[ap
   CHECK(jf_sequence_create_from_file(a.ctx, "/dev/zero", "bf16", &s) == JF_ERR_IO);
   CHECK_THAT(last(), Catch::Contains("'/dev/zero': it is a character device, not a regular file"));
   int n = 0;
+  // Rule paths: the rules loader may refuse them before reading (issue15-rules) or the reader does; either
+  // way one load error naming the path and saying it is not a regular file.
   CHECK(jf_context_load_rules(a.ctx, "/dev/zero", &n) == JF_OK);
   CHECK(n == 1);
-  CHECK_THAT(last(), Catch::Contains("'/dev/zero': it is a character device, not a regular file"));
+  CHECK_THAT(last(), Catch::Contains("'/dev/zero'") && Catch::Contains("not a regular file"));
   CHECK(jf_context_load_rules(a.ctx, fifo.c_str(), &n) == JF_OK);
   CHECK(n == 1);
-  CHECK_THAT(last(), Catch::Contains("is a FIFO, not a regular file"));
+  CHECK_THAT(last(), Catch::Contains(fifo) && Catch::Contains("not a regular file"));
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
   std::filesystem::remove_all(dir);
 }
