@@ -146,7 +146,9 @@ TEST_CASE("sequences: deep values, too many ops, huge values are refused; locati
   for (int i = 0; i < 20; ++i) many_dims += ",1";
   many_dims += "]}]}";
   std::tie(st, msg) = error_of([&] { ops::parse_sequence(many_dims, "s.json", reg); });
-  CHECK_THAT(msg, Catch::Contains("s.json:1:10: op 0 (reshape)") && Catch::Contains("at most 16 dims"));
+  CHECK(st == Status::invalid_argument);
+  CHECK_THAT(msg, Catch::StartsWith("s.json:1:") && Catch::Contains("op 0 (reshape)") &&
+                      Catch::Contains("attribute 'shape'") && Catch::Contains("at most 16 dims"));
   std::string long_kind = "{\"ops\": [{\"op\": \"" + std::string(1 << 20, 'g') + "\"}]}";
   std::tie(st, msg) = error_of([&] { ops::parse_sequence(long_kind, "s.json", reg); });
   CHECK(st == Status::invalid_argument);
