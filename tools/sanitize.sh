@@ -2,7 +2,7 @@
 # Sanitizer builds and runs (issue 15): ASan+UBSan of the unit and nvrtc tiers, TSan of the many-threads
 # C ABI test, each in its own build directory. CPU only. Results are recorded in docs/sanitizers.md.
 #
-#   tools/sanitize.sh [asan|tsan|all]      (default all; JOBS=2 and NICE=10 by default)
+#   tools/sanitize.sh [asan|tsan|all]      (default all; JOBS=2, NICE=10, ASAN_OPT=-O1 by default)
 #
 # Debug builds on purpose: they also check that a Debug libjitfuse.so links without the driver stub
 # (tests/unit/api/no_driver_link_test.cpp runs in the ASan unit tier).
@@ -22,7 +22,7 @@ configure() {  # dir flags
 
 status=0
 if [[ $what == asan || $what == all ]]; then
-  flags="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+  flags="${ASAN_OPT:--O1} -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
   configure build-asan "$flags"
   nice -n "$NICE" cmake --build build-asan --parallel "$JOBS" --target jf_unit_tests jf_nvrtc_tests jitfuse_cli
   # detect_leaks=0: the NVRTC/cuBLASLt libraries keep process-lifetime allocations LSan cannot see freed.
