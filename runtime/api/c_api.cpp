@@ -4,10 +4,12 @@
 
 #include <cstring>
 
+#include "api/arg_check.hpp"
 #include "api/handles.hpp"
 #include "common/error.hpp"
 #include "common/json_util.hpp"
 #include "common/log.hpp"
+#include "common/text.hpp"
 #include "fuser/explain.hpp"
 
 static_assert(JF_ERR_INTERNAL == static_cast<int>(jitfuse::Status::internal), "jf_status mirrors Status");
@@ -25,23 +27,34 @@ using jitfuse::fail;
 
 thread_local std::string g_last_error;
 
+// Messages can quote paths and values from the host: jf_last_error always returns valid UTF-8 of
+// bounded size. Setting it never throws (a failure to allocate leaves a fixed message).
+void set_error(std::string_view msg) noexcept {
+  try {
+    g_last_error = jitfuse::text::sanitize_message(msg);
+  } catch (...) {
+    g_last_error.clear();
+  }
+}
+
+// Every entry point's body runs in here: no exception crosses the C ABI, whatever the input.
 template <typename F>
-jf_status guarded(F&& f) {
+jf_status guarded(F&& f) noexcept {
   try {
     g_last_error.clear();
     f();
     return JF_OK;
   } catch (const Error& e) {
-    g_last_error = e.what();
+    set_error(e.what());
     return static_cast<jf_status>(e.status());
   } catch (const std::bad_alloc&) {
-    g_last_error = "out of host memory";
+    set_error("out of host memory");
     return JF_ERR_OUT_OF_MEMORY;
   } catch (const std::exception& e) {
-    g_last_error = std::string("internal error: ") + e.what();
+    set_error(std::string("internal error: ") + e.what());
     return JF_ERR_INTERNAL;
   } catch (...) {
-    g_last_error = "internal error: unknown exception";
+    set_error("internal error: unknown exception");
     return JF_ERR_INTERNAL;
   }
 }
@@ -50,36 +63,14 @@ void need(const void* p, const char* what) {
   if (!p) fail(Status::invalid_argument, "{} is NULL", what);
 }
 
-std::string dl_dtype_name(DLDataType t) {
-  const char* base = t.code == kDLFloat    ? "float"
-                     : t.code == kDLBfloat ? "bfloat"
-                     : t.code == kDLInt    ? "int"
-                     : t.code == kDLUInt   ? "uint"
-                     : t.code == 10        ? "float8_e4m3fn"
-                                           : "other";
-  return fmt::format("{}{}", base, t.bits);
-}
-
-bool dtype_matches(DLDataType t, jitfuse::ops::DType d) {
-  if (t.lanes != 1) return false;
-  switch (d) {
-    case jitfuse::ops::DType::f32: return t.code == kDLFloat && t.bits == 32;
-    case jitfuse::ops::DType::f16: return t.code == kDLFloat && t.bits == 16;
-    case jitfuse::ops::DType::bf16: return t.code == kDLBfloat && t.bits == 16;
-    // E4M3 bytes: DLPack 1.0's kDLFloat8_e4m3fn (code 10), or 8-bit unsigned storage for older DLPack.
-    case jitfuse::ops::DType::e4m3: return (t.code == 10 || t.code == kDLUInt) && t.bits == 8;
-    default: return false;
-  }
-}
+using jitfuse::api::dl_dtype_name;
+using jitfuse::api::dtype_matches;
 
 jitfuse::ops::Shape shape_of(const DLTensor* t) { return jitfuse::ops::Shape(t->shape, t->shape + t->ndim); }
 
 // Checks device, dtype, contiguity and (if given) shape; returns the data pointer.
 void* check_tensor(const DLTensor* t, const char* name, jitfuse::ops::DType dtype, const jitfuse::ops::Shape* want) {
-  if (!t) fail(Status::invalid_argument, "tensor '{}' is NULL", name);
-  if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCUDAManaged)
-    fail(Status::invalid_argument, "tensor '{}' must be in CUDA device memory (DLPack device type {}), got type {}",
-         name, static_cast<int>(kDLCUDA), static_cast<int>(t->device.device_type));
+  jitfuse::api::check_dltensor(t, name);  // the struct: dims, sizes, device, data
   if (!dtype_matches(t->dtype, dtype))
     fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name,
          jitfuse::ops::dtype_name(dtype), dl_dtype_name(t->dtype));
@@ -156,7 +147,7 @@ jf_status jf_context_load_rules(jf_context ctx, const char* path, int* n_errors)
     for (auto& e : errors) all += e.to_string() + "\n";
   });
   // Broken rules are reported through jf_last_error although the call succeeds: the good ones loaded.
-  if (st == JF_OK) g_last_error = all;
+  if (st == JF_OK) set_error(all);
   return st;
 }
 
@@ -178,10 +169,14 @@ static jf_status make_sequence(jf_context ctx, const std::string& text, const st
                                jf_sequence* out) {
   return guarded([&] {
     need(ctx, "ctx");
-    need(recipe, "recipe");
+    jitfuse::api::check_name(recipe, "recipe");
     need(out, "out");
     auto r = jitfuse::ops::parse_recipe(recipe);
-    auto def = jitfuse::ops::parse_sequence(text, where, ctx->impl.registry());
+    auto def = [&] {
+      // jf_context_load_rules on another thread may be adding op kinds: read the registry under its lock.
+      std::lock_guard<std::mutex> lock(ctx->impl.mutex());
+      return jitfuse::ops::parse_sequence(text, where, ctx->impl.registry());
+    }();
     jitfuse::ops::check_recipe_support(def, r);
     auto* s = new jf_sequence_s();
     s->impl = std::make_unique<jitfuse::api::Sequence>(ctx->impl, std::move(def), r);
@@ -190,11 +185,17 @@ static jf_status make_sequence(jf_context ctx, const std::string& text, const st
 }
 
 jf_status jf_sequence_create(jf_context ctx, const char* json, const char* recipe, jf_sequence* out) {
-  if (!json) {
-    g_last_error = "json is NULL";
-    return JF_ERR_INVALID_ARGUMENT;
-  }
-  return make_sequence(ctx, json, "<sequence>", recipe, out);
+  std::string text;
+  jf_status st = guarded([&] {
+    need(json, "json");
+    size_t n = ::strnlen(json, jitfuse::json_util::kMaxTextBytes + 1);
+    if (n > jitfuse::json_util::kMaxTextBytes)
+      fail(Status::parse_error, "<sequence>: the JSON text is more than the limit of {} bytes",
+           jitfuse::json_util::kMaxTextBytes);
+    text.assign(json, n);
+  });
+  if (st != JF_OK) return st;
+  return make_sequence(ctx, text, "<sequence>", recipe, out);
 }
 
 jf_status jf_sequence_create_from_file(jf_context ctx, const char* path, const char* recipe, jf_sequence* out) {
@@ -216,6 +217,7 @@ int jf_sequence_num_ops(jf_sequence seq) { return seq ? static_cast<int>(seq->im
 jf_status jf_builder_create(const char* name, jf_builder* out) {
   return guarded([&] {
     need(out, "out");
+    if (name) jitfuse::api::check_name(name, "builder name");
     auto* b = new jf_builder_s();
     b->name = name ? name : "sequence";
     *out = b;
@@ -225,11 +227,17 @@ jf_status jf_builder_create(const char* name, jf_builder* out) {
 jf_status jf_builder_add(jf_builder b, const char* op, const char* attrs_json) {
   return guarded([&] {
     need(b, "builder");
-    need(op, "op");
+    jitfuse::api::check_name(op, "op");
+    if (b->ops.size() >= jitfuse::ops::kMaxOps)
+      fail(Status::invalid_argument, "builder '{}' already has {} ops, the most a sequence may have",
+           jitfuse::text::shorten(b->name), jitfuse::ops::kMaxOps);
     nlohmann::json o = nlohmann::json::object();
     if (attrs_json && *attrs_json) {
-      o = jitfuse::json_util::parse(attrs_json, fmt::format("attributes of op {} ({})", b->ops.size(), op));
-      if (!o.is_object()) fail(Status::parse_error, "attributes of op {} ({}) must be a JSON object", b->ops.size(), op);
+      o = jitfuse::json_util::parse(attrs_json, fmt::format("attributes of op {} ({})", b->ops.size(),
+                                                            jitfuse::text::shorten(op)));
+      if (!o.is_object())
+        fail(Status::parse_error, "attributes of op {} ({}) must be a JSON object", b->ops.size(),
+             jitfuse::text::shorten(op));
     }
     o["op"] = op;
     b->ops.push_back(o);
@@ -237,12 +245,16 @@ jf_status jf_builder_add(jf_builder b, const char* op, const char* attrs_json) {
 }
 
 jf_status jf_builder_finish(jf_builder b, jf_context ctx, const char* recipe, jf_sequence* out) {
-  if (!b) {
-    g_last_error = "builder is NULL";
-    return JF_ERR_INVALID_ARGUMENT;
-  }
-  nlohmann::json j = {{"format", "jitfuse.sequence/1"}, {"name", b->name}, {"ops", b->ops}};
-  return make_sequence(ctx, j.dump(2), "<builder " + b->name + ">", recipe, out);
+  std::string text, where;
+  jf_status st = guarded([&] {
+    need(b, "builder");
+    nlohmann::json j = {{"format", "jitfuse.sequence/1"}, {"name", b->name}, {"ops", b->ops}};
+    // Names were checked when added; `replace` keeps a dump from ever throwing (type_error 316) regardless.
+    text = j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+    where = "<builder " + jitfuse::text::shorten(b->name) + ">";
+  });
+  if (st != JF_OK) return st;
+  return make_sequence(ctx, text, where, recipe, out);
 }
 
 jf_status jf_builder_destroy(jf_builder b) {
@@ -252,7 +264,7 @@ jf_status jf_builder_destroy(jf_builder b) {
 static jf_status bind(jf_sequence seq, int op_index, const char* name, const DLTensor* t, bool grad) {
   return guarded([&] {
     need(seq, "seq");
-    need(name, "name");
+    jitfuse::api::check_name(name, "name");
     auto& s = *seq->impl;
     if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()))
       fail(Status::invalid_argument, "op index {} out of range: the sequence has {} ops", op_index, s.def.ops.size());
@@ -265,7 +277,7 @@ static jf_status bind(jf_sequence seq, int op_index, const char* name, const DLT
                  (d.kind == "layernorm" && std::strcmp(name, "bias") == 0);
     if (!known)
       fail(Status::invalid_argument, "op {} ({}) has no parameter '{}' (linear: weight; bias: bias; layernorm: weight, "
-           "bias; rmsnorm: weight)", op_index, d.kind, name);
+           "bias; rmsnorm: weight)", op_index, d.kind, jitfuse::text::shorten(name));
     if (grad) {
       s.grads[{op_index, name}] = p;
       s.grad_shapes[{op_index, name}] = shape_of(t);
@@ -304,7 +316,8 @@ jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* con
                      const jf_forward_options* options, jf_saved* saved, jf_stream stream) {
   return guarded([&] {
     need(seq, "seq");
-    need(input, "input");
+    jitfuse::api::check_forward_args(seq->impl->def, seq->impl->recipe.dtype, seq->impl->output_dtype(), input,
+                                     extra_inputs, n_extra_inputs, output, extra_outputs, n_extra_outputs);
     auto& s = *seq->impl;
     const bool train = options ? options->save_for_backward != 0 : saved != nullptr;
     if (train) need(saved, "saved (save_for_backward is set)");
@@ -353,6 +366,8 @@ jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* grad_outp
     auto& s = *seq->impl;
     if (saved->seq != seq) fail(Status::invalid_argument, "this saved context belongs to another sequence");
     if (saved->impl.released) fail(Status::invalid_argument, "this saved context was already released");
+    jitfuse::api::check_backward_args(s.def, s.recipe.dtype, grad_output, grad_extra_outputs, n_grad_extra_outputs, grad_input,
+                                      grad_extra_inputs, n_grad_extra_inputs);
     const auto& cp = *saved->impl.prepared->program;
     if (n_grad_extra_outputs != s.def.extra_outputs || n_grad_extra_inputs != s.def.extra_inputs)
       fail(Status::invalid_argument, "sequence '{}' needs {} grad extra output(s) and {} grad extra input(s), got {} and {}",
@@ -388,10 +403,10 @@ jf_status jf_sequence_explain(jf_sequence seq, const int64_t* shape, int ndim, i
                               const char** json_out) {
   return guarded([&] {
     need(seq, "seq");
-    need(shape, "shape");
+    auto in_shape = jitfuse::api::checked_shape(shape, ndim, "shape");
     need(json_out, "json_out");
     auto& s = *seq->impl;
-    auto ops = jitfuse::ops::infer(s.def, jitfuse::ops::Shape(shape, shape + ndim));
+    auto ops = jitfuse::ops::infer(s.def, in_shape);
     auto plan = s.plan_only(ops, training != 0, arch);
     nlohmann::json j = jitfuse::fuser::plan_json(plan, ops);
     jitfuse::exec::DeviceModel dev;

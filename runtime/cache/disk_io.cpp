@@ -16,6 +16,7 @@
 
 #include "cache/disk_store.hpp"
 #include "common/error.hpp"
+#include "common/file_read.hpp"
 
 namespace jitfuse::cache::io {
 
@@ -117,33 +118,25 @@ int64_t mtime_ns(const struct stat& st) {
 
 }  // namespace
 
-std::optional<std::string> read_file(const std::string& path, bool owner_check, std::string* refused) {
-  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (f.fd < 0) {
-    if (errno == ENOENT) return std::nullopt;
-    fail(Status::io_error, "cannot open {}: {}", path, errno_text(errno));
-  }
-  struct stat st {};
-  if (::fstat(f.fd, &st) != 0) fail(Status::io_error, "cannot stat {}: {}", path, errno_text(errno));
-  if (owner_check && (st.st_uid != ::geteuid() || (st.st_mode & 022))) {
-    if (refused)
-      *refused = fmt::format("owned by uid {} with mode {:04o}; only files this user alone can write are loaded",
-                             st.st_uid, st.st_mode & 07777);
+std::optional<std::string> read_file(const std::string& path, bool owner_check, std::string* refused,
+                                     uint64_t max_bytes, std::string (*precheck)(const files::RegularFile&)) {
+  std::string why;
+  auto refuse = [&](std::string reason) -> std::optional<std::string> {
+    if (!refused) fail(Status::io_error, "{}: {}", path, reason);
+    *refused = std::move(reason);
     return std::nullopt;
-  }
-  std::string bytes;
-  bytes.resize(static_cast<size_t>(st.st_size));
-  size_t off = 0;
-  for (;;) {
-    if (off == bytes.size()) bytes.resize(bytes.size() + 4096);  // the file may have grown since fstat
-    ssize_t n = ::read(f.fd, bytes.data() + off, bytes.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(Status::io_error, "cannot read {}: {}", path, errno_text(errno));
-    if (n == 0) break;
-    off += static_cast<size_t>(n);
-  }
-  bytes.resize(off);
-  return bytes;
+  };
+  std::optional<files::RegularFile> f = files::RegularFile::open(path, &why);
+  if (!f) return why.empty() ? std::nullopt : refuse(why);
+  const struct stat& st = f->stat();
+  if (owner_check && (st.st_uid != ::geteuid() || (st.st_mode & 022)))
+    return refuse(fmt::format("owned by uid {} with mode {:04o}; only files this user alone can write are loaded",
+                              st.st_uid, st.st_mode & 07777));
+  if (f->size() > max_bytes)
+    return refuse(fmt::format("{} bytes, more than the {} bytes a cache file may have", f->size(), max_bytes));
+  if (precheck)
+    if (std::string problem = precheck(*f); !problem.empty()) return refuse(problem);
+  return f->read_all(max_bytes, "cache file");
 }
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
@@ -178,8 +171,8 @@ void probe_writable(const std::string& dir) {
 static constexpr off_t kMaxUseBytes = 1 << 20;
 
 void record_hit(const std::string& use_path) {
-  Fd f(::open(use_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600));
-  if (f.fd < 0) return;
+  Fd f(::open(use_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0600));
+  if (f.fd < 0) return;  // O_NONBLOCK: a FIFO planted here fails (ENXIO) instead of hanging the hit
   struct stat st {};
   if (::fstat(f.fd, &st) == 0 && st.st_size >= kMaxUseBytes) {
     ::futimens(f.fd, nullptr);  // still mark it used for LRU

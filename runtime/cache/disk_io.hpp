@@ -7,6 +7,10 @@
 #include <optional>
 #include <string>
 
+namespace jitfuse::files {
+class RegularFile;
+}
+
 namespace jitfuse::cache::io {
 
 // <root>/v1/<key[0:2]>/<key>.jfk   entry (self-contained, see disk_store.cpp)
@@ -45,10 +49,18 @@ std::string unsafe_reason(const std::string& dir);
 // Creates and removes a temp file in `dir`; throws Error(io_error) when the directory cannot be written.
 void probe_writable(const std::string& dir);
 
-// Whole file, or nullopt when it does not exist. Throws Error(io_error) on any other failure.
-// When `owner_check`, a file not owned by us or writable by others is refused (reported in *refused).
+// Largest entry file jitfuse reads; a real one (source + cubin) is well under a few MiB.
+inline constexpr uint64_t kMaxEntryBytes = 256ull << 20;
+
+// Whole file, or nullopt when it does not exist. Opened without blocking and read only when it is a
+// regular file of at most max_bytes. A file that is not regular, too large or (with `owner_check`) not
+// owned by us alone is refused: with `refused` the reason lands there and nullopt is returned, without
+// it Error(io_error) is thrown. Throws Error(io_error) on any other failure.
+// `precheck`, when given, looks at the open file before its body is read (e.g. that the lengths in a
+// header add up to the file size) and returns a non-empty reason to refuse it.
 std::optional<std::string> read_file(const std::string& path, bool owner_check = false,
-                                     std::string* refused = nullptr);
+                                     std::string* refused = nullptr, uint64_t max_bytes = kMaxEntryBytes,
+                                     std::string (*precheck)(const files::RegularFile&) = nullptr);
 
 // Publishes `bytes` at `path`: write a temp file in the same directory, fsync, rename over.
 // Readers see the old file or the new one, never half of one. Throws Error(io_error).

@@ -15,6 +15,7 @@
 #include "cache/disk_io.hpp"
 #include "cache/sha256.hpp"
 #include "common/error.hpp"
+#include "common/file_read.hpp"
 
 namespace jitfuse::cache {
 
@@ -94,28 +95,57 @@ void parse_head(Reader& r, Entry& e) {
   if (!e.meta.is_object()) damaged(r.where, "metadata is not a JSON object");
 }
 
-// Reads just enough of an entry file for parse_head: the fixed header, then the metadata.
-std::string read_head_bytes(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(Status::io_error, "cannot open {}: {}", path, io::errno_text(errno));
-  std::string b;
-  auto read_upto = [&](size_t n) {
-    size_t old = b.size();
-    b.resize(n);
-    ssize_t got = ::pread(fd, b.data() + old, n - old, static_cast<off_t>(old));
-    b.resize(old + (got > 0 ? size_t(got) : 0));
-  };
-  read_upto(4096);
-  // magic(8) + version(4) + key length(8) + key(64) + meta length(8)
-  constexpr size_t kMetaLenAt = 8 + 4 + 8 + 64;
-  if (b.size() >= kMetaLenAt + 8) {
-    uint64_t meta_len = 0;
-    for (int i = 0; i < 8; ++i) meta_len |= uint64_t(uint8_t(b[kMetaLenAt + i])) << (8 * i);
-    off_t size = ::lseek(fd, 0, SEEK_END);
-    uint64_t want = kMetaLenAt + 8 + meta_len;
-    if (size > 0 && want <= uint64_t(size) && want > b.size()) read_upto(want);
+// magic(8) + version(4) + key length(8) + key(64) + meta length(8)
+constexpr size_t kMetaLenAt = 8 + 4 + 8 + 64;
+// Metadata is a few hundred bytes; a header claiming more is damage, not something to allocate.
+constexpr uint64_t kMaxMetaBytes = 1 << 20;
+
+uint64_t le64(const std::string& b, size_t at) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t(uint8_t(b[at + i])) << (8 * i);
+  return v;
+}
+
+// The entry's layout from its header alone (a few preads): empty when magic, version and the field
+// lengths fit the file size exactly, else what is wrong. Nothing is read past the length fields.
+std::string check_layout(const files::RegularFile& f) {
+  const uint64_t size = f.size();
+  std::string head = f.pread(0, 12);
+  if (head.size() < 12 || std::memcmp(head.data(), kMagic, sizeof kMagic) != 0)
+    return "not a jitfuse kernel cache entry (bad magic)";
+  uint32_t version = 0;
+  for (int i = 0; i < 4; ++i) version |= uint32_t(uint8_t(head[8 + i])) << (8 * i);
+  if (version != kFormatVersion)
+    return fmt::format("entry format version {}, this build reads version {}", version, kFormatVersion);
+  uint64_t pos = 12;
+  for (const char* name : {"key", "meta", "source", "cubin"}) {
+    std::string len = f.pread(pos, 8);
+    if (len.size() < 8) return fmt::format("truncated at byte {} while reading the {} length", pos, name);
+    uint64_t n = le64(len, 0);
+    pos += 8;
+    if (n > size - pos)
+      return fmt::format("truncated or corrupt: the {} field claims {} bytes but only {} remain", name, n, size - pos);
+    pos += n;
   }
-  ::close(fd);
+  if (size - pos != kChecksumBytes)
+    return fmt::format("the header's field lengths leave {} bytes for the {}-byte checksum", size - pos,
+                       kChecksumBytes);
+  return {};
+}
+
+// Reads just enough of an entry file for parse_head: the fixed header, then the metadata. Never blocks
+// (regular files only) and never reads more than kMaxMetaBytes of metadata.
+std::string read_head_bytes(const std::string& path) {
+  std::string why;
+  std::optional<files::RegularFile> f = files::RegularFile::open(path, &why);
+  if (!f) damaged(path, why.empty() ? "removed while being read" : why);
+  std::string b = f->pread(0, 4096);
+  if (b.size() >= kMetaLenAt + 8) {
+    uint64_t meta_len = le64(b, kMetaLenAt);
+    if (meta_len > kMaxMetaBytes) damaged(path, fmt::format("the meta field claims {} bytes", meta_len));
+    uint64_t want = kMetaLenAt + 8 + meta_len;
+    if (want <= f->size() && want > b.size()) b += f->pread(b.size(), static_cast<size_t>(want - b.size()));
+  }
   return b;
 }
 
@@ -150,11 +180,14 @@ std::vector<std::pair<std::string, fs::path>> entry_files(const io::Layout& layo
   return out;
 }
 
+// Everything but directories: a FIFO or socket moved into quarantine must still be counted and removed.
 std::vector<fs::path> files_in(const std::string& dir) {
   std::vector<fs::path> out;
   std::error_code ec;
-  for (fs::directory_iterator f(dir, ec), end; !ec && f != end; f.increment(ec))
-    if (f->is_regular_file(ec)) out.push_back(f->path());
+  for (fs::directory_iterator f(dir, ec), end; !ec && f != end; f.increment(ec)) {
+    std::error_code tec;
+    if (!f->is_directory(tec)) out.push_back(f->path());
+  }
   return out;
 }
 
@@ -206,6 +239,16 @@ Entry parse_entry(const std::string& bytes, const std::string& where) {
   return e;
 }
 
+std::optional<std::string> read_entry_file(const std::string& path, bool owner_check, std::string* refused) {
+  std::string why;
+  auto bytes = io::read_file(path, owner_check, &why, io::kMaxEntryBytes, check_layout);
+  if (!why.empty()) {
+    if (!refused) damaged(path, why);
+    *refused = std::move(why);
+  }
+  return bytes;
+}
+
 std::string entry_path(const std::string& dir, const std::string& key) { return io::Layout{dir}.entry_path(key); }
 
 std::string dir_problem(const std::string& dir) { return io::unsafe_reason(dir); }
@@ -224,7 +267,7 @@ std::vector<EntryInfo> scan_entries(const std::string& dir, bool verify) {
     try {
       Entry e;
       if (verify) {
-        auto bytes = io::read_file(info.path);
+        auto bytes = read_entry_file(info.path);
         if (!bytes) continue;  // removed while we listed
         e = parse_entry(*bytes, info.path);
       } else {
@@ -265,7 +308,7 @@ std::optional<Entry> read_entry(const std::string& dir, const std::string& key_o
          matches.size(), some.substr(1), matches.size() > 5 ? " ..." : "");
   }
   auto& [key, path] = matches.front();
-  auto bytes = io::read_file(path.string());
+  auto bytes = read_entry_file(path.string());
   if (!bytes) return std::nullopt;
   Entry e = parse_entry(*bytes, path.string());
   io::Usage use = io::read_usage(layout.use_path(key), mtime_ns(path));

@@ -27,6 +27,12 @@ struct EntryInfo {
 std::string serialize_entry(const Entry& e);
 Entry parse_entry(const std::string& bytes, const std::string& where);
 
+// An entry file's bytes, or nullopt when it does not exist. Before the body is read: regular file only
+// (never blocks on a FIFO), at most io::kMaxEntryBytes, magic, version and the four field lengths adding
+// up to the file size. Refusals go to *refused (nullopt returned) or, without it, throw Error(io_error).
+std::optional<std::string> read_entry_file(const std::string& path, bool owner_check = false,
+                                           std::string* refused = nullptr);
+
 std::vector<EntryInfo> list_entries(const std::string& dir);  // never throws on a damaged entry
 // nullopt when nothing matches; Error(invalid_argument) for an ambiguous prefix, Error(io_error) when damaged.
 std::optional<Entry> read_entry(const std::string& dir, const std::string& key_or_prefix);

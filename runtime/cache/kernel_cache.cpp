@@ -115,7 +115,7 @@ struct KernelCache::Impl {
     std::optional<std::string> bytes;
     std::string refused;
     try {
-      bytes = io::read_file(path, /*owner_check=*/true, &refused);
+      bytes = read_entry_file(path, /*owner_check=*/true, &refused);
     } catch (const std::exception& e) {
       disable_disk(e.what());
       return nullptr;

@@ -3,11 +3,12 @@
 #include "common/json_util.hpp"
 
 #include <algorithm>
-#include <fstream>
 #include <sstream>
 #include <vector>
 
 #include "common/error.hpp"
+#include "common/file_read.hpp"
+#include "common/text.hpp"
 
 namespace jitfuse::json_util {
 namespace {
@@ -113,7 +114,32 @@ struct Walker {
 
 }  // namespace
 
+void check_limits(const std::string& text, const std::string& where) {
+  if (text.size() > kMaxTextBytes)
+    fail(Status::parse_error, "{}: the JSON text is {} bytes, more than the limit of {} bytes", where, text.size(),
+         kMaxTextBytes);
+  // A flat scan (no recursion, strings skipped) so that a 1M-deep value is refused before any recursive
+  // code (nlohmann's parser, the location walker, destructors) sees it.
+  size_t depth = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    char c = text[i];
+    if (c == '"') {
+      for (++i; i < text.size() && text[i] != '"'; ++i)
+        if (text[i] == '\\') ++i;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxDepth) {
+        Location loc = offset_to_location(text, i);
+        fail(Status::parse_error, "{}:{}:{}: JSON nested more than {} levels deep; jitfuse files need a handful",
+             where, loc.line, loc.col, kMaxDepth);
+      }
+    } else if ((c == '}' || c == ']') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
 nlohmann::json parse(const std::string& text, const std::string& where) {
+  check_limits(text, where);
   try {
     nlohmann::json j = nlohmann::json::parse(text);
     check_duplicate_keys(text, where);
@@ -123,9 +149,10 @@ nlohmann::json parse(const std::string& text, const std::string& where) {
     std::string what = e.what();
     auto pos = what.find("parse error");
     if (pos != std::string::npos) what = what.substr(pos);
-    fail(Status::parse_error, "{}:{}:{}: invalid JSON: {}", where, loc.line, loc.col, what);
+    // nlohmann quotes the token it last read, which can be a whole (long, non-UTF-8) string.
+    fail(Status::parse_error, "{}:{}:{}: invalid JSON: {}", where, loc.line, loc.col, text::shorten(what, 240));
   } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range 406 "number overflow parsing '1e999'"
-    fail(Status::parse_error, "{}: invalid JSON: {}", where, e.what());
+    fail(Status::parse_error, "{}: invalid JSON: {}", where, text::shorten(e.what(), 240));
   }
 }
 
@@ -259,11 +286,7 @@ void check_duplicate_keys(const std::string& text, const std::string& where) {
 }
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(Status::io_error, "cannot read '{}': check that the file exists and is readable", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return files::read_regular(path, std::min<uint64_t>(files::kMaxJsonFileBytes, kMaxTextBytes), "JSON file");
 }
 
 }  // namespace jitfuse::json_util

@@ -10,6 +10,12 @@
 
 namespace jitfuse::json_util {
 
+// Limits on any JSON text jitfuse parses (rules, sequences, builder attributes): deeper or larger input
+// is refused with file:line:col before it is parsed. Counts (ops per sequence, rules per file) are
+// checked by the readers of each format.
+inline constexpr size_t kMaxDepth = 64;
+inline constexpr size_t kMaxTextBytes = 64u << 20;
+
 struct Location {
   int line = 0, col = 0;  // 1-based; 0 when unknown
 };
@@ -17,6 +23,10 @@ struct Location {
 // Parses `text`; a syntax error throws Error(parse_error) "<where>:line:col: <what>", and so does a key
 // that appears twice in one object (JSON allows it, but the last one silently winning hides mistakes).
 nlohmann::json parse(const std::string& text, const std::string& where);
+
+// Throws Error(parse_error) when `text` is larger than kMaxTextBytes or nests deeper than kMaxDepth
+// (linear, no recursion). parse() calls it first.
+void check_limits(const std::string& text, const std::string& where);
 
 // Locates many pointers in one text in time linear in the text overall: line starts are indexed once
 // (offset -> line:col is a binary search) and each container's children are scanned at most once, so
@@ -51,6 +61,7 @@ std::string where(const std::string& file, const std::string& text, const std::s
 // in one object of `text` (which must be valid JSON). Linear time, no recursion.
 void check_duplicate_keys(const std::string& text, const std::string& where);
 
-std::string read_file(const std::string& path);  // throws Error(io_error) naming the path
+// A regular file of at most kMaxTextBytes (files::read_regular); throws Error(io_error) naming the path.
+std::string read_file(const std::string& path);
 
 }  // namespace jitfuse::json_util

@@ -6,12 +6,15 @@
 #include <sstream>
 
 #include "common/error.hpp"
+#include "common/text.hpp"
 
 namespace jitfuse::ops {
 
 int64_t numel(const Shape& s) {
   int64_t n = 1;
-  for (auto d : s) n *= d;
+  for (auto d : s)
+    if (__builtin_mul_overflow(n, d, &n))  // a wrapped product would pass every later size check
+      fail(Status::invalid_argument, "shape {} has more elements than a signed 64-bit count can hold", shape_str(s));
   return n;
 }
 int64_t cols_of(const Shape& s) { return s.empty() ? 1 : s.back(); }
@@ -28,7 +31,7 @@ Shape parse_shape(const std::string& text) {
   std::string tok;
   for (size_t i = 0; i <= text.size(); ++i) {
     if (i == text.size() || text[i] == 'x' || text[i] == ',' || text[i] == 'X') {
-      if (tok.empty()) fail(Status::invalid_argument, "bad shape '{}': expected dims like 8192x4096", text);
+      if (tok.empty()) fail(Status::invalid_argument, "bad shape '{}': expected dims like 8192x4096", jitfuse::text::shorten(text));
       size_t used = 0;
       long long v = 0;
       try {
@@ -37,7 +40,8 @@ Shape parse_shape(const std::string& text) {
         used = 0;
       }
       if (used != tok.size() || v <= 0)
-        fail(Status::invalid_argument, "bad shape '{}': '{}' is not a positive integer", text, tok);
+        fail(Status::invalid_argument, "bad shape '{}': '{}' is not a positive integer", jitfuse::text::shorten(text),
+             jitfuse::text::shorten(tok));
       s.push_back(v);
       tok.clear();
     } else if (text[i] != ' ') {
@@ -99,7 +103,8 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
     if (!known) {
       std::string list;
       for (auto& a : kind.attrs) list += (list.empty() ? "" : ", ") + a.name;
-      fail(Status::invalid_argument, "{}: unknown attribute '{}' for op '{}'; known attributes: {}", where, key,
+      fail(Status::invalid_argument, "{}: unknown attribute '{}' for op '{}'; known attributes: {}", where,
+           jitfuse::text::shorten(key),
            kind.name, list.empty() ? "none" : list);
     }
   }
@@ -113,10 +118,9 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
     }
     const auto& v = attrs.at(a.name);
     auto bad = [&](const std::string& expected) {
-      std::string got = v.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace);
-      if (got.size() > 80) got = got.substr(0, 80) + "...";
       fail(Status::invalid_argument, "{}: attribute '{}' of op '{}': expected {}, got {}",
-           where_attr ? where_attr(a.name) : where, a.name, kind.name, expected, got);
+           where_attr ? where_attr(a.name) : where, a.name, kind.name, expected,
+           jitfuse::text::shorten(v.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace)));
     };
     switch (a.type) {
       case AttrSpec::Type::number:
@@ -151,6 +155,7 @@ nlohmann::json validate_attrs(const OpKind& kind, const nlohmann::json& attrs, c
       }
       case AttrSpec::Type::shape:
         if (!v.is_array() || v.empty()) bad(type_name(a.type));
+        if (v.size() > kMaxDims) bad(fmt::format("at most {} dims", kMaxDims));
         for (auto& d : v)
           if (!d.is_number_integer() || (d.get<int64_t>() <= 0 && d.get<int64_t>() != -1))
             bad("positive integers (or one -1)");

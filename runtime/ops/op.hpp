@@ -15,6 +15,9 @@
 namespace jitfuse::ops {
 
 using Shape = std::vector<int64_t>;
+// Tensors and reshape targets have at most this many dims (DLPack allows any int32; nobody needs more).
+inline constexpr size_t kMaxDims = 16;
+// Throws Error(invalid_argument) when the product overflows int64 instead of wrapping.
 int64_t numel(const Shape& s);
 int64_t rows_of(const Shape& s);  // product of all dims but the last
 int64_t cols_of(const Shape& s);  // the last dim

@@ -2,6 +2,7 @@
 #include "ops/recipe.hpp"
 
 #include "common/error.hpp"
+#include "common/text.hpp"
 
 namespace jitfuse::ops {
 
@@ -22,7 +23,7 @@ Recipe parse_recipe(const std::string& name) {
     r.margin = 0;
   } else {
     fail(Status::invalid_argument, "unknown recipe '{}': expected one of fp32, fp16, bf16, fp8_delayed, fp8_current",
-         name);
+         jitfuse::text::shorten(name));
   }
   return r;
 }

@@ -3,6 +3,7 @@
 
 #include "common/error.hpp"
 #include "common/json_util.hpp"
+#include "common/text.hpp"
 
 namespace jitfuse::ops {
 
@@ -13,13 +14,20 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   if (!j.is_object()) fail(Status::parse_error, "{}: a sequence file is a JSON object with \"ops\"", at(""));
   if (j.contains("format") && j["format"] != "jitfuse.sequence/1")
     fail(Status::parse_error, "{}: unsupported format {}: this build reads \"jitfuse.sequence/1\"", at("/format"),
-         j["format"].dump());
+         jitfuse::text::shorten(j["format"].dump()));
   if (!j.contains("ops") || !j["ops"].is_array() || j["ops"].empty())
     fail(Status::parse_error, "{}: \"ops\" must be a non-empty array of ops", at(""));
+  if (j["ops"].size() > kMaxOps)
+    fail(Status::parse_error, "{}: the sequence has {} ops, more than the limit of {}: split it", at("/ops"),
+         j["ops"].size(), kMaxOps);
   SequenceDef def;
   if (j.contains("name") && !j["name"].is_string())  // j.value() would throw nlohmann's type_error instead
     fail(Status::parse_error, "{}: \"name\" must be a string", at("/name"));
   def.name = j.value("name", "sequence");
+  // The name is quoted in every later message about this sequence: keep it a name.
+  if (def.name.size() > kMaxNameBytes)
+    fail(Status::parse_error, "{}: \"name\" '{}' is longer than {} bytes", at("/name"), jitfuse::text::shorten(def.name),
+         kMaxNameBytes);
   nlohmann::json canon = nlohmann::json::array();
   for (size_t i = 0; i < j["ops"].size(); ++i) {
     const auto& o = j["ops"][i];
@@ -33,7 +41,7 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
       std::string known;
       for (auto& n : registry.names()) known += (known.empty() ? "" : ", ") + n;
       fail(Status::invalid_argument, "{}: unknown op '{}'; known ops: {} (declare new pointwise ops in a rules file)",
-           loc, kind, known);
+           loc, jitfuse::text::shorten(kind), known);
     }
     OpDef d;
     d.index = static_cast<int>(i);
@@ -60,8 +68,14 @@ SequenceDef parse_sequence_file(const std::string& path, const Registry& registr
 }
 
 std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
-  if (input.empty() || numel(input) <= 0)
-    fail(Status::invalid_argument, "sequence '{}': the input shape must have at least one positive dim", def.name);
+  if (input.empty() || input.size() > kMaxDims)
+    fail(Status::invalid_argument, "sequence '{}': the input shape has {} dims; it needs 1 to {}", def.name,
+         input.size(), kMaxDims);
+  for (size_t i = 0; i < input.size(); ++i)
+    if (input[i] <= 0)
+      fail(Status::invalid_argument, "sequence '{}': dim {} of the input shape {} is {}; every dim must be positive",
+           def.name, i, shape_str(input), input[i]);
+  numel(input);  // throws when the element count overflows
   std::vector<Op> ops;
   Shape cur = input;
   int extra_in = 0, extra_out = 0;

@@ -23,6 +23,9 @@ struct SequenceDef {
   std::string canonical;  // canonical JSON of the ops: part of plan cache keys
 };
 
+// Ops per sequence: a real model's longest sequence is a few hundred ops.
+inline constexpr size_t kMaxOps = 100000;
+inline constexpr size_t kMaxNameBytes = 256;  // the sequence's "name"
 SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry);
 SequenceDef parse_sequence_file(const std::string& path, const Registry& registry);
 

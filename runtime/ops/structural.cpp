@@ -3,6 +3,7 @@
 #include "ops/op.hpp"
 
 #include "common/error.hpp"
+#include "common/text.hpp"
 
 namespace jitfuse::ops {
 
@@ -48,17 +49,17 @@ void register_structural(Registry& r) {
           if (infer_at >= 0) shape_error(op, "reshape allows at most one -1");
           infer_at = static_cast<int>(s.size());
         } else {
-          known *= v;
+          if (__builtin_mul_overflow(known, v, &known)) shape_error(op, "reshape target has too many elements");
         }
         s.push_back(v);
       }
       if (infer_at >= 0) {
         if (known == 0 || numel(op.in) % known != 0)
-          shape_error(op, fmt::format("cannot reshape {} elements to {}", numel(op.in), op.attrs["shape"].dump()));
+          shape_error(op, fmt::format("cannot reshape {} elements to {}", numel(op.in), jitfuse::text::shorten(op.attrs["shape"].dump())));
         s[infer_at] = numel(op.in) / known;
       }
       if (numel(s) != numel(op.in))
-        shape_error(op, fmt::format("reshape to {} has {} elements, the input has {}", op.attrs["shape"].dump(),
+        shape_error(op, fmt::format("reshape to {} has {} elements, the input has {}", jitfuse::text::shorten(op.attrs["shape"].dump()),
                                     numel(s), numel(op.in)));
       op.out = s;
       op.saved.clear();

@@ -101,7 +101,7 @@ void cmd_ls(const CacheArgs& a) {
   if (a.json) {
     json out = json::array();
     for (const auto& e : entries) out.push_back(info_json(e));
-    fmt::print("{}\n", out.dump(2));
+    fmt::print("{}\n", out.dump(2, ' ', false, json::error_handler_t::replace));
     return;
   }
   if (entries.empty()) {
@@ -185,7 +185,7 @@ void cmd_show(const CacheArgs& a, const ShowArgs& s) {
               {"source_bytes", e->source.size()},
               {"cubin_bytes", e->cubin.size()}};
     if (s.source) j["source"] = e->source;
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", j.dump(2, ' ', false, json::error_handler_t::replace));
     return;
   }
   if (s.source) {
@@ -216,7 +216,7 @@ void cmd_stats(const CacheArgs& a) {
     json j = {{"dir", dir},       {"entries", entries.size()}, {"bytes", bytes},
               {"hits", hits},     {"quarantined", quarantined}, {"damaged", damaged}};
     if (!problem.empty()) j["unsafe"] = problem;
-    fmt::print("{}\n", j.dump(2));
+    fmt::print("{}\n", j.dump(2, ' ', false, json::error_handler_t::replace));
     return;
   }
   fmt::print("directory    {}\nentries      {}\nbytes        {} ({})\nhits         {}\nquarantined  {}\n", dir,
@@ -234,7 +234,7 @@ void cmd_verify(const CacheArgs& a) {
   if (a.json) {
     json d = json::array();
     for (auto* e : bad) d.push_back({{"key", e->key}, {"path", e->path}, {"problem", e->problem}});
-    fmt::print("{}\n", json{{"dir", dir}, {"checked", entries.size()}, {"damaged", d}}.dump(2));
+    fmt::print("{}\n", json{{"dir", dir}, {"checked", entries.size()}, {"damaged", d}}.dump(2, ' ', false, json::error_handler_t::replace));
   } else {
     for (auto* e : bad) fmt::print("DAMAGED  {}  {}\n", e->key.substr(0, 12), e->problem);
     fmt::print("checked {} entries in {}: {} damaged\n", entries.size(), dir, bad.size());
@@ -250,7 +250,7 @@ void cmd_prune(const CacheArgs& a, const std::string& max_text) {
   uint64_t bytes = 0;
   for (const auto& e : left) bytes += e.bytes;
   if (a.json) {
-    fmt::print("{}\n", json{{"removed_bytes", removed}, {"entries", left.size()}, {"bytes", bytes}}.dump(2));
+    fmt::print("{}\n", json{{"removed_bytes", removed}, {"entries", left.size()}, {"bytes", bytes}}.dump(2, ' ', false, json::error_handler_t::replace));
     return;
   }
   fmt::print("removed {}; {} {} ({}) remain in {}\n", human_bytes(removed), left.size(),
@@ -261,7 +261,7 @@ void cmd_clear(const CacheArgs& a) {
   const std::string dir = resolve_dir(a);
   uint64_t removed = cache::clear(dir);
   if (a.json)
-    fmt::print("{}\n", json{{"removed", removed}}.dump(2));
+    fmt::print("{}\n", json{{"removed", removed}}.dump(2, ' ', false, json::error_handler_t::replace));
   else
     fmt::print("removed {} entries from {}\n", removed, dir);
 }

@@ -1,0 +1,150 @@
+// Argument checks for the C ABI (see arg_check.hpp). Every message names the argument and says what
+// was expected; no check dereferences tensor data.
+#include "api/arg_check.hpp"
+
+#include <cstring>
+
+#include <fmt/ranges.h>
+
+#include "common/error.hpp"
+#include "common/text.hpp"
+
+namespace jitfuse::api {
+
+void check_name(const char* s, const char* what) {
+  if (!s) fail(Status::invalid_argument, "{} is NULL", what);
+  size_t n = ::strnlen(s, kMaxNameBytes + 1);
+  std::string_view v(s, n);
+  if (n > kMaxNameBytes)
+    fail(Status::invalid_argument, "{} '{}' is longer than {} bytes", what, text::shorten(v), kMaxNameBytes);
+  if (!text::valid_utf8(v))
+    fail(Status::invalid_argument, "{} '{}' is not valid UTF-8 (names must be UTF-8 text)", what, text::shorten(v));
+}
+
+std::string dl_dtype_name(DLDataType t) {
+  const char* base = t.code == kDLFloat    ? "float"
+                     : t.code == kDLBfloat ? "bfloat"
+                     : t.code == kDLInt    ? "int"
+                     : t.code == kDLUInt   ? "uint"
+                     : t.code == 10        ? "float8_e4m3fn"
+                                           : "other";
+  std::string s = fmt::format("{}{}", base, t.bits);
+  if (t.lanes != 1) s += fmt::format("x{}", t.lanes);
+  return s;
+}
+
+bool dtype_matches(DLDataType t, ops::DType d) {
+  if (t.lanes != 1) return false;
+  switch (d) {
+    case ops::DType::f32: return t.code == kDLFloat && t.bits == 32;
+    case ops::DType::f16: return t.code == kDLFloat && t.bits == 16;
+    case ops::DType::bf16: return t.code == kDLBfloat && t.bits == 16;
+    case ops::DType::e4m3: return (t.code == 10 || t.code == kDLUInt) && t.bits == 8;
+    default: return false;
+  }
+}
+
+void check_dltensor(const DLTensor* t, const std::string& name) {
+  if (!t) fail(Status::invalid_argument, "tensor '{}' is NULL", name);
+  if (t->ndim < 1 || t->ndim > static_cast<int>(ops::kMaxDims))
+    fail(Status::invalid_argument, "tensor '{}' has ndim {}; jitfuse takes 1 to {} dims", name, t->ndim,
+         ops::kMaxDims);
+  if (!t->shape) fail(Status::invalid_argument, "tensor '{}' has ndim {} but its shape pointer is NULL", name, t->ndim);
+  ops::Shape shape(t->shape, t->shape + t->ndim);
+  for (int i = 0; i < t->ndim; ++i)
+    if (shape[i] <= 0)
+      fail(Status::invalid_argument, "tensor '{}': dim {} of shape ({}) is {}; every dim must be positive", name, i,
+           fmt::join(shape, ","), shape[i]);
+  int64_t n = 1;
+  for (auto d : shape)
+    if (__builtin_mul_overflow(n, d, &n))
+      fail(Status::invalid_argument, "tensor '{}': shape ({}) has more elements than int64 can count", name,
+           fmt::join(shape, ","));
+  if (t->dtype.lanes != 1 || (t->dtype.bits != 8 && t->dtype.bits != 16 && t->dtype.bits != 32 && t->dtype.bits != 64))
+    fail(Status::invalid_argument, "tensor '{}': dtype {} (code {}, {} bits, {} lanes) is not a scalar type jitfuse "
+         "reads", name, dl_dtype_name(t->dtype), t->dtype.code, t->dtype.bits, t->dtype.lanes);
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, int64_t(t->dtype.bits / 8), &bytes))
+    fail(Status::invalid_argument, "tensor '{}': shape ({}) of {} is more bytes than int64 can count", name,
+         fmt::join(shape, ","), dl_dtype_name(t->dtype));
+  if (t->strides)
+    for (int i = 0; i < t->ndim; ++i)
+      if (t->strides[i] < 0)
+        fail(Status::invalid_argument, "tensor '{}': stride {} is {}; negative strides are not supported", name, i,
+             t->strides[i]);
+  // Read as the int a C host stored: a value outside the enum's range is the host's to pass, and loading
+  // it as a DLDeviceType would be undefined behaviour (found by fuzz_args).
+  int device_type = 0;
+  static_assert(sizeof device_type == sizeof t->device.device_type);
+  std::memcpy(&device_type, &t->device.device_type, sizeof device_type);
+  if (device_type != kDLCUDA && device_type != kDLCUDAManaged)
+    fail(Status::invalid_argument, "tensor '{}' must be in CUDA device memory (DLPack device type {}), got type {}",
+         name, static_cast<int>(kDLCUDA), device_type);
+  if (t->device.device_id < 0)
+    fail(Status::invalid_argument, "tensor '{}': device id {} is negative", name, t->device.device_id);
+  if (!t->data) fail(Status::invalid_argument, "tensor '{}': data is NULL", name);
+  if (t->byte_offset > uint64_t(INT64_MAX) - uint64_t(bytes))
+    fail(Status::invalid_argument, "tensor '{}': byte_offset {} is out of range", name, t->byte_offset);
+}
+
+void check_dltensor_array(const DLTensor* const* arr, int n, int expected, const char* what) {
+  if (n != expected) fail(Status::invalid_argument, "expected {} {}(s), got {}", expected, what, n);
+  if (n > 0 && !arr) fail(Status::invalid_argument, "the {} array is NULL but {} {}(s) were announced", what, n, what);
+  for (int i = 0; i < n; ++i) check_dltensor(arr[i], fmt::format("{} {}", what, i));
+}
+
+ops::Shape checked_shape(const int64_t* shape, int ndim, const char* what) {
+  if (ndim < 1 || ndim > static_cast<int>(ops::kMaxDims))
+    fail(Status::invalid_argument, "{}: ndim is {}; give 1 to {} dims", what, ndim, ops::kMaxDims);
+  if (!shape) fail(Status::invalid_argument, "{} is NULL", what);
+  ops::Shape s(shape, shape + ndim);
+  for (int i = 0; i < ndim; ++i)
+    if (s[i] <= 0)
+      fail(Status::invalid_argument, "{}: dim {} of ({}) is {}; every dim must be positive", what, i,
+           fmt::join(s, ","), s[i]);
+  ops::numel(s);  // throws when the count overflows
+  return s;
+}
+
+namespace {
+
+void check_dtype(const DLTensor* t, const std::string& name, ops::DType want) {
+  if (!dtype_matches(t->dtype, want))
+    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name,
+         ops::dtype_name(want), dl_dtype_name(t->dtype));
+}
+
+}  // namespace
+
+void check_forward_args(const ops::SequenceDef& s, ops::DType dtype, ops::DType out_dtype, const DLTensor* input, const DLTensor* const* extra_inputs,
+                        int n_extra_inputs, const DLTensor* output, const DLTensor* const* extra_outputs,
+                        int n_extra_outputs) {
+  check_dltensor(input, "input");
+  check_dtype(input, "input", dtype);
+  check_dltensor(output, "output");
+  check_dtype(output, "output", out_dtype);
+  if (n_extra_inputs != s.extra_inputs)
+    fail(Status::invalid_argument, "sequence '{}' takes {} extra input(s) (add_extra_input ops), got {}", s.name,
+         s.extra_inputs, n_extra_inputs);
+  if (n_extra_outputs != s.extra_outputs)
+    fail(Status::invalid_argument, "sequence '{}' makes {} extra output(s) (make_extra_output ops), got {}",
+         s.name, s.extra_outputs, n_extra_outputs);
+  check_dltensor_array(extra_inputs, n_extra_inputs, s.extra_inputs, "extra input");
+  check_dltensor_array(extra_outputs, n_extra_outputs, s.extra_outputs, "extra output");
+}
+
+void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTensor* grad_output, const DLTensor* const* grad_extra_outputs,
+                         int n_grad_extra_outputs, const DLTensor* grad_input, const DLTensor* const* grad_extra_inputs,
+                         int n_grad_extra_inputs) {
+  check_dltensor(grad_output, "grad_output");
+  check_dtype(grad_output, "grad_output", dtype);
+  check_dltensor(grad_input, "grad_input");
+  check_dtype(grad_input, "grad_input", dtype);
+  if (n_grad_extra_outputs != s.extra_outputs || n_grad_extra_inputs != s.extra_inputs)
+    fail(Status::invalid_argument, "sequence '{}' needs {} grad extra output(s) and {} grad extra input(s), got {} and {}",
+         s.name, s.extra_outputs, s.extra_inputs, n_grad_extra_outputs, n_grad_extra_inputs);
+  check_dltensor_array(grad_extra_outputs, n_grad_extra_outputs, s.extra_outputs, "grad extra output");
+  check_dltensor_array(grad_extra_inputs, n_grad_extra_inputs, s.extra_inputs, "grad extra input");
+}
+
+}  // namespace jitfuse::api

@@ -1,0 +1,44 @@
+// Checks of what a host hands the C ABI (DLTensor structs, shape arrays, C strings), run before any
+// planning or device work so that a bad argument is reported as such, naming it, even without a GPU.
+#pragma once
+#include <dlpack/dlpack.h>
+
+#include <string>
+
+#include "ops/op.hpp"
+#include "ops/sequence.hpp"
+
+namespace jitfuse::api {
+
+// Longest C string argument (names, recipes, op kinds) we accept; a JSON text has its own limit.
+inline constexpr size_t kMaxNameBytes = 4096;
+
+// Non-NULL, at most kMaxNameBytes, valid UTF-8. Throws Error(invalid_argument) naming `what`.
+void check_name(const char* s, const char* what);
+
+// The DLTensor struct itself: not NULL, 1..kMaxDims dims, shape not NULL, dims positive, element and
+// byte counts within int64, strides (if given) not negative, one lane of 8/16/32/64 bits, CUDA device
+// memory, data not NULL. Throws Error(invalid_argument) naming `name`. Reads nothing through `data`.
+void check_dltensor(const DLTensor* t, const std::string& name);
+
+// `n` tensors in `arr` (`what` 0 .. n-1); arr may be NULL only when n == 0.
+void check_dltensor_array(const DLTensor* const* arr, int n, int expected, const char* what);
+
+// A host's shape array (jf_sequence_explain): ndim in 1..kMaxDims, dims positive, count within int64.
+ops::Shape checked_shape(const int64_t* shape, int ndim, const char* what);
+
+// Everything of a jf_forward / jf_backward call that can be checked without planning: the tensor
+// structs, their counts against the sequence's extra inputs/outputs, and their dtypes against the recipe
+// (`dtype`: the recipe's; `out_dtype`: the output's, E4M3 after a final quantize under FP8).
+void check_forward_args(const ops::SequenceDef& s, ops::DType dtype, ops::DType out_dtype, const DLTensor* input, const DLTensor* const* extra_inputs,
+                        int n_extra_inputs, const DLTensor* output, const DLTensor* const* extra_outputs,
+                        int n_extra_outputs);
+void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTensor* grad_output, const DLTensor* const* grad_extra_outputs,
+                         int n_grad_extra_outputs, const DLTensor* grad_input, const DLTensor* const* grad_extra_inputs,
+                         int n_grad_extra_inputs);
+
+// Whether a DLPack dtype is the bytes of `d` (E4M3: DLPack 1.0's code 10, or uint8 storage).
+bool dtype_matches(DLDataType t, ops::DType d);
+std::string dl_dtype_name(DLDataType t);
+
+}  // namespace jitfuse::api
