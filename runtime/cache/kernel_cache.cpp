@@ -315,8 +315,22 @@ std::vector<std::shared_ptr<const Entry>> KernelCache::get_or_compile_all(
   size_t failed = std::count_if(errors.begin(), errors.end(), [](auto& e) { return bool(e); });
   for (size_t i = 0; i < n; ++i) {
     if (!errors[i]) continue;
-    if (failed > 1) log().error("kernel cache: {} of {} kernels failed; reporting the first (#{})", failed, n, i);
-    std::rethrow_exception(errors[i]);
+    if (failed == 1) std::rethrow_exception(errors[i]);
+    // Several failed: every one is logged, and the first is thrown saying how many there were.
+    for (size_t j = i + 1; j < n; ++j) {
+      if (!errors[j]) continue;
+      try {
+        std::rethrow_exception(errors[j]);
+      } catch (const std::exception& e) {
+        log().error("kernel cache: kernel #{} of {} failed too: {}", j, n, e.what());
+      }
+    }
+    try {
+      std::rethrow_exception(errors[i]);
+    } catch (const Error& e) {
+      throw Error(e.status(), fmt::format("{}\n(kernel #{}; {} of {} kernels failed, the others are logged)", e.what(),
+                                          i, failed, n));
+    }
   }
   if (origins) *origins = std::move(got);
   return results;

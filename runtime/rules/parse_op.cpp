@@ -1,16 +1,14 @@
 // Parsing user-declared pointwise ops (the "ops" array of a rules file): name, math, a template file beside
 // the rules file that defines the device functor, number attributes (float constants) and what it saves.
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 
 #include <fmt/format.h>
 
+#include "common/error.hpp"
+#include "common/file_read.hpp"
 #include "rules/parse.hpp"
 
 namespace jitfuse::rules::detail {
@@ -76,34 +74,21 @@ std::string read_template(const std::string& dir, const std::string& tpl, const 
     invalid(p, fmt::format("template {} resolves to {}, outside the rules directory {} (a symlink that leaves the "
                            "directory?); templates must lie inside the directory of the rules file that declares them",
                            show(tpl), show(real.string()), show(root.string())));
-  int fd = ::open(real.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0)
-    invalid(p, fmt::format("cannot open template {}: {}; check its permissions", show(real.string()),
-                           std::strerror(errno)));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
-    invalid(p, fmt::format("template {} is not a regular file (a directory, device, FIFO or socket); give a .cuh "
-                           "text file", show(real.string())));
-  if (st.st_size > static_cast<off_t>(kMaxTemplateBytes))
-    invalid(p, fmt::format("template {} is {} bytes, more than the limit of {} bytes (256 KiB)", show(real.string()),
-                           st.st_size, kMaxTemplateBytes));
+  // One bounded reader for every untrusted file (common/file_read.hpp): non-blocking open, fstat, cap.
   std::string text;
-  char buf[16384];
-  while (text.size() <= kMaxTemplateBytes) {  // the file may grow after fstat: read at most one buffer past the cap
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0)
-      invalid(p, fmt::format("cannot read template {}: {}", show(real.string()), std::strerror(errno)));
-    if (n == 0) break;
-    text.append(buf, static_cast<size_t>(n));
+  try {
+    std::string not_regular;
+    auto f = files::RegularFile::open(real.string(), &not_regular);
+    if (!f)
+      invalid(p, fmt::format("template {} is not a regular file ({}); give a .cuh text file", show(real.string()),
+                             not_regular.empty() ? "it vanished while loading" : not_regular));
+    if (f->size() > kMaxTemplateBytes)
+      invalid(p, fmt::format("template {} is {} bytes, more than the limit of {} bytes (256 KiB)",
+                             show(real.string()), f->size(), kMaxTemplateBytes));
+    text = f->read_all(kMaxTemplateBytes, "template");
+  } catch (const jitfuse::Error& e) {
+    invalid(p, e.what());
   }
-  if (text.size() > kMaxTemplateBytes)
-    invalid(p, fmt::format("template {} is larger than the limit of {} bytes (256 KiB)", show(real.string()),
-                           kMaxTemplateBytes));
   if (text.find('\0') != std::string::npos)
     invalid(p, fmt::format("template {} is not a text file (it contains NUL bytes)", show(real.string())));
   real_path = real.string();

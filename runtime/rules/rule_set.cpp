@@ -7,6 +7,7 @@
 
 #include "common/embedded.hpp"
 #include "common/error.hpp"
+#include "common/file_read.hpp"
 #include "common/json_util.hpp"
 #include "common/log.hpp"
 #include "rules/parse.hpp"
@@ -100,17 +101,9 @@ std::vector<LoadError> RuleSet::load_path(const std::string& path) {
   auto load_file = [&](const fs::path& file) {
     std::string text;
     try {
-      // Only a regular file of bounded size is read: "/dev/zero" or a FIFO must not hang or exhaust the host.
-      std::error_code sec;
-      auto st = fs::status(file, sec);
-      if (sec || !fs::is_regular_file(st))
-        fail(Status::io_error, "'{}' is not a regular file; a rule path names a rules file or a directory of *.json "
-             "files", file.string());
-      auto size = fs::file_size(file, sec);
-      if (!sec && size > kMaxFileBytes)
-        fail(Status::io_error, "'{}' is {} bytes, more than the limit of {} bytes (16 MiB) for a rules file; split it",
-             file.string(), size, kMaxFileBytes);
-      text = json_util::read_file(file.string());
+      // Only a regular file of bounded size is read, through the one bounded reader (non-blocking open,
+      // fstat, cap): "/dev/zero" or a FIFO must not hang or exhaust the host.
+      text = files::read_regular(file.string(), kMaxFileBytes, "rules file");
     } catch (const Error& e) {
       LoadError le{file.string(), "", e.what()};
       log().warn("{}", le.to_string());

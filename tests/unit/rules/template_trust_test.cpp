@@ -111,8 +111,8 @@ TEST_CASE("rule paths: a FIFO or device given as a rules file is refused, not re
   RuleSet rs;
   auto errs = rs.load_path(dir.path() + "/rules.json");
   REQUIRE(errs.size() == 1);
-  CHECK_THAT(errs[0].message, Catch::Contains("is not a regular file"));
+  CHECK_THAT(errs[0].message, Catch::Contains("rules.json': it is a FIFO, not a regular file"));
   errs = rs.load_path("/dev/zero");
   REQUIRE(errs.size() == 1);
-  CHECK_THAT(errs[0].message, Catch::Contains("is not a regular file"));
+  CHECK_THAT(errs[0].message, Catch::Contains("'/dev/zero': it is a character device, not a regular file"));
 }
