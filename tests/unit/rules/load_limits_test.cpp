@@ -29,7 +29,10 @@ double seconds_to_load(const std::string& text, RuleSet& rs, std::vector<jitfuse
 }
 
 #ifdef NDEBUG
-constexpr double kBudget = 1.0;  // the documented bound (Release)
+// The documented bound is 1 s on an idle machine (measured with `jitfuse rules validate`, docs/rules.md).
+// A timed unit test shares the CI machine with the other tiers (ctest -j), so it asserts only what
+// separates linear from the old quadratic behaviour (8k rules 23 s, 52k rules > 300 s): 4 s.
+constexpr double kBudget = 4.0;
 #else
 constexpr double kBudget = 10.0;  // unoptimised builds: still far from the old quadratic minutes
 #endif
