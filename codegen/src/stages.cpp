@@ -29,8 +29,10 @@ std::string mask_index(const ChunkCtx& c) {
 
 void dropout_bits(Writer& w, Args& args, const Stage& s, const ChunkCtx& c) {
   args.scalar(Arg::Role::seed, s.op, "seed", fmt::format("seed{}", s.op), "jf_u64");
-  args.scalar(Arg::Role::offset, s.op, "offset", fmt::format("offset{}", s.op), "jf_u64");
-  w.line("const jf_u32 bits = jf_dropout_bits8({}, n, seed{}, offset{}, {}u);", c.base, s.op, s.op,
+  // The call's Philox state {seed, offset} is read from device memory when the kernel runs, so a
+  // replayed CUDA graph draws from whatever the host wrote there; the op's seed is mixed into the key.
+  args.ptr(Arg::Role::rng, -1, "rng", "rng", "jf_u64", false);
+  w.line("const jf_u32 bits = jf_dropout_bits8({}, n, seed{} ^ rng[0], rng[1], {}u);", c.base, s.op,
          keep_threshold(s.dropout_p));
 }
 

@@ -2,6 +2,8 @@
 // was expected; no check dereferences tensor data.
 #include "api/arg_check.hpp"
 
+#include <algorithm>
+
 #include <cstring>
 
 #include <fmt/ranges.h>
@@ -41,6 +43,36 @@ bool dtype_matches(DLDataType t, ops::DType d) {
     case ops::DType::bf16: return t.code == kDLBfloat && t.bits == 16;
     case ops::DType::e4m3: return (t.code == 10 || t.code == kDLUInt) && t.bits == 8;
     default: return false;
+  }
+}
+
+Span span_of(const DLTensor* t, std::string name, bool written) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  const auto begin = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+  return {std::move(name), begin, begin + static_cast<uintptr_t>(n) * ((t->dtype.bits * t->dtype.lanes + 7u) / 8u),
+          written};
+}
+
+void check_no_overlap(std::vector<Span> spans) {
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t i = 0; i < spans.size(); ++i)
+    for (size_t j = i + 1; j < spans.size() && spans[j].begin < spans[i].end; ++j) {
+      const Span &a = spans[i], &b = spans[j];
+      if (a.begin == a.end || b.begin == b.end || (!a.written && !b.written)) continue;
+      fail(Status::invalid_argument, "tensor '{}' (bytes 0x{:x}..0x{:x}) overlaps tensor '{}' (bytes 0x{:x}..0x{:x}) "
+           "and {} written by this call: pass separate memory", a.name, a.begin, a.end, b.name, b.begin, b.end,
+           a.written && b.written ? "both are" : a.written ? "the first is" : "the second is");
+    }
+}
+
+DLDataType dl_dtype(ops::DType d) {
+  switch (d) {
+    case ops::DType::f16: return {kDLFloat, 16, 1};
+    case ops::DType::bf16: return {kDLBfloat, 16, 1};
+    case ops::DType::e4m3: return {10, 8, 1};
+    case ops::DType::e5m2: return {12, 8, 1};
+    default: return {kDLFloat, 32, 1};
   }
 }
 

@@ -4,6 +4,7 @@
 #include <dlpack/dlpack.h>
 
 #include <string>
+#include <vector>
 
 #include "ops/op.hpp"
 #include "ops/sequence.hpp"
@@ -37,8 +38,21 @@ void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTe
                          int n_grad_extra_outputs, const DLTensor* grad_input, const DLTensor* const* grad_extra_inputs,
                          int n_grad_extra_inputs);
 
+// Device memory a call reads or writes, for the overlap check.
+struct Span {
+  std::string name;
+  uintptr_t begin = 0, end = 0;  // [begin, end)
+  bool written = false;
+};
+Span span_of(const DLTensor* t, std::string name, bool written);  // t already passed check_dltensor
+// Two spans that overlap, one of them written, are refused naming both: a captured graph (or the
+// kernels' __restrict__ pointers) would silently compute garbage.
+void check_no_overlap(std::vector<Span> spans);
+
 // Whether a DLPack dtype is the bytes of `d` (E4M3: DLPack 1.0's code 10, or uint8 storage).
 bool dtype_matches(DLDataType t, ops::DType d);
 std::string dl_dtype_name(DLDataType t);
+// The DLPack dtype jitfuse reports for `d` (E4M3: DLPack 1.0's kDLFloat8_e4m3fn, code 10).
+DLDataType dl_dtype(ops::DType d);
 
 }  // namespace jitfuse::api

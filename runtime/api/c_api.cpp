@@ -97,26 +97,58 @@ void* check_tensor(const DLTensor* t, const char* name, jitfuse::ops::DType dtyp
   return static_cast<char*>(t->data) + t->byte_offset;
 }
 
-// Before any work is enqueued: every parameter (and, for a backward, every grad) is bound, and bound
-// tensors have the shapes the ops infer for this input.
-void check_bindings(const jitfuse::api::Sequence& s, const std::vector<jitfuse::ops::Op>& ops, bool grads) {
-  for (const auto& op : ops)
-    for (const auto& p : op.params) {
-      if (!s.params.count({op.index, p.name}))
-        fail(Status::invalid_argument, "{}: parameter '{}' ({}) is not bound: call jf_sequence_bind_param", op.label(),
-             p.name, jitfuse::ops::shape_str(p.shape));
-      if (grads && !s.grads.count({op.index, p.name}))
-        fail(Status::invalid_argument, "{}: no buffer for the gradient of '{}' ({}): call jf_sequence_bind_grad",
-             op.label(), p.name, jitfuse::ops::shape_str(p.shape));
-      for (const auto* m : {&s.param_shapes, &s.grad_shapes}) {
-        auto it = m->find({op.index, p.name});
-        if (it != m->end() && it->second != p.shape)
-          fail(Status::invalid_argument, "{} {}{}: expected shape {}, got {}", op.label(),
-               m == &s.grad_shapes ? "grad of " : "", p.name, jitfuse::ops::shape_str(p.shape),
-               jitfuse::ops::shape_str(it->second));
-      }
+// A call's (op index, name, tensor) array against the parameters the program's ops declare (the op
+// registry's names): every one passed exactly once, with the op's shape and the recipe's dtype.
+template <class Map>
+Map collect_params(const jitfuse::api::Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_param* arr,
+                   int n, const char* what, std::vector<jitfuse::api::Span>* spans, bool written) {
+  using jitfuse::text::shorten;
+  if (n < 0 || n > 1000000) fail(Status::invalid_argument, "n_{} is {}", what, n);
+  if (n > 0) need(arr, what);
+  Map out;
+  for (int i = 0; i < n; ++i) {
+    const jf_param& e = arr[i];
+    jitfuse::api::check_name(e.name, fmt::format("{}[{}].name", what, i).c_str());
+    if (e.op_index < 0 || e.op_index >= static_cast<int>(ops.size()))
+      fail(Status::invalid_argument, "{}[{}]: op index {} out of range: sequence '{}' has {} ops", what, i, e.op_index,
+           s.def.name, ops.size());
+    const auto& op = ops[static_cast<size_t>(e.op_index)];
+    const jitfuse::ops::Param* decl = nullptr;
+    std::string names;
+    for (const auto& prm : op.params) {
+      names += (names.empty() ? "" : ", ") + prm.name;
+      if (prm.name == e.name) decl = &prm;
     }
+    if (!decl)
+      fail(Status::invalid_argument, "{}[{}]: {} has no parameter '{}' ({})", what, i, op.label(), shorten(e.name),
+           names.empty() ? "it has no parameters" : "its parameters: " + names);
+    std::string label = fmt::format("{} {} '{}'", what, op.label(), decl->name);
+    void* p = check_tensor(e.tensor, label.c_str(), s.recipe.dtype, &decl->shape);
+    if (!out.emplace(std::make_pair(e.op_index, decl->name), p).second)
+      fail(Status::invalid_argument, "{}[{}]: {} '{}' is passed twice", what, i, op.label(), decl->name);
+    if (spans) spans->push_back(jitfuse::api::span_of(e.tensor, label, written));
+  }
+  for (const auto& op : ops)
+    for (const auto& prm : op.params)
+      if (!out.count({op.index, prm.name}))
+        fail(Status::invalid_argument, "{}: {} '{}' ({}) is missing: pass every parameter with each call", what,
+             op.label(), prm.name, jitfuse::ops::shape_str(prm.shape));
+  return out;
 }
+
+// A host buffer (saved block, workspace) of at least `want` bytes at the arena alignment, or NULL.
+void check_buffer(const void* p, size_t bytes, size_t want, const char* what, std::vector<jitfuse::api::Span>& spans,
+                  bool written) {
+  if (!p) return;
+  if (bytes < want)
+    fail(Status::invalid_argument, "{} is {} bytes; this program needs {} (jf_sequence_info)", what, bytes, want);
+  if (reinterpret_cast<uintptr_t>(p) % jitfuse::exec::kArenaAlignment)
+    fail(Status::invalid_argument, "{} at {} is not {}-byte aligned", what, p, jitfuse::exec::kArenaAlignment);
+  const auto b = reinterpret_cast<uintptr_t>(p);
+  spans.push_back({what, b, b + want, written});
+}
+
+CUstream as_stream(jf_stream s) { return reinterpret_cast<CUstream>(s); }
 
 }  // namespace
 
@@ -261,33 +293,6 @@ jf_status jf_builder_destroy(jf_builder b) {
   return guarded([&] { delete b; });
 }
 
-static jf_status bind(jf_sequence seq, int op_index, const char* name, const DLTensor* t, bool grad) {
-  return guarded([&] {
-    need(seq, "seq");
-    jitfuse::api::check_name(name, "name");
-    auto& s = *seq->impl;
-    if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()))
-      fail(Status::invalid_argument, "op index {} out of range: the sequence has {} ops", op_index, s.def.ops.size());
-    // The name is checked now; the shape when a forward knows the input shape (check_bound_shapes).
-    const auto& d = s.def.ops[op_index];
-    std::string label = fmt::format("op {} ({}) {}{}", op_index, d.kind, grad ? "grad of " : "", name);
-    void* p = check_tensor(t, label.c_str(), s.recipe.dtype, nullptr);
-    bool known = (d.kind == "linear" && std::strcmp(name, "weight") == 0) || (d.kind == "bias" && std::strcmp(name, "bias") == 0) ||
-                 ((d.kind == "layernorm" || d.kind == "rmsnorm") && std::strcmp(name, "weight") == 0) ||
-                 (d.kind == "layernorm" && std::strcmp(name, "bias") == 0);
-    if (!known)
-      fail(Status::invalid_argument, "op {} ({}) has no parameter '{}' (linear: weight; bias: bias; layernorm: weight, "
-           "bias; rmsnorm: weight)", op_index, d.kind, jitfuse::text::shorten(name));
-    if (grad) {
-      s.grads[{op_index, name}] = p;
-      s.grad_shapes[{op_index, name}] = shape_of(t);
-    } else {
-      s.params[{op_index, name}] = p;
-      s.param_shapes[{op_index, name}] = shape_of(t);
-    }
-  });
-}
-
 jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out) {
   return guarded([&] {
     need(seq, "seq");
@@ -304,97 +309,157 @@ jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out
   });
 }
 
-jf_status jf_sequence_bind_param(jf_sequence seq, int op_index, const char* name, const DLTensor* t) {
-  return bind(seq, op_index, name, t, false);
-}
-jf_status jf_sequence_bind_grad(jf_sequence seq, int op_index, const char* name, const DLTensor* t) {
-  return bind(seq, op_index, name, t, true);
-}
-
-jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* const* extra_inputs, int n_extra_inputs,
-                     DLTensor* output, DLTensor* const* extra_outputs, int n_extra_outputs,
-                     const jf_forward_options* options, jf_saved* saved, jf_stream stream) {
+jf_status jf_sequence_prepare(jf_sequence seq, const int64_t* shape, int ndim, int training, jf_stream stream) {
   return guarded([&] {
     need(seq, "seq");
-    jitfuse::api::check_forward_args(seq->impl->def, seq->impl->recipe.dtype, seq->impl->output_dtype(), input,
-                                     extra_inputs, n_extra_inputs, output, extra_outputs, n_extra_outputs);
-    auto& s = *seq->impl;
-    const bool train = options ? options->save_for_backward != 0 : saved != nullptr;
-    if (train) need(saved, "saved (save_for_backward is set)");
-    if (n_extra_inputs != s.def.extra_inputs)
-      fail(Status::invalid_argument, "sequence '{}' takes {} extra input(s) (add_extra_input ops), got {}", s.def.name,
-           s.def.extra_inputs, n_extra_inputs);
-    if (n_extra_outputs != s.def.extra_outputs)
-      fail(Status::invalid_argument, "sequence '{}' makes {} extra output(s) (make_extra_output ops), got {}",
-           s.def.name, s.def.extra_outputs, n_extra_outputs);
-    jitfuse::ops::Shape in_shape = shape_of(input);
-    auto pp = s.prepared_for(in_shape, train);
-    const auto& prog = *pp->program;
-    check_bindings(s, prog.ops, false);
-    jitfuse::exec::ForwardArgs fa;
-    fa.stream = reinterpret_cast<CUstream>(stream);
-    fa.rng_offset = options ? options->rng_offset : 0;
-    fa.input = check_tensor(input, "input", s.recipe.dtype, &in_shape);
-    fa.output = check_tensor(output, "output", s.output_dtype(), &prog.ops.back().out);
-    if (s.recipe.is_fp8()) fa.fp8 = s.fp8_state();
-    for (const auto& op : prog.ops) {
-      if (op.family == jitfuse::ops::Family::add_extra_input)
-        fa.extra_in.push_back(check_tensor(extra_inputs[op.extra_slot],
-                                           fmt::format("extra input {} (op {})", op.extra_slot, op.index).c_str(),
-                                           s.recipe.dtype, &op.in));
-      if (op.family == jitfuse::ops::Family::make_extra_output)
-        fa.extra_out.push_back(check_tensor(extra_outputs[op.extra_slot],
-                                            fmt::format("extra output {} (op {})", op.extra_slot, op.index).c_str(),
-                                            s.recipe.dtype, &op.in));
-    }
-    std::unique_ptr<jf_saved_s> sv;
-    if (train) {
-      sv = std::make_unique<jf_saved_s>();
-      sv->seq = seq;
-    }
-    jitfuse::exec::run_forward(pp, s.ctx.runtime(), s.params, fa, sv ? &sv->impl : nullptr);
-    if (train) *saved = sv.release();
+    auto in_shape = jitfuse::api::checked_shape(shape, ndim, "shape");
+    seq->impl->prepared_for(in_shape, training != 0, as_stream(stream));
   });
 }
 
-jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* grad_output,
-                      const DLTensor* const* grad_extra_outputs, int n_grad_extra_outputs, DLTensor* grad_input,
-                      DLTensor* const* grad_extra_inputs, int n_grad_extra_inputs, jf_stream stream) {
+jf_status jf_sequence_info(jf_sequence seq, const int64_t* shape, int ndim, int training, jf_program_info* out) {
   return guarded([&] {
     need(seq, "seq");
-    need(saved, "saved");
+    auto in_shape = jitfuse::api::checked_shape(shape, ndim, "shape");
+    need(out, "out");
+    auto pp = seq->impl->prepared_for(in_shape, training != 0, nullptr);
+    *out = seq->impl->info(pp);
+  });
+}
+
+jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* saved_out, jf_stream stream) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(args, "args");
     auto& s = *seq->impl;
-    if (saved->seq != seq) fail(Status::invalid_argument, "this saved context belongs to another sequence");
-    if (saved->impl.released) fail(Status::invalid_argument, "this saved context was already released");
-    jitfuse::api::check_backward_args(s.def, s.recipe.dtype, grad_output, grad_extra_outputs, n_grad_extra_outputs, grad_input,
-                                      grad_extra_inputs, n_grad_extra_inputs);
-    const auto& cp = *saved->impl.prepared->program;
-    if (n_grad_extra_outputs != s.def.extra_outputs || n_grad_extra_inputs != s.def.extra_inputs)
-      fail(Status::invalid_argument, "sequence '{}' needs {} grad extra output(s) and {} grad extra input(s), got {} and {}",
-           s.def.name, s.def.extra_outputs, s.def.extra_inputs, n_grad_extra_outputs, n_grad_extra_inputs);
-    check_bindings(s, cp.ops, true);
-    jitfuse::exec::BackwardArgs ba;
-    ba.stream = reinterpret_cast<CUstream>(stream);
-    ba.grad_output = check_tensor(grad_output, "grad_output", s.recipe.dtype, &cp.ops.back().out);
-    ba.grad_input = check_tensor(grad_input, "grad_input", s.recipe.dtype, &cp.ops.front().in);
-    for (const auto& op : cp.ops) {
-      if (op.family == jitfuse::ops::Family::add_extra_input)
-        ba.grad_extra_in.push_back(check_tensor(grad_extra_inputs[op.extra_slot],
-                                                fmt::format("grad extra input {} (op {})", op.extra_slot, op.index).c_str(),
-                                                s.recipe.dtype, &op.in));
-      if (op.family == jitfuse::ops::Family::make_extra_output)
-        ba.grad_extra_out.push_back(check_tensor(grad_extra_outputs[op.extra_slot],
-                                                 fmt::format("grad extra output {} (op {})", op.extra_slot, op.index).c_str(),
-                                                 s.recipe.dtype, &op.in));
+    const auto& a = *args;
+    jitfuse::api::check_forward_args(s.def, s.recipe.dtype, s.output_dtype(), a.input, a.extra_inputs,
+                                     a.n_extra_inputs, a.output, a.extra_outputs, a.n_extra_outputs);
+    const bool train = a.training != 0;
+    if (train && !a.saved) need(saved_out, "saved_out (a training forward without a host saved buffer)");
+    if (saved_out) *saved_out = nullptr;
+    jitfuse::ops::Shape in_shape = shape_of(a.input);
+    const auto ops_ptr = s.ops_for(in_shape);  // every argument is checked before anything touches the GPU
+    const auto& ops = *ops_ptr;
+    std::vector<jitfuse::api::Span> spans;
+    jitfuse::exec::ForwardArgs fa;
+    fa.stream = as_stream(stream);
+    fa.training = train;
+    fa.input = check_tensor(a.input, "input", s.recipe.dtype, &in_shape);
+    fa.output = check_tensor(a.output, "output", s.output_dtype(), &ops.back().out);
+    spans.push_back(jitfuse::api::span_of(a.input, "input", false));
+    spans.push_back(jitfuse::api::span_of(a.output, "output", true));
+    for (const auto& op : ops) {
+      if (op.family == jitfuse::ops::Family::add_extra_input) {
+        auto name = fmt::format("extra input {} (op {})", op.extra_slot, op.index);
+        fa.extra_in.push_back(check_tensor(a.extra_inputs[op.extra_slot], name.c_str(), s.recipe.dtype, &op.in));
+        spans.push_back(jitfuse::api::span_of(a.extra_inputs[op.extra_slot], name, false));
+      }
+      if (op.family == jitfuse::ops::Family::make_extra_output) {
+        auto name = fmt::format("extra output {} (op {})", op.extra_slot, op.index);
+        fa.extra_out.push_back(check_tensor(a.extra_outputs[op.extra_slot], name.c_str(), s.recipe.dtype, &op.in));
+        spans.push_back(jitfuse::api::span_of(a.extra_outputs[op.extra_slot], name, true));
+      }
     }
-    jitfuse::exec::run_backward(*saved->impl.prepared, s.ctx.runtime(), s.params, s.grads, saved->impl, ba);
+    fa.params = collect_params<jitfuse::exec::ParamMap>(s, ops, a.params, a.n_params, "params", &spans, false);
+    jitfuse::api::check_no_overlap(spans);
+    auto pp = s.prepared_for(in_shape, train, as_stream(stream));
+    const auto& prog = *pp->program;
+    if (train) check_buffer(a.saved, a.saved_bytes, prog.saved_bytes, "saved buffer", spans, true);
+    check_buffer(a.workspace, a.workspace_bytes, prog.fwd_arena, "workspace", spans, true);
+    jitfuse::api::check_no_overlap(std::move(spans));
+    fa.saved = train ? a.saved : nullptr;
+    fa.workspace = a.workspace;
+    fa.rng.state = a.rng_state;
+    fa.rng.seed = a.rng_seed;
+    fa.rng.offset = a.rng_offset;
+    if (s.recipe.is_fp8()) fa.fp8 = s.fp8_state();
+    auto owned = train && !a.saved ? std::make_unique<jf_saved_s>() : nullptr;
+    auto& rt = s.ctx.runtime();
+    auto res = jitfuse::exec::run_forward(pp, rt, fa);
+    const void* block = train ? (a.saved ? a.saved : res.saved) : nullptr;
+    if (res.shadow && block) s.keep_shadow(block, res.shadow);
+    if (owned) {
+      owned->block = res.saved;
+      owned->bytes = res.saved_bytes;
+      owned->allocator = rt.allocator;
+      *saved_out = owned.release();
+    }
+  });
+}
+
+jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream stream) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(args, "args");
+    auto& s = *seq->impl;
+    const auto& a = *args;
+    jitfuse::api::check_forward_args(s.def, s.recipe.dtype, s.output_dtype(), a.input, a.extra_inputs,
+                                     a.n_extra_inputs, a.output, a.extra_outputs, a.n_extra_outputs);
+    jitfuse::api::check_backward_args(s.def, s.recipe.dtype, a.grad_output, a.grad_extra_outputs,
+                                      a.n_grad_extra_outputs, a.grad_input, a.grad_extra_inputs, a.n_grad_extra_inputs);
+    jitfuse::ops::Shape in_shape = shape_of(a.input);
+    const auto ops_ptr = s.ops_for(in_shape);
+    const auto& ops = *ops_ptr;
+    std::vector<jitfuse::api::Span> spans;
+    jitfuse::exec::BackwardArgs ba;
+    ba.stream = as_stream(stream);
+    auto tensor = [&](const DLTensor* t, const std::string& name, jitfuse::ops::DType dt, const jitfuse::ops::Shape& want,
+                      bool written) {
+      void* p = check_tensor(t, name.c_str(), dt, &want);
+      spans.push_back(jitfuse::api::span_of(t, name, written));
+      return p;
+    };
+    ba.input = tensor(a.input, "input", s.recipe.dtype, in_shape, false);
+    ba.output = tensor(a.output, "output", s.output_dtype(), ops.back().out, false);
+    ba.grad_output = tensor(a.grad_output, "grad_output", s.recipe.dtype, ops.back().out, false);
+    ba.grad_input = tensor(a.grad_input, "grad_input", s.recipe.dtype, ops.front().in, true);
+    for (const auto& op : ops) {
+      const auto slot = static_cast<size_t>(op.extra_slot);
+      if (op.family == jitfuse::ops::Family::add_extra_input) {
+        ba.extra_in.push_back(tensor(a.extra_inputs[slot], fmt::format("extra input {} (op {})", slot, op.index),
+                                     s.recipe.dtype, op.in, false));
+        ba.grad_extra_in.push_back(tensor(a.grad_extra_inputs[slot],
+                                          fmt::format("grad extra input {} (op {})", slot, op.index), s.recipe.dtype,
+                                          op.in, true));
+      }
+      if (op.family == jitfuse::ops::Family::make_extra_output) {
+        ba.extra_out.push_back(tensor(a.extra_outputs[slot], fmt::format("extra output {} (op {})", slot, op.index),
+                                      s.recipe.dtype, op.in, false));
+        ba.grad_extra_out.push_back(tensor(a.grad_extra_outputs[slot],
+                                           fmt::format("grad extra output {} (op {})", slot, op.index),
+                                           s.recipe.dtype, op.in, false));
+      }
+    }
+    ba.params = collect_params<jitfuse::exec::ParamMap>(s, ops, a.params, a.n_params, "params", &spans, false);
+    ba.grads = collect_params<jitfuse::exec::GradMap>(s, ops, a.grads, a.n_grads, "grads", &spans, true);
+    jitfuse::api::check_no_overlap(spans);
+    auto pp = s.prepared_for(in_shape, true, as_stream(stream));
+    const auto& prog = *pp->program;
+    if (prog.saved_bytes) need(a.saved, "saved (the forward's saved buffer)");
+    check_buffer(a.saved, a.saved_bytes, prog.saved_bytes, "saved buffer", spans, false);
+    check_buffer(a.workspace, a.workspace_bytes, prog.bwd_arena, "workspace", spans, true);
+    jitfuse::api::check_no_overlap(std::move(spans));
+    ba.saved = a.saved;
+    ba.workspace = a.workspace;
+    if (s.recipe.is_fp8()) ba.fp8 = s.fp8_state();
+    auto shadow = s.take_shadow(a.saved);
+    jitfuse::exec::run_backward(*pp, s.ctx.runtime(), ba, shadow.get());
+  });
+}
+
+jf_status jf_saved_buffer(jf_saved saved, void** buffer, size_t* bytes) {
+  return guarded([&] {
+    need(saved, "saved");
+    if (buffer) *buffer = saved->released ? nullptr : saved->block;
+    if (bytes) *bytes = saved->released ? 0 : saved->bytes;
   });
 }
 
 jf_status jf_saved_release(jf_saved saved, jf_stream stream) {
   return guarded([&] {
     if (!saved) return;
-    jitfuse::exec::release_saved(saved->impl, reinterpret_cast<CUstream>(stream));
+    if (!saved->released) jitfuse::exec::free_block(saved->allocator, as_stream(stream), saved->block, saved->bytes);
     delete saved;
   });
 }

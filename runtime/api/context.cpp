@@ -8,6 +8,7 @@
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "cuda/driver.hpp"
+#include "api/arg_check.hpp"
 #include "exec/program.hpp"
 
 namespace jitfuse::api {
@@ -88,7 +89,7 @@ const std::map<int, exec::Fp8State>& Sequence::fp8_state() {
   const auto& d = cuda::driver();
   for (const auto& op : def.ops) {
     if (op.kind != "quantize") continue;
-    // One allocation: [scale, scale_inv, history...]; a one-time setup like the cuBLASLt workspace.
+    // One allocation: [scale, scale_inv, history...]; a one-time setup done by prepare.
     const int len = std::max(1, recipe.amax_history);
     std::vector<float> init(2 + static_cast<size_t>(len), 0.f);
     init[0] = init[1] = 1.f;
@@ -105,6 +106,95 @@ const std::map<int, exec::Fp8State>& Sequence::fp8_state() {
   return states;
 }
 
+std::shared_ptr<const std::vector<ops::Op>> Sequence::ops_for(const ops::Shape& input) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find(input);
+    if (it != ops_.end()) return it->second;
+  }
+  auto ops = std::make_shared<const std::vector<ops::Op>>(ops::infer(def, input));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ops_.size() >= 4096) ops_.clear();  // a host feeding endless shapes does not grow this without bound
+  return ops_.emplace(input, ops).first->second;
+}
+
+void Sequence::keep_shadow(const void* saved, std::shared_ptr<exec::Shadow> shadow) {
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_[saved] = std::move(shadow);
+}
+
+std::shared_ptr<exec::Shadow> Sequence::take_shadow(const void* saved) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = shadows_.find(saved);
+  if (it == shadows_.end()) return nullptr;
+  auto s = std::move(it->second);
+  shadows_.erase(it);
+  return s;
+}
+
+namespace {
+jf_tensor_info tensor_info(ProgramInfo& pi, std::string name, int op, ops::DType dt, const ops::Shape& shape,
+                           size_t bytes, size_t offset) {
+  jf_tensor_info t{};
+  pi.names.push_back(std::move(name));
+  t.op_index = op;
+  t.dtype = dl_dtype(dt);
+  t.ndim = static_cast<int>(std::min(shape.size(), size_t{JF_MAX_DIMS}));
+  for (int i = 0; i < t.ndim; ++i) t.shape[i] = shape[static_cast<size_t>(i)];
+  t.bytes = bytes;
+  t.offset = offset;
+  return t;
+}
+}  // namespace
+
+const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared>& pp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = infos_[pp.get()];
+  if (slot) return slot->info;
+  auto pi = std::make_unique<ProgramInfo>();
+  const exec::Program& p = *pp->program;
+  const ops::DType dt = recipe.dtype;
+  const auto& last = p.ops.back();
+  pi->names.reserve(4 * p.buffers.size() + 8);  // name pointers must not move
+  pi->outputs.push_back(tensor_info(*pi, "output", -1, output_dtype(), last.out,
+                                    p.buffer(p.output).bytes, 0));
+  for (const auto& op : p.ops) {
+    if (op.family == ops::Family::make_extra_output)
+      pi->outputs.push_back(tensor_info(*pi, fmt::format("extra_output {}", op.extra_slot), op.index, dt, op.in,
+                                        static_cast<size_t>(ops::numel(op.in)) * ops::dtype_bytes(dt), 0));
+    for (const auto& prm : op.params)
+      pi->params.push_back(tensor_info(*pi, prm.name, op.index, dt, prm.shape,
+                                       static_cast<size_t>(ops::numel(prm.shape)) * ops::dtype_bytes(dt), 0));
+  }
+  if (p.training)
+    for (const auto& b : p.buffers) {
+      if (b.storage != exec::Storage::saved || b.first < 0) continue;
+      ops::Shape shape = b.rows > 0 ? ops::Shape{b.rows, b.cols} : ops::Shape{static_cast<int64_t>(b.bytes)};
+      pi->saved.push_back(tensor_info(*pi, b.name, b.op, b.dtype, shape, b.bytes, b.offset));
+    }
+  for (size_t i = 0, k = 0; i < pi->outputs.size(); ++i) pi->outputs[i].name = pi->names[k++].c_str();
+  {
+    size_t k = pi->outputs.size();
+    for (auto& t : pi->params) t.name = pi->names[k++].c_str();
+    for (auto& t : pi->saved) t.name = pi->names[k++].c_str();
+  }
+  jf_program_info& info = pi->info;
+  info.n_outputs = static_cast<int>(pi->outputs.size());
+  info.outputs = pi->outputs.data();
+  info.n_params = static_cast<int>(pi->params.size());
+  info.params = pi->params.data();
+  info.n_saved = static_cast<int>(pi->saved.size());
+  info.saved = pi->saved.data();
+  info.saved_bytes = p.training ? p.saved_bytes : 0;
+  info.forward_workspace_bytes = p.fwd_arena;
+  info.backward_workspace_bytes = p.training ? p.bwd_arena : 0;
+  info.alignment = exec::kArenaAlignment;
+  info.uses_rng = p.rng >= 0 ? 1 : 0;
+  info.rng_offset_advance = p.rng >= 0 ? 1 : 0;
+  slot = std::move(pi);
+  return slot->info;
+}
+
 fuser::Plan Sequence::plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const {
   exec::PlanOptions o;
   o.arch = arch;
@@ -114,7 +204,7 @@ fuser::Plan Sequence::plan_only(const std::vector<ops::Op>& ops, bool training, 
   return exec::make_plan(ops, recipe, o, rs);
 }
 
-std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& input, bool training) {
+std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& input, bool training, CUstream stream) {
   // Programs hold loaded kernels, which belong to the device of the current context.
   std::string key = fmt::format("{}|{}|{}|{}|dev{}", ops::shape_str(input), training, ctx.rules_generation(),
                                 env::flag("JITFUSE_DISABLE_FUSION"), cuda::current_ordinal());
@@ -123,7 +213,16 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
     auto it = programs_.find(key);
     if (it != programs_.end()) return it->second;
   }
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUresult r = cuda::driver().cuStreamIsCapturing(stream, &capture);
+  // The legacy stream answers "implicit capture" while another stream captures in global mode.
+  if (r != CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) cuda::check(r, "cuStreamIsCapturing");
+  if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || capture != CU_STREAM_CAPTURE_STATUS_NONE)
+    fail(Status::not_prepared, "sequence '{}': input shape {} ({}) is not prepared and the stream is capturing a "
+         "CUDA graph, where jitfuse cannot compile or load kernels: call jf_sequence_prepare(seq, shape, {}, stream) "
+         "before the capture", def.name, ops::shape_str(input), training ? "training" : "inference", training ? 1 : 0);
   exec::Runtime& rt = ctx.runtime();
+  if (recipe.is_fp8()) fp8_state();  // the recipe state is allocated here, never in a call
   std::vector<ops::Op> ops = ops::infer(def, input);
   auto dev = cuda::current_device();
   fuser::Plan plan = plan_only(ops, training, dev.arch_number());
@@ -151,8 +250,8 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
   auto pp = std::const_pointer_cast<exec::Prepared>(prepared);
   pp->reference = reference;
   std::lock_guard<std::mutex> lock(mu_);
-  programs_[key] = pp;
-  return prepared;
+  auto [it, inserted] = programs_.emplace(key, pp);  // another thread may have prepared it meanwhile
+  return it->second;
 }
 
 }  // namespace jitfuse::api

@@ -1,5 +1,5 @@
 // The objects behind the C ABI's handles: a Context (rules, templates, kernel cache, cuBLASLt,
-// allocator) and a Sequence (parsed ops, recipe, bound parameters, plans cached per shape).
+// allocator) and a Sequence (parsed ops, recipe, programs prepared per shape). Parameters are per call.
 #pragma once
 #include <map>
 #include <memory>
@@ -9,6 +9,7 @@
 #include "cache/kernel_cache.hpp"
 #include "exec/executor.hpp"
 #include "exec/kernels.hpp"
+#include "jitfuse/jitfuse.h"
 #include "ops/sequence.hpp"
 #include "rules/rule.hpp"
 
@@ -43,33 +44,52 @@ class Context {
   std::unique_ptr<exec::VerifyLog> verify_;
 };
 
+// What jf_sequence_info hands out for one prepared (shape, training): arrays and strings that live as long
+// as the sequence.
+struct ProgramInfo {
+  std::vector<std::string> names;  // backing store of the infos' name pointers
+  std::vector<jf_tensor_info> outputs, params, saved;
+  jf_program_info info{};
+};
+
 class Sequence {
  public:
   Sequence(Context& ctx, ops::SequenceDef def, ops::Recipe recipe);
   ~Sequence();
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;
-  // The prepared program for an input shape (cached per shape, training flag, rule-set generation and device).
-  std::shared_ptr<const exec::Prepared> prepared_for(const ops::Shape& input, bool training);
+  // The prepared program for an input shape (cached per shape, training flag, rule-set generation and
+  // device). Preparing compiles and loads, which a CUDA-graph capture must not see: when `stream` is
+  // capturing and the shape is not prepared yet, this fails with Status::not_prepared and touches nothing.
+  std::shared_ptr<const exec::Prepared> prepared_for(const ops::Shape& input, bool training, CUstream stream);
   fuser::Plan plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const;
+  // The ops with shapes inferred for an input shape (cached; needs no GPU): what a call's arguments are
+  // checked against before anything is prepared.
+  std::shared_ptr<const std::vector<ops::Op>> ops_for(const ops::Shape& input);
+  // jf_sequence_info's answer for a prepared program (built once per program).
+  const jf_program_info& info(const std::shared_ptr<const exec::Prepared>& pp);
 
   Context& ctx;
   ops::SequenceDef def;
   ops::Recipe recipe;
-  exec::ParamMap params;
-  exec::GradMap grads;
-  std::map<exec::Key, ops::Shape> param_shapes, grad_shapes;
   std::string explain_buffer;
 
   // The output tensor's dtype: E4M3 when an FP8 recipe ends the sequence in quantize, else the recipe's.
   ops::DType output_dtype() const;
-  // FP8 recipes: the recipe state of every quantize op on the current device (allocated on first use).
+  // FP8 recipes: the recipe state of every quantize op on the current device (allocated by prepare).
   const std::map<int, exec::Fp8State>& fp8_state();
+
+  // JITFUSE_VERIFY: a training forward's shadow run, kept (by its saved block) for the backward.
+  void keep_shadow(const void* saved, std::shared_ptr<exec::Shadow> shadow);
+  std::shared_ptr<exec::Shadow> take_shadow(const void* saved);
 
  private:
   std::map<int, std::map<int, exec::Fp8State>> fp8_;  // device ordinal -> quantize op -> state
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<const exec::Prepared>> programs_;
+  std::map<const exec::Prepared*, std::unique_ptr<ProgramInfo>> infos_;
+  std::map<const void*, std::shared_ptr<exec::Shadow>> shadows_;
+  std::map<ops::Shape, std::shared_ptr<const std::vector<ops::Op>>> ops_;
 };
 
 }  // namespace jitfuse::api

@@ -12,9 +12,12 @@ struct jf_context_s {
 struct jf_sequence_s {
   std::unique_ptr<jitfuse::api::Sequence> impl;
 };
+// A saved block jf_forward allocated through the allocator (a host that passes its own has no handle).
 struct jf_saved_s {
-  jitfuse::exec::SavedContext impl;
-  jf_sequence seq = nullptr;
+  void* block = nullptr;
+  size_t bytes = 0;
+  jitfuse::exec::Allocator allocator;
+  bool released = false;
 };
 
 namespace jitfuse::api {

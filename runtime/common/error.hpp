@@ -20,6 +20,7 @@ enum class Status : int {
   out_of_memory = 7,
   no_device = 8,
   internal = 9,
+  not_prepared = 10,  // a call inside a CUDA-graph capture needs a shape that was never prepared
 };
 
 class Error : public std::runtime_error {

@@ -46,8 +46,6 @@ uint32_t alignment(const void* p) {
   return a;
 }
 
-constexpr size_t kWorkspace = 32u << 20;
-
 }  // namespace
 
 std::string epilogue_name(Epilogue e) {
@@ -72,16 +70,11 @@ struct Blas::Impl {
   cublasLtHandle_t handle = nullptr;
   mutable std::mutex mu;
   std::unordered_map<std::string, cublasLtMatmulAlgo_t> algos;
-  std::unordered_map<CUstream, CUdeviceptr> workspaces;
 };
 
 Blas::Blas() : impl_(std::make_unique<Impl>()) { check_blas(cublasLtCreate(&impl_->handle), "cublasLtCreate"); }
 
-Blas::~Blas() {
-  if (auto* d = try_driver())
-    for (auto& [s, p] : impl_->workspaces) d->cuMemFree(p);
-  cublasLtDestroy(impl_->handle);
-}
+Blas::~Blas() { cublasLtDestroy(impl_->handle); }
 
 std::string Blas::version() {
   size_t v = cublasLtGetVersion();
@@ -93,7 +86,22 @@ size_t Blas::heuristic_cache_size() const {
   return impl_->algos.size();
 }
 
+bool Blas::prepare(const GemmCall& call) {
+  try {
+    run(call, nullptr, false);
+    return true;
+  } catch (const Error& e) {
+    if (e.status() != Status::unsupported) throw;
+    return false;
+  }
+}
+
 void Blas::gemm(const GemmCall& g, CUstream stream) {
+  if (!g.workspace) fail(Status::internal, "cuBLASLt GEMM without a workspace");
+  run(g, stream, true);
+}
+
+void Blas::run(const GemmCall& g, CUstream stream, bool launch) {
   // Column-major view of the transposed product (see file comment).
   uint64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldd = 0;
   cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -173,22 +181,14 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
                                 static_cast<int>(dt), static_cast<int>(epi), g.beta != 0.f, al_a, al_b, al_c, al_d,
                                 g.aux ? alignment(g.aux) : 0);
 
-  CUdeviceptr ws = 0;
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    auto wit = impl_->workspaces.find(stream);
-    if (wit == impl_->workspaces.end()) {
-      check(driver().cuMemAlloc(&ws, kWorkspace), "cuMemAlloc(cuBLASLt workspace)");
-      impl_->workspaces[stream] = ws;
-    } else {
-      ws = wit->second;
-    }
     auto it = impl_->algos.find(key);
     if (it == impl_->algos.end()) {
       Pref pref;
       check_blas(cublasLtMatmulPreferenceCreate(&pref.p), "cublasLtMatmulPreferenceCreate");
-      size_t wsz = kWorkspace;
+      size_t wsz = kGemmWorkspace;
       cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz));
       cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
       cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
@@ -206,8 +206,9 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
     }
     algo = it->second;
   }
+  if (!launch) return;
   check_blas(cublasLtMatmul(impl_->handle, op.d, &g.alpha, A, la.l, B, lb.l, &g.beta, C, lc.l, g.d, ld.l, &algo,
-                            reinterpret_cast<void*>(ws), kWorkspace, reinterpret_cast<cudaStream_t>(stream)),
+                            g.workspace, kGemmWorkspace, reinterpret_cast<cudaStream_t>(stream)),
              "cublasLtMatmul");
 }
 
@@ -217,7 +218,7 @@ size_t relu_mask_bytes(int64_t features, int64_t rows) {
 }
 
 void Blas::column_sums(ops::DType dtype, int64_t m, int64_t n, const void* x, const void* ones, void* out,
-                       CUstream stream) {
+                       void* workspace, CUstream stream) {
   GemmCall c;
   c.kind = GemmKind::wgrad;
   c.m = m;
@@ -227,6 +228,7 @@ void Blas::column_sums(ops::DType dtype, int64_t m, int64_t n, const void* x, co
   c.a = x;
   c.b = ones;
   c.d = out;
+  c.workspace = workspace;
   gemm(c, stream);
 }
 

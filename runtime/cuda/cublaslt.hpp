@@ -1,6 +1,7 @@
 // cuBLASLt GEMMs for linear in row-major terms (y = x W^T, dx = dy W, dW = dy^T x), with native
-// epilogues (Epilogue below) and a C operand for residual accumulation. Heuristic
-// results are cached per problem; workspaces are per stream.
+// epilogues (Epilogue below) and a C operand for residual accumulation. Heuristic results are cached per
+// problem and can be looked up ahead (prepare); the workspace is the caller's (a program's arena), so a
+// GEMM call allocates nothing and may be captured in a CUDA graph.
 #pragma once
 #include <cuda.h>
 
@@ -42,7 +43,11 @@ struct GemmCall {
   const void* bias = nullptr;  // forward epilogues: bias in; dgelu_bgrad / bgradb: the bias gradient out
   void* aux = nullptr;      // gelu_aux_bias: pre-activation out; dgelu_bgrad: pre-activation in;
                             // relu_aux_bias: ReLU bit-mask out; drelu_bgrad: ReLU bit-mask in
+  void* workspace = nullptr;  // kGemmWorkspace bytes, 256-byte aligned
 };
+
+// The cuBLASLt workspace every GEMM call gets (what cuBLAS recommends for Hopper).
+constexpr size_t kGemmWorkspace = 32u << 20;
 
 class Blas {
  public:
@@ -51,14 +56,19 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
   void gemm(const GemmCall& call, CUstream stream);
+  // Looks up (and caches) the algorithm for `call` without running anything: its pointers only say which
+  // operands exist and how they are aligned. False if cuBLASLt has none for the problem.
+  bool prepare(const GemmCall& call);
   // out[n] = sum over the m rows of x [m, n] (row-major), given a column of m ones: the wgrad GEMM of a
   // linear with one input feature (dW^T [1, n] = ones^T [1, m] x [m, n]). The fallback when BGRADB has no
   // algorithm for a problem.
-  void column_sums(ops::DType dtype, int64_t m, int64_t n, const void* x, const void* ones, void* out, CUstream stream);
+  void column_sums(ops::DType dtype, int64_t m, int64_t n, const void* x, const void* ones, void* out,
+                   void* workspace, CUstream stream);
   size_t heuristic_cache_size() const;
   static std::string version();
 
  private:
+  void run(const GemmCall& call, CUstream stream, bool launch);  // launch false: only the algorithm lookup
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

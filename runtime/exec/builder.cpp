@@ -179,6 +179,25 @@ int Builder::fp8_state(int op, const std::string& which) {
                              which);
 }
 
+int Builder::rng_state() {
+  if (p_.rng >= 0) return p_.rng;
+  Buffer b;
+  b.role = BufferRole::rng_state;
+  // The backward's regenerated masks read the forward's state, so training keeps it in the saved block.
+  b.storage = p_.training ? Storage::saved : Storage::fwd_arena;
+  b.name = "rng {seed, offset}";
+  b.dtype = ops::DType::f32;
+  b.rows = 1;
+  b.cols = 4;
+  b.bytes = 16;
+  b.needs_align16 = false;
+  b.key = "rng";
+  p_.rng = add(b);
+  // Written before the first step: no arena scratch of an earlier step may share its bytes.
+  p_.buffers[static_cast<size_t>(p_.rng)].first = 0;
+  return p_.rng;
+}
+
 size_t Builder::saved_size(int op, const std::string& name) const {
   const auto& o = p_.ops.at(static_cast<size_t>(op));
   const int64_t rows = ops::rows_of(o.in), cols = ops::cols_of(o.in);
@@ -266,12 +285,14 @@ GemmStep Builder::linear_gemm(int lin, cuda::GemmKind kind) const {
 }
 
 void Builder::gemm(const GemmStep& g, const std::string& what) {
-  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones}) touch(id);
   Step s;
   s.kind = Step::Kind::gemm;
   s.group = group_;
   s.what = what;
   s.gemm = g;
+  // The workspace lives for this step only: the packer lays every GEMM's workspace over the same bytes.
+  s.gemm.workspace = temp("cublaslt workspace", ops::DType::f32, -1, 0, cuda::kGemmWorkspace);
+  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones, s.gemm.workspace}) touch(id);
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
 
@@ -332,7 +353,7 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
         k.kind = KArg::Kind::u64_const;
         k.value = p_.ops[a.op].attrs["seed"].get<uint64_t>();
         break;
-      case Arg::Role::offset: k.kind = KArg::Kind::rng_offset; break;
+      case Arg::Role::rng: k.buffer = rng_state(); break;
       case Arg::Role::parts: k.kind = KArg::Kind::int_const; break;  // filled by layout_program
       case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, "scale"); break;
       case Arg::Role::fp8_scale_inv: k.buffer = fp8_state(a.op, "scale_inv"); break;

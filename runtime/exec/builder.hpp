@@ -32,6 +32,7 @@ class Builder {
   int grad_extra_out(int op);
   int grad_extra_in(int op);
   int fp8_state(int op, const std::string& which);  // "scale" | "scale_inv" | "amax_history"
+  int rng_state();  // the call's Philox state (Program::rng), created on first use
 
   // Forward: saved context (op, name) written into the saved block by a kernel or a GEMM epilogue.
   int saved_new(int op, const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes);

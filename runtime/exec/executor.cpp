@@ -4,6 +4,8 @@
 #include "exec/executor.hpp"
 
 #include <algorithm>
+#include <optional>
+#include <cstring>
 #include <thread>
 
 #include "common/error.hpp"
@@ -24,22 +26,13 @@ void* alloc_bytes(const Allocator& a, CUstream s, size_t bytes) {
   return reinterpret_cast<void*>(p);
 }
 
-void free_bytes(const Allocator& a, CUstream s, void* p, size_t bytes) {
-  if (!p) return;
-  if (a.free) {
-    a.free(p, std::max<size_t>(bytes, 16), s, a.user);
-    return;
-  }
-  if (auto* d = cuda::try_driver()) d->cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s);
-}
-
 // One stream-ordered allocation, freed (stream-ordered) on scope exit unless released.
 class Block {
  public:
   Block(const Allocator& a, CUstream s, size_t bytes) : a_(a), s_(s), bytes_(bytes) {
     if (bytes) p_ = alloc_bytes(a, s, bytes);
   }
-  ~Block() { free_bytes(a_, s_, p_, bytes_); }
+  ~Block() { free_block(a_, s_, p_, bytes_); }
   Block(const Block&) = delete;
   Block& operator=(const Block&) = delete;
   char* get() const { return static_cast<char*>(p_); }
@@ -68,17 +61,45 @@ void bind_params(const Program& p, const ParamMap& params, const GradMap* grads,
     if (b.role == BufferRole::param) {
       auto it = params.find({b.op, b.key});
       if (it == params.end() || !it->second)
-        fail(Status::invalid_argument, "{}: parameter '{}' is not bound (jf_sequence_bind_param)",
-             p.ops.at(static_cast<size_t>(b.op)).label(), b.key);
+        fail(Status::invalid_argument, "{}: parameter '{}' was not passed", p.ops.at(static_cast<size_t>(b.op)).label(),
+             b.key);
       ptr[static_cast<size_t>(b.id)] = const_cast<void*>(it->second);
     } else if (b.role == BufferRole::grad && grads) {
       auto it = grads->find({b.op, b.key});
       if (it == grads->end() || !it->second)
-        fail(Status::invalid_argument, "{}: the gradient of '{}' has no buffer (jf_sequence_bind_grad)",
+        fail(Status::invalid_argument, "{}: no buffer for the gradient of '{}' was passed",
              p.ops.at(static_cast<size_t>(b.op)).label(), b.key);
       ptr[static_cast<size_t>(b.id)] = it->second;
     }
   }
+}
+
+void bind_recipe_state(const Program& p, const std::map<int, Fp8State>& fp8, std::vector<void*>& ptr) {
+  for (const auto& b : p.buffers) {
+    if (b.role != BufferRole::recipe_state) continue;
+    auto it = fp8.find(b.op);
+    if (it == fp8.end()) fail(Status::internal, "{}: no FP8 recipe state", p.ops.at(static_cast<size_t>(b.op)).label());
+    ptr[static_cast<size_t>(b.id)] = b.key == "scale" ? static_cast<void*>(it->second.scale)
+                                     : b.key == "scale_inv" ? static_cast<void*>(it->second.scale_inv)
+                                                            : static_cast<void*>(it->second.history);
+  }
+}
+
+// The forward's first step: the call's Philox state into the program's copy (which the backward reads),
+// as stream-ordered copies or memsets (both capture as graph nodes).
+void copy_rng(const RngSource& rng, void* dst, CUstream stream) {
+  const auto& d = cuda::driver();
+  const auto to = reinterpret_cast<CUdeviceptr>(dst);
+  if (rng.state) {
+    cuda::check(d.cuMemcpyDtoDAsync(to, reinterpret_cast<CUdeviceptr>(rng.state), 16, stream),
+                "cuMemcpyDtoDAsync(rng state)");
+    return;
+  }
+  const uint64_t v[2] = {rng.seed, rng.offset};
+  uint32_t w[4];
+  std::memcpy(w, v, 16);
+  for (int i = 0; i < 4; ++i)
+    cuda::check(d.cuMemsetD32Async(to + 4u * static_cast<unsigned>(i), w[i], 1, stream), "cuMemsetD32Async(rng state)");
 }
 
 template <class T>
@@ -87,7 +108,7 @@ void bind_list(const std::vector<int>& ids, const std::vector<T>& given, std::ve
     if (ids[k] >= 0) ptr[static_cast<size_t>(ids[k])] = const_cast<void*>(static_cast<const void*>(given[k]));
 }
 
-void run_gemm(const Prepared& pp, Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUstream stream) {
+void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUstream stream) {
   auto at = [&](int id) -> void* { return id >= 0 ? ptr[static_cast<size_t>(id)] : nullptr; };
   cuda::GemmCall c = g.call;
   c.a = at(g.a);
@@ -96,31 +117,25 @@ void run_gemm(const Prepared& pp, Runtime& rt, const GemmStep& g, const std::vec
   c.d = at(g.d);
   c.bias = at(g.bias);
   c.aux = at(g.aux);
-  if (!g.bias_grad_fallback) return rt.blas->gemm(c, stream);
-  try {
-    rt.blas->gemm(c, stream);
-  } catch (const Error& err) {
-    if (err.status() != Status::unsupported) throw;
-    // No BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy with a column of ones.
-    log().debug("{}; computing the bias gradient with a separate GEMM", err.what());
-    void* db = at(g.bias);
-    c.epilogue = cuda::Epilogue::none;
-    c.bias = nullptr;
-    rt.blas->gemm(c, stream);
-    const auto& d = cuda::driver();
-    const auto ones = reinterpret_cast<CUdeviceptr>(at(g.ones));
-    const size_t m = static_cast<size_t>(c.m);
-    switch (c.dtype) {
-      case ops::DType::f32: cuda::check(d.cuMemsetD32Async(ones, 0x3F800000u, m, stream), "cuMemsetD32Async"); break;
-      case ops::DType::f16: cuda::check(d.cuMemsetD16Async(ones, 0x3C00u, m, stream), "cuMemsetD16Async"); break;
-      default: cuda::check(d.cuMemsetD16Async(ones, 0x3F80u, m, stream), "cuMemsetD16Async"); break;
-    }
-    rt.blas->column_sums(c.dtype, c.m, c.n, c.a, at(g.ones), db, stream);
+  c.workspace = at(g.workspace);
+  if (!g.use_fallback) return rt.blas->gemm(c, stream);
+  // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
+  void* db = at(g.bias);
+  c.epilogue = cuda::Epilogue::none;
+  c.bias = nullptr;
+  rt.blas->gemm(c, stream);
+  const auto& d = cuda::driver();
+  const auto ones = reinterpret_cast<CUdeviceptr>(at(g.ones));
+  const size_t m = static_cast<size_t>(c.m);
+  switch (c.dtype) {
+    case ops::DType::f32: cuda::check(d.cuMemsetD32Async(ones, 0x3F800000u, m, stream), "cuMemsetD32Async"); break;
+    case ops::DType::f16: cuda::check(d.cuMemsetD16Async(ones, 0x3C00u, m, stream), "cuMemsetD16Async"); break;
+    default: cuda::check(d.cuMemsetD16Async(ones, 0x3F80u, m, stream), "cuMemsetD16Async"); break;
   }
-  (void)pp;
+  rt.blas->column_sums(c.dtype, c.m, c.n, c.a, at(g.ones), db, c.workspace, stream);
 }
 
-void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, uint64_t rng_offset, CUstream stream) {
+void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, CUstream stream) {
   const auto& d = cuda::driver();
   bool vec = k.spec.vec;
   for (int id : k.align_buffers) vec = vec && aligned16(ptr[static_cast<size_t>(id)]);
@@ -139,7 +154,6 @@ void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, uint64_t rng
       case KArg::Kind::buffer: vals[i] = ptr[static_cast<size_t>(a.buffer)]; kparams[i] = &vals[i]; break;
       case KArg::Kind::rows: i64s[i] = k.rows; kparams[i] = &i64s[i]; break;
       case KArg::Kind::u64_const: u64s[i] = a.value; kparams[i] = &u64s[i]; break;
-      case KArg::Kind::rng_offset: u64s[i] = rng_offset; kparams[i] = &u64s[i]; break;
       case KArg::Kind::int_const: ints[i] = L.parts; kparams[i] = &ints[i]; break;
     }
   }
@@ -171,17 +185,27 @@ void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, uint64_t rng
 
 }  // namespace
 
+void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
+  if (!p) return;
+  if (a.free) {
+    a.free(p, std::max<size_t>(bytes, 16), s, a.user);
+    return;
+  }
+  if (auto* d = cuda::try_driver()) d->cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s);
+}
+
 void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
-               uint64_t rng_offset, CUstream stream, const GroupHook& hook) {
+               CUstream stream, const GroupHook& hook) {
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
     if (hook && (i == 0 || steps[i - 1].group != s.group)) hook(s.group, true);
     if (s.kind == Step::Kind::gemm)
-      run_gemm(pp, rt, s.gemm, ptr, stream);
+      run_gemm(rt, s.gemm, ptr, stream);
     else
-      run_kernel(*s.kernel, ptr, rng_offset, stream);
+      run_kernel(*s.kernel, ptr, stream);
     if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);
   }
+  (void)pp;
 }
 
 std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program, Runtime& rt) {
@@ -200,6 +224,38 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
       scalar.vec = false;
       k.scalar.kernel = &rt.kernels->load(scalar, pp->target, k.meta);
     }
+  // cuBLASLt's algorithm for every GEMM, looked up now (a BGRADB problem without one takes the fallback).
+  for (auto* steps : {&program->forward, &program->backward})
+    for (auto& s : *steps) {
+      if (s.kind != Step::Kind::gemm) continue;
+      GemmStep& g = s.gemm;
+      // The operands a program binds are 256-byte aligned (arenas, the saved block, cudaMalloc, PyTorch's
+      // allocator): the algorithm is looked up for that; a call with a less aligned tensor looks its own up.
+      cuda::GemmCall call = g.call;
+      auto* aligned = reinterpret_cast<void*>(uintptr_t{256});
+      call.a = call.b = call.d = aligned;
+      if (g.c >= 0) call.c = aligned;
+      if (g.bias >= 0) call.bias = aligned;
+      if (g.aux >= 0) call.aux = aligned;
+      if (rt.blas->prepare(call)) continue;
+      if (!g.bias_grad_fallback)
+        fail(Status::unsupported, "cuBLASLt has no algorithm for {} ({}x{}x{}, {})", s.what, g.call.m, g.call.n,
+             g.call.k, cuda::epilogue_name(g.call.epilogue));
+      g.use_fallback = true;
+      auto plain = call;
+      plain.epilogue = cuda::Epilogue::none;
+      plain.bias = nullptr;
+      rt.blas->prepare(plain);
+      cuda::GemmCall sums;  // Blas::column_sums: db = ones^T dy
+      sums.kind = cuda::GemmKind::wgrad;
+      sums.m = call.m;
+      sums.n = call.n;
+      sums.k = 1;
+      sums.dtype = call.dtype;
+      sums.a = sums.b = sums.d = aligned;
+      rt.blas->prepare(sums);
+      log().debug("{}: no BGRADB algorithm; the bias gradient takes a separate GEMM", s.what);
+    }
   DeviceModel dev;
   dev.arch = pp->device.arch();
   dev.sm_count = pp->device.sm_count;
@@ -209,89 +265,81 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
   return pp;
 }
 
-void run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ParamMap& params,
-                 const ForwardArgs& fa, SavedContext* saved) {
+ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& fa) {
   const Program& p = *pp->program;
+  const bool training = fa.training && p.training;
   std::vector<void*> ptr(p.buffers.size(), nullptr);
   ptr[static_cast<size_t>(p.input)] = const_cast<void*>(fa.input);
   ptr[static_cast<size_t>(p.output)] = fa.output;
   bind_list(p.extra_in, fa.extra_in, ptr);
   bind_list(p.extra_out, fa.extra_out, ptr);
-  bind_params(p, params, nullptr, ptr);
-  for (const auto& b : p.buffers) {
-    if (b.role != BufferRole::recipe_state) continue;
-    auto it = fa.fp8.find(b.op);
-    if (it == fa.fp8.end()) fail(Status::internal, "{}: no FP8 recipe state", p.ops.at(static_cast<size_t>(b.op)).label());
-    ptr[static_cast<size_t>(b.id)] = b.key == "scale" ? static_cast<void*>(it->second.scale)
-                                     : b.key == "scale_inv" ? static_cast<void*>(it->second.scale_inv)
-                                                            : static_cast<void*>(it->second.history);
-  }
-  Block arena(rt.allocator, fa.stream, p.fwd_arena);
-  Block block(rt.allocator, fa.stream, saved && p.training ? p.saved_bytes : 0);
-  place(p, Storage::fwd_arena, arena.get(), ptr);
-  if (saved && p.training) place(p, Storage::saved, block.get(), ptr);
-  std::shared_ptr<Shadow> shadow;
+  bind_params(p, fa.params, nullptr, ptr);
+  bind_recipe_state(p, fa.fp8, ptr);
+  std::optional<Block> arena;
+  char* arena_base = static_cast<char*>(fa.workspace);
+  if (!arena_base && p.fwd_arena) arena_base = arena.emplace(rt.allocator, fa.stream, p.fwd_arena).get();
+  std::optional<Block> block;
+  char* saved_base = static_cast<char*>(fa.saved);
+  if (training && !saved_base && p.saved_bytes) saved_base = block.emplace(rt.allocator, fa.stream, p.saved_bytes).get();
+  place(p, Storage::fwd_arena, arena_base, ptr);
+  if (training) place(p, Storage::saved, saved_base, ptr);
+  ForwardResult result;
   if (rt.verify && pp->reference) {
     if (p.recipe.is_fp8()) {
       rt.verify->note_skip("FP8 recipes are not verified (a shadow run would advance the recipe state twice)");
     } else {
-      shadow = std::make_shared<Shadow>(pp, pp->reference, *rt.verify, rt);
-      shadow->begin_forward(fa, ptr, p.training);
+      result.shadow = std::make_shared<Shadow>(pp, pp->reference, *rt.verify, rt);
+      result.shadow->begin_forward(fa, ptr, p.training);
     }
   }
+  if (p.rng >= 0) copy_rng(fa.rng, ptr[static_cast<size_t>(p.rng)], fa.stream);
   GroupHook hook;
-  if (shadow)
+  if (auto* shadow = result.shadow.get())
     hook = [&](int g, bool before) {
       if (before)
         shadow->forward_input(g, ptr, fa.stream);
       else
-        shadow->forward_group(g, ptr, fa.rng_offset, fa.stream);
+        shadow->forward_group(g, ptr, fa.stream);
     };
-  run_steps(*pp, rt, p.forward, ptr, fa.rng_offset, fa.stream, hook);
-  if (saved) {
-    saved->shadow = shadow;
-    saved->prepared = pp;
-    saved->bytes = p.training ? p.saved_bytes : 0;
-    saved->block = block.release();
-    saved->ptrs = std::move(ptr);
-    saved->rng_offset = fa.rng_offset;
-    saved->allocator = rt.allocator;
+  run_steps(*pp, rt, p.forward, ptr, fa.stream, hook);
+  if (block) {
+    result.saved = block->release();
+    result.saved_bytes = p.saved_bytes;
   }
+  return result;
 }
 
-void run_backward(const Prepared& pp, Runtime& rt, const ParamMap& params, const GradMap& grads,
-                  const SavedContext& saved, const BackwardArgs& ba) {
+void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shadow* shadow) {
   const Program& p = *pp.program;
-  if (!p.training) fail(Status::invalid_argument, "this saved context comes from an inference forward");
-  std::vector<void*> ptr = saved.ptrs;  // the forward side: inputs, outputs, extras, the saved block
-  ptr.resize(p.buffers.size(), nullptr);
+  if (!p.training) fail(Status::invalid_argument, "a backward needs a program prepared for training");
+  std::vector<void*> ptr(p.buffers.size(), nullptr);
+  // The forward side: its tensors, parameters, recipe state and saved block.
+  ptr[static_cast<size_t>(p.input)] = const_cast<void*>(ba.input);
+  ptr[static_cast<size_t>(p.output)] = const_cast<void*>(ba.output);
+  bind_list(p.extra_in, ba.extra_in, ptr);
+  bind_list(p.extra_out, ba.extra_out, ptr);
+  bind_recipe_state(p, ba.fp8, ptr);
+  place(p, Storage::saved, static_cast<char*>(const_cast<void*>(ba.saved)), ptr);
   ptr[static_cast<size_t>(p.grad_output)] = const_cast<void*>(ba.grad_output);
   ptr[static_cast<size_t>(p.grad_input)] = ba.grad_input;
   bind_list(p.grad_extra_out, ba.grad_extra_out, ptr);
   bind_list(p.grad_extra_in, ba.grad_extra_in, ptr);
-  bind_params(p, params, &grads, ptr);
-  Block arena(rt.allocator, ba.stream, p.bwd_arena);
-  place(p, Storage::bwd_arena, arena.get(), ptr);
+  bind_params(p, ba.params, &ba.grads, ptr);
+  std::optional<Block> arena;
+  char* arena_base = static_cast<char*>(ba.workspace);
+  if (!arena_base && p.bwd_arena) arena_base = arena.emplace(rt.allocator, ba.stream, p.bwd_arena).get();
+  place(p, Storage::bwd_arena, arena_base, ptr);
   GroupHook hook;
-  if (saved.shadow) {
-    saved.shadow->begin_backward(ba, ptr);
+  if (shadow) {
+    shadow->begin_backward(ba, ptr);
     hook = [&](int g, bool before) {
       if (before)
-        saved.shadow->backward_input(g, ptr, ba.stream);
+        shadow->backward_input(g, ptr, ba.stream);
       else
-        saved.shadow->backward_group(g, ptr, saved.rng_offset, ba.stream);
+        shadow->backward_group(g, ptr, ba.stream);
     };
   }
-  run_steps(pp, rt, p.backward, ptr, saved.rng_offset, ba.stream, hook);
-}
-
-void release_saved(SavedContext& saved, CUstream stream) {
-  if (saved.released) return;
-  free_bytes(saved.allocator, stream, saved.block, saved.bytes);
-  saved.block = nullptr;
-  saved.ptrs.clear();
-  saved.shadow.reset();
-  saved.released = true;
+  run_steps(pp, rt, p.backward, ptr, ba.stream, hook);
 }
 
 }  // namespace jitfuse::exec

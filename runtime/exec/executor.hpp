@@ -1,6 +1,7 @@
 // Running a Program: prepare (compile, load, lay out) once, then forward (leaving the saved context) and
 // backward (reading it) as loops over steps on the caller's stream: bind buffer ids to pointers, launch.
-// One arena allocation per call and one saved block per training forward; no host synchronisation.
+// Memory is the host's (saved block, workspace) or one allocation per call through the allocator; no host
+// synchronisation, no compile, no module load: a prepared program's calls can be captured in a CUDA graph.
 #pragma once
 #include <cuda.h>
 
@@ -51,51 +52,66 @@ struct Runtime {  // what a context lends to programs
   VerifyLog* verify = nullptr;  // JITFUSE_VERIFY: where shadow runs report
 };
 
+// Where a forward's dropout draws from: the host's device state {seed, offset} (read when the forward
+// runs: graph-safe), or values given with the call.
+struct RngSource {
+  const uint64_t* state = nullptr;
+  uint64_t seed = 0, offset = 0;
+};
+
 struct ForwardArgs {
   const void* input = nullptr;
   std::vector<const void*> extra_in;
   void* output = nullptr;
   std::vector<void*> extra_out;
-  uint64_t rng_offset = 0;
+  ParamMap params;
+  RngSource rng;
+  bool training = false;    // write the saved block
+  void* saved = nullptr;    // the host's saved block (training), or null: allocated (ForwardResult)
+  void* workspace = nullptr;  // the host's arena, or null: allocated and freed stream-ordered
   CUstream stream = nullptr;
   std::map<int, Fp8State> fp8;  // by quantize op index (FP8 recipes)
 };
 
+// The backward of a forward: that forward's tensors and saved block (everything it left lives there or
+// in the caller's tensors), and the gradients.
 struct BackwardArgs {
+  const void* input = nullptr;
+  std::vector<const void*> extra_in;
+  const void* output = nullptr;
+  std::vector<const void*> extra_out;
+  ParamMap params;
+  GradMap grads;
+  const void* saved = nullptr;
   const void* grad_output = nullptr;
   std::vector<const void*> grad_extra_out;
   void* grad_input = nullptr;
   std::vector<void*> grad_extra_in;
+  void* workspace = nullptr;
   CUstream stream = nullptr;
+  std::map<int, Fp8State> fp8;
 };
 
-// What a training forward leaves for its backward: the saved block (freed on release) and the pointers of
-// the forward-side buffers the backward reads (saved inputs alias the caller's tensors).
-struct SavedContext {
-  std::shared_ptr<const Prepared> prepared;
-  void* block = nullptr;
-  size_t bytes = 0;
-  std::vector<void*> ptrs;  // by buffer id; forward-side entries only
-  uint64_t rng_offset = 0;
-  Allocator allocator;
+// A saved block the forward allocated through the allocator (the host frees it with free_block).
+struct ForwardResult {
+  void* saved = nullptr;
+  size_t saved_bytes = 0;
   std::shared_ptr<Shadow> shadow;  // JITFUSE_VERIFY: the unfused run's memory, for the backward's comparison
-  bool released = false;
 };
 
-// Compiles (in parallel, through the cache) and loads every kernel variant, then lays the program out for
-// the current device. Everything that cannot happen in a launch path happens here.
+// Compiles (in parallel, through the cache) and loads every kernel variant, looks up every GEMM's cuBLASLt
+// algorithm, then lays the program out for the current device. Everything that cannot happen in a launch
+// path (or inside a CUDA-graph capture) happens here.
 std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program, Runtime& rt);
 
-void run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ParamMap& params,
-                 const ForwardArgs& args, SavedContext* saved);
-void run_backward(const Prepared& pp, Runtime& rt, const ParamMap& params, const GradMap& grads,
-                  const SavedContext& saved, const BackwardArgs& args);
-void release_saved(SavedContext& saved, CUstream stream);
+ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& args);
+void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& args, Shadow* shadow);
+void free_block(const Allocator& a, CUstream stream, void* p, size_t bytes);
 
 // Runs `steps` with buffer pointers `ptr`; `hook(g, true)` (if given) before the first step of each group g
 // and `hook(g, false)` after its last.
 using GroupHook = std::function<void(int group, bool before)>;
 void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
-               uint64_t rng_offset, CUstream stream, const GroupHook& hook = {});
+               CUstream stream, const GroupHook& hook = {});
 
 }  // namespace jitfuse::exec

@@ -26,6 +26,7 @@ std::string role_name(BufferRole r) {
     case BufferRole::param: return "param";
     case BufferRole::grad: return "grad";
     case BufferRole::recipe_state: return "recipe_state";
+    case BufferRole::rng_state: return "rng_state";
     case BufferRole::activation: return "activation";
     case BufferRole::gradient: return "gradient";
     case BufferRole::saved: return "saved";
@@ -132,8 +133,7 @@ std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(cons
 
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t round_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+size_t round_up(size_t x) { return (x + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment; }
 
 KernelLaunch launch_for(const codegen::Launch& L, codegen::Skeleton sk, int64_t rows, int sm_count,
                         int blocks_per_sm) {

@@ -20,6 +20,10 @@ namespace jitfuse::exec {
 
 struct LoadedKernel;
 
+// Every buffer in an arena or the saved block starts at a multiple of this (and so must the host's
+// workspace and saved buffers).
+inline constexpr size_t kArenaAlignment = 256;
+
 // Who provides a buffer's memory, and for how long it lives.
 enum class Storage {
   caller,     // a tensor the caller passes with the call (input, output, extras, params, grads, recipe state)
@@ -33,6 +37,7 @@ enum class BufferRole {
   grad_output, grad_input, grad_extra_out, grad_extra_in,   // backward tensors of the caller
   param, grad,                                              // (op, name) parameters and their gradients
   recipe_state,                                             // (op, "scale"|"scale_inv"|"amax_history") FP8 state
+  rng_state,                                                // the call's Philox {seed, offset}, copied in first
   activation,                                               // a value between two forward groups
   gradient,                                                 // a gradient between two backward groups
   saved,                                                    // (op, name) context a forward kernel or GEMM writes
@@ -59,7 +64,7 @@ struct Buffer {
 
 // How one kernel argument is bound at launch.
 struct KArg {
-  enum class Kind { buffer, rows, u64_const, rng_offset, int_const } kind = Kind::buffer;
+  enum class Kind { buffer, rows, u64_const, int_const } kind = Kind::buffer;
   int buffer = -1;
   uint64_t value = 0;
 };
@@ -96,9 +101,11 @@ struct KernelStep {
 struct GemmStep {
   cuda::GemmCall call;  // dims, kind, epilogue, alpha/beta, dtype; pointers are bound per call from:
   int a = -1, b = -1, c = -1, d = -1, bias = -1, aux = -1;
+  int workspace = -1;  // the cuBLASLt workspace: scratch of the call's arena, live for this step only
   // BGRADB may have no cuBLASLt algorithm for a problem: then the plain wgrad and db = ones^T dy.
   int ones = -1;
-  bool bias_grad_fallback = false;
+  bool bias_grad_fallback = false;  // the fallback is possible (ones is allocated)
+  bool use_fallback = false;        // prepare found no BGRADB algorithm: take it
   int64_t flops() const { return 2 * call.m * call.n * call.k; }
 };
 
@@ -121,6 +128,7 @@ struct Program {
   size_t fwd_arena = 0, bwd_arena = 0, saved_bytes = 0;
   // Buffer ids of the caller's tensors, by role.
   int input = -1, output = -1, grad_output = -1, grad_input = -1;
+  int rng = -1;  // the Philox state a forward copies in first (saved block when training), -1 without dropout
   std::vector<int> extra_in, extra_out, grad_extra_out, grad_extra_in;
   std::vector<int> values, gradients;  // by op boundary i (0..n): the forward value / its gradient, -1 if none
   std::vector<int> saved() const;  // ids of the buffers a training forward leaves for the backward

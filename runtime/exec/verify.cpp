@@ -99,6 +99,8 @@ void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fuse
       for (const auto& fb : f.buffers)
         if (fb.role == BufferRole::param && fb.op == b.op && fb.key == b.key) ptr_[id] = fused_ptr[fb.id];
   }
+  // The same Philox state: the fused forward copies it in before its first step.
+  if (r.rng >= 0 && f.rng >= 0) ptr_[static_cast<size_t>(r.rng)] = fused_ptr[static_cast<size_t>(f.rng)];
   ptr_[static_cast<size_t>(r.input)] = const_cast<void*>(fa.input);
   ptr_[static_cast<size_t>(r.output)] = scratch(r.buffer(r.output).bytes);
   for (size_t k = 0; k < r.extra_in.size(); ++k)
@@ -107,13 +109,13 @@ void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fuse
     if (id >= 0) ptr_[static_cast<size_t>(id)] = scratch(r.buffer(id).bytes);
 }
 
-void Shadow::run_ops(bool forward, int b, int e, uint64_t rng_offset, CUstream stream) {
+void Shadow::run_ops(bool forward, int b, int e, CUstream stream) {
   const Program& r = *ref_->program;
   // The unfused plan has one group per op: its group index is the op index.
   std::vector<Step> steps;
   for (const auto& s : forward ? r.forward : r.backward)
     if (s.group >= b && s.group < e) steps.push_back(s);
-  run_steps(*ref_, rt_, steps, ptr_, rng_offset, stream);
+  run_steps(*ref_, rt_, steps, ptr_, stream);
 }
 
 void Shadow::compare(const char* pass, int gi, const std::string& tensor, const void* fused, const void* ref,
@@ -195,12 +197,12 @@ void Shadow::copy_in(int fused_id, int ref_id, const std::vector<void*>& fused_p
               "cuMemcpyDtoDAsync(JITFUSE_VERIFY)");
 }
 
-void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t rng_offset, CUstream stream) {
+void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
   const Program& f = *fused_->program;
   const Program& r = *ref_->program;
   const auto& g = f.plan.forward.at(static_cast<size_t>(gi));
   // Unfused groups run too (not compared): the shadow's backward reads the saved context they write.
-  run_ops(true, g.begin, g.end, rng_offset, stream);
+  run_ops(true, g.begin, g.end, stream);
   if (g.rule.empty()) return;
   bool gemm = false;
   for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
@@ -238,12 +240,12 @@ void Shadow::begin_backward(const BackwardArgs& ba, const std::vector<void*>& fu
     if (id >= 0) ptr_[static_cast<size_t>(id)] = scratch(r.buffer(id).bytes);
 }
 
-void Shadow::backward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t rng_offset, CUstream stream) {
+void Shadow::backward_group(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
   const Program& f = *fused_->program;
   const Program& r = *ref_->program;
   const auto& g = f.plan.backward.at(static_cast<size_t>(gi));
   if (g.rule.empty()) return;
-  run_ops(false, g.begin, g.end, rng_offset, stream);
+  run_ops(false, g.begin, g.end, stream);
   bool gemm = false;
   for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
   {

@@ -41,15 +41,15 @@ class Shadow {
   // Before the fused forward group `gi` runs: a copy of its input (its steps may reuse that memory).
   void forward_input(int gi, const std::vector<void*>& fused_ptr, CUstream stream);
   // After the fused forward group `gi` ran: the unfused ops of the group on the same input, compared.
-  void forward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t rng_offset, CUstream stream);
+  void forward_group(int gi, const std::vector<void*>& fused_ptr, CUstream stream);
   void begin_backward(const BackwardArgs& ba, const std::vector<void*>& fused_ptr);
   void backward_input(int gi, const std::vector<void*>& fused_ptr, CUstream stream);
-  void backward_group(int gi, const std::vector<void*>& fused_ptr, uint64_t rng_offset, CUstream stream);
+  void backward_group(int gi, const std::vector<void*>& fused_ptr, CUstream stream);
 
  private:
   void* scratch(size_t bytes);
   void copy_in(int fused_id, int ref_id, const std::vector<void*>& fused_ptr, CUstream stream);
-  void run_ops(bool forward, int b, int e, uint64_t rng_offset, CUstream stream);
+  void run_ops(bool forward, int b, int e, CUstream stream);
   void compare(const char* pass, int gi, const std::string& tensor, const void* fused, const void* ref, int buffer,
                bool gemm, CUstream stream);
 

@@ -104,6 +104,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
 
   SeqInputs in;
   in.rng_offset = opt.rng_offset;
+  in.rng_seed = opt.rng_seed;
   in.input = random_vec(rng, ops::numel(opt.shape), -2, 2, rc);
   std::vector<std::unique_ptr<DeviceTensor>> keep;
   auto dev = [&](const ops::Shape& s) {
@@ -111,6 +112,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     return keep.back().get();
   };
   std::map<ParamKey, DeviceTensor*> grads;
+  std::vector<jf_param> params, grad_params;
   for (auto& op : ops) {
     for (auto& p : op.params) {
       Vec v;
@@ -126,10 +128,10 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
       DeviceTensor* t = dev(p.shape);
       t->upload_values(v);
       in.params[{op.index, p.name}] = v;
-      ok(jf_sequence_bind_param(seq, op.index, p.name.c_str(), t->dl()), "jf_sequence_bind_param");
+      params.push_back({op.index, p.name.c_str(), t->dl()});
       DeviceTensor* gt = dev(p.shape);
       grads[{op.index, p.name}] = gt;
-      ok(jf_sequence_bind_grad(seq, op.index, p.name.c_str(), gt->dl()), "jf_sequence_bind_grad");
+      grad_params.push_back({op.index, p.name.c_str(), gt->dl()});
     }
   }
   DeviceTensor* x = dev(opt.shape);
@@ -159,6 +161,16 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   for (auto* t : eout) eout_t.push_back(t->dl());
 
   const auto& d = cuda::driver();
+  std::vector<CUdeviceptr> keep_raw;
+  struct RawGuard {
+    std::vector<CUdeviceptr>& v;
+    ~RawGuard() {
+      if (auto* d = cuda::try_driver()) {
+        d->cuCtxSynchronize();
+        for (auto p : v) d->cuMemFree(p);
+      }
+    }
+  } raw_guard{keep_raw};
   CUstream stream = nullptr;
   cuda::check(d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   struct StreamGuard {
@@ -167,11 +179,52 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
       if (auto* d = cuda::try_driver()) d->cuStreamDestroy(s);
     }
   } sguard{stream};
-  jf_forward_options fo{opt.rng_offset, opt.backward ? 1 : 0};
+  const auto js = reinterpret_cast<jf_stream>(stream);
+  jf_program_info info{};
+  ok(jf_sequence_info(seq, opt.shape.data(), static_cast<int>(opt.shape.size()), opt.backward ? 1 : 0, &info),
+     "jf_sequence_info");
+  // Host memory: one raw buffer each, freed with the check.
+  auto raw = [&](size_t bytes) -> void* {
+    if (!bytes) return nullptr;
+    CUdeviceptr p = 0;
+    cuda::check(d.cuMemAlloc(&p, bytes), "cuMemAlloc");
+    keep_raw.push_back(p);
+    cuda::check(d.cuMemsetD8Async(p, 0xFF, bytes, stream), "cuMemsetD8Async");  // NaN-poisoned, like outputs
+    return reinterpret_cast<void*>(p);
+  };
+  jf_forward_args fa{};
+  fa.input = x->dl();
+  fa.extra_inputs = ein_t.data();
+  fa.n_extra_inputs = static_cast<int>(ein_t.size());
+  fa.output = y->dl();
+  fa.extra_outputs = eout_t.data();
+  fa.n_extra_outputs = static_cast<int>(eout_t.size());
+  fa.params = params.data();
+  fa.n_params = static_cast<int>(params.size());
+  fa.training = opt.backward ? 1 : 0;
+  if (opt.device_rng) {
+    const uint64_t state[2] = {opt.rng_seed, opt.rng_offset};
+    void* p = raw(16);
+    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize");
+    cuda::check(d.cuMemcpyHtoD(reinterpret_cast<CUdeviceptr>(p), state, 16), "cuMemcpyHtoD(rng state)");
+    fa.rng_state = static_cast<const uint64_t*>(p);
+  } else {
+    fa.rng_seed = opt.rng_seed;
+    fa.rng_offset = opt.rng_offset;
+  }
+  if (opt.host_memory) {
+    fa.saved = raw(info.saved_bytes);
+    fa.saved_bytes = info.saved_bytes;
+    fa.workspace = raw(info.forward_workspace_bytes);
+    fa.workspace_bytes = info.forward_workspace_bytes;
+  }
   jf_saved saved = nullptr;
-  ok(jf_forward(seq, x->dl(), ein_t.data(), static_cast<int>(ein_t.size()), y->dl(), eout_t.data(),
-                static_cast<int>(eout_t.size()), &fo, opt.backward ? &saved : nullptr, reinterpret_cast<jf_stream>(stream)),
-     "jf_forward");
+  ok(jf_forward(seq, &fa, &saved, js), "jf_forward");
+  struct SavedGuard {
+    jf_saved s;
+    jf_stream st;
+    ~SavedGuard() { jf_saved_release(s, st); }
+  } saved_guard{saved, js};
   cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(forward)");
 
   double atol, rtol;
@@ -192,10 +245,36 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     std::vector<DLTensor*> gein_t;
     for (auto* t : geout) geout_t.push_back(t->dl());
     for (auto* t : gein) gein_t.push_back(t->dl());
-    jf_status st = jf_backward(seq, saved, gyt->dl(), geout_t.data(), static_cast<int>(geout_t.size()), gx->dl(),
-                               gein_t.data(), static_cast<int>(gein_t.size()), reinterpret_cast<jf_stream>(stream));
-    jf_saved_release(saved, reinterpret_cast<jf_stream>(stream));
-    ok(st, "jf_backward");
+    jf_backward_args ba{};
+    ba.input = x->dl();
+    ba.extra_inputs = ein_t.data();
+    ba.n_extra_inputs = fa.n_extra_inputs;
+    ba.output = y->dl();
+    ba.extra_outputs = const_cast<const DLTensor* const*>(eout_t.data());
+    ba.n_extra_outputs = fa.n_extra_outputs;
+    ba.params = params.data();
+    ba.n_params = fa.n_params;
+    ba.grads = grad_params.data();
+    ba.n_grads = static_cast<int>(grad_params.size());
+    if (fa.saved) {
+      ba.saved = fa.saved;
+      ba.saved_bytes = fa.saved_bytes;
+    } else {
+      void* b = nullptr;
+      ok(jf_saved_buffer(saved, &b, &ba.saved_bytes), "jf_saved_buffer");
+      ba.saved = b;
+    }
+    ba.grad_output = gyt->dl();
+    ba.grad_extra_outputs = geout_t.data();
+    ba.n_grad_extra_outputs = static_cast<int>(geout_t.size());
+    ba.grad_input = gx->dl();
+    ba.grad_extra_inputs = gein_t.data();
+    ba.n_grad_extra_inputs = static_cast<int>(gein_t.size());
+    if (opt.host_memory) {
+      ba.workspace = raw(info.backward_workspace_bytes);
+      ba.workspace_bytes = info.backward_workspace_bytes;
+    }
+    ok(jf_backward(seq, &ba, js), "jf_backward");
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
   };
   // Every tensor against its reference; without one (user-declared ops), against itself, which counts

@@ -16,6 +16,11 @@ struct CheckOptions {
   bool backward = true;
   uint64_t seed = 1;          // inputs are drawn from this seed
   uint64_t rng_offset = 12345;
+  uint64_t rng_seed = 0x5eed;  // the call's Philox seed (XORed into each dropout's seed attribute)
+  // ABI 2's two ways of passing memory and randomness: the host's saved buffer and workspaces (sized from
+  // jf_sequence_info) and a device {seed, offset} state, or the allocator and host values.
+  bool host_memory = false;
+  bool device_rng = false;
   bool misalign = false;      // offset every tensor by one element: the scalar path must be taken
   // No float64 reference (user-declared ops): only check that every output was written; the numerics are
   // compared with the unfused run by JITFUSE_VERIFY instead.

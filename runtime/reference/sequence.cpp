@@ -60,7 +60,7 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
         break;
       case Family::dropout:
         if (dropout_active(op)) {
-          auto mask = dropout_mask(op.attrs["seed"].get<uint64_t>(), in.rng_offset, static_cast<int64_t>(v.size()),
+          auto mask = dropout_mask(op.attrs["seed"].get<uint64_t>() ^ in.rng_seed, in.rng_offset, static_cast<int64_t>(v.size()),
                                    op.num("p"));
           v = dropout_fwd(v, mask, op.num("p"));
         }
@@ -121,7 +121,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
       }
       case Family::dropout:
         if (dropout_active(op)) {
-          auto mask = dropout_mask(op.attrs["seed"].get<uint64_t>(), in.rng_offset, static_cast<int64_t>(dy.size()),
+          auto mask = dropout_mask(op.attrs["seed"].get<uint64_t>() ^ in.rng_seed, in.rng_offset, static_cast<int64_t>(dy.size()),
                                    op.num("p"));
           dy = dropout_bwd(dy, mask, op.num("p"));
         }

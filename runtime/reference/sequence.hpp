@@ -16,6 +16,7 @@ struct SeqInputs {
   std::vector<Vec> extra_in;
   std::map<ParamKey, Vec> params;
   uint64_t rng_offset = 0;
+  uint64_t rng_seed = 0;  // the call's Philox seed: a dropout's key is its seed attribute XOR this
 };
 
 struct SeqForward {

@@ -56,6 +56,7 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
   in.input = x_keep && !x_keep->empty() ? *x_keep : rnd(ops::numel(ops.front().in));
   if (x_keep) *x_keep = in.input;
   std::vector<std::unique_ptr<reference::DeviceTensor>> keep;
+  std::vector<jf_param> params;
   for (const auto& op : ops)
     for (const auto& p : op.params) {
       auto& v = in.params[{op.index, p.name}];
@@ -63,7 +64,7 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
       if (p_keep) (*p_keep)[{op.index, p.name}] = v;
       keep.push_back(std::make_unique<reference::DeviceTensor>(p.shape, "bf16"));
       keep.back()->upload_values(v);
-      REQUIRE(jf_sequence_bind_param(seq, op.index, p.name.c_str(), keep.back()->dl()) == JF_OK);
+      params.push_back({op.index, p.name.c_str(), keep.back()->dl()});
     }
   reference::DeviceTensor x(ops.front().in, "bf16"), y(ops.back().out, "e4m3");
   x.upload_values(in.input);
@@ -72,9 +73,8 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
   REQUIRE(jf_sequence_fp8_state(seq, qi, &st) == JF_OK);
   Run run;
   run.scale_used = read_floats(st.scale, 1)[0];
-  jf_forward_options fo{0, train ? 1 : 0};
   jf_saved saved = nullptr;
-  REQUIRE(jf_forward(seq, x.dl(), nullptr, 0, y.dl(), nullptr, 0, &fo, train ? &saved : nullptr, nullptr) == JF_OK);
+  REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), params, train, &saved) == JF_OK);
   if (saved) REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
   run.out = y.download();
   run.scale_inv = read_floats(st.scale_inv, 1)[0];
@@ -201,14 +201,11 @@ TEST_CASE("FP8 recipes: the backward passes gradients straight through quantize"
     b.upload_values(in.params[{0, "bias"}]);
     dy.upload_values(gy);
     for (auto* t : {&y, &dx, &dw, &db}) t->poison();
-    REQUIRE(jf_sequence_bind_param(seq, 0, "weight", w.dl()) == JF_OK);
-    REQUIRE(jf_sequence_bind_param(seq, 0, "bias", b.dl()) == JF_OK);
-    REQUIRE(jf_sequence_bind_grad(seq, 0, "weight", dw.dl()) == JF_OK);
-    REQUIRE(jf_sequence_bind_grad(seq, 0, "bias", db.dl()) == JF_OK);
-    jf_forward_options fo{0, 1};
+    const std::vector<jf_param> params = {{0, "weight", w.dl()}, {0, "bias", b.dl()}};
+    const std::vector<jf_param> grads = {{0, "weight", dw.dl()}, {0, "bias", db.dl()}};
     jf_saved saved = nullptr;
-    REQUIRE(jf_forward(seq, x.dl(), nullptr, 0, y.dl(), nullptr, 0, &fo, &saved, nullptr) == JF_OK);
-    REQUIRE(jf_backward(seq, saved, dy.dl(), nullptr, 0, dx.dl(), nullptr, 0, nullptr) == JF_OK);
+    REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), params, true, &saved) == JF_OK);
+    REQUIRE(test::backward_simple(seq, saved, x.dl(), y.dl(), dy.dl(), dx.dl(), params, grads) == JF_OK);
     REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
     auto fwd = reference::sequence_forward(ops, in);
     auto g = reference::sequence_backward(ops, in, fwd, gy, {});

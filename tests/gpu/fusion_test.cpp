@@ -177,11 +177,12 @@ TEST_CASE("Blas::column_sums (the BGRADB fallback) matches float64 column sums",
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < n; ++c) ref[c] += x[r * n + c];
     reference::DeviceTensor dx({m, n}, dt), d1({m}, dt), dout({n}, dt);
+    reference::DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
     dx.upload_values(x);
     d1.upload_values(ones);
     dout.poison();
     blas.column_sums(ops::parse_recipe(dt).dtype, m, n, reinterpret_cast<void*>(dx.ptr()), reinterpret_cast<void*>(d1.ptr()),
-                     reinterpret_cast<void*>(dout.ptr()), nullptr);
+                     reinterpret_cast<void*>(dout.ptr()), reinterpret_cast<void*>(ws.ptr()), nullptr);
     auto got = dout.download_values();
     double worst = 0;
     const double rtol = std::string(dt) == "fp32" ? 1e-5 : 1.6e-2;

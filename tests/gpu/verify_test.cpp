@@ -67,8 +67,7 @@ TEST_CASE("JITFUSE_VERIFY reports the first fused group that differs beyond the 
   x.upload_values(xv);
   b.upload_values(bv);
   y.poison();
-  REQUIRE(jf_sequence_bind_param(seq, 0, "bias", b.dl()) == JF_OK);
-  REQUIRE(jf_forward(seq, x.dl(), nullptr, 0, y.dl(), nullptr, 0, nullptr, nullptr, nullptr) == JF_OK);
+  REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), {{0, "bias", b.dl()}}, false, nullptr) == JF_OK);
   const auto* log = api::context_of(ctx).verify_log();
   INFO(log->first);
   CHECK(log->failures == 1);

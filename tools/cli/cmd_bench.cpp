@@ -2,6 +2,7 @@
 // device-to-device copy bandwidth measured in the same run) and the GEMM cases (TFLOP/s against bare
 // cuBLASLt with the same epilogues). Inputs are random (never zeros). See docs/benchmarks.md.
 #include <algorithm>
+#include <deque>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -74,14 +75,16 @@ struct Row {
   std::string note;
 };
 
-// One sequence, bound with random parameters and inputs, in bf16.
+// One sequence with random parameters and inputs, in bf16, run through the C ABI.
 struct SeqBench {
   jf_sequence seq = nullptr;
-  std::vector<std::unique_ptr<DeviceTensor>> keep;
+  std::vector<std::unique_ptr<DeviceTensor>> keep;  // per parameter: the tensor, then its gradient
   DeviceTensor *x = nullptr, *y = nullptr, *gy = nullptr, *gx = nullptr;
   std::vector<DeviceTensor*> ein, eout, gein, geout;
-  std::vector<const DLTensor*> ein_t, geout_t;
+  std::vector<const DLTensor*> ein_t, geout_t, eout_ct;
   std::vector<DLTensor*> eout_t, gein_t;
+  std::deque<std::string> names;
+  std::vector<jf_param> params, grads;
 
   DeviceTensor* make(const ops::Shape& s, uint64_t seed) {
     keep.push_back(std::make_unique<DeviceTensor>(s, "bf16"));
@@ -90,17 +93,16 @@ struct SeqBench {
   }
 
   SeqBench(jf_context ctx, const std::string& ops_json, const ops::Shape& in, const ops::Shape& out,
-           const std::vector<std::tuple<int, std::string, ops::Shape>>& params, int n_extra_in, int n_extra_out,
+           const std::vector<std::tuple<int, std::string, ops::Shape>>& ps, int n_extra_in, int n_extra_out,
            const char* recipe = "bf16") {
     std::string j = R"({"format": "jitfuse.sequence/1", "name": "bench", "ops": )" + ops_json + "}";
     ok(jf_sequence_create(ctx, j.c_str(), recipe, &seq), "jf_sequence_create");
     const bool fp8_out = std::string(recipe).rfind("fp8", 0) == 0;
     uint64_t seed = 1;
-    for (auto& [op, name, shape] : params) {
-      DeviceTensor* p = make(shape, seed++);
-      ok(jf_sequence_bind_param(seq, op, name.c_str(), p->dl()), "bind_param");
-      DeviceTensor* g = make(shape, seed++);
-      ok(jf_sequence_bind_grad(seq, op, name.c_str(), g->dl()), "bind_grad");
+    for (auto& [op, name, shape] : ps) {
+      names.push_back(name);
+      params.push_back({op, names.back().c_str(), make(shape, seed++)->dl()});
+      grads.push_back({op, names.back().c_str(), make(shape, seed++)->dl()});
     }
     x = make(in, seed++);
     if (fp8_out) {  // E4M3 bytes: nothing to upload, the forward writes them
@@ -122,21 +124,53 @@ struct SeqBench {
     }
     for (auto* t : ein) ein_t.push_back(t->dl());
     for (auto* t : eout) eout_t.push_back(t->dl());
+    for (auto* t : eout) eout_ct.push_back(t->dl());
     for (auto* t : gein) gein_t.push_back(t->dl());
     for (auto* t : geout) geout_t.push_back(t->dl());
   }
   ~SeqBench() { jf_sequence_destroy(seq); }
 
+  jf_forward_args forward_args(bool training) {
+    jf_forward_args a{};
+    a.input = x->dl();
+    a.extra_inputs = ein_t.data();
+    a.n_extra_inputs = static_cast<int>(ein_t.size());
+    a.output = y->dl();
+    a.extra_outputs = eout_t.data();
+    a.n_extra_outputs = static_cast<int>(eout_t.size());
+    a.params = params.data();
+    a.n_params = static_cast<int>(params.size());
+    a.training = training ? 1 : 0;
+    a.rng_offset = 1;
+    return a;
+  }
+  // saved: a training forward (the saved block is allocated and handed out); NULL: inference.
   void forward(CUstream s, jf_saved* saved) {
-    jf_forward_options fo{1, saved ? 1 : 0};
-    ok(jf_forward(seq, x->dl(), ein_t.data(), static_cast<int>(ein_t.size()), y->dl(), eout_t.data(),
-                  static_cast<int>(eout_t.size()), &fo, saved, reinterpret_cast<jf_stream>(s)),
-       "jf_forward");
+    auto a = forward_args(saved != nullptr);
+    ok(jf_forward(seq, &a, saved, reinterpret_cast<jf_stream>(s)), "jf_forward");
   }
   void backward(CUstream s, jf_saved saved) {
-    ok(jf_backward(seq, saved, gy->dl(), geout_t.data(), static_cast<int>(geout_t.size()), gx->dl(), gein_t.data(),
-                   static_cast<int>(gein_t.size()), reinterpret_cast<jf_stream>(s)),
-       "jf_backward");
+    jf_backward_args a{};
+    a.input = x->dl();
+    a.extra_inputs = ein_t.data();
+    a.n_extra_inputs = static_cast<int>(ein_t.size());
+    a.output = y->dl();
+    a.extra_outputs = eout_ct.data();
+    a.n_extra_outputs = static_cast<int>(eout_ct.size());
+    a.params = params.data();
+    a.n_params = static_cast<int>(params.size());
+    void* block = nullptr;
+    ok(jf_saved_buffer(saved, &block, &a.saved_bytes), "jf_saved_buffer");
+    a.saved = block;
+    a.grad_output = gy->dl();
+    a.grad_extra_outputs = geout_t.data();
+    a.n_grad_extra_outputs = static_cast<int>(geout_t.size());
+    a.grad_input = gx->dl();
+    a.grad_extra_inputs = gein_t.data();
+    a.n_grad_extra_inputs = static_cast<int>(gein_t.size());
+    a.grads = grads.data();
+    a.n_grads = static_cast<int>(grads.size());
+    ok(jf_backward(seq, &a, reinterpret_cast<jf_stream>(s)), "jf_backward");
   }
 };
 
@@ -152,7 +186,8 @@ constexpr int64_t R = 8192;
 
 std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
   std::vector<Row> rows;
-  auto want = [&](const char* n) { return o.only.empty() || o.only == n; };
+  // decode runs only when asked for: its rows measure call overhead, not kernels.
+  auto want = [&](const char* n) { return o.only == n || (o.only.empty() && std::string(n) != "decode"); };
   const double e = 2;  // bf16 bytes
   if (want("bias_gelu")) {
     const int64_t C = 16384;
@@ -212,6 +247,8 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     c.b = reinterpret_cast<void*>(b.keep[0]->ptr());
     c.bias = reinterpret_cast<void*>(b.keep[2]->ptr());
     c.d = reinterpret_cast<void*>(b.y->ptr());
+    DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 2)}, "bf16");
+    c.workspace = reinterpret_cast<void*>(ws.ptr());
     r.baseline_ms = median_ms(s, [&] { blas.gemm(c, s); }, o);
     rows.push_back(r);
   }
@@ -230,6 +267,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     // Bare cuBLASLt: the six GEMMs with the epilogues the fused plan uses (GELU_AUX_BIAS, BIAS; BGRADB on
     // both wgrads) and nothing else; the fused plan also runs gelu's backward as a generated kernel.
     cuda::Blas blas;
+    DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 2)}, "bf16");
     DeviceTensor h({R, F}, "bf16"), aux({R, F}, "bf16"), dh({R, F}, "bf16");
     h.upload_values(random_values(static_cast<size_t>(R * F), 7, -1, 1));
     dh.upload_values(random_values(static_cast<size_t>(R * F), 8, -1, 1));
@@ -248,7 +286,10 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
                         P(dh), p(0), nullptr, P(*b.gx), nullptr, nullptr};
       cuda::GemmCall w1{cuda::GemmKind::wgrad, R, F, H, ops::DType::bf16, cuda::Epilogue::bgradb, 1, 0,
                         P(dh), P(*b.x), nullptr, p(1), p(3), nullptr};
-      for (auto* g : {&f1, &f2, &d2, &w2, &d1, &w1}) blas.gemm(*g, s);
+      for (auto* g : {&f1, &f2, &d2, &w2, &d1, &w1}) {
+        g->workspace = P(ws);
+        blas.gemm(*g, s);
+      }
     }, o);
     rows.push_back(r);
   }
@@ -267,6 +308,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
       jf_saved_release(saved, reinterpret_cast<jf_stream>(s));
     }, o);
     cuda::Blas blas;
+    DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 2)}, "bf16");
     DeviceTensor h({R, F}, "bf16"), dh({R, F}, "bf16");
     DeviceTensor mask({static_cast<int64_t>(cuda::relu_mask_bytes(F, R) / 2)}, "bf16");  // bytes, as 2-byte words
     h.upload_values(random_values(static_cast<size_t>(R * F), 7, -1, 1));
@@ -285,9 +327,48 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
                         P(dh), p(0), nullptr, P(*b.gx), nullptr, nullptr};
       cuda::GemmCall w1{cuda::GemmKind::wgrad, R, F, H, ops::DType::bf16, cuda::Epilogue::none, 1, 0,
                         P(dh), P(*b.x), nullptr, p(1), nullptr, nullptr};
-      for (auto* g : {&f1, &f2, &d2, &w2, &d1, &w1}) blas.gemm(*g, s);
+      for (auto* g : {&f1, &f2, &d2, &w2, &d1, &w1}) {
+        g->workspace = P(ws);
+        blas.gemm(*g, s);
+      }
     }, o);
     rows.push_back(r);
+  }
+  if (want("decode")) {
+    // Inference of the MLP at decode sizes, per call: eager (host work on the critical path at small M)
+    // and as a replayed CUDA graph of the same call (ABI 2: prepared, host workspace, nothing allocated).
+    // The floor is the weights read once at the copy bandwidth (bytes column: weights + activations).
+    const int64_t H = 4096, F = 16384;
+    for (int64_t M : {int64_t{1}, int64_t{16}, int64_t{128}}) {
+      SeqBench b(ctx, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"},
+                        {"op": "linear", "in_features": 16384, "out_features": 4096}, {"op": "bias"}])",
+                 {M, H}, {M, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}}, 0, 0);
+      const int64_t shape[2] = {M, H};
+      ok(jf_sequence_prepare(b.seq, shape, 2, 0, reinterpret_cast<jf_stream>(s)), "jf_sequence_prepare");
+      jf_program_info info{};
+      ok(jf_sequence_info(b.seq, shape, 2, 0, &info), "jf_sequence_info");
+      DeviceTensor ws({static_cast<int64_t>(info.forward_workspace_bytes / 2 + 1)}, "bf16");
+      auto a = b.forward_args(false);
+      a.workspace = reinterpret_cast<void*>(ws.ptr());
+      a.workspace_bytes = info.forward_workspace_bytes;
+      const double bytes = e * (2.0 * H * F + F + H) + e * 2.0 * M * H;
+      const std::string shape_s = fmt::format("{}: 4096->16384->4096", M);
+      rows.push_back({fmt::format("decode M={} eager", M), shape_s,
+                      median_ms(s, [&] { ok(jf_forward(b.seq, &a, nullptr, reinterpret_cast<jf_stream>(s)), "jf_forward"); }, o),
+                      bytes});
+      const auto& d = cuda::driver();
+      CUgraph graph = nullptr;
+      CUgraphExec exec = nullptr;
+      cuda::check(d.cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
+      jf_status st = jf_forward(b.seq, &a, nullptr, reinterpret_cast<jf_stream>(s));
+      cuda::check(d.cuStreamEndCapture(s, &graph), "cuStreamEndCapture");
+      ok(st, "jf_forward (captured)");
+      cuda::check(d.cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiate");
+      rows.push_back({fmt::format("decode M={} graph", M), shape_s,
+                      median_ms(s, [&] { cuda::check(d.cuGraphLaunch(exec, s), "cuGraphLaunch"); }, o), bytes});
+      d.cuGraphExecDestroy(exec);
+      d.cuGraphDestroy(graph);
+    }
   }
   return rows;
 }
@@ -351,7 +432,8 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_flag("--sync", o->sync, "Wait for each timed call before enqueuing the next (host overhead included)");
   cmd->add_option("--case", o->only,
                   "Run one case: bias_gelu, dgelu_dbias, layernorm, rmsnorm, layernorm_fp8_current, "
-                  "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp, mlp_relu");
+                  "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp, mlp_relu, decode (MLP inference "
+                  "at M = 1, 16, 128: eager and as a replayed CUDA graph; not in the default set)");
   cmd->callback([o] { run_bench(*o); });
 }
 

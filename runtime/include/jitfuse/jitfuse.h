@@ -1,4 +1,4 @@
-/* jitfuse C ABI (version 1). Opaque handles, status codes, a thread-local last-error string; no C++
+/* jitfuse C ABI (version 2). Opaque handles, status codes, a thread-local last-error string; no C++
  * exception crosses this boundary. Tensors are DLPack DLTensors in device memory, contiguous row-major,
  * of the recipe's dtype. Work goes on the CUstream/cudaStream_t the caller passes. */
 #ifndef JITFUSE_JITFUSE_H_
@@ -19,7 +19,8 @@ extern "C" {
 #define JF_API
 #endif
 
-#define JF_ABI_VERSION 1
+#define JF_ABI_VERSION 2
+#define JF_MAX_DIMS 16 /* the most dims a tensor may have */
 
 typedef enum jf_status {
   JF_OK = 0,
@@ -31,7 +32,8 @@ typedef enum jf_status {
   JF_ERR_IO = 6,               /* a file could not be read or written */
   JF_ERR_OUT_OF_MEMORY = 7,
   JF_ERR_NO_DEVICE = 8,        /* no GPU / driver */
-  JF_ERR_INTERNAL = 9          /* a jitfuse bug: please report with the message */
+  JF_ERR_INTERNAL = 9,         /* a jitfuse bug: please report with the message */
+  JF_ERR_NOT_PREPARED = 10     /* a forward/backward of an unprepared shape inside a CUDA-graph capture */
 } jf_status;
 
 typedef struct jf_context_s* jf_context;
@@ -41,7 +43,7 @@ typedef struct CUstream_st* jf_stream; /* same type as CUstream and cudaStream_t
 
 /* Stream-ordered allocator: jitfuse asks for temporaries and saved tensors through it. `free` is called
  * as soon as the work using the memory is enqueued, so it must be stream-ordered (like cudaFreeAsync).
- * The cuBLASLt workspace (32 MiB per stream, kept by the context) is not taken from it. */
+ * It is asked only for what the host did not pass (jf_forward_args.saved / .workspace). */
 typedef struct jf_allocator {
   void* (*alloc)(size_t bytes, jf_stream stream, void* user);
   void (*free)(void* ptr, size_t bytes, jf_stream stream, void* user);
@@ -80,31 +82,121 @@ JF_API jf_status jf_builder_add(jf_builder b, const char* op, const char* attrs_
 JF_API jf_status jf_builder_finish(jf_builder b, jf_context ctx, const char* recipe, jf_sequence* out);
 JF_API jf_status jf_builder_destroy(jf_builder b);
 
-/* Parameters are device memory the host owns: (op index, "weight" | "bias"). */
-JF_API jf_status jf_sequence_bind_param(jf_sequence seq, int op_index, const char* name, const DLTensor* t);
-/* Where backward writes a parameter's gradient (linear with accumulate_grad: true adds to it). */
-JF_API jf_status jf_sequence_bind_grad(jf_sequence seq, int op_index, const char* name, const DLTensor* t);
+/* ---- ABI 2: prepare a shape, then run it with per-call tensors ------------------------------------
+ *
+ * jf_sequence_prepare does everything that cannot go into a CUDA graph: plan, program, NVRTC/cache,
+ * module loads, occupancy queries, cuBLASLt heuristics, FP8 recipe state. A jf_forward / jf_backward of a
+ * prepared shape then only enqueues stream-ordered work on the caller's stream (no compile, no module
+ * load, no synchronous allocation, no host synchronisation), so it may be captured in a CUDA graph. An
+ * unprepared shape is prepared on first use outside a capture; inside a capture the call fails with
+ * JF_ERR_NOT_PREPARED before touching the stream (the capture stays valid). */
+JF_API jf_status jf_sequence_prepare(jf_sequence seq, const int64_t* shape, int ndim, int training, jf_stream stream);
 
-typedef struct jf_forward_options {
-  uint64_t rng_offset; /* Philox offset for dropout this step (seed comes from the op) */
-  int save_for_backward; /* 1: fill *saved (training); 0: inference, saved may be NULL */
-} jf_forward_options;
+/* One tensor of a prepared program, as jf_sequence_info describes it. Strings are owned by the sequence
+ * and live as long as it does. */
+typedef struct jf_tensor_info {
+  const char* name;  /* "output", "extra_output 0", "op 2 (gelu) input", "weight" ... */
+  int op_index;      /* the op it belongs to, -1 for the sequence's own tensors */
+  DLDataType dtype;
+  int ndim;
+  int64_t shape[JF_MAX_DIMS];
+  size_t bytes;
+  size_t offset;     /* saved tensors: byte offset inside the saved buffer; else 0 */
+} jf_tensor_info;
 
-/* Runs the forward. Inputs, outputs and the tensors a saved context refers to (the input, the output,
- * extra inputs) must stay alive and unmodified until jf_backward / jf_saved_release. */
-JF_API jf_status jf_forward(jf_sequence seq, const DLTensor* input, const DLTensor* const* extra_inputs,
-                            int n_extra_inputs, DLTensor* output, DLTensor* const* extra_outputs, int n_extra_outputs,
-                            const jf_forward_options* options, jf_saved* saved, jf_stream stream);
+/* What a prepared (shape, training) needs and makes, without running anything. */
+typedef struct jf_program_info {
+  int n_outputs;
+  const jf_tensor_info* outputs;  /* [0]: the output; then the extra outputs by slot */
+  int n_params;
+  const jf_tensor_info* params;   /* every parameter (op_index, name, shape, dtype); its gradient has the same */
+  int n_saved;
+  const jf_tensor_info* saved;    /* training: the saved-for-backward tensors inside the saved buffer */
+  size_t saved_bytes;             /* training: size of the saved buffer (0 in inference) */
+  size_t forward_workspace_bytes; /* one forward call's scratch, the cuBLASLt workspace included */
+  size_t backward_workspace_bytes;
+  size_t alignment;               /* saved buffer and workspaces: byte alignment they need (256) */
+  int uses_rng;                   /* 1 if a dropout draws from the Philox state */
+  uint64_t rng_offset_advance;    /* what the host adds to the Philox offset after each forward (1 if uses_rng) */
+} jf_program_info;
 
-JF_API jf_status jf_backward(jf_sequence seq, jf_saved saved, const DLTensor* grad_output,
-                             const DLTensor* const* grad_extra_outputs, int n_grad_extra_outputs, DLTensor* grad_input,
-                             DLTensor* const* grad_extra_inputs, int n_grad_extra_inputs, jf_stream stream);
+/* Prepares (shape, training) if needed (so it needs a GPU) and describes it. */
+JF_API jf_status jf_sequence_info(jf_sequence seq, const int64_t* shape, int ndim, int training,
+                                  jf_program_info* out);
+
+/* A parameter or gradient for one call: the op's index and the parameter's name as the op declares it
+ * (linear: "weight"; bias: "bias"; layernorm: "weight", "bias"; rmsnorm: "weight"; user ops: their own). */
+typedef struct jf_param {
+  int op_index;
+  const char* name;
+  const DLTensor* tensor;
+} jf_param;
+
+typedef struct jf_forward_args {
+  const DLTensor* input;
+  const DLTensor* const* extra_inputs;  /* by slot (add_extra_input ops in order) */
+  int n_extra_inputs;
+  DLTensor* output;
+  DLTensor* const* extra_outputs;       /* by slot (make_extra_output ops in order) */
+  int n_extra_outputs;
+  const jf_param* params;               /* every parameter, once each, in any order */
+  int n_params;
+  int training;                         /* 1: write the saved buffer for jf_backward */
+  /* Philox state of dropout. rng_state: device memory holding {seed, offset} (two uint64), read by the
+   * forward when it runs, so a replayed graph draws from whatever the host wrote there; jitfuse never
+   * writes it. NULL: rng_seed / rng_offset are used (baked into a captured graph). A dropout op's Philox
+   * key is its `seed` attribute XOR the state's seed. */
+  const uint64_t* rng_state;
+  uint64_t rng_seed, rng_offset;
+  /* Training: the saved buffer (jf_program_info.saved_bytes, aligned), which the backward reads. NULL:
+   * jitfuse allocates it through the allocator and *saved_out owns it. */
+  void* saved;
+  size_t saved_bytes;
+  /* Scratch for this call (forward_workspace_bytes, aligned), free again when the stream passes this
+   * call. NULL: taken from the allocator and given back stream-ordered. */
+  void* workspace;
+  size_t workspace_bytes;
+} jf_forward_args;
+
+/* Runs the forward. saved_out: set (training without a host saved buffer) to a handle owning the saved
+ * buffer (jf_saved_buffer, jf_saved_release); may be NULL otherwise. */
+JF_API jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* saved_out, jf_stream stream);
+
+typedef struct jf_backward_args {
+  /* The forward's tensors, as that forward had them (the backward reads what the program saved of them). */
+  const DLTensor* input;
+  const DLTensor* const* extra_inputs;
+  int n_extra_inputs;
+  const DLTensor* output;
+  const DLTensor* const* extra_outputs;
+  int n_extra_outputs;
+  const jf_param* params;
+  int n_params;
+  const void* saved;   /* the forward's saved buffer (the host's, or jf_saved_buffer) */
+  size_t saved_bytes;
+  /* Gradients. */
+  const DLTensor* grad_output;
+  const DLTensor* const* grad_extra_outputs;
+  int n_grad_extra_outputs;
+  DLTensor* grad_input;
+  DLTensor* const* grad_extra_inputs;
+  int n_grad_extra_inputs;
+  const jf_param* grads;  /* where each parameter's gradient goes (linear accumulate_grad: added to) */
+  int n_grads;
+  void* workspace;        /* backward_workspace_bytes, or NULL (allocator) */
+  size_t workspace_bytes;
+} jf_backward_args;
+
+JF_API jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream stream);
+
+/* The saved buffer a jf_forward allocated (NULL for a released handle), and its size. */
+JF_API jf_status jf_saved_buffer(jf_saved saved, void** buffer, size_t* bytes);
 
 /* FP8 recipes (fp8_delayed, fp8_current): the recipe state of a quantize op on the current device, owned
- * by the sequence and kept across calls (allocated on first use: scale = scale_inv = 1, history zeros).
- * All fp32 device pointers, read and written stream-ordered by jf_forward. After a forward, scale_inv
- * dequantizes its E4M3 output (x ~ e4m3 * scale_inv). fp8_current: history_len 1, the last call's amax.
- * fp8_delayed: history_len 1024, newest first; `scale` is the one the next call will use. */
+ * by the sequence and kept across calls (allocated by jf_sequence_prepare: scale = scale_inv = 1, history
+ * zeros). All fp32 device pointers, read and written stream-ordered by jf_forward. After a forward,
+ * scale_inv dequantizes its E4M3 output (x ~ e4m3 * scale_inv). fp8_current: history_len 1, the last
+ * call's amax. fp8_delayed: history_len 1024, newest first; `scale` is the one the next call will use. */
 typedef struct jf_fp8_state {
   float* scale;
   float* scale_inv;
@@ -113,7 +205,7 @@ typedef struct jf_fp8_state {
 } jf_fp8_state;
 JF_API jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out);
 
-/* Frees a saved context's tensors (stream-ordered on `stream`). */
+/* Frees the saved buffer a jf_forward allocated (stream-ordered on `stream`). */
 JF_API jf_status jf_saved_release(jf_saved saved, jf_stream stream);
 
 /* The fusion decisions for an input shape, as JSON text (owned by the sequence, valid until the next

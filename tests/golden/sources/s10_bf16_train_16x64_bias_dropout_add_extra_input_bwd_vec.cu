@@ -146,7 +146,7 @@ typedef jf_bf16 DT;
 typedef DT::storage ST;
 #define JF_VEC true
 
-extern "C" __global__ void __launch_bounds__(256) jf_bias_dropout_add_extra_input_bwd(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, ST* __restrict__ gei2, jf_u64 seed1, jf_u64 offset1, float* __restrict__ part0_bias) {
+extern "C" __global__ void __launch_bounds__(256) jf_bias_dropout_add_extra_input_bwd(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, ST* __restrict__ gei2, jf_u64 seed1, const jf_u64* __restrict__ rng, float* __restrict__ part0_bias) {
   const int c0 = (blockIdx.x * 8 + threadIdx.x) * 8;
   const bool active = c0 < 64;
   const int n = active ? min(8, 64 - c0) : 0;
@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(256) jf_bias_dropout_add_extra_inpu
         jf_store8<DT, JF_VEC>(gei2 + r * 64 + c0, gr, n);
         // op 1 dropout (backward): y = x * mask / (1 - p); mask ~ Bernoulli(1 - p) from Philox(seed, offset)
         {
-          const jf_u32 bits = jf_dropout_bits8(r * 64 + c0, n, seed1, offset1, 3865470566u);
+          const jf_u32 bits = jf_dropout_bits8(r * 64 + c0, n, seed1 ^ rng[0], rng[1], 3865470566u);
           #pragma unroll
           for (int e = 0; e < 8; ++e) gr[e] = ((bits >> e) & 1u) ? gr[e] * 1.11111111f : 0.f;
         }

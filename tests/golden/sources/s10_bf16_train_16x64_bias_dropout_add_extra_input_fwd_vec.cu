@@ -146,7 +146,7 @@ typedef jf_bf16 DT;
 typedef DT::storage ST;
 #define JF_VEC true
 
-extern "C" __global__ void __launch_bounds__(256) jf_bias_dropout_add_extra_input_fwd(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_bias, jf_u64 seed1, jf_u64 offset1, const ST* __restrict__ e2) {
+extern "C" __global__ void __launch_bounds__(256) jf_bias_dropout_add_extra_input_fwd(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_bias, jf_u64 seed1, const jf_u64* __restrict__ rng, const ST* __restrict__ e2) {
   const int c0 = (blockIdx.x * 8 + threadIdx.x) * 8;
   const bool active = c0 < 64;
   const int n = active ? min(8, 64 - c0) : 0;
@@ -174,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(256) jf_bias_dropout_add_extra_inpu
         for (int e = 0; e < 8; ++e) v[e] += b0[e];
         // op 1 dropout (forward): y = x * mask / (1 - p); mask ~ Bernoulli(1 - p) from Philox(seed, offset)
         {
-          const jf_u32 bits = jf_dropout_bits8(r * 64 + c0, n, seed1, offset1, 3865470566u);
+          const jf_u32 bits = jf_dropout_bits8(r * 64 + c0, n, seed1 ^ rng[0], rng[1], 3865470566u);
           #pragma unroll
           for (int e = 0; e < 8; ++e) v[e] = ((bits >> e) & 1u) ? v[e] * 1.11111111f : 0.f;
         }

@@ -117,9 +117,11 @@ TEST_CASE("C ABI: jf_forward checks every tensor struct before planning", "[api]
   Abi a;
   jf_sequence s = a.seq("{\"ops\": [{\"op\": \"bias\"}, {\"op\": \"gelu\"}]}");
   Tensor in, out;
-  jf_forward_options opt{};
+  jf_forward_args args{};
   auto fwd = [&](const DLTensor* i, DLTensor* o) {
-    return jf_forward(s, i, nullptr, 0, o, nullptr, 0, &opt, nullptr, nullptr);
+    args.input = i;
+    args.output = o;
+    return jf_forward(s, &args, nullptr, nullptr);
   };
   in.t.shape = nullptr;  // used to SEGV
   CHECK(fwd(&in.t, &out.t) == JF_ERR_INVALID_ARGUMENT);
@@ -160,20 +162,134 @@ TEST_CASE("C ABI: jf_forward checks every tensor struct before planning", "[api]
   CHECK(fwd(&in.t, &out.t) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() == "tensor 'input': stride 0 is -8; negative strides are not supported");
   in.t.strides = nullptr;
-  CHECK(jf_forward(s, &in.t, nullptr, 1, &out.t, nullptr, 0, &opt, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  args.n_extra_inputs = 1;
+  CHECK(fwd(&in.t, &out.t) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() == "sequence 'sequence' takes 0 extra input(s) (add_extra_input ops), got 1");
+  args.n_extra_inputs = 0;
+  CHECK(jf_forward(s, nullptr, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "args is NULL");
   jf_sequence_destroy(s);
 
   jf_sequence r = a.seq("{\"ops\": [{\"op\": \"add_extra_input\"}]}");
-  CHECK(jf_forward(r, &in.t, nullptr, 1, &out.t, nullptr, 0, &opt, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  args.n_extra_inputs = 1;
+  args.input = &in.t;
+  args.output = &out.t;
+  CHECK(jf_forward(r, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() == "the extra input array is NULL but 1 extra input(s) were announced");
   const DLTensor* extras[1] = {nullptr};
-  CHECK(jf_forward(r, &in.t, extras, 1, &out.t, nullptr, 0, &opt, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  args.extra_inputs = extras;
+  CHECK(jf_forward(r, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() == "tensor 'extra input 0' is NULL");
   jf_sequence_destroy(r);
 }
 
-TEST_CASE("C ABI: jf_sequence_explain and bind check their shape arguments", "[api][untrusted]") {
+TEST_CASE("C ABI 2: per-call parameters, buffers and overlaps are checked before planning, naming the culprit",
+          "[api][untrusted]") {
+  Abi a;
+  jf_sequence s = a.seq("{\"ops\": [{\"op\": \"linear\", \"in_features\": 8, \"out_features\": 4}, "
+                        "{\"op\": \"bias\"}, {\"op\": \"gelu\"}]}");
+  Tensor in, out, w, b, w2;
+  out.shape[1] = 4;
+  w.shape[0] = 4;
+  b.t.ndim = 1;
+  b.shape[0] = 4;
+  w2.shape[0] = 4;
+  jf_param params[3] = {{0, "weight", &w.t}, {1, "bias", &b.t}, {0, "weight", &w2.t}};
+  jf_forward_args args{};
+  args.input = &in.t;
+  args.output = &out.t;
+  args.params = params;
+  auto fwd = [&](int n) {
+    args.n_params = n;
+    return jf_forward(s, &args, nullptr, nullptr);
+  };
+  CHECK(fwd(1) == JF_ERR_INVALID_ARGUMENT);  // not NO_DEVICE: checked before anything is prepared
+  CHECK(last() == "params: op 1 (bias) 'bias' (4) is missing: pass every parameter with each call");
+  CHECK(fwd(3) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "params[2]: op 0 (linear) 'weight' is passed twice");
+  args.params = nullptr;
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "params is NULL");
+  args.params = params;
+  CHECK(fwd(-1) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "n_params is -1");
+  params[1].name = "gamma";
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "params[1]: op 1 (bias) has no parameter 'gamma' (its parameters: bias)");
+  params[1] = {2, "bias", &b.t};
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "params[1]: op 2 (gelu) has no parameter 'bias' (it has no parameters)");
+  params[1] = {7, "bias", &b.t};
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "params[1]: op index 7 out of range: sequence 'sequence' has 3 ops");
+  params[1] = {1, nullptr, &b.t};
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "params[1].name is NULL");
+  params[1] = {1, "bias", &b.t};
+  w.shape[0] = 5;
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "tensor 'params op 0 (linear) 'weight'': expected shape 4x8, got 5x8");
+  w.shape[0] = 4;
+  w.t.dtype = {kDLFloat, 16, 1};
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "tensor 'params op 0 (linear) 'weight'': expected dtype bf16 for this recipe, got float16");
+  w.t.dtype = {kDLBfloat, 16, 1};
+  // The output written over the input, a parameter or itself: refused naming both tensors.
+  out.t.data = in.storage;
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("tensor 'input'") && Catch::Contains("overlaps tensor 'output'") &&
+                         Catch::Contains("the second is written"));
+  out.t.data = b.storage + 2;
+  CHECK(fwd(2) == JF_ERR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("'params op 1 (bias) 'bias''") && Catch::Contains("'output'"));
+  out.t.data = out.storage;
+  // Two parameters may share memory (read only).
+  w2.t.data = w.storage;
+  jf_sequence_destroy(s);
+
+  // The backward: gradients are checked like parameters, and may not overlap what it reads.
+  jf_sequence t = a.seq("{\"ops\": [{\"op\": \"bias\"}]}");
+  Tensor x, y, dy, dx, bb, db;
+  bb.t.ndim = db.t.ndim = 1;
+  bb.shape[0] = db.shape[0] = 8;
+  jf_param p1[1] = {{0, "bias", &bb.t}};
+  jf_param g1[1] = {{0, "bias", &db.t}};
+  jf_backward_args ba{};
+  ba.input = &x.t;
+  ba.output = &y.t;
+  ba.params = p1;
+  ba.n_params = 1;
+  ba.grad_output = &dy.t;
+  ba.grad_input = &dx.t;
+  ba.grads = g1;
+  ba.n_grads = 0;
+  CHECK(jf_backward(t, &ba, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "grads: op 0 (bias) 'bias' (8) is missing: pass every parameter with each call");
+  ba.n_grads = 1;
+  db.t.data = dy.storage;
+  CHECK(jf_backward(t, &ba, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("'grad_output'") && Catch::Contains("'grads op 0 (bias) 'bias''"));
+  CHECK(jf_backward(t, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "args is NULL");
+  jf_sequence_destroy(t);
+
+  // Prepare and info check their shape like explain does.
+  jf_sequence u = a.seq("{\"ops\": [{\"op\": \"gelu\"}]}");
+  jf_program_info info{};
+  CHECK(jf_sequence_prepare(u, nullptr, 2, 1, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "shape is NULL");
+  int64_t shape[2] = {4, 8};
+  CHECK(jf_sequence_info(u, shape, 0, 1, &info) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "shape: ndim is 0; give 1 to 16 dims");
+  CHECK(jf_sequence_info(u, shape, 2, 1, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "out is NULL");
+  void* buf = nullptr;
+  CHECK(jf_saved_buffer(nullptr, &buf, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "saved is NULL");
+  jf_sequence_destroy(u);
+}
+
+TEST_CASE("C ABI: jf_sequence_explain checks its shape arguments", "[api][untrusted]") {
   Abi a;
   jf_sequence s = a.seq("{\"ops\": [{\"op\": \"linear\", \"in_features\": 8, \"out_features\": 4}]}");
   const char* js = nullptr;
@@ -186,12 +302,21 @@ TEST_CASE("C ABI: jf_sequence_explain and bind check their shape arguments", "[a
   CHECK(jf_sequence_explain(s, huge, 3, 1, 90, &js) == JF_ERR_INVALID_ARGUMENT);
   CHECK_THAT(last(), Catch::Contains("more elements than a signed 64-bit count can hold"));
   CHECK(jf_sequence_explain(s, shape, 2, 1, 90, &js) == JF_OK);
-  Tensor w;
+  // A parameter's tensor struct and name are checked like the input's.
+  Tensor in, out, w;
+  out.shape[1] = 4;
   w.t.shape = nullptr;
-  CHECK(jf_sequence_bind_param(s, 0, "weight", &w.t) == JF_ERR_INVALID_ARGUMENT);
-  CHECK(last() == "tensor 'op 0 (linear) weight' has ndim 2 but its shape pointer is NULL");
+  jf_param p[1] = {{0, "weight", &w.t}};
+  jf_forward_args args{};
+  args.input = &in.t;
+  args.output = &out.t;
+  args.params = p;
+  args.n_params = 1;
+  CHECK(jf_forward(s, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "tensor 'params op 0 (linear) 'weight'' has ndim 2 but its shape pointer is NULL");
   w.t.shape = w.shape;
-  CHECK(jf_sequence_bind_param(s, 0, "wei\xffght", &w.t) == JF_ERR_INVALID_ARGUMENT);
-  CHECK(last() == "name 'wei\\xffght' is not valid UTF-8 (names must be UTF-8 text)");
+  p[0].name = "wei\xffght";
+  CHECK(jf_forward(s, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "params[0].name 'wei\\xffght' is not valid UTF-8 (names must be UTF-8 text)");
   jf_sequence_destroy(s);
 }

@@ -89,7 +89,8 @@ struct Arg {
     grad_extra_in,   // (op) grad of add_extra_input's extra input (backward, write)
     partials,      // (op, name) fp32 [parts, cols] partial column sums of a parameter grad
     rows,          // jf_i64
-    seed, offset,  // jf_u64 (dropout op)
+    seed,          // jf_u64 (dropout op): the op's seed attribute
+    rng,           // const jf_u64[2]: the call's Philox state {seed, offset} (one per kernel)
     parts,         // int: number of partial rows
     fp8_scale,     // (op) float[1]: delayed: read; current: written by the cast pass
     fp8_scale_inv, // (op) float[1]: written (current: cast pass; delayed: update kernel)

@@ -1,0 +1,349 @@
+// ABI 2 on the GPU: prepared programs captured in CUDA graphs (replays bit-identical to eager calls with
+// the same Philox state, new dropout masks per replay, nothing allocated), one prepared sequence run from
+// 8 threads at once with different tensors, and a capture of an unprepared shape refused cleanly.
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "api/handles.hpp"
+#include "gpu/gpu_check.hpp"
+#include "ops/sequence.hpp"
+#include "reference/device_tensor.hpp"
+
+using namespace jitfuse;
+using reference::DeviceTensor;
+
+namespace {
+
+const auto& drv() { return cuda::driver(); }
+void ck(CUresult r, const char* what) { cuda::check(r, what); }
+
+std::string example(const char* name) {
+  std::ifstream f(std::string(JF_SOURCE_DIR) + "/tools/examples/" + name);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// The MLP block with its residual dropout (bias, dropout, add), at test-sized features.
+const char* kMlpDropout = R"([{"op": "layernorm"}, {"op": "linear", "in_features": 256, "out_features": 1024},
+  {"op": "bias"}, {"op": "gelu", "approximate": "tanh"}, {"op": "linear", "in_features": 1024, "out_features": 256},
+  {"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 7}, {"op": "add_extra_input"}])";
+
+// Everything one training call of a sequence needs, in device memory the test owns: tensors drawn from
+// `seed`, the saved buffer and both workspaces sized from jf_sequence_info, and a device Philox state.
+struct Rig {
+  jf_sequence seq = nullptr;
+  std::vector<ops::Op> ops;
+  std::vector<std::unique_ptr<DeviceTensor>> keep;
+  DeviceTensor *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
+  std::vector<DeviceTensor*> outs;  // everything the calls write, in a fixed order
+  size_t y_at = 0;                  // the output's index in outs
+  std::deque<std::string> names;
+  std::vector<jf_param> params, grads;
+  std::vector<const DLTensor*> ein, eout_c, geout;
+  std::vector<DLTensor*> eout, gein;
+  jf_program_info info{};
+  CUdeviceptr saved = 0, fws = 0, bws = 0, rng = 0;
+
+  DeviceTensor* make(const ops::Shape& s, std::mt19937_64& g) {
+    keep.push_back(std::make_unique<DeviceTensor>(s, "bf16"));
+    std::uniform_real_distribution<double> u(-1, 1);
+    std::vector<double> v(static_cast<size_t>(ops::numel(s)));
+    for (auto& e : v) e = u(g);
+    keep.back()->upload_values(v);
+    return keep.back().get();
+  }
+
+  Rig(jf_context ctx, jf_sequence s, const ops::Shape& shape, uint64_t seed) : seq(s) {
+    const auto& reg = api::context_of(ctx).registry();
+    ops = ops::infer(s->impl->def, shape);
+    (void)reg;
+    std::mt19937_64 g(seed);
+    for (const auto& op : ops)
+      for (const auto& p : op.params) {
+        names.push_back(p.name);
+        params.push_back({op.index, names.back().c_str(), make(p.shape, g)->dl()});
+        DeviceTensor* gt = make(p.shape, g);
+        grads.push_back({op.index, names.back().c_str(), gt->dl()});
+        outs.push_back(gt);
+      }
+    x = make(shape, g);
+    y = make(ops.back().out, g);
+    dy = make(ops.back().out, g);
+    dx = make(shape, g);
+    y_at = outs.size();
+    outs.push_back(y);
+    outs.push_back(dx);
+    for (const auto& op : ops) {
+      if (op.family == ops::Family::add_extra_input) {
+        ein.push_back(make(op.in, g)->dl());
+        DeviceTensor* t = make(op.in, g);
+        gein.push_back(t->dl());
+        outs.push_back(t);
+      }
+      if (op.family == ops::Family::make_extra_output) {
+        DeviceTensor* t = make(op.in, g);
+        eout.push_back(t->dl());
+        eout_c.push_back(t->dl());
+        geout.push_back(make(op.in, g)->dl());
+        outs.push_back(t);
+      }
+    }
+    REQUIRE(jf_sequence_info(seq, shape.data(), static_cast<int>(shape.size()), 1, &info) == JF_OK);
+    for (auto [p, n] : {std::pair{&saved, info.saved_bytes}, {&fws, info.forward_workspace_bytes},
+                        {&bws, info.backward_workspace_bytes}, {&rng, size_t{16}}})
+      ck(drv().cuMemAlloc(p, std::max<size_t>(n, 256)), "cuMemAlloc");
+  }
+  ~Rig() {
+    for (auto p : {saved, fws, bws, rng}) drv().cuMemFree(p);
+  }
+
+  void set_rng(uint64_t seed, uint64_t offset) {
+    const uint64_t st[2] = {seed, offset};
+    ck(drv().cuCtxSynchronize(), "cuCtxSynchronize");
+    ck(drv().cuMemcpyHtoD(rng, st, 16), "cuMemcpyHtoD");
+  }
+  void poison() {
+    for (auto* t : outs) t->poison();
+  }
+  // One training forward and its backward, enqueued on `s` with nothing but host memory.
+  jf_status enqueue(CUstream s) {
+    jf_forward_args f{};
+    f.input = x->dl();
+    f.extra_inputs = ein.data();
+    f.n_extra_inputs = static_cast<int>(ein.size());
+    f.output = y->dl();
+    f.extra_outputs = eout.data();
+    f.n_extra_outputs = static_cast<int>(eout.size());
+    f.params = params.data();
+    f.n_params = static_cast<int>(params.size());
+    f.training = 1;
+    f.rng_state = reinterpret_cast<const uint64_t*>(rng);
+    f.saved = reinterpret_cast<void*>(saved);
+    f.saved_bytes = info.saved_bytes;
+    f.workspace = reinterpret_cast<void*>(fws);
+    f.workspace_bytes = info.forward_workspace_bytes;
+    const auto js = reinterpret_cast<jf_stream>(s);
+    if (jf_status st = jf_forward(seq, &f, nullptr, js); st != JF_OK) return st;
+    jf_backward_args b{};
+    b.input = x->dl();
+    b.extra_inputs = ein.data();
+    b.n_extra_inputs = f.n_extra_inputs;
+    b.output = y->dl();
+    b.extra_outputs = eout_c.data();
+    b.n_extra_outputs = f.n_extra_outputs;
+    b.params = params.data();
+    b.n_params = f.n_params;
+    b.saved = f.saved;
+    b.saved_bytes = f.saved_bytes;
+    b.grad_output = dy->dl();
+    b.grad_extra_outputs = geout.data();
+    b.n_grad_extra_outputs = static_cast<int>(geout.size());
+    b.grad_input = dx->dl();
+    b.grad_extra_inputs = gein.data();
+    b.n_grad_extra_inputs = static_cast<int>(gein.size());
+    b.grads = grads.data();
+    b.n_grads = static_cast<int>(grads.size());
+    b.workspace = reinterpret_cast<void*>(bws);
+    b.workspace_bytes = info.backward_workspace_bytes;
+    return jf_backward(seq, &b, js);
+  }
+  std::vector<std::vector<uint8_t>> results() const {
+    std::vector<std::vector<uint8_t>> r;
+    for (auto* t : outs) r.push_back(t->download());
+    return r;
+  }
+};
+
+struct Counter {
+  std::atomic<int> allocs{0}, frees{0};
+};
+void* count_alloc(size_t bytes, jf_stream s, void* user) {
+  static_cast<Counter*>(user)->allocs++;
+  CUdeviceptr p = 0;
+  drv().cuMemAllocAsync(&p, bytes, reinterpret_cast<CUstream>(s));
+  return reinterpret_cast<void*>(p);
+}
+void count_free(void* p, size_t, jf_stream s, void* user) {
+  static_cast<Counter*>(user)->frees++;
+  drv().cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), reinterpret_cast<CUstream>(s));
+}
+
+void graph_case(const std::string& json, const ops::Shape& shape) {
+  jf_context ctx = nullptr;
+  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  Counter counter;
+  jf_allocator alloc{count_alloc, count_free, &counter};
+  REQUIRE(jf_context_set_allocator(ctx, &alloc) == JF_OK);
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(ctx, json.c_str(), "bf16", &seq) == JF_OK);
+  CUstream s = nullptr;
+  ck(drv().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  REQUIRE(jf_sequence_prepare(seq, shape.data(), static_cast<int>(shape.size()), 1, reinterpret_cast<jf_stream>(s)) ==
+          JF_OK);
+  {
+    Rig rig(ctx, seq, shape, 42);
+    REQUIRE(rig.info.uses_rng == 1);
+    REQUIRE(rig.info.rng_offset_advance == 1);
+    const uint64_t seed = 0x1234abcdULL;
+    // Ten eager calls, the Philox offset advanced by the documented step between them.
+    std::vector<std::vector<std::vector<uint8_t>>> eager;
+    for (uint64_t r = 0; r < 10; ++r) {
+      rig.set_rng(seed, 100 + r * rig.info.rng_offset_advance);
+      rig.poison();
+      REQUIRE(rig.enqueue(s) == JF_OK);
+      ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
+      eager.push_back(rig.results());
+    }
+    // The same calls captured once, replayed ten times with the state rewritten before each replay.
+    CUgraph graph = nullptr;
+    CUgraphExec exec = nullptr;
+    ck(drv().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    jf_status st = rig.enqueue(s);
+    const std::string err = jf_last_error();
+    ck(drv().cuStreamEndCapture(s, &graph), "cuStreamEndCapture");  // fails if jitfuse invalidated the capture
+    INFO(err);
+    REQUIRE(st == JF_OK);
+    ck(drv().cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiate");
+    for (uint64_t r = 0; r < 10; ++r) {
+      rig.set_rng(seed, 100 + r * rig.info.rng_offset_advance);
+      rig.poison();
+      ck(drv().cuGraphLaunch(exec, s), "cuGraphLaunch");
+      ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
+      auto got = rig.results();
+      for (size_t t = 0; t < got.size(); ++t) {
+        INFO("replay " << r << " tensor " << t);
+        CHECK(got[t] == eager[r][t]);  // bit-identical, every element written (the poison is gone)
+      }
+    }
+    // Dropout draws new masks per offset: the output and the input gradient change between replays.
+    for (uint64_t r = 0; r + 1 < 10; ++r) CHECK(eager[r][rig.y_at] != eager[r + 1][rig.y_at]);
+    CHECK(counter.allocs.load() == 0);  // host memory everywhere: jitfuse allocated nothing, eager or replayed
+    CHECK(counter.frees.load() == 0);
+    drv().cuGraphExecDestroy(exec);
+    drv().cuGraphDestroy(graph);
+  }
+  // The allocator path still works (and is what a host without its own buffers gets).
+  jf_program_info info{};
+  REQUIRE(jf_sequence_info(seq, shape.data(), static_cast<int>(shape.size()), 1, &info) == JF_OK);
+  CHECK(info.saved_bytes > 0);
+  CHECK(info.n_saved > 0);
+  CHECK(info.n_params > 0);
+  CHECK(info.outputs[0].ndim == static_cast<int>(shape.size()));
+  ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
+  drv().cuStreamDestroy(s);
+  jf_sequence_destroy(seq);
+  jf_context_destroy(ctx);
+}
+
+}  // namespace
+
+TEST_CASE("a prepared MLP (with dropout) forward+backward captured in a CUDA graph replays bit-identically",
+          "[graph]") {
+  graph_case(test::seq_json(kMlpDropout, "mlp_dropout"), {64, 256});
+}
+
+TEST_CASE("the transformer layer forward+backward captured in a CUDA graph replays bit-identically", "[graph]") {
+  graph_case(example("transformer_layer.json"), {128, 1024});
+}
+
+TEST_CASE("8 threads run one prepared sequence at once with their own tensors and match their single runs",
+          "[graph]") {
+  jf_context ctx = test::shared_context();
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(ctx, test::seq_json(kMlpDropout, "mlp_threads").c_str(), "bf16", &seq) == JF_OK);
+  const ops::Shape shape{96, 256};
+  REQUIRE(jf_sequence_prepare(seq, shape.data(), 2, 1, nullptr) == JF_OK);
+  constexpr int kThreads = 8;
+  std::vector<std::unique_ptr<Rig>> rigs;
+  std::vector<CUstream> streams(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    rigs.push_back(std::make_unique<Rig>(ctx, seq, shape, 1000 + t));
+    rigs.back()->set_rng(77, 5 + t);
+    ck(drv().cuStreamCreate(&streams[t], CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  }
+  // Single-threaded first.
+  std::vector<std::vector<std::vector<uint8_t>>> single(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    rigs[t]->poison();
+    REQUIRE(rigs[t]->enqueue(streams[t]) == JF_OK);
+    ck(drv().cuStreamSynchronize(streams[t]), "cuStreamSynchronize");
+    single[t] = rigs[t]->results();
+    rigs[t]->poison();
+  }
+  ck(drv().cuCtxSynchronize(), "cuCtxSynchronize");
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  CUcontext cu = nullptr;
+  drv().cuCtxGetCurrent(&cu);
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      drv().cuCtxSetCurrent(cu);
+      for (int rep = 0; rep < 3; ++rep)
+        if (rigs[t]->enqueue(streams[t]) != JF_OK) failures++;
+      drv().cuStreamSynchronize(streams[t]);
+    });
+  for (auto& th : threads) th.join();
+  CHECK(failures.load() == 0);
+  for (int t = 0; t < kThreads; ++t) {
+    auto got = rigs[t]->results();
+    for (size_t i = 0; i < got.size(); ++i) {
+      INFO("thread " << t << " tensor " << i);
+      CHECK(got[i] == single[t][i]);
+    }
+  }
+  for (auto s : streams) drv().cuStreamDestroy(s);
+  rigs.clear();
+  jf_sequence_destroy(seq);
+}
+
+TEST_CASE("a capture of an unprepared shape fails with JF_ERR_NOT_PREPARED and leaves the stream usable",
+          "[graph]") {
+  jf_context ctx = test::shared_context();
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(ctx, test::seq_json(kMlpDropout, "mlp_unprepared").c_str(), "bf16", &seq) == JF_OK);
+  const ops::Shape shape{40, 256};
+  CUstream s = nullptr;
+  ck(drv().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  {
+    Rig rig(ctx, seq, {48, 256}, 3);  // prepares {48, 256} (info), not {40, 256}
+    rig.keep.push_back(std::make_unique<DeviceTensor>(shape, "bf16"));
+    DeviceTensor* x40 = rig.keep.back().get();
+    rig.keep.push_back(std::make_unique<DeviceTensor>(shape, "bf16"));
+    DeviceTensor* y40 = rig.keep.back().get();
+    rig.keep.push_back(std::make_unique<DeviceTensor>(shape, "bf16"));
+    DeviceTensor* e40 = rig.keep.back().get();
+    const DLTensor* ein[1] = {e40->dl()};
+    jf_forward_args f{};
+    f.input = x40->dl();
+    f.output = y40->dl();
+    f.extra_inputs = ein;
+    f.n_extra_inputs = 1;
+    f.params = rig.params.data();
+    f.n_params = static_cast<int>(rig.params.size());
+    ck(drv().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    jf_status st = jf_forward(seq, &f, nullptr, reinterpret_cast<jf_stream>(s));
+    const std::string msg = jf_last_error();
+    CUgraph graph = nullptr;
+    CHECK(drv().cuStreamEndCapture(s, &graph) == CUDA_SUCCESS);  // the capture was not invalidated
+    if (graph) drv().cuGraphDestroy(graph);
+    CHECK(st == JF_ERR_NOT_PREPARED);
+    CHECK_THAT(msg, Catch::Contains("40x256") && Catch::Contains("jf_sequence_prepare"));
+    // The stream works, and the same call outside a capture prepares on first use.
+    y40->poison();
+    CHECK(jf_forward(seq, &f, nullptr, reinterpret_cast<jf_stream>(s)) == JF_OK);
+    ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
+    auto y = y40->download_values();
+    int nan = 0;
+    for (double v : y) nan += std::isnan(v);
+    CHECK(nan == 0);
+  }
+  drv().cuStreamDestroy(s);
+  jf_sequence_destroy(seq);
+}
