@@ -70,18 +70,18 @@ class LibraryNotFoundError(JitfuseError, OSError):
     """libjitfuse.so was not found or could not be loaded; ``tried`` lists every candidate and why."""
 
     def __init__(self, message: str, tried: List[str]):
-        self.tried = tried
         super().__init__(message)
+        self.tried = tried
 
 
 class AbiMismatchError(JitfuseError, ImportError):
     """The loaded libjitfuse.so implements another C ABI version than this package."""
 
     def __init__(self, message: str, path: str, found: int, expected: int):
-        self.path = path
+        super().__init__(message)
+        self.path = path  # after the base __init__: ImportError resets .path
         self.found = found
         self.expected = expected
-        super().__init__(message)
 
 
 _BY_STATUS: Dict[int, Type[JitfuseError]] = {

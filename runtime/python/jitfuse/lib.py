@@ -25,6 +25,7 @@ from .errors import (AbiMismatchError, JitfuseError, LibraryNotFoundError, RuleE
 log = logging.getLogger("jitfuse")
 
 LIBRARY_NAME = "libjitfuse.so"
+SYSTEM_SONAME = "libjitfuse.so.0"  # what the system loader is asked for last
 RECIPES = ("fp32", "fp16", "bf16", "fp8_delayed", "fp8_current")
 
 # ---------------------------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def library_candidates() -> List[Tuple[str, str]]:
         builds.extend(sorted(p for p in root.glob("build-*") if p.is_dir() and p not in builds))
         for b in builds:
             out.append((str(b / "runtime" / LIBRARY_NAME), "build tree"))
-    out.append((LIBRARY_NAME + ".0", "system loader (LD_LIBRARY_PATH, ldconfig)"))
+    out.append((SYSTEM_SONAME, "system loader (LD_LIBRARY_PATH, ldconfig)"))
     return out
 
 
