@@ -482,6 +482,12 @@ class Sequential(nn.Module):
                 arch = major * 10 + minor
         return rt.program(key, -1).sequence.explain(tuple(shape), training, arch)
 
+    def __getitem__(self, index: int) -> BasicOp:
+        return self._ops[index]
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
     # -- nn.Module hooks ---------------------------------------------------------------------------
 
     def _apply(self, fn, recurse=True):
