@@ -2,7 +2,7 @@
 # Installs what jitfuse needs to build on Debian 12 and checks for the CUDA toolkit.
 # Idempotent and quiet when everything is already there.
 set -euo pipefail
-PKGS=(cmake ninja-build g++ nlohmann-json3-dev libspdlog-dev libfmt-dev catch2 libcli11-dev libdlpack-dev libssl-dev)
+PKGS=(cmake ninja-build g++ nlohmann-json3-dev libspdlog-dev libfmt-dev catch2 libcli11-dev libdlpack-dev libssl-dev python3 python3-pytest)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

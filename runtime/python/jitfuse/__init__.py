@@ -1,0 +1,28 @@
+# jitfuse for Python: ctypes over libjitfuse.so (jitfuse.lib) and PyTorch modules (jitfuse.torch, lazy).
+# Importing this package loads nothing; the library is loaded on first use.
+"""jitfuse: fused deep-learning op sequences (JSON fusion rules, NVRTC-compiled kernels, cuBLASLt GEMMs).
+
+- :mod:`jitfuse.lib`: the C ABI from Python (no PyTorch): :class:`Context`, :class:`Sequence`,
+  ``explain``, ``info``, rule loading, the cache directory.
+- :mod:`jitfuse.torch`: ``nn.Module`` ops and :class:`jitfuse.torch.Sequential`, as ``torch.library``
+  custom ops that ``torch.compile`` traces and CUDA graphs capture.
+- ``python -m jitfuse explain|rules|cache|version``.
+"""
+
+__version__ = "0.1.0"
+
+from ._abi import EXPECTED_ABI_VERSION
+from .errors import (AbiMismatchError, CompileError, CudaError, InternalError, InvalidArgumentError,
+                     JitfuseError, JitfuseIOError, JitfuseMemoryError, LibraryNotFoundError, NoDeviceError,
+                     NotPreparedError, ParseError, RuleError, RuleLoadError, UnsupportedError)
+from .lib import (Context, Decision, Explanation, Group, Library, OpShape, Program, ProgramInfo, Sequence,
+                  TensorInfo, abi_version, cache_dir, library, library_candidates, load_library, parse_shape,
+                  version)
+
+__all__ = [
+    "__version__", "EXPECTED_ABI_VERSION", "Context", "Sequence", "Explanation", "Decision", "Group", "OpShape",
+    "Program", "ProgramInfo", "TensorInfo", "Library", "library", "load_library", "library_candidates",
+    "abi_version", "version", "cache_dir", "parse_shape", "JitfuseError", "InvalidArgumentError", "ParseError",
+    "UnsupportedError", "CompileError", "CudaError", "JitfuseIOError", "JitfuseMemoryError", "NoDeviceError",
+    "InternalError", "NotPreparedError", "LibraryNotFoundError", "AbiMismatchError", "RuleError", "RuleLoadError",
+]

@@ -1,0 +1,514 @@
+# nn.Modules for jitfuse ops (one class per op of the sequence vocabulary) and Sequential, which runs
+# its ops as one jitfuse sequence through the jitfuse::forward / jitfuse::backward custom ops.
+"""PyTorch modules over jitfuse sequences.
+
+>>> import torch, jitfuse.torch as jt
+>>> mlp = jt.Sequential(jt.LayerNorm(1024), jt.Linear(1024, 4096), jt.Bias(4096), jt.GELU(),
+...                     jt.Linear(4096, 1024), jt.Bias(1024), jt.AddExtraInput(),
+...                     device="cuda", dtype=torch.bfloat16)
+>>> y = mlp(x, residual)              # forward and backward are jitfuse programs
+>>> torch.compile(mlp, fullgraph=True)(x, residual)
+"""
+
+import itertools
+import math
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..lib import Explanation
+from . import _runtime as rt
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_fp8_salt = itertools.count()
+
+
+def _check_dtype_change(module: nn.Module, fn: Any, current: torch.dtype, recipe: Optional[str]) -> None:
+    """Raises before nn.Module._apply converts parameters to a dtype jitfuse cannot run."""
+    try:
+        new = fn(torch.empty(0, dtype=current)).dtype
+    except Exception:  # a device move that cannot be probed here: the real _apply reports it
+        return
+    if new == current:
+        return
+    if recipe in rt.FP8_RECIPES:
+        raise TypeError(f"{type(module).__name__}: recipe {recipe} keeps bf16 parameters; cannot convert to {new}")
+    if new not in SUPPORTED_DTYPES:
+        raise TypeError(f"{type(module).__name__}: jitfuse runs float32, float16 and bfloat16 (recipes fp32, fp16, "
+                        f"bf16); cannot convert its parameters to {new}")
+
+
+class BasicOp(nn.Module):
+    """One op of a jitfuse sequence. Run ops by putting them in :class:`Sequential`.
+
+    Subclasses set ``op`` (the sequence-format name) and override :meth:`attrs` and :meth:`jf_params`.
+    """
+
+    op: str = ""
+    n_extra_inputs: int = 0
+    n_extra_outputs: int = 0
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        """The op's attributes in the sequence format (``training``: the module's train/eval mode)."""
+        return {}
+
+    def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
+        """(ABI name, parameter) of each parameter, in a fixed order."""
+        return []
+
+    def accumulates_grad(self, name: str) -> bool:
+        """True where the library adds the gradient to the buffer instead of overwriting it."""
+        return False
+
+    def spec(self, training: bool = True) -> Dict[str, Any]:
+        return {"op": self.op, **self.attrs(training)}
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(f"jitfuse.torch.{type(self).__name__} runs inside jitfuse.torch.Sequential: "
+                           f"use Sequential({type(self).__name__}(...)) (a one-op sequence is fine)")
+
+    def _apply(self, fn, recurse=True):  # noqa: D401 - nn.Module hook
+        ps = [p for _, p in self.jf_params()]
+        if ps:
+            _check_dtype_change(self, fn, ps[0].dtype, None)
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.attrs(True).items() if k != "training")
+
+
+def _factory(device: Any, dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype or torch.get_default_dtype()
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"jitfuse parameters are float32, float16 or bfloat16, not {dtype}")
+    return {"device": device, "dtype": dtype}
+
+
+class Linear(BasicOp):
+    """``y = x W^T`` (no bias: add :class:`Bias`, as in the sequence format). ``weight``:
+    ``[out_features, in_features]``, initialised like ``nn.Linear`` (Kaiming uniform, a = sqrt(5)).
+    ``accumulate_grad``: the library adds the weight gradient to the gradient buffer (which this
+    package then zero-fills); autograd still accumulates into ``.grad`` as usual."""
+
+    op = "linear"
+
+    def __init__(self, in_features: int, out_features: int, *, accumulate_grad: bool = False,
+                 device: Any = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.in_features, self.out_features, self.accumulate_grad = int(in_features), int(out_features), accumulate_grad
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, **_factory(device, dtype)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        a: Dict[str, Any] = {"in_features": self.in_features, "out_features": self.out_features}
+        if self.accumulate_grad:
+            a["accumulate_grad"] = True
+        return a
+
+    def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
+        return [("weight", self.weight)]
+
+    def accumulates_grad(self, name: str) -> bool:
+        return self.accumulate_grad
+
+
+class Bias(BasicOp):
+    """``y = x + b``; ``bias`` ``[features]``, zero-initialised (as TransformerEngine does)."""
+
+    op = "bias"
+
+    def __init__(self, features: int, *, device: Any = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.features = int(features)
+        self.bias = nn.Parameter(torch.zeros(self.features, **_factory(device, dtype)))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.bias)
+
+    def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
+        return [("bias", self.bias)]
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}"
+
+
+class _Norm(BasicOp):
+    def __init__(self, hidden: int, eps: float, zero_centered_gamma: bool, has_bias: bool, device: Any,
+                 dtype: Optional[torch.dtype]):
+        super().__init__()
+        self.hidden, self.eps, self.zero_centered_gamma = int(hidden), float(eps), bool(zero_centered_gamma)
+        f = _factory(device, dtype)
+        self.weight = nn.Parameter(torch.empty(self.hidden, **f))
+        self.bias = nn.Parameter(torch.empty(self.hidden, **f)) if has_bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        (nn.init.zeros_ if self.zero_centered_gamma else nn.init.ones_)(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        a: Dict[str, Any] = {"eps": self.eps}
+        if self.zero_centered_gamma:
+            a["zero_centered_gamma"] = True
+        return a
+
+    def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
+        return [("weight", self.weight)] + ([("bias", self.bias)] if self.bias is not None else [])
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, " + super().extra_repr()
+
+
+class LayerNorm(_Norm):
+    """``y = (x - mean) rstd g + beta`` over the last dim; ``weight`` ones (zeros with
+    ``zero_centered_gamma``, where ``g = 1 + weight``), ``bias`` zeros."""
+
+    op = "layernorm"
+
+    def __init__(self, hidden: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False, device: Any = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__(hidden, eps, zero_centered_gamma, True, device, dtype)
+
+
+class RMSNorm(_Norm):
+    """``y = x rstd g`` over the last dim; ``weight`` ones (zeros with ``zero_centered_gamma``)."""
+
+    op = "rmsnorm"
+
+    def __init__(self, hidden: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False, device: Any = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__(hidden, eps, zero_centered_gamma, False, device, dtype)
+
+
+class GELU(BasicOp):
+    """``y = x Phi(x)``; ``approximate`` "tanh" (the default, as jitfuse's) or "none" (erf)."""
+
+    op = "gelu"
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GELU approximate must be 'tanh' or 'none', not {approximate!r}")
+        self.approximate = approximate
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"approximate": self.approximate}
+
+
+class _Simple(BasicOp):
+    pass
+
+
+class ReLU(_Simple):
+    """``y = max(x, 0)``."""
+    op = "relu"
+
+
+class SiLU(_Simple):
+    """``y = x sigmoid(x)``."""
+    op = "silu"
+
+
+class QGELU(_Simple):
+    """``y = x sigmoid(1.702 x)``."""
+    op = "qgelu"
+
+
+class SReLU(_Simple):
+    """``y = max(x, 0)^2``."""
+    op = "srelu"
+
+
+class SwiGLU(_Simple):
+    """``[a, b] -> silu(a) * b`` (halves of the last dim)."""
+    op = "swiglu"
+
+
+class GEGLU(_Simple):
+    """``[a, b] -> gelu_tanh(a) * b``."""
+    op = "geglu"
+
+
+class ReGLU(_Simple):
+    """``[a, b] -> relu(a) * b``."""
+    op = "reglu"
+
+
+class Identity(_Simple):
+    """``y = x``."""
+    op = "identity"
+
+
+class Quantize(_Simple):
+    """The identity under fp32/fp16/bf16; the E4M3 cast under the FP8 recipes (must be the last op)."""
+    op = "quantize"
+
+
+class AddExtraInput(_Simple):
+    """``y = x + e``, ``e`` the next extra input of ``Sequential.forward(x, *extra_inputs)``."""
+    op = "add_extra_input"
+    n_extra_inputs = 1
+
+
+class MakeExtraOutput(_Simple):
+    """``y = x`` and the next extra output is ``x`` (a residual fork)."""
+    op = "make_extra_output"
+    n_extra_outputs = 1
+
+
+class Dropout(BasicOp):
+    """``y = x keep / (1 - p)`` with a Philox mask. Active in train mode; the identity in eval mode.
+    ``seed``: the op's Philox key (XORed with the module's rng seed); default: its index in the
+    sequence, so every dropout of a sequence draws its own mask."""
+
+    op = "dropout"
+
+    def __init__(self, p: float, seed: Optional[int] = None):
+        super().__init__()
+        if not 0.0 <= float(p) < 1.0:
+            raise ValueError(f"Dropout p must be in [0, 1), not {p}")
+        self.p = float(p)
+        self.seed = seed
+        self._index = 0
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"p": self.p, "seed": self.seed if self.seed is not None else self._index, "training": bool(training)}
+
+    def active(self, training: bool) -> bool:
+        return training and self.p > 0
+
+
+class Scale(BasicOp):
+    """``y = value * x``."""
+
+    op = "scale"
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = float(value)
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"value": self.value}
+
+
+class Reshape(BasicOp):
+    """``y = x`` viewed as ``shape`` (at most one -1)."""
+
+    op = "reshape"
+
+    def __init__(self, shape: Iterable[int]):
+        super().__init__()
+        self.shape = [int(s) for s in shape]
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"shape": list(self.shape)}
+
+
+class Op(BasicOp):
+    """Any op by name, e.g. a pointwise op declared in a rules file: ``Op("softplus", beta=2.0)``.
+    ``params``: {ABI name: shape or tensor} for ops that declare parameters (zero-initialised from a
+    shape). The rules declaring a user op must be loaded into the contexts (``JITFUSE_RULE_PATH``)."""
+
+    def __init__(self, kind: str, *, params: Optional[Dict[str, Union[Tuple[int, ...], Tensor]]] = None,
+                 device: Any = None, dtype: Optional[torch.dtype] = None, **attrs: Any):
+        super().__init__()
+        self.op = str(kind)
+        self._attrs = dict(attrs)
+        self._param_names: List[str] = []
+        for name, v in (params or {}).items():
+            t = v.detach().clone() if isinstance(v, Tensor) else torch.zeros(*v, **_factory(device, dtype))
+            self.register_parameter(name.replace(".", "_"), nn.Parameter(t))
+            self._param_names.append(name)
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return dict(self._attrs)
+
+    def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
+        return [(n, getattr(self, n.replace(".", "_"))) for n in self._param_names]
+
+    def extra_repr(self) -> str:
+        return ", ".join([repr(self.op)] + [f"{k}={v!r}" for k, v in self._attrs.items()])
+
+
+class Sequential(nn.Module):
+    """Runs ``ops`` as one jitfuse sequence: ``forward(input, *extra_inputs)`` returns the output, or
+    ``(output, *extra_outputs)`` when the ops make extra outputs (as TransformerEngine's
+    ``te.ops.Sequential``).
+
+    - The recipe follows the input dtype (float32 -> fp32, float16 -> fp16, bfloat16 -> bf16);
+      parameters must have the input's dtype. ``recipe="fp8_current"`` / ``"fp8_delayed"``: bf16
+      activations and a trailing :class:`Quantize` writing E4M3 (forward only; the FP8 recipe state
+      belongs to this module).
+    - Forward and backward are the ``jitfuse::forward`` / ``jitfuse::backward`` custom ops, so
+      ``torch.compile(fullgraph=True)`` traces them and CUDA graphs capture them (after one eager call
+      or :meth:`prepare` per shape).
+    - Dropout masks come from a Philox state {seed, offset} in a device buffer: seed drawn from torch's
+      default generator at construction (so ``torch.manual_seed`` reproduces it), offset advanced by
+      an in-place add after every training forward (so each replay of a captured graph draws new masks).
+    - ``device``/``dtype``: moved/cast onto every op's parameters when given.
+    """
+
+    def __init__(self, *ops: BasicOp, recipe: Optional[str] = None, name: str = "sequential", device: Any = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if not ops:
+            raise ValueError("jitfuse.torch.Sequential needs at least one op")
+        for i, op in enumerate(ops):
+            if not isinstance(op, BasicOp):
+                raise TypeError(f"op {i}: jitfuse.torch.Sequential takes jitfuse.torch ops (Linear, Bias, GELU, ..., "
+                                f"Op('name')), not {type(op).__name__}")
+            if isinstance(op, Dropout):
+                op._index = i
+            self.add_module(str(i), op)
+        if recipe is not None and recipe not in rt.FP8_RECIPES and recipe not in rt.RECIPE_OF_DTYPE.values():
+            raise ValueError(f"unknown recipe {recipe!r}: use None (follow the input dtype), fp8_current or fp8_delayed")
+        if recipe in rt.RECIPE_OF_DTYPE.values():
+            recipe = None  # a plain recipe is the input dtype
+        self.recipe = recipe
+        self.name = name
+        self._ops: Tuple[BasicOp, ...] = tuple(ops)
+        self._n_extra_inputs = sum(o.n_extra_inputs for o in ops)
+        self._n_extra_outputs = sum(o.n_extra_outputs for o in ops)
+        self._param_index = [(i, n) for i, op in enumerate(ops) for n, _ in op.jf_params()]
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+        seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+        dev = self._param_device()
+        self.register_buffer("_jf_rng_state", torch.tensor([seed, 0], dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_jf_rng_step", torch.tensor([0, 1], dtype=torch.int64, device=dev), persistent=False)
+        self._jf_uses_rng = {t: any(isinstance(o, Dropout) and o.active(t) for o in ops) for t in (True, False)}
+        self._jf_define()
+
+    # -- definitions -------------------------------------------------------------------------------
+
+    def _param_device(self) -> Any:
+        for op in self._ops:
+            for _, p in op.jf_params():
+                return p.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _jf_define(self) -> None:
+        """Registers the sequence of each (train/eval mode, dtype) under its content key."""
+        salt = f"fp8:{next(_fp8_salt)}" if self.recipe in rt.FP8_RECIPES else ""
+        shapes = [tuple(p.shape) for op in self._ops for _, p in op.jf_params()]
+        acc = [op.accumulates_grad(n) for op in self._ops for n, _ in op.jf_params()]
+        self._jf_keys: Dict[bool, Dict[torch.dtype, int]] = {}
+        for training in (True, False):
+            specs = [op.spec(training) for op in self._ops]
+            dtypes = {torch.bfloat16: self.recipe} if self.recipe else rt.RECIPE_OF_DTYPE
+            self._jf_keys[training] = {
+                dt: rt.define(self.name, specs, recipe, self._param_index, shapes, acc, self._n_extra_inputs,
+                              self._n_extra_outputs, self._jf_uses_rng[training], salt)
+                for dt, recipe in dtypes.items()}
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def _params(self) -> List[Tensor]:
+        return [p for op in self._ops for _, p in op.jf_params()]
+
+    def forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
+        if len(extra_inputs) != self._n_extra_inputs:
+            raise TypeError(f"{self.name}: expected {self._n_extra_inputs} extra input(s) (one per AddExtraInput), "
+                            f"got {len(extra_inputs)}")
+        training = self.training
+        key = self._jf_keys[training].get(input.dtype)
+        if key is None:
+            raise TypeError(f"{self.name}: input dtype {input.dtype} is not supported "
+                            f"({'bfloat16 under ' + self.recipe if self.recipe else 'float32, float16 or bfloat16'})")
+        if input.device.type != "cuda":
+            raise ValueError(f"{self.name}: jitfuse runs on CUDA tensors; the input is on {input.device}")
+        params = self._params()
+        for p in params:
+            if p.dtype != input.dtype or p.device != input.device:
+                raise TypeError(f"{self.name}: parameters must match the input ({input.dtype} on {input.device}); "
+                                f"found one of {p.dtype} on {p.device}")
+        for e in extra_inputs:
+            if e.dtype != input.dtype or e.device != input.device:
+                raise TypeError(f"{self.name}: extra inputs must match the input ({input.dtype} on {input.device})")
+        needs_grad = torch.is_grad_enabled() and (
+            input.requires_grad or any(p.requires_grad for p in params) or any(e.requires_grad for e in extra_inputs))
+        if needs_grad and self.recipe is not None:
+            raise RuntimeError(f"{self.name}: recipe {self.recipe} runs forward only in jitfuse.torch "
+                               f"(use torch.no_grad() or detached inputs)")
+        uses_rng = self._jf_uses_rng[training]
+        outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs], params,
+                             self._jf_rng_state if uses_rng else None, needs_grad)
+        if uses_rng:
+            self._jf_rng_state.add_(self._jf_rng_step)
+        if self._n_extra_outputs:
+            return (outs[0], *outs[1:-1])
+        return outs[0]
+
+    def prepare(self, shape: Iterable[int], training: bool = True, dtype: Optional[torch.dtype] = None,
+                device: Any = None) -> None:
+        """Plans and compiles (or loads from the kernel cache) the programs of an input shape, so that a
+        CUDA-graph capture that follows does no preparation. ``training``: prepare the training program
+        (forward that saves, and backward); the inference program is prepared with False."""
+        ps = self._params()
+        dtype = dtype or (torch.bfloat16 if self.recipe else (ps[0].dtype if ps else torch.get_default_dtype()))
+        dev = torch.device(device) if device is not None else self._jf_rng_state.device
+        if dev.type != "cuda":
+            raise ValueError(f"{self.name}: prepare needs a CUDA device, not {dev}")
+        key = self._jf_keys[self.training].get(dtype)
+        if key is None:
+            raise TypeError(f"{self.name}: no program for dtype {dtype}")
+        rt.program(key, dev.index if dev.index is not None else torch.cuda.current_device()).info(
+            tuple(int(d) for d in shape), bool(training))
+
+    def explain(self, shape: Optional[Iterable[int]] = None, training: Optional[bool] = None,
+                dtype: Optional[torch.dtype] = None, arch: Optional[int] = None) -> Explanation:
+        """The fusion decisions and program for an input shape (default: the last shape run), without a
+        GPU. ``arch`` defaults to the current GPU's (90 without one)."""
+        training = self.training if training is None else training
+        dtype = dtype or (self._params()[0].dtype if self._params() else torch.bfloat16)
+        if self.recipe:
+            dtype = torch.bfloat16
+        key = self._jf_keys[self.training][dtype]
+        if shape is None:
+            shape = next((p.last_shape for p in rt.existing_programs(key) if p.last_shape), None)
+            if shape is None:
+                raise ValueError(f"{self.name}: no shape run yet; pass explain(shape=...)")
+        if arch is None:
+            arch = 90
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability()
+                arch = major * 10 + minor
+        return rt.program(key, -1).sequence.explain(tuple(shape), training, arch)
+
+    def __getitem__(self, index: int) -> BasicOp:
+        return self._ops[index]
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    # -- nn.Module hooks ---------------------------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        ps = self._params()
+        if ps:
+            _check_dtype_change(self, fn, ps[0].dtype, self.recipe)
+        return super()._apply(fn, recurse)
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        try:
+            e = self.explain()
+        except Exception:
+            return text
+        groups = "\n".join(f"    {g}" for g in e.forward)
+        bwd = "\n".join(f"    {g}" for g in e.backward) if e.training else ""
+        dims = "x".join(map(str, e.shape))
+        tail = f"\n  jitfuse plan for input {dims} ({'training' if e.training else 'inference'}):\n  forward:\n{groups}"
+        if bwd:
+            tail += f"\n  backward:\n{bwd}"
+        return text[:-1] + tail + "\n)" if text.endswith(")") else text + tail
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe or 'input dtype'}, name={self.name!r}"

@@ -1,0 +1,466 @@
+# GPU tests of jitfuse.torch: every op and the MLP / transformer-layer sequences against float64 PyTorch
+# references (forward and backward), optimizer step, torch.compile, CUDA graphs, opcheck, two streams.
+# Run: JITFUSE_LIBRARY=build/runtime/libjitfuse.so python3 -m pytest runtime/python/tests -m gpu -v
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+import jitfuse.torch as jt  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# TransformerEngine's tolerances (rtol, atol); fp32 GEMMs may use TF32: fp16's.
+TOLS = {torch.float32: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
+
+
+def tol(dtype, gemm=False, chain=1):
+    rtol, atol = TOLS[torch.float16] if (gemm and dtype == torch.float32) else TOLS[dtype]
+    return rtol * chain, atol
+
+
+def check(name, actual, ref, dtype, gemm=False, chain=1):
+    """max |actual - ref| <= atol + rtol * max |ref| (errors of reductions and GEMMs scale with the tensor)."""
+    rtol, atol = tol(dtype, gemm, chain)
+    a, r = actual.double(), ref.double()
+    assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
+    err = (a - r).abs().max().item()
+    bound = atol + rtol * max(r.abs().max().item(), 1e-30)
+    assert err <= bound, f"{name} ({dtype}): max|err| {err:.3e} > {bound:.3e} (max|ref| {r.abs().max().item():.3e})"
+
+
+# ---- float64 references -----------------------------------------------------------------------
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def ref_op(op, x, extras, params):
+    """Float64 forward of one jitfuse.torch op: returns (y, extras consumed, extra outputs)."""
+    if isinstance(op, jt.Linear):
+        return x @ params["weight"].T, 0, []
+    if isinstance(op, jt.Bias):
+        return x + params["bias"], 0, []
+    if isinstance(op, jt.GELU):
+        return (gelu_tanh(x) if op.approximate == "tanh" else F.gelu(x)), 0, []
+    if isinstance(op, jt.ReLU):
+        return torch.relu(x), 0, []
+    if isinstance(op, jt.SiLU):
+        return F.silu(x), 0, []
+    if isinstance(op, jt.QGELU):
+        return x * torch.sigmoid(1.702 * x), 0, []
+    if isinstance(op, jt.SReLU):
+        return torch.relu(x) ** 2, 0, []
+    if isinstance(op, (jt.SwiGLU, jt.GEGLU, jt.ReGLU)):
+        a, b = x.chunk(2, dim=-1)
+        act = {jt.SwiGLU: F.silu, jt.GEGLU: gelu_tanh, jt.ReGLU: torch.relu}[type(op)]
+        return act(a) * b, 0, []
+    if isinstance(op, (jt.LayerNorm, jt.RMSNorm)):
+        g = params["weight"] + 1 if op.zero_centered_gamma else params["weight"]
+        if isinstance(op, jt.LayerNorm):
+            mu = x.mean(-1, keepdim=True)
+            var = ((x - mu) ** 2).mean(-1, keepdim=True)
+            return (x - mu) / torch.sqrt(var + op.eps) * g + params["bias"], 0, []
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + op.eps) * g, 0, []
+    if isinstance(op, jt.Scale):
+        return op.value * x, 0, []
+    if isinstance(op, (jt.Identity, jt.Quantize)):
+        return x, 0, []
+    if isinstance(op, jt.Dropout):
+        assert not op.active(op.training), "reference of an active dropout"
+        return x, 0, []
+    if isinstance(op, jt.AddExtraInput):
+        return x + extras[0], 1, []
+    if isinstance(op, jt.MakeExtraOutput):
+        return x, 0, [x]
+    raise NotImplementedError(type(op).__name__)
+
+
+def reference(model, x, extras, dy, dextra_out):
+    """Float64 forward + backward of a Sequential: (outputs, grad_input, grad_extras, grad_params by name)."""
+    x64 = x.detach().double().requires_grad_()
+    e64 = [e.detach().double().requires_grad_() for e in extras]
+    p64 = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
+    h, k, extra_out = x64, 0, []
+    for i, op in enumerate(model._ops):
+        params = {n: p64[f"{i}.{attr}"] for n, attr in ((n, _attr_of(op, n)) for n, _ in op.jf_params())}
+        h, used, eo = ref_op(op, h, e64[k:], params)
+        k += used
+        extra_out += eo
+    outs = [h, *extra_out]
+    grads = [dy.double(), *[g.double() for g in dextra_out]]
+    torch.autograd.backward(outs, grads)
+    return ([o.detach() for o in outs], x64.grad, [e.grad for e in e64],
+            {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in p64.items()})
+
+
+def _attr_of(op, abi_name):
+    for n, p in op.named_parameters(recurse=False):
+        if any(p is q for an, q in op.jf_params() if an == abi_name):
+            return n
+    raise KeyError(abi_name)
+
+
+def randomize(model, scale=1.0):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            v = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if n.endswith("weight") and p.dim() == 2:
+                v /= math.sqrt(p.shape[1])
+            p.copy_((v * scale).to(p.dtype))
+
+
+def run_and_check(model, x, extras, dtype, gemm=False, chain=1):
+    x = x.detach().requires_grad_()
+    extras = [e.detach().requires_grad_() for e in extras]
+    out = model(x, *extras)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    g = torch.Generator(device=DEV).manual_seed(2)
+    dys = [torch.randn(o.shape, device=DEV, dtype=dtype, generator=g) for o in outs]
+    torch.autograd.backward(outs, dys)
+    r_outs, r_dx, r_de, r_dp = reference(model, x, extras, dys[0], dys[1:])
+    for i, (o, r) in enumerate(zip(outs, r_outs)):
+        assert o.dtype == dtype
+        check(f"output {i}", o, r, dtype, gemm, chain)
+    check("grad_input", x.grad, r_dx, dtype, gemm, chain)
+    for i, (e, r) in enumerate(zip(extras, r_de)):
+        check(f"grad_extra_input {i}", e.grad, r, dtype, gemm, chain)
+    for n, p in model.named_parameters():
+        check(f"grad {n}", p.grad, r_dp[n], dtype, gemm, chain)
+
+
+H = 128
+ROWS = 37
+OPS = {
+    "linear": lambda d: [jt.Linear(H, 96, dtype=d)],
+    "linear_bias": lambda d: [jt.Linear(H, 96, dtype=d), jt.Bias(96, dtype=d)],
+    "bias": lambda d: [jt.Bias(H, dtype=d)],
+    "gelu_tanh": lambda d: [jt.GELU()],
+    "gelu_erf": lambda d: [jt.GELU("none")],
+    "relu": lambda d: [jt.ReLU()],
+    "silu": lambda d: [jt.SiLU()],
+    "qgelu": lambda d: [jt.QGELU()],
+    "srelu": lambda d: [jt.SReLU()],
+    "swiglu": lambda d: [jt.SwiGLU()],
+    "geglu": lambda d: [jt.GEGLU()],
+    "reglu": lambda d: [jt.ReGLU()],
+    "layernorm": lambda d: [jt.LayerNorm(H, dtype=d)],
+    "layernorm_zc": lambda d: [jt.LayerNorm(H, zero_centered_gamma=True, dtype=d)],
+    "rmsnorm": lambda d: [jt.RMSNorm(H, eps=1e-6, dtype=d)],
+    "scale": lambda d: [jt.Scale(0.37)],
+    "identity": lambda d: [jt.Identity()],
+    "quantize_plain": lambda d: [jt.Quantize()],
+    "add_extra_input": lambda d: [jt.AddExtraInput()],
+    "make_extra_output": lambda d: [jt.MakeExtraOutput()],
+    "bias_gelu": lambda d: [jt.Bias(H, dtype=d), jt.GELU()],
+    "dropout_eval": lambda d: [jt.Bias(H, dtype=d), jt.Dropout(0.3), jt.AddExtraInput()],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_numerics(name, dtype):
+    torch.manual_seed(0)
+    model = jt.Sequential(*OPS[name](dtype), device=DEV)
+    randomize(model)
+    if name == "dropout_eval":
+        model.eval()
+    x = torch.randn(ROWS, H, device=DEV, dtype=dtype)
+    extras = [torch.randn(ROWS, H, device=DEV, dtype=dtype) for _ in range(model._n_extra_inputs)]
+    run_and_check(model, x, extras, dtype, gemm="linear" in name)
+
+
+def mlp(h, f, dtype):
+    return jt.Sequential(jt.LayerNorm(h, dtype=dtype), jt.Linear(h, f, dtype=dtype), jt.Bias(f, dtype=dtype),
+                         jt.GELU(), jt.Linear(f, h, dtype=dtype), jt.Bias(h, dtype=dtype), jt.AddExtraInput(),
+                         device=DEV, name="mlp")
+
+
+def transformer_layer(h, f, dtype, p=0.1):
+    return jt.Sequential(
+        jt.MakeExtraOutput(), jt.RMSNorm(h, eps=1e-6, dtype=dtype), jt.Linear(h, h, dtype=dtype), jt.Bias(h, dtype=dtype),
+        jt.Dropout(p, seed=1234), jt.AddExtraInput(), jt.MakeExtraOutput(), jt.LayerNorm(h, dtype=dtype),
+        jt.Linear(h, 2 * f, dtype=dtype), jt.Bias(2 * f, dtype=dtype), jt.SwiGLU(), jt.Scale(0.5),
+        jt.Linear(f, h, dtype=dtype), jt.SiLU(), jt.AddExtraInput(), device=DEV, name="transformer_layer")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_mlp_numerics(dtype):
+    model = mlp(256, 1024, dtype)
+    randomize(model)
+    x = torch.randn(64, 256, device=DEV, dtype=dtype)
+    run_and_check(model, x, [torch.randn_like(x)], dtype, gemm=True, chain=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_transformer_layer_numerics(dtype):
+    model = transformer_layer(256, 512, dtype).eval()  # dropout off: the reference has no mask
+    randomize(model)
+    x = torch.randn(64, 256, device=DEV, dtype=dtype)
+    run_and_check(model, x, [torch.randn_like(x), torch.randn_like(x)], dtype, gemm=True, chain=2)
+
+
+def test_three_d_input_keeps_its_shape():
+    model = jt.Sequential(jt.Linear(H, 64, dtype=torch.bfloat16), jt.Bias(64, dtype=torch.bfloat16), jt.GELU(),
+                          device=DEV)
+    x = torch.randn(3, 11, H, device=DEV, dtype=torch.bfloat16)
+    y = model(x)
+    assert y.shape == (3, 11, 64)
+    ref = gelu_tanh(x.double() @ model[0].weight.double().T + model[1].bias.double())
+    check("3-d", y, ref, torch.bfloat16, gemm=True)
+
+
+def test_dropout_train_mode_properties():
+    p = 0.25
+    model = jt.Sequential(jt.Dropout(p), device=DEV)
+    x = torch.randn(256, 512, device=DEV, dtype=torch.bfloat16).abs() + 0.5
+    x.requires_grad_()
+    y = model(x)
+    keep = y != 0
+    frac = keep.double().mean().item()
+    assert abs(frac - (1 - p)) < 0.01, frac
+    check("kept", y[keep], (x.detach().double() / (1 - p))[keep], torch.bfloat16)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    check("grad", x.grad, dy.double() * keep.double() / (1 - p), torch.bfloat16)
+    y2 = model(x)
+    assert not torch.equal(y2 != 0, keep), "the offset advances: a second call draws another mask"
+
+
+def test_optimizer_step_matches_pytorch():
+    dtype = torch.float32
+    h, f = 128, 256
+    model = jt.Sequential(jt.Linear(h, f, dtype=dtype), jt.Bias(f, dtype=dtype), jt.GELU(),
+                          jt.Linear(f, h, dtype=dtype), jt.Bias(h, dtype=dtype), device=DEV)
+    randomize(model)
+    ref = torch.nn.Sequential(torch.nn.Linear(h, f), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(f, h)).to(DEV)
+    with torch.no_grad():
+        ref[0].weight.copy_(model[0].weight)
+        ref[0].bias.copy_(model[1].bias)
+        ref[2].weight.copy_(model[3].weight)
+        ref[2].bias.copy_(model[4].bias)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(64, h, device=DEV)
+    target = torch.randn(64, h, device=DEV)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            F.mse_loss(m(x), target).backward()
+            o.step()
+    check("weight after 3 AdamW steps", model[0].weight, ref[0].weight, dtype, gemm=True, chain=10)
+    check("bias after 3 AdamW steps", model[4].bias, ref[2].bias, dtype, gemm=True, chain=10)
+
+
+def test_state_dict_round_trip_and_dtype_errors():
+    a = mlp(128, 256, torch.bfloat16)
+    randomize(a)
+    sd = a.state_dict()
+    assert set(sd) == {"0.weight", "0.bias", "1.weight", "2.bias", "4.weight", "5.bias"}
+    b = mlp(128, 256, torch.bfloat16)
+    b.load_state_dict(sd)
+    x = torch.randn(16, 128, device=DEV, dtype=torch.bfloat16)
+    e = torch.randn_like(x)
+    with torch.no_grad():
+        assert torch.equal(a(x, e), b(x, e))
+    with pytest.raises(TypeError, match="float64"):
+        b.double()
+    with pytest.raises(TypeError, match="float64"):
+        b.to(torch.float64)
+    b.half()
+    with torch.no_grad():
+        assert b(x.half(), e.half()).dtype == torch.float16
+        with pytest.raises(TypeError, match="parameters must match"):
+            b(x, e)
+    with pytest.raises(TypeError, match="extra input"):
+        b(x.half())
+
+
+def test_repr_shows_fused_groups():
+    model = mlp(128, 256, torch.bfloat16)
+    x = torch.randn(16, 128, device=DEV, dtype=torch.bfloat16)
+    model(x, torch.randn_like(x))
+    text = repr(model)
+    assert "jitfuse plan for input 16x128" in text and "linear_bias_gelu" in text, text
+    assert model.explain().forward
+
+
+def _grads(model, x, extras, dy):
+    x = x.detach().requires_grad_()
+    out = model(x, *extras)
+    params = list(model.parameters())
+    gs = torch.autograd.grad(out, [x, *params], dy)
+    return out.detach().clone(), [g.clone() for g in gs]
+
+
+def test_torch_compile_fullgraph_no_breaks_matches_eager():
+    model = mlp(256, 512, torch.bfloat16)
+    randomize(model)
+    x = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    e = torch.randn_like(x)
+    dy = torch.randn_like(x)
+    y_eager, g_eager = _grads(model, x, [e], dy)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(x.detach().requires_grad_(), e)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, fullgraph=True)
+    y_c, g_c = _grads(compiled, x, [e], dy)
+    assert torch.equal(y_c, y_eager)
+    for a, b in zip(g_c, g_eager):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_with_dropout_advances_rng():
+    model = transformer_layer(128, 256, torch.bfloat16, p=0.5)
+    x = torch.randn(32, 128, device=DEV, dtype=torch.bfloat16)
+    e0, e1 = torch.randn_like(x), torch.randn_like(x)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        st = model._jf_rng_state.clone()
+        y1 = compiled(x, e0, e1)[0].clone()
+        assert model._jf_rng_state[1].item() == st[1].item() + 1
+        y2 = compiled(x, e0, e1)[0].clone()
+        model._jf_rng_state.copy_(st)
+        y1_eager = model(x, e0, e1)[0]
+    assert not torch.equal(y1, y2)
+    assert torch.equal(y1, y1_eager)
+
+
+def _dropout_model():
+    m = jt.Sequential(jt.Linear(256, 256, dtype=torch.bfloat16), jt.Bias(256, dtype=torch.bfloat16), jt.Dropout(0.5),
+                      jt.AddExtraInput(), device=DEV)
+    randomize(m)
+    return m
+
+
+def test_cuda_graph_capture_replays_match_eager_with_new_masks():
+    model = _dropout_model()
+    x = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    e = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (prepares the shape) on a side stream, as torch.cuda.graph asks
+        for _ in range(3):
+            model(x, e).backward(dy)
+    torch.cuda.current_stream().wait_stream(s)
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = model(x, e)
+        static_y.backward(dy)
+    masks = []
+    for _ in range(4):
+        st = model._jf_rng_state.clone()
+        g.replay()
+        torch.cuda.synchronize()
+        assert model._jf_rng_state[1].item() == st[1].item() + 1
+        y_r = static_y.detach().clone()
+        gr = [x.grad.clone(), model[0].weight.grad.clone(), model[1].bias.grad.clone()]
+        after = model._jf_rng_state.clone()
+        model._jf_rng_state.copy_(st)
+        x2 = x.detach().clone().requires_grad_()
+        y_e = model(x2, e)
+        ge = torch.autograd.grad(y_e, [x2, model[0].weight, model[1].bias], dy)
+        model._jf_rng_state.copy_(after)
+        assert torch.equal(y_r, y_e)
+        for a, b in zip(gr, ge):
+            assert torch.equal(a, b)
+        masks.append(y_r - e == 0)
+    assert all(not torch.equal(masks[0], m) for m in masks[1:]), "every replay draws a new mask"
+
+
+def test_torch_compile_reduce_overhead():
+    model = _dropout_model()
+    x = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    e = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    params = [model[0].weight, model[1].bias]
+    ys = []
+    for i in range(5):
+        st = model._jf_rng_state.clone()
+        y = compiled(x, e)
+        gs = torch.autograd.grad(y, [x, *params], dy)
+        y, gs = y.detach().clone(), [g.clone() for g in gs]
+        after = model._jf_rng_state.clone()
+        assert after[1].item() == st[1].item() + 1
+        model._jf_rng_state.copy_(st)
+        y_e = model(x, e)
+        ge = torch.autograd.grad(y_e, [x, *params], dy)
+        model._jf_rng_state.copy_(after)
+        assert torch.equal(y, y_e.detach()), f"iteration {i}"
+        for a, b in zip(gs, ge):
+            assert torch.equal(a, b), f"iteration {i}"
+        ys.append(y)
+    assert not torch.equal(ys[-1], ys[-2])
+    from torch._dynamo.utils import counters
+    skips = dict(counters.get("inductor", {})).get("cudagraph_skips", 0)
+    assert skips == 0, f"cudagraphs were skipped: {dict(counters)}"
+
+
+def _op_args(model, x, extras, training=True):
+    return (model._jf_keys[model.training][x.dtype], x, extras, list(model._params()),
+            model._jf_rng_state if model._jf_uses_rng[model.training] else None, training)
+
+
+def test_opcheck_forward():
+    model = transformer_layer(128, 256, torch.bfloat16, p=0.1)
+    x = torch.randn(16, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    extras = [torch.randn_like(x), torch.randn_like(x)]
+    torch.library.opcheck(torch.ops.jitfuse.forward.default, _op_args(model, x, extras),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    with torch.no_grad():
+        torch.library.opcheck(torch.ops.jitfuse.forward.default, _op_args(model, x.detach(), extras, False))
+
+
+def test_opcheck_backward():
+    model = mlp(128, 256, torch.bfloat16)
+    x = torch.randn(16, 128, device=DEV, dtype=torch.bfloat16)
+    e = torch.randn_like(x)
+    args = _op_args(model, x, [e])
+    with torch.no_grad():
+        outs = torch.ops.jitfuse.forward.default(*args)
+    bargs = (args[0], x, [e], outs[0], list(outs[1:-1]), args[3], outs[-1], torch.randn_like(outs[0]), [])
+    torch.library.opcheck(torch.ops.jitfuse.backward.default, bargs)
+
+
+def test_opcheck_forward_aot_dispatch():
+    """opcheck's AOT tests compare every output of two runs, the uint8 saved buffer included: this passes
+    only if jitfuse writes every byte of it (padding too)."""
+    model = mlp(128, 256, torch.bfloat16)
+    x = torch.randn(16, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.jitfuse.forward.default, _op_args(model, x, [torch.randn_like(x)]),
+                          test_utils=("test_aot_dispatch_dynamic",))
+
+
+def test_two_modules_on_two_streams():
+    m1, m2 = mlp(256, 1024, torch.bfloat16), mlp(256, 1024, torch.bfloat16)
+    randomize(m1, 1.0)
+    randomize(m2, 0.5)
+    xs = [torch.randn(512, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    es = [torch.randn_like(x) for x in xs]
+    dys = [torch.randn_like(x) for x in xs]
+    serial = [_grads(m, x, [e], dy) for m, x, e, dy in zip((m1, m2), xs, es, dys)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(3):
+        results = []
+        for m, x, e, dy, s in zip((m1, m2), xs, es, dys, streams):
+            with torch.cuda.stream(s):
+                results.append(_grads(m, x, [e], dy))
+        torch.cuda.synchronize()
+    for (y, gs), (ys, gss) in zip(results, serial):
+        assert torch.equal(y, ys)
+        for a, b in zip(gs, gss):
+            assert torch.equal(a, b)
