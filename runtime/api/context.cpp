@@ -137,6 +137,7 @@ jf_tensor_info tensor_info(ProgramInfo& pi, std::string name, int op, ops::DType
                            size_t bytes, size_t offset) {
   jf_tensor_info t{};
   pi.names.push_back(std::move(name));
+  t.name = pi.names.back().c_str();
   t.op_index = op;
   t.dtype = dl_dtype(dt);
   t.ndim = static_cast<int>(std::min(shape.size(), size_t{JF_MAX_DIMS}));
@@ -155,7 +156,6 @@ const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared
   const exec::Program& p = *pp->program;
   const ops::DType dt = recipe.dtype;
   const auto& last = p.ops.back();
-  pi->names.reserve(4 * p.buffers.size() + 8);  // name pointers must not move
   pi->outputs.push_back(tensor_info(*pi, "output", -1, output_dtype(), last.out,
                                     p.buffer(p.output).bytes, 0));
   for (const auto& op : p.ops) {
@@ -172,12 +172,6 @@ const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared
       ops::Shape shape = b.rows > 0 ? ops::Shape{b.rows, b.cols} : ops::Shape{static_cast<int64_t>(b.bytes)};
       pi->saved.push_back(tensor_info(*pi, b.name, b.op, b.dtype, shape, b.bytes, b.offset));
     }
-  for (size_t i = 0, k = 0; i < pi->outputs.size(); ++i) pi->outputs[i].name = pi->names[k++].c_str();
-  {
-    size_t k = pi->outputs.size();
-    for (auto& t : pi->params) t.name = pi->names[k++].c_str();
-    for (auto& t : pi->saved) t.name = pi->names[k++].c_str();
-  }
   jf_program_info& info = pi->info;
   info.n_outputs = static_cast<int>(pi->outputs.size());
   info.outputs = pi->outputs.data();

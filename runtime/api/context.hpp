@@ -1,6 +1,7 @@
 // The objects behind the C ABI's handles: a Context (rules, templates, kernel cache, cuBLASLt,
 // allocator) and a Sequence (parsed ops, recipe, programs prepared per shape). Parameters are per call.
 #pragma once
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,7 +48,7 @@ class Context {
 // What jf_sequence_info hands out for one prepared (shape, training): arrays and strings that live as long
 // as the sequence.
 struct ProgramInfo {
-  std::vector<std::string> names;  // backing store of the infos' name pointers
+  std::deque<std::string> names;  // backing store of the infos' name pointers (a deque: they never move)
   std::vector<jf_tensor_info> outputs, params, saved;
   jf_program_info info{};
 };

@@ -176,6 +176,7 @@ void count_free(void* p, size_t, jf_stream s, void* user) {
 }
 
 void graph_case(const std::string& json, const ops::Shape& shape) {
+  cuda::current_device();  // the device's primary context current (the test creates streams itself)
   jf_context ctx = nullptr;
   REQUIRE(jf_context_create(&ctx) == JF_OK);
   Counter counter;

@@ -95,13 +95,16 @@ class jf_allocator(Structure):
     _fields_ = [("alloc", ALLOC_FN), ("free", FREE_FN), ("user", c_void_p)]
 
 
+JF_MAX_DIMS = 16  # the header's JF_MAX_DIMS
+
+
 class jf_tensor_info(Structure):
     _fields_ = [
         ("name", c_char_p),
         ("op_index", c_int),
         ("dtype", DLDataType),
         ("ndim", c_int),
-        ("shape", c_int64 * 4),
+        ("shape", c_int64 * JF_MAX_DIMS),
         ("bytes", c_size_t),
         ("offset", c_size_t),
     ]

@@ -451,7 +451,7 @@ def _tensor_infos(ptr: Any, n: int) -> Tuple[TensorInfo, ...]:
         d = t.dtype
         out.append(TensorInfo(name=(t.name or b"").decode(), op_index=int(t.op_index),
                               dtype=_abi.dtype_name(d.code, d.bits, d.lanes), dl_dtype=(d.code, d.bits, d.lanes),
-                              shape=tuple(int(t.shape[k]) for k in range(min(int(t.ndim), 4))),
+                              shape=tuple(int(t.shape[k]) for k in range(min(int(t.ndim), _abi.JF_MAX_DIMS))),
                               bytes=int(t.bytes), offset=int(t.offset)))
     return tuple(out)
 
