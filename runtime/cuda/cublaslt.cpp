@@ -4,6 +4,7 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 #include "common/error.hpp"
@@ -86,9 +87,9 @@ size_t Blas::heuristic_cache_size() const {
   return impl_->algos.size();
 }
 
-bool Blas::prepare(const GemmCall& call) {
+bool Blas::prepare(const GemmCall& call, CUstream tune_stream) {
   try {
-    run(call, nullptr, false);
+    run(call, tune_stream, false, tune_stream != nullptr);
     return true;
   } catch (const Error& e) {
     if (e.status() != Status::unsupported) throw;
@@ -98,10 +99,10 @@ bool Blas::prepare(const GemmCall& call) {
 
 void Blas::gemm(const GemmCall& g, CUstream stream) {
   if (!g.workspace) fail(Status::internal, "cuBLASLt GEMM without a workspace");
-  run(g, stream, true);
+  run(g, stream, true, false);
 }
 
-void Blas::run(const GemmCall& g, CUstream stream, bool launch) {
+void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
   // Column-major view of the transposed product (see file comment).
   uint64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldd = 0;
   cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -194,15 +195,48 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch) {
       cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
       cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
       cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
-      cublasLtMatmulHeuristicResult_t res{};
+      constexpr int kCandidates = 8;
+      cublasLtMatmulHeuristicResult_t res[kCandidates] = {};
       int found = 0;
-      check_blas(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op.d, la.l, lb.l, lc.l, ld.l, pref.p, 1, &res, &found),
+      check_blas(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op.d, la.l, lb.l, lc.l, ld.l, pref.p,
+                                                tune ? kCandidates : 1, res, &found),
                  "cublasLtMatmulAlgoGetHeuristic");
       if (found == 0)
         fail(Status::unsupported, "cuBLASLt has no algorithm for {} GEMM m={} n={} k={} dtype {} epilogue {}",
              g.kind == GemmKind::fwd ? "forward" : g.kind == GemmKind::dgrad ? "dgrad" : "wgrad", g.m, g.n, g.k,
              ops::dtype_name(g.dtype), epilogue_name(g.epilogue));
-      it = impl_->algos.emplace(key, res.algo).first;
+      int best = 0;
+      if (tune && found > 1) {
+        // Prepare-time tuning on the caller's scratch operands: the heuristic's first choice is not always
+        // the fastest (small-M problems especially); each candidate is timed, the median of a few runs.
+        const auto& d = driver();
+        CUevent e0 = nullptr, e1 = nullptr;
+        check(d.cuEventCreate(&e0, CU_EVENT_DEFAULT), "cuEventCreate");
+        check(d.cuEventCreate(&e1, CU_EVENT_DEFAULT), "cuEventCreate");
+        float best_ms = 0;
+        for (int i = 0; i < found; ++i) {
+          float t[3];
+          bool ok = true;
+          for (int r = 0; r < 4 && ok; ++r) {
+            check(d.cuEventRecord(e0, stream), "cuEventRecord");
+            ok = cublasLtMatmul(impl_->handle, op.d, &g.alpha, A, la.l, B, lb.l, &g.beta, C, lc.l, g.d, ld.l,
+                                &res[i].algo, g.workspace, kGemmWorkspace,
+                                reinterpret_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
+            check(d.cuEventRecord(e1, stream), "cuEventRecord");
+            check(d.cuEventSynchronize(e1), "cuEventSynchronize");
+            if (r > 0) check(d.cuEventElapsedTime(&t[r - 1], e0, e1), "cuEventElapsedTime");
+          }
+          if (!ok) continue;
+          std::sort(t, t + 3);
+          if (i == 0 || t[1] < best_ms) {
+            best_ms = t[1];
+            best = i;
+          }
+        }
+        d.cuEventDestroy(e0);
+        d.cuEventDestroy(e1);
+      }
+      it = impl_->algos.emplace(key, res[best].algo).first;
     }
     algo = it->second;
   }

@@ -56,9 +56,11 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
   void gemm(const GemmCall& call, CUstream stream);
-  // Looks up (and caches) the algorithm for `call` without running anything: its pointers only say which
-  // operands exist and how they are aligned. False if cuBLASLt has none for the problem.
-  bool prepare(const GemmCall& call);
+  // Looks up (and caches) the algorithm for `call`; false if cuBLASLt has none for the problem. Without a
+  // stream nothing runs and the pointers only say which operands exist and how they are aligned. With
+  // one, they are scratch operands of the call's sizes and the workspace: the heuristic's top candidates
+  // are timed there (synchronising that stream) and the fastest is kept.
+  bool prepare(const GemmCall& call, CUstream tune_stream = nullptr);
   // out[n] = sum over the m rows of x [m, n] (row-major), given a column of m ones: the wgrad GEMM of a
   // linear with one input feature (dW^T [1, n] = ones^T [1, m] x [m, n]). The fallback when BGRADB has no
   // algorithm for a problem.
@@ -68,7 +70,8 @@ class Blas {
   static std::string version();
 
  private:
-  void run(const GemmCall& call, CUstream stream, bool launch);  // launch false: only the algorithm lookup
+  // launch false: only the algorithm lookup (timing candidates on `stream` when tune is set).
+  void run(const GemmCall& call, CUstream stream, bool launch, bool tune);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

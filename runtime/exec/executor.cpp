@@ -8,6 +8,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/log.hpp"
 
@@ -183,6 +184,65 @@ void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, CUstream str
   }
 }
 
+// Scratch operands for timing a GEMM's candidate algorithms at prepare (cuda::Blas::prepare). Problems
+// whose operands and workspace exceed kMaxBytes keep the heuristic's first choice: large GEMMs are where
+// it is reliable, and prepare should not take hundreds of MiB from the host's allocator's device.
+class GemmTuner {
+ public:
+  static constexpr size_t kMaxBytes = size_t{256} << 20;
+  GemmTuner() : enabled_(env::get("JITFUSE_GEMM_TUNING").value_or("1") != "0") {}
+  ~GemmTuner() {
+    if (auto* d = cuda::try_driver()) {
+      if (block_) d->cuMemFree(block_);
+      if (stream_) d->cuStreamDestroy(stream_);
+    }
+  }
+  GemmTuner(const GemmTuner&) = delete;
+  GemmTuner& operator=(const GemmTuner&) = delete;
+  CUstream stream() const { return stream_; }
+
+  // Points `call`'s operands at zeroed scratch of the step's buffer sizes; false: do not tune this one.
+  bool bind(const Program& p, const GemmStep& g, cuda::GemmCall& call) {
+    if (!enabled_) return false;
+    auto bytes = [&](int id) { return id >= 0 ? round256(p.buffer(id).bytes) : 0; };
+    const size_t need = bytes(g.a) + bytes(g.b) + bytes(g.c) + bytes(g.d) + bytes(g.bias) + bytes(g.aux) +
+                        cuda::kGemmWorkspace;
+    if (need > kMaxBytes) return false;
+    const auto& d = cuda::driver();
+    if (need > bytes_) {
+      if (block_) d.cuMemFree(block_);
+      block_ = 0;
+      bytes_ = 0;
+      if (d.cuMemAlloc(&block_, need) != CUDA_SUCCESS) return false;  // no room: the heuristic's choice
+      bytes_ = need;
+    }
+    if (!stream_) cuda::check(d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    cuda::check(d.cuMemsetD8Async(block_, 0, need, stream_), "cuMemsetD8Async");
+    size_t at = 0;
+    auto take = [&](int id) -> void* {
+      if (id < 0) return nullptr;
+      void* ptr = reinterpret_cast<void*>(block_ + at);
+      at += bytes(id);
+      return ptr;
+    };
+    call.a = take(g.a);
+    call.b = take(g.b);
+    call.c = take(g.c);
+    call.d = take(g.d);
+    call.bias = take(g.bias);
+    call.aux = take(g.aux);
+    call.workspace = reinterpret_cast<void*>(block_ + at);
+    return true;
+  }
+
+ private:
+  static size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+  bool enabled_;
+  CUdeviceptr block_ = 0;
+  size_t bytes_ = 0;
+  CUstream stream_ = nullptr;
+};
+
 }  // namespace
 
 void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
@@ -224,20 +284,21 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
       scalar.vec = false;
       k.scalar.kernel = &rt.kernels->load(scalar, pp->target, k.meta);
     }
-  // cuBLASLt's algorithm for every GEMM, looked up now (a BGRADB problem without one takes the fallback).
+  // cuBLASLt's algorithm for every GEMM, chosen now (a BGRADB problem without one takes the fallback).
+  GemmTuner tuner;
   for (auto* steps : {&program->forward, &program->backward})
     for (auto& s : *steps) {
       if (s.kind != Step::Kind::gemm) continue;
       GemmStep& g = s.gemm;
       // The operands a program binds are 256-byte aligned (arenas, the saved block, cudaMalloc, PyTorch's
-      // allocator): the algorithm is looked up for that; a call with a less aligned tensor looks its own up.
+      // allocator): the algorithm is chosen for that; a call with a less aligned tensor looks its own up.
       cuda::GemmCall call = g.call;
       auto* aligned = reinterpret_cast<void*>(uintptr_t{256});
       call.a = call.b = call.d = aligned;
       if (g.c >= 0) call.c = aligned;
       if (g.bias >= 0) call.bias = aligned;
       if (g.aux >= 0) call.aux = aligned;
-      if (rt.blas->prepare(call)) continue;
+      if (tuner.bind(*program, g, call) ? rt.blas->prepare(call, tuner.stream()) : rt.blas->prepare(call)) continue;
       if (!g.bias_grad_fallback)
         fail(Status::unsupported, "cuBLASLt has no algorithm for {} ({}x{}x{}, {})", s.what, g.call.m, g.call.n,
              g.call.k, cuda::epilogue_name(g.call.epilogue));
