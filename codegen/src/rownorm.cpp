@@ -262,19 +262,4 @@ class Rownorm {
 
 Generated generate_rownorm(const KernelSpec& spec) { return Rownorm(spec).generate(); }
 
-Generated generate_elementwise(const KernelSpec& spec);
-
 }  // namespace jitfuse::codegen::detail
-
-namespace jitfuse::codegen {
-
-Generated generate(const KernelSpec& spec) {
-  if (spec.skeleton == Skeleton::rownorm) {
-    if (!spec.norm) throw std::invalid_argument("codegen: rownorm spec without a norm");
-    return detail::generate_rownorm(spec);
-  }
-  if (spec.skeleton == Skeleton::gated && !spec.gated) throw std::invalid_argument("codegen: gated spec without a gate");
-  return detail::generate_elementwise(spec);
-}
-
-}  // namespace jitfuse::codegen

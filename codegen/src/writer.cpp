@@ -108,6 +108,7 @@ void emit_prelude(Writer& w, const KernelSpec& spec, const std::vector<std::stri
   w.line("// skeleton {}, {}, dtype {}, cols {}, {} path{}", skeleton_name(spec.skeleton),
          spec.dir == Direction::forward ? "forward" : "backward", spec.dtype, spec.cols,
          spec.vec ? "16-byte vector" : "scalar", spec.rule.empty() ? "" : ", rule " + comment_text(spec.rule));
+  w.line("// op N: the N-th op of this kernel (not its index in the sequence: one kernel serves every depth)");
   for (auto& h : headers) w.line("#include \"{}\"", h);
   w.line("typedef {} DT;", storage_struct(spec.dtype));
   w.line("typedef DT::storage ST;");

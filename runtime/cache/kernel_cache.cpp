@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "cache/disk_io.hpp"
 #include "cache/disk_store.hpp"
@@ -60,6 +61,14 @@ std::string cache_key(const KernelRequest& request) {
   put(h, "format_version");
   put(h, std::to_string(kFormatVersion));
   return to_hex(h.finish());
+}
+
+std::vector<size_t> distinct(const std::vector<KernelRequest>& requests) {
+  std::vector<size_t> out;
+  std::unordered_set<std::string> keys;
+  for (size_t i = 0; i < requests.size(); ++i)
+    if (keys.insert(cache_key(requests[i])).second) out.push_back(i);
+  return out;
 }
 
 using EntryPtr = std::shared_ptr<const Entry>;

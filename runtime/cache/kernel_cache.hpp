@@ -52,6 +52,8 @@ Config config_from_env();
 
 // sha256 over canonically ordered fields: source, options, nvrtc version, arch, format version.
 std::string cache_key(const KernelRequest& request);
+// Indices of the first request of each distinct key, in order: what a batch compiles (and reports) once.
+std::vector<size_t> distinct(const std::vector<KernelRequest>& requests);
 
 // misses: requests found neither in memory nor on disk at first look; some of them end as disk hits
 // after waiting for another process that was compiling the same key. Waiting on another thread of

@@ -345,7 +345,7 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
         k.buffer = temp("partials op" + std::to_string(a.op) + "." + a.name, ops::DType::f32, -1, width);
         for (const auto& f : ks->gen.finalize)
           if (f.op == a.op && f.name == a.name)
-            ks->finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, std::to_string(f.op) + "." + f.name});
+            ks->finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel});
         break;
       }
       case Arg::Role::rows: k.kind = KArg::Kind::rows; break;

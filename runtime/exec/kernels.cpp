@@ -99,15 +99,17 @@ cache::CompileFn KernelLibrary::compiler() const {
 
 void KernelLibrary::prefetch(const std::vector<std::pair<codegen::KernelSpec, nlohmann::json>>& specs,
                              const Target& target, unsigned threads) {
-  std::vector<cache::KernelRequest> reqs;
-  for (const auto& [spec, meta] : specs) reqs.push_back(request(spec, target, meta));
+  std::vector<cache::KernelRequest> all, reqs;
+  for (const auto& [spec, meta] : specs) all.push_back(request(spec, target, meta));
+  for (size_t i : cache::distinct(all)) reqs.push_back(std::move(all[i]));
   cache_.get_or_compile_all(reqs, compiler(), threads);
 }
 
 const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const Target& target,
                                         const nlohmann::json& meta) {
   cache::KernelRequest req = request(spec, target, meta);
-  // Modules belong to a device's context: the same kernel is loaded once per device.
+  // Modules belong to a device's context: the same kernel is loaded once per device (and shared by every
+  // group, at any depth, and every sequence that generates its source).
   const std::string key = cache::cache_key(req) + "@" + std::to_string(cuda::current_ordinal());
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -134,7 +136,7 @@ const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const T
   for (auto& f : lk->gen.finalize) {
     CUfunction fn;
     cuda::check(d.cuModuleGetFunction(&fn, mod, f.kernel.c_str()), "cuModuleGetFunction");
-    lk->finalize[std::to_string(f.op) + "." + f.name] = fn;
+    lk->finalize[f.kernel] = fn;  // by name: the kernel is shared by groups at any depth, so not by op index
   }
   if (!lk->gen.fp8_update.empty())
     cuda::check(d.cuModuleGetFunction(&lk->fp8_update, mod, lk->gen.fp8_update.c_str()), "cuModuleGetFunction");

@@ -35,11 +35,13 @@ struct Target {
 Target target_for_arch(const std::string& arch);  // CUBIN if NVRTC knows the arch, else PTX
 
 struct LoadedKernel {
+  // Of the first spec loaded: a kernel is shared by every group that generates its source, so gen.args[].op
+  // are that group's ops. Steps bind their own arguments (KernelStep::args).
   codegen::Generated gen;
   std::string key;
   CUfunction fn = nullptr;
   int blocks_per_sm = 1;  // resident blocks of `fn` per SM at its block size (the driver's occupancy)
-  std::map<std::string, CUfunction> finalize;  // param name ("bias") -> kernel
+  std::map<std::string, CUfunction> finalize;  // finalize kernel name (Finalize::kernel) -> kernel
   CUfunction fp8_update = nullptr;             // fp8_delayed: the recipe-state update after the kernel
 };
 
@@ -52,17 +54,19 @@ class KernelLibrary {
                                const nlohmann::json& meta) const;
   // The compile function handed to the cache.
   cache::CompileFn compiler() const;
-  // Compiles every spec not yet in the cache, in parallel on a bounded pool (no GPU needed).
+  // Compiles every distinct kernel of `specs` not yet in the cache, once, in parallel on a bounded pool (no GPU
+  // needed).
   void prefetch(const std::vector<std::pair<codegen::KernelSpec, nlohmann::json>>& specs, const Target& target,
                 unsigned threads);
-  // Compiles (through the cache) and loads on the current device. Thread-safe; memoized per spec.
+  // Compiles (through the cache) and loads on the current device. Thread-safe; memoized per cache key, so
+  // groups (and sequences) generating the same source share one module.
   const LoadedKernel& load(const codegen::KernelSpec& spec, const Target& target, const nlohmann::json& meta);
 
  private:
   cache::KernelCache& cache_;
   const TemplateStore& templates_;
   std::mutex mu_;
-  std::map<std::string, std::unique_ptr<LoadedKernel>> loaded_;  // by cache key
+  std::map<std::string, std::unique_ptr<LoadedKernel>> loaded_;  // by cache key @ device
   std::map<std::string, CUmodule> modules_;
 };
 

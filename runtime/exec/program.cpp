@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include "common/error.hpp"
 #include "exec/builder.hpp"
@@ -118,14 +119,22 @@ std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan
 
 std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p, bool all_variants) {
   std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> out;
+  // Sources are position independent, so the groups of every layer of a deep model ask for the same few
+  // kernels: each distinct source is listed once (same source, same cache key), with the metadata of its
+  // first use.
+  std::set<std::string> seen;
+  auto add = [&](const codegen::KernelSpec& spec, const std::string& source, const nlohmann::json& meta) {
+    if (seen.insert(source).second) out.emplace_back(spec, meta);
+  };
   for (const auto* steps : {&p.forward, &p.backward})
     for (const auto& s : *steps) {
       if (s.kind != Step::Kind::kernel) continue;
-      out.emplace_back(s.kernel->spec, s.kernel->meta);
-      if (all_variants && s.kernel->spec.vec) {
-        auto scalar = s.kernel->spec;
+      const KernelStep& k = *s.kernel;
+      add(k.spec, k.gen.source, k.meta);
+      if (all_variants && k.spec.vec) {
+        auto scalar = k.spec;
         scalar.vec = false;
-        out.emplace_back(scalar, s.kernel->meta);
+        add(scalar, codegen::generate(scalar).source, k.meta);
       }
     }
   return out;

@@ -88,7 +88,7 @@ struct KernelStep {
   struct Follow {                  // a finalize kernel: grad(op,name) = sum of the partials
     int partials = -1, grad = -1;
     int64_t cols = 0;
-    std::string key;  // LoadedKernel::finalize key
+    std::string key;  // LoadedKernel::finalize key: the finalize kernel's name (the same at any depth)
   };
   std::vector<Follow> finalize;
   // FP8: the per-block amax partials and the recipe-state update kernel after the main kernel.
@@ -160,8 +160,9 @@ fuser::Plan make_plan(const std::vector<ops::Op>& ops, const ops::Recipe& recipe
 std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan, const ops::Recipe& recipe,
                                       bool training, const std::string& sequence_name, const DeviceModel& dev);
 
-// Every kernel (spec + cache metadata) a program launches: each variant it may select (what prepare loads
-// and warmup compiles), or only the variant the shape allows (what codegen prints).
+// Every distinct kernel (spec + cache metadata) a program launches, once however many groups share it:
+// each variant it may select (what prepare loads and warmup compiles), or only the variant the shape
+// allows (what codegen prints).
 std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p,
                                                                            bool all_variants = true);
 

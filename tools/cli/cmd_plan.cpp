@@ -41,24 +41,30 @@ void add_plan_options(CLI::App* cmd, PlanOpts& o, bool many) {
 }
 
 struct Collected {
-  std::vector<cache::KernelRequest> requests;
-  std::vector<std::string> labels;
+  std::vector<cache::KernelRequest> requests;  // distinct (one per cache key)
+  std::vector<std::string> labels;             // of each request's first use
 };
 
 // all_variants: every kernel variant a prepared program loads (warmup), else the one the shape allows.
+// A kernel shared by several programs (sequences, shapes) is listed once, as a prepared context loads it.
 Collected collect(const PlanOpts& o, const rules::RuleSet& rs, const exec::TemplateStore& templates,
                   const exec::Target& target, bool all_variants) {
-  Collected c;
+  Collected all;
   cache::KernelCache scratch(cache::Config{});
   exec::KernelLibrary lib(scratch, templates);
   for (const auto& seq : o.seqs)
     for (const auto& shape : o.shapes) {
       Planned p = plan_file(rs, seq, o.recipe, shape, parse_arch(target.arch), !o.inference);
       for (auto& [spec, meta] : exec::program_kernels(*p.program, all_variants)) {
-        c.requests.push_back(lib.request(spec, target, meta));
-        c.labels.push_back(seq + " " + shape + ": " + c.requests.back().meta["kernel"].get<std::string>());
+        all.requests.push_back(lib.request(spec, target, meta));
+        all.labels.push_back(seq + " " + shape + ": " + all.requests.back().meta["kernel"].get<std::string>());
       }
     }
+  Collected c;
+  for (size_t i : cache::distinct(all.requests)) {
+    c.requests.push_back(std::move(all.requests[i]));
+    c.labels.push_back(std::move(all.labels[i]));
+  }
   return c;
 }
 

@@ -23,7 +23,7 @@ struct Stage {
     extra_tap,  // extra = v;                  g += d_extra
     dropout,    // v *= keep / (1-p);          g *= keep / (1-p)
   } kind = Kind::unary;
-  int op = -1;            // op index in the sequence (argument names, comments)
+  int op = -1;            // op index in the sequence (see KernelSpec: the source numbers ops by position)
   std::string op_kind;    // "gelu": comments only
   std::string math;       // one-line math comment
   std::string functor;    // unary
@@ -60,6 +60,9 @@ struct Fp8Spec {
   double margin = 0;       // scale = 448 / amax / 2^margin
 };
 
+// Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the
+// ops by their position in the kernel instead (0, 1, ... in stage order) in every name and comment, so the
+// source depends only on what the kernel computes, never on where its group sits in a sequence.
 struct KernelSpec {
   Skeleton skeleton = Skeleton::elementwise;
   Direction dir = Direction::forward;
@@ -97,7 +100,7 @@ struct Arg {
     fp8_amax,      // (op) writes: float[grid blocks], one partial amax per block; reads (current scaling's
                    //      cast pass): amax_history[0]
   } role;
-  int op = -1;
+  int op = -1;       // the op's index in the sequence (the source names it by its position in the kernel)
   std::string name;
   bool writes = false;
 };
@@ -117,8 +120,8 @@ struct Launch {
 
 // A finalize kernel sums [parts, cols] fp32 partials into a parameter grad.
 struct Finalize {
-  std::string kernel;
-  int op = -1;
+  std::string kernel;  // "<kernel>_fin<position>_<name>": unique in its module, the same at any depth
+  int op = -1;         // the op's index in the sequence
   std::string name;  // "bias", "weight"
   int64_t cols = 0;
 };

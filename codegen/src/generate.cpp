@@ -1,0 +1,55 @@
+// codegen::generate: picks the skeleton emitter, and numbers the kernel's ops by their position in the
+// kernel so that its source never depends on where its group sits in a sequence.
+#include <algorithm>
+#include <stdexcept>
+
+#include "jitfuse/codegen/kernel_spec.hpp"
+
+namespace jitfuse::codegen::detail {
+
+Generated generate_rownorm(const KernelSpec& spec);
+Generated generate_elementwise(const KernelSpec& spec);
+
+namespace {
+
+// The spec with every op index replaced by the op's position in the kernel (0, 1, ... in stage order:
+// pre stages, the anchor, post stages, the FP8 cast); `seq[pos]` keeps the index in the sequence.
+// Emitters name arguments, locals, comments and finalize kernels after these positions, so the same
+// computation at layer 1 and at layer 64 is the same source: one cache key, one compile, one module.
+KernelSpec by_position(const KernelSpec& spec, std::vector<int>& seq) {
+  KernelSpec local = spec;
+  auto renumber = [&](int& op) {
+    if (op < 0) return;  // a spec built by hand without op indices keeps -1
+    auto it = std::find(seq.begin(), seq.end(), op);
+    if (it == seq.end()) it = seq.insert(seq.end(), op);
+    op = static_cast<int>(it - seq.begin());
+  };
+  for (auto& s : local.pre) renumber(s.op);
+  if (local.norm) renumber(local.norm->op);
+  if (local.gated) renumber(local.gated->op);
+  for (auto& s : local.post) renumber(s.op);
+  if (local.fp8) renumber(local.fp8->op);
+  return local;
+}
+
+}  // namespace
+}  // namespace jitfuse::codegen::detail
+
+namespace jitfuse::codegen {
+
+Generated generate(const KernelSpec& spec) {
+  if (spec.skeleton == Skeleton::rownorm && !spec.norm) throw std::invalid_argument("codegen: rownorm spec without a norm");
+  if (spec.skeleton == Skeleton::gated && !spec.gated) throw std::invalid_argument("codegen: gated spec without a gate");
+  std::vector<int> seq;
+  const KernelSpec local = detail::by_position(spec, seq);
+  Generated g = spec.skeleton == Skeleton::rownorm ? detail::generate_rownorm(local) : detail::generate_elementwise(local);
+  // Back to sequence indices: what the Builder binds each argument and each finalize kernel's gradient to.
+  auto to_sequence = [&](int& op) {
+    if (op >= 0) op = seq.at(static_cast<size_t>(op));
+  };
+  for (auto& a : g.args) to_sequence(a.op);
+  for (auto& f : g.finalize) to_sequence(f.op);
+  return g;
+}
+
+}  // namespace jitfuse::codegen

@@ -1,0 +1,54 @@
+// `jitfuse warmup` compiles each distinct kernel once: a 64-layer model compiles exactly the kernels of one
+// layer (both variants, forward and backward), and they are the very kernels the single layer asks for.
+#include <chrono>
+#include <filesystem>
+
+#include "support/deep_model.hpp"
+#include "unit/rules/rules_test_util.hpp"
+
+using jf_test::run_cli;
+
+namespace {
+
+nlohmann::json warmup_json(const std::string& seq, const std::string& cache, double* wall_s = nullptr) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_cli("warmup '" + seq + "' --recipe bf16 --shape " + jitfuse::test::kLayerShape +
+                       " --arch sm_90 --jobs 2 --json",
+                   "JITFUSE_CACHE_DIR='" + cache + "'", true);
+  if (wall_s) *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  return nlohmann::json::parse(r.out);
+}
+
+size_t entries(const std::string& cache) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(cache))
+    n += e.is_regular_file() && e.path().extension() == ".jfk";
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("warmup of a 64-layer model compiles the kernels of one layer, once each", "[cli][position]") {
+  jf_test::TempDir dir;
+  const std::string deep = dir.write("layers64.json", jitfuse::test::repeated_layers(64).dump(1));
+  const std::string cache = dir.path() + "/cache";
+  // The distinct kernels of one layer: what a prepared context loads for it (vector + scalar variants).
+  const size_t one_layer = jitfuse::exec::program_kernels(*jitfuse::test::plan_layers(1, "bf16", true).program).size();
+  REQUIRE(one_layer > 0);
+
+  double wall = 0;
+  nlohmann::json j = warmup_json(deep, cache, &wall);
+  WARN("warmup of 960 ops (bf16 training, sm_90, --jobs 2): " << j["compiled"] << " compiled in " << wall << " s");
+  CHECK(j["kernels"] == one_layer);
+  CHECK(j["compiled"] == one_layer);
+  CHECK(j["already_in_memory"] == 0);
+  CHECK(entries(cache) == one_layer);
+
+  // The single layer finds every kernel it needs on disk: the 64 layers compiled exactly its kernels.
+  j = warmup_json(jitfuse::test::kLayerFile, cache);
+  CHECK(j["kernels"] == one_layer);
+  CHECK(j["compiled"] == 0);
+  CHECK(j["loaded_from_disk"] == one_layer);
+}
