@@ -44,9 +44,19 @@ nlohmann::json plan_json(const Plan& p, const std::vector<ops::Op>& ops) {
   out["ops"] = nlohmann::json::array();
   for (const auto& op : ops) out["ops"].push_back({{"index", op.index}, {"op", op.kind}, {"in", op.in}, {"out", op.out}});
   out["decisions"] = nlohmann::json::array();
-  for (const auto& d : p.decisions)
-    out["decisions"].push_back({{"pass", rules::pass_name(d.pass)}, {"rule", d.rule}, {"begin", d.begin},
-                                {"end", d.end}, {"priority", d.priority}, {"taken", d.taken}, {"reason", d.reason}});
+  for (const auto& d : p.decisions) {
+    nlohmann::json j = {{"pass", rules::pass_name(d.pass)}, {"rule", d.rule}, {"begin", d.begin},
+                        {"end", d.end}, {"priority", d.priority}, {"taken", d.taken}, {"reason", d.reason}};
+    if (!d.match.empty()) {  // rules with a class or repeated element: which element took which ops
+      j["match"] = nlohmann::json::array();
+      for (const auto& m : d.match) {
+        nlohmann::json kinds = nlohmann::json::array();
+        for (int i = m.begin; i < m.end; ++i) kinds.push_back(ops[i].kind);
+        j["match"].push_back({{"element", m.element}, {"begin", m.begin}, {"end", m.end}, {"ops", kinds}});
+      }
+    }
+    out["decisions"].push_back(j);
+  }
   out["forward"] = groups_json(p.forward, ops);
   out["backward"] = groups_json(p.backward, ops);
   return out;

@@ -19,6 +19,12 @@ struct Group {
   bool joint = false;      // owned by a joint rule: same group in both directions
 };
 
+// Which pattern element covered which ops of a window ("@pointwise+" covered ops [3, 6)).
+struct ElemMatch {
+  std::string element;
+  int begin = 0, end = 0;
+};
+
 struct Decision {
   rules::Pass pass;
   std::string rule;
@@ -26,6 +32,7 @@ struct Decision {
   int priority = 0;
   bool taken = false;
   std::string reason;  // why not taken, e.g. "condition cols % 8 == 0 failed: cols = 4098"
+  std::vector<ElemMatch> match;  // filled when the rule has a class or repeated element (what explain shows)
 };
 
 struct Plan {

@@ -3,7 +3,10 @@
 #include "fuser/window.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -33,25 +36,81 @@ std::optional<std::string> attr_mismatch(const PatternElem& e, const ops::Op& op
   return std::nullopt;
 }
 
-// Every way the pattern can match from `pos`, by window end. An end is attribute-clean if any assignment
-// of ops to elements reaching it satisfies every attribute constraint; else it keeps the first reason.
-void enumerate(const Rule& r, size_t el, int pos, const std::vector<ops::Op>& ops,
-               const std::optional<std::string>& reason, std::map<int, std::optional<std::string>>& by_end) {
-  if (el == r.pattern.size()) {
-    auto it = by_end.find(pos);
-    if (it == by_end.end())
-      by_end.emplace(pos, reason);
-    else if (!reason)
-      it->second.reset();
-    return;
+bool accepts(const PatternElem& e, const ops::Op& op) { return e.accepts(op.info, op.kind); }
+
+// Every way the pattern can match from `start`, by window end: one left-to-right pass over the ops with the
+// set of pattern states (element, ops it has taken) reachable so far, at most 8 x 17 of them, so a rule at one
+// start costs O(window) whatever its repetitions. An end is attribute-clean if any assignment of ops to
+// elements reaching it satisfies every attribute constraint; else it keeps the first reason met.
+void enumerate(const Rule& r, int start, const std::vector<ops::Op>& ops,
+               std::map<int, std::optional<std::string>>& by_end) {
+  using State = std::pair<size_t, int>;  // (element, how many ops it has taken)
+  using Reason = std::optional<std::string>;
+  const size_t m = r.pattern.size();
+  std::map<State, Reason> cur{{{0, 0}, std::nullopt}};
+  auto merge = [](std::map<State, Reason>& into, State st, const Reason& why) {
+    auto [it, fresh] = into.emplace(st, why);
+    if (!fresh && !why) it->second.reset();  // a clean path wins; else the first reason stays
+  };
+  for (int pos = start;; ++pos) {
+    // Close over elements that may end here (taken at least their minimum): move on to the next one.
+    for (auto it = cur.begin(); it != cur.end(); ++it) {
+      auto [el, k] = it->first;
+      if (el < m && k >= r.pattern[el].min) merge(cur, {el + 1, 0}, it->second);  // (el+1, 0) sorts after: visited
+    }
+    if (auto it = cur.find({m, 0}); it != cur.end()) {
+      auto [e, fresh] = by_end.emplace(pos, it->second);
+      if (!fresh && !it->second) e->second.reset();
+    }
+    if (pos >= static_cast<int>(ops.size())) break;
+    std::map<State, Reason> next;
+    for (const auto& [st, why] : cur) {
+      auto [el, k] = st;
+      if (el == m || k >= r.pattern[el].max || !accepts(r.pattern[el], ops[pos])) continue;
+      merge(next, {el, k + 1}, why ? why : attr_mismatch(r.pattern[el], ops[pos]));
+    }
+    if (next.empty()) break;
+    cur = std::move(next);
   }
-  const PatternElem& e = r.pattern[el];
-  if (pos < static_cast<int>(ops.size()) &&
-      std::find(e.kinds.begin(), e.kinds.end(), ops[pos].kind) != e.kinds.end()) {
-    std::optional<std::string> why = reason ? reason : attr_mismatch(e, ops[pos]);
-    enumerate(r, el + 1, pos + 1, ops, why, by_end);
+}
+
+// Which element took which ops of ops[begin, end): earlier elements take as many ops as they can (greedy), an
+// attribute-clean assignment preferred. Only asked for rules with a class or repeated element (explain).
+std::vector<fuser::ElemMatch> assign(const Rule& r, const std::vector<ops::Op>& ops, int begin, int end) {
+  const size_t m = r.pattern.size();
+  std::vector<size_t> taken;  // element of each op, in order
+  std::set<std::tuple<size_t, int, int>> dead;
+  std::function<bool(size_t, int, int, bool)> go = [&](size_t el, int k, int pos, bool clean) -> bool {
+    if (el == m) return pos == end;
+    if (dead.count({el, k, pos})) return false;
+    const PatternElem& e = r.pattern[el];
+    if (pos < end && k < e.max && accepts(e, ops[pos]) && (!clean || !attr_mismatch(e, ops[pos]))) {
+      taken.push_back(el);
+      if (go(el, k + 1, pos + 1, clean)) return true;
+      taken.pop_back();
+    }
+    if (k >= e.min && go(el + 1, 0, pos, clean)) return true;
+    dead.insert({el, k, pos});
+    return false;
+  };
+  if (!go(0, 0, begin, true)) {
+    dead.clear();
+    taken.clear();
+    if (!go(0, 0, begin, false)) return {};
   }
-  if (e.optional) enumerate(r, el + 1, pos, ops, reason, by_end);
+  std::vector<fuser::ElemMatch> out;
+  for (size_t el = 0, i = 0; el < m; ++el) {
+    size_t j = i;
+    while (j < taken.size() && taken[j] == el) ++j;
+    out.push_back({r.pattern[el].text, begin + static_cast<int>(i), begin + static_cast<int>(j)});
+    i = j;
+  }
+  return out;
+}
+
+bool shows_match(const Rule& r) {
+  return std::any_of(r.pattern.begin(), r.pattern.end(),
+                     [](const PatternElem& e) { return !e.classes.empty() || e.repeats(); });
 }
 
 // Product of all dims but the last, or -1 if it does not fit in 64 bits.
@@ -115,7 +174,7 @@ std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, c
   for (const Rule* rule : pass_rules) {
     for (int s = 0; s < n; ++s) {
       std::map<int, std::optional<std::string>> by_end;
-      enumerate(*rule, 0, s, ops, std::nullopt, by_end);
+      enumerate(*rule, s, ops, by_end);
       for (auto it = by_end.rbegin(); it != by_end.rend(); ++it) {  // longest window first
         const int e = it->first;
         if (e <= s) continue;
@@ -178,7 +237,8 @@ std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, c
   });
   for (size_t i : idx) {
     const Tried& t = tried[i];
-    decisions.push_back({pass, t.rule->name, t.begin, t.end, t.rule->priority, t.taken, t.reason});
+    decisions.push_back({pass, t.rule->name, t.begin, t.end, t.rule->priority, t.taken, t.reason,
+                         shows_match(*t.rule) ? assign(*t.rule, ops, t.begin, t.end) : std::vector<fuser::ElemMatch>{}});
     log().debug("{} pass: rule {} (priority {}) at ops [{}, {}): {}", pname, t.rule->name, t.rule->priority, t.begin,
                 t.end, t.taken ? std::string("taken") : "not taken: " + t.reason);
   }

@@ -63,13 +63,66 @@ void check_attr_constraint(const std::string& key, const json& v, const std::vec
   }
 }
 
-// "bias" | ["gelu", "relu"] | {"op": "gelu" or [...], "attrs": {...}, "optional": true}
+void set_repeat(char suffix, PatternElem& el) {
+  if (suffix == '?') el.min = 0, el.max = 1;
+  if (suffix == '+') el.min = 1, el.max = kMaxRepeat;
+  if (suffix == '*') el.min = 0, el.max = kMaxRepeat;
+}
+
+// One string of a pattern: an op kind or "@class", then at most one of "?" (0 or 1), "+" (1 to kMaxRepeat),
+// "*" (0 to kMaxRepeat). In a list of alternatives, kinds and classes without a suffix (the object form's
+// "repeat" repeats the whole list).
+void parse_token(const std::string& s, const std::string& ptr, bool in_list, PatternElem& el,
+                 const ops::Registry& reg) {
+  std::string name = s;
+  char suffix = 0;
+  if (!name.empty() && (name.back() == '+' || name.back() == '*' || name.back() == '?')) {
+    suffix = name.back();
+    name.pop_back();
+  }
+  if (!name.empty() && (name.back() == '+' || name.back() == '*' || name.back() == '?'))
+    invalid(ptr, fmt::format("pattern element {} has more than one repetition suffix; use one of \"?\" (0 or 1 op), "
+                             "\"+\" (1 to {} ops) or \"*\" (0 to {} ops), e.g. \"gelu+\"",
+                             show(s), kMaxRepeat, kMaxRepeat));
+  if (name.empty())
+    invalid(ptr, suffix ? fmt::format("pattern element {} has a repetition suffix but nothing to repeat; write an op "
+                                      "kind or a class before it, e.g. \"gelu+\" or \"@pointwise+\"",
+                                      show(s))
+                        : std::string("empty pattern element; write an op kind such as \"bias\" or a class such as "
+                                      "\"@pointwise\""));
+  if (in_list && suffix)
+    invalid(ptr, fmt::format("{} inside a list of alternatives: a suffix repeats a whole element; write "
+                             "{{\"op\": [...], \"repeat\": \"{}\"}}",
+                             show(s), suffix));
+  set_repeat(suffix, el);
+  if (name[0] == '@') {
+    std::string cls = name.substr(1);
+    if (cls.empty())
+      invalid(ptr, fmt::format("\"@\" needs a class name: one of @{}", join(class_names(), ", @")));
+    if (!class_exists(cls))
+      invalid(ptr, fmt::format("unknown op class {}; known classes: @{}", show("@" + cls), join(class_names(), ", @")));
+    if (std::find(el.classes.begin(), el.classes.end(), cls) != el.classes.end())
+      invalid(ptr, fmt::format("class {} is listed twice in the same pattern element", show("@" + cls)));
+    el.classes.push_back(cls);
+    for (const auto& k : reg.names())
+      if (const ops::OpKind* info = reg.find(k); info && in_class(cls, *info) &&
+                                                 std::find(el.kinds.begin(), el.kinds.end(), k) == el.kinds.end())
+        el.kinds.push_back(k);
+    return;
+  }
+  if (!reg.find(name)) invalid(ptr, unknown_op_message(name, reg));
+  if (std::find(el.kinds.begin(), el.kinds.end(), name) != el.kinds.end())
+    invalid(ptr, fmt::format("op {} is listed twice in the same pattern element", show(name)));
+  el.kinds.push_back(name);
+}
+
+// "bias" | "gelu+" | "@pointwise*" | ["gelu", "relu"] | {"op": "gelu" or [...], "attrs": {...}, "optional": true}
 PatternElem parse_elem(const json& e, const std::string& p, const ops::Registry& reg) {
   PatternElem el;
   const json* kinds = &e;
   std::string kp = p;
   if (e.is_object()) {
-    check_keys(e, p, {"op", "attrs", "optional"}, "pattern element");
+    check_keys(e, p, {"op", "attrs", "optional", "repeat"}, "pattern element");
     if (!e.contains("op")) invalid(p, "a pattern element object needs \"op\": an op kind or a list of kinds");
     kinds = &e.at("op");
     kp = p + "/op";
@@ -79,28 +132,56 @@ PatternElem parse_elem(const json& e, const std::string& p, const ops::Registry&
       el.optional = e.at("optional").get<bool>();
     }
   }
-  auto add_kind = [&](const json& k, const std::string& ptr) {
+  auto add_kind = [&](const json& k, const std::string& ptr, bool in_list) {
     if (!k.is_string()) invalid(ptr, fmt::format("an op kind is a string such as \"gelu\", got {}", show(k)));
-    std::string name = k.get<std::string>();
-    if (!reg.find(name)) invalid(ptr, unknown_op_message(name, reg));
-    if (std::find(el.kinds.begin(), el.kinds.end(), name) != el.kinds.end())
-      invalid(ptr, fmt::format("op {} is listed twice in the same pattern element", show(name)));
-    el.kinds.push_back(name);
+    parse_token(k.get<std::string>(), ptr, in_list, el, reg);
   };
   if (kinds->is_string()) {
-    add_kind(*kinds, kp);
+    add_kind(*kinds, kp, false);
+    el.text = kinds->get<std::string>();
   } else if (kinds->is_array()) {
     if (kinds->empty() || kinds->size() > 32)
       invalid(kp, "a list of alternative op kinds needs between 1 and 32 entries");
-    for (size_t i = 0; i < kinds->size(); ++i) add_kind((*kinds)[i], kp + "/" + std::to_string(i));
+    std::vector<std::string> written;
+    for (size_t i = 0; i < kinds->size(); ++i) {
+      add_kind((*kinds)[i], kp + "/" + std::to_string(i), true);
+      written.push_back((*kinds)[i].get<std::string>());
+    }
+    el.text = "(" + join(written, "|") + ")";
   } else {
-    invalid(kp, fmt::format("a pattern element is an op kind (\"bias\"), a list of kinds ([\"gelu\", \"relu\"]) or "
-                            "an object {{\"op\": ..., \"attrs\": ..., \"optional\": ...}}, got {}",
+    invalid(kp, fmt::format("a pattern element is an op kind (\"bias\"), a class (\"@pointwise\"), either with a "
+                            "repetition suffix (\"gelu+\", \"@pointwise*\"), a list of kinds ([\"gelu\", \"relu\"]) "
+                            "or an object {{\"op\": ..., \"attrs\": ..., \"optional\": ...}}, got {}",
                             show(*kinds)));
   }
+  if (e.is_object() && e.contains("repeat")) {
+    const json& r = e.at("repeat");
+    if (!r.is_string() || (r != "?" && r != "+" && r != "*"))
+      invalid(p + "/repeat", fmt::format("\"repeat\" is \"?\" (0 or 1 op), \"+\" (1 to {} ops) or \"*\" (0 to {} "
+                                         "ops), got {}",
+                                         kMaxRepeat, kMaxRepeat, show(r)));
+    if (el.max != 1 || el.min != 1)
+      invalid(p + "/repeat", fmt::format("{} already has a suffix; give either the suffix or \"repeat\"",
+                                         show(el.text)));
+    set_repeat(r.get<std::string>()[0], el);
+    el.text += r.get<std::string>();
+  }
+  if (el.optional) {
+    if (el.max != 1 || el.min != 1)
+      invalid(p + "/optional", fmt::format("\"optional\": true together with the suffix of {}; drop one of them "
+                                           "(\"x?\" is optional, \"x*\" is an optional repetition)",
+                                           show(el.text)));
+    el.min = 0;
+    el.text += "?";
+  }
+  el.optional = el.min == 0;
   if (e.is_object() && e.contains("attrs")) {
     const json& a = e.at("attrs");
     if (!a.is_object()) invalid(p + "/attrs", "\"attrs\" must be an object of attribute values, e.g. {\"approximate\": \"tanh\"}");
+    if (!el.classes.empty() && !a.empty())
+      invalid(p + "/attrs", fmt::format("attribute constraints need named op kinds, and {} is a class; list the kinds "
+                                        "instead ({{\"op\": \"gelu\", \"attrs\": ...}})",
+                                        show("@" + el.classes.front())));
     for (const auto& [key, value] : a.items()) {
       bool plain = key.find_first_of("/~") == std::string::npos;
       check_attr_constraint(key, value, el.kinds, plain ? p + "/attrs/" + key : p + "/attrs", reg);
@@ -118,6 +199,10 @@ std::vector<PatternElem> parse_pattern(const json& j, const std::string& p, cons
     invalid(pp, fmt::format("\"pattern\" must be an array of 1 to {} elements", kMaxPattern));
   std::vector<PatternElem> out;
   for (size_t i = 0; i < pat.size(); ++i) out.push_back(parse_elem(pat[i], pp + "/" + std::to_string(i), reg));
+  // A class of no member (possible only if a class lost its kinds) could never match: say so rather than load it.
+  for (size_t i = 0; i < out.size(); ++i)
+    if (out[i].kinds.empty())
+      invalid(pp + "/" + std::to_string(i), fmt::format("pattern element {} has no op kinds to match", show(out[i].text)));
   if (std::all_of(out.begin(), out.end(), [](const PatternElem& e) { return e.optional; }))
     invalid(pp, "every element of the pattern is optional: at least one must be required");
   return out;
@@ -188,6 +273,12 @@ void check_tail(const Impl& impl, const std::vector<PatternElem>& pat, const std
   if (static_cast<size_t>(impl.epilogue_ops) > pat.size())
     invalid(p + "/epilogue_ops", fmt::format("\"epilogue_ops\" is {} but the pattern has only {} elements",
                                              impl.epilogue_ops, pat.size()));
+  // "epilogue_ops" counts ops: the elements the GEMM covers must each match exactly one op.
+  for (int i = 0; i < impl.epilogue_ops; ++i)
+    if (pat[i].repeats())
+      invalid(p + "/epilogue_ops", fmt::format("pattern element {} ({}) repeats, but it is among the {} ops the "
+                                               "epilogue covers; repetition is allowed only in the generated tail",
+                                               i, show(pat[i].text), impl.epilogue_ops));
   size_t rest = pat.size() - static_cast<size_t>(impl.epilogue_ops);
   if (rest > 0 && impl.tail.empty())
     invalid(p, fmt::format("the pattern has {} element(s) after the {} ops of the epilogue: give a generated "

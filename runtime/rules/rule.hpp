@@ -17,10 +17,26 @@ namespace jitfuse::rules {
 enum class Pass { joint, forward, backward };
 std::string pass_name(Pass p);
 
+// An op class ("@pointwise"): a named set of op kinds, derived from each kind's declared family, so a user op
+// declared in a rules file joins its class with no rule edited. Defined once, in rules/op_class.cpp.
+std::vector<std::string> class_names();
+bool class_exists(const std::string& cls);
+bool in_class(const std::string& cls, const ops::OpKind& kind);
+std::string class_members_text(const std::string& cls);  // for messages and docs: "gelu, relu, ... and user ops"
+
+// Repetition bound: a "+" or "*" element matches at most this many consecutive ops, so a window stays short,
+// matching stays linear in the sequence and the load-time implementability check stays finite.
+inline constexpr int kMaxRepeat = 16;
+
 struct PatternElem {
-  std::vector<std::string> kinds;  // op kinds; any of them matches
+  std::vector<std::string> kinds;    // op kinds; any of them matches (with the members of `classes` when loaded)
+  std::vector<std::string> classes;  // "pointwise" for "@pointwise": matched by class at plan time (user ops too)
   nlohmann::json attrs = nlohmann::json::object();  // attribute constraints: exact values
-  bool optional = false;
+  bool optional = false;           // may match no op (min == 0)
+  int min = 1, max = 1;            // how many consecutive ops it matches: "?" 0..1, "+" 1..kMaxRepeat, "*" 0..kMaxRepeat
+  std::string text;                // as written, for explain ("@pointwise+", "gelu"); kinds joined by "|" for lists
+  bool accepts(const ops::OpKind* kind, const std::string& name) const;
+  bool repeats() const { return max > 1; }
 };
 
 struct Divisibility {

@@ -51,12 +51,30 @@ inline const std::vector<const char*>& builtin_fp8_sequences() {
       R"([{"op": "bias"}, {"op": "gelu"}, {"op": "quantize"}])",
       R"([{"op": "swiglu"}, {"op": "quantize"}])",
       R"([{"op": "add_extra_input"}, {"op": "dropout", "p": 0.1}, {"op": "quantize"}])",
+      R"([{"op": "gelu"}, {"op": "scale", "value": 0.5}, {"op": "quantize"}])",
+      R"([{"op": "bias"}, {"op": "gelu"}, {"op": "scale", "value": 0.5}, {"op": "quantize"}])",
+      R"([{"op": "swiglu"}, {"op": "scale", "value": 0.5}, {"op": "quantize"}])",
+  };
+  return v;
+}
+
+// Runs of pointwise ops the repeated-class rules fuse in both passes (after the FP8 list, so the indices of
+// the sequences above stay what the golden files name).
+inline const std::vector<const char*>& builtin_chain_sequences() {
+  static const std::vector<const char*> v = {
+      R"([{"op": "gelu"}, {"op": "scale", "value": 2.0}, {"op": "silu"}, {"op": "relu"}, {"op": "qgelu"}, {"op": "srelu"}, {"op": "identity"}])",
+      R"([{"op": "dropout", "p": 0.1}, {"op": "gelu"}, {"op": "add_extra_input"}, {"op": "scale", "value": 0.5}])",
+      R"([{"op": "bias"}, {"op": "gelu"}, {"op": "scale", "value": 2.0}, {"op": "silu"}])",
+      R"([{"op": "bias"}, {"op": "relu"}, {"op": "dropout", "p": 0.1}])",
+      R"([{"op": "bias"}, {"op": "swiglu"}, {"op": "scale", "value": 0.5}, {"op": "gelu"}])",
+      R"([{"op": "geglu"}, {"op": "relu"}, {"op": "scale", "value": 3.0}])",
+      R"([{"op": "reglu"}, {"op": "srelu"}])",
   };
   return v;
 }
 
 struct BuiltinCase {
-  int seq = 0;  // index into builtin_sequences() then builtin_fp8_sequences()
+  int seq = 0;  // index into builtin_sequences(), then builtin_fp8_sequences(), then builtin_chain_sequences()
   std::string ops_json;
   std::string recipe;
   bool training = true;
@@ -82,6 +100,7 @@ inline std::vector<BuiltinCase> builtin_cases() {
   };
   for (const char* s : builtin_sequences()) add(s, {"fp32", "fp16", "bf16"});
   for (const char* s : builtin_fp8_sequences()) add(s, {"fp8_delayed", "fp8_current"});
+  for (const char* s : builtin_chain_sequences()) add(s, {"fp32", "fp16", "bf16"});
   return out;
 }
 

@@ -89,6 +89,12 @@ void print_text(const ExplainOpts& o, const ops::SequenceDef& def, const std::ve
       std::string span = fmt::format("ops [{}, {})", d.begin, d.end);
       std::printf("  %-14s %-24s priority %-4d %s\n", span.c_str(), d.rule.c_str(), d.priority,
                   d.taken ? "taken" : ("not taken: " + d.reason).c_str());
+      if (d.taken)  // which class / repeated element took which ops
+        for (const auto& m : d.match)
+          std::printf("      %-20s %s\n", m.element.c_str(),
+                      m.begin == m.end ? "(no op)"
+                                       : fmt::format("ops [{}, {}): {}", m.begin, m.end,
+                                                     fuser::group_ops({m.begin, m.end}, ops)).c_str());
     }
     if (!shown) std::printf("  no rule of this pass matches any window\n");
   }

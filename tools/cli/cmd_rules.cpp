@@ -32,6 +32,10 @@ std::string pattern_text(const rules::Rule& r) {
   std::string out;
   for (const auto& e : r.pattern) {
     std::string el;
+    if (!e.classes.empty()) {  // as written ("@pointwise+"): a class element has no attribute constraints
+      out += (out.empty() ? "" : " ") + e.text;
+      continue;
+    }
     for (const auto& k : e.kinds) el += (el.empty() ? "" : "|") + k;
     if (e.kinds.size() > 1) el = "(" + el + ")";
     if (!e.attrs.empty()) {
@@ -39,7 +43,7 @@ std::string pattern_text(const rules::Rule& r) {
       for (const auto& [k, v] : e.attrs.items()) a += (a.empty() ? "" : ",") + k + "=" + (v.is_string() ? v.get<std::string>() : v.dump());
       el += "{" + a + "}";
     }
-    if (e.optional) el += "?";
+    el += e.repeats() ? (e.min == 0 ? "*" : "+") : e.optional ? "?" : "";
     out += (out.empty() ? "" : " ") + el;
   }
   return out;
@@ -61,7 +65,12 @@ json impl_json(const rules::Impl& i) {
 
 json rule_json(const rules::Rule& r) {
   json pattern = json::array();
-  for (const auto& e : r.pattern) pattern.push_back({{"op", e.kinds}, {"attrs", e.attrs}, {"optional", e.optional}});
+  for (const auto& e : r.pattern) {
+    json el = {{"op", e.kinds}, {"attrs", e.attrs}, {"optional", e.optional}};
+    if (!e.classes.empty()) el["classes"] = e.classes;  // "op" then lists their members at load time
+    if (e.repeats()) el["repeat"] = {{"min", e.min}, {"max", e.max}};
+    pattern.push_back(el);
+  }
   json cond = json::object();
   const auto& c = r.conditions;
   if (!c.recipes.empty()) cond["recipes"] = c.recipes;

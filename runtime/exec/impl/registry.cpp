@@ -65,8 +65,9 @@ fuser::LegalityFn legality() {
 
 namespace jitfuse::rules {
 
-// Every expansion of the pattern (each optional element present or not, each alternative kind), until
-// one can be implemented; the reason of the first one otherwise.
+// Every expansion of the pattern (each optional element present or not, each alternative kind, each class
+// member, repeated elements at representative counts), until one can be implemented; the reason of the first
+// one otherwise.
 std::optional<Refusal> refuse_unimplementable(const Impl& impl, const std::vector<PatternElem>& pattern, Pass pass,
                                               const ops::Registry& reg) {
   const exec::Implementation* im = exec::find_implementation(impl);
@@ -100,15 +101,27 @@ std::optional<Refusal> refuse_unimplementable(const Impl& impl, const std::vecto
     }
     if (leaves >= kMaxExpansions) return false;
     const auto& el = pattern[i];
-    if (el.optional && expand(i + 1)) return true;
-    for (const auto& k : el.kinds) {
-      const ops::OpKind* kind = reg.find(k);
-      if (!kind) continue;
-      window.push_back({kind, &el.attrs, nullptr});
-      bool ok = expand(i + 1);
-      window.pop_back();
-      if (ok) return true;
-    }
+    // A repeated element is checked at representative counts (its minimum, one more, and two), not at all
+    // kMaxRepeat^kinds of them: the skeletons' predicates look at which kinds occur and in what order, which
+    // those counts already show.
+    std::vector<int> counts;
+    for (int c : {el.min, el.min + 1, 2})
+      if (c <= el.max && std::find(counts.begin(), counts.end(), c) == counts.end()) counts.push_back(c);
+    std::function<bool(int)> take = [&](int left) -> bool {
+      if (left == 0) return expand(i + 1);
+      for (const auto& k : el.kinds) {
+        const ops::OpKind* kind = reg.find(k);
+        if (!kind) continue;
+        window.push_back({kind, &el.attrs, nullptr});
+        bool ok = take(left - 1);
+        window.pop_back();
+        if (ok) return true;
+        if (leaves >= kMaxExpansions) return false;
+      }
+      return false;
+    };
+    for (int c : counts)
+      if (take(c)) return true;
     return false;
   };
   if (expand(0)) return std::nullopt;

@@ -25,7 +25,7 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"linear_scale_residual", Pass::forward}, {"bias_act", Pass::forward},
       {"bias_gated", Pass::forward},          {"bias_dropout_add", Pass::forward},
       {"norm_pointwise", Pass::forward},      {"add_norm", Pass::forward},
-      {"gated_scale", Pass::forward},         {"pointwise_chain", Pass::forward},
+      {"gated_pointwise", Pass::forward},         {"pointwise_chain", Pass::forward},
       {"act_dbias", Pass::backward},          {"extra_output_linear", Pass::backward},
       {"linear_scale_bwd", Pass::backward},   {"norm_residual_bwd", Pass::backward},
       {"bias_gated_bwd", Pass::backward},     {"bias_dropout_add_joint", Pass::joint},
@@ -33,7 +33,8 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"bias_gelu_linear_bwd", Pass::backward}, {"linear_bias_bwd", Pass::backward},
       {"norm_quantize", Pass::forward},       {"bias_act_quantize", Pass::forward},
       {"gated_quantize", Pass::forward},       {"linear_gelu", Pass::forward},
-      {"linear_relu", Pass::forward},
+      {"linear_relu", Pass::forward},         {"gated_pointwise_bwd", Pass::backward},
+      {"pointwise_chain_bwd", Pass::backward},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;
