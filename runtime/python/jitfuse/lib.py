@@ -211,12 +211,40 @@ def parse_shape(text: str) -> Tuple[int, ...]:
 # Context
 
 
-class Context:
+class _Owned:
+    """A library handle this object owns: closed (destroyed through ``_DESTROY``) explicitly, by ``with``,
+    or when garbage-collected."""
+    _DESTROY = ""
+    _handle: Optional[int] = None
+    _lib: Any
+
+    def close(self) -> None:
+        """Destroys the handle (a context's sequences must be closed first)."""
+        if self._handle is not None:
+            self._lib.check(getattr(self._lib.cdll, self._DESTROY)(self._handle), self._DESTROY)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Context(_Owned):
     """A jitfuse context: rules (built-in, ``JITFUSE_RULE_PATH``, :meth:`load_rules`), the kernel cache
     and loaded kernels. Needs no GPU. Use one per device; close it (or use ``with``) after its sequences.
 
     ``rules``: rule files or directories to load at once (each raising :class:`RuleLoadError` on errors).
     """
+
+    _DESTROY = "jf_context_destroy"
 
     def __init__(self, rules: Iterable[Union[str, os.PathLike]] = (), lib: Optional[Library] = None):
         self._lib = lib or library()
@@ -265,24 +293,6 @@ class Context:
     def sequence(self, source: Any, recipe: str = "bf16", name: Optional[str] = None) -> "Sequence":
         """Shorthand for ``Sequence(self, source, recipe, name)``."""
         return Sequence(self, source, recipe, name)
-
-    def close(self) -> None:
-        """Destroys the context (its sequences must be closed first)."""
-        if self._handle is not None:
-            self._lib.check(self._lib.cdll.jf_context_destroy(self._handle), "jf_context_destroy")
-            self._handle = None
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._handle is None else f"cache {self.cache_dir}"
@@ -463,7 +473,7 @@ OpSpec = Mapping[str, Any]
 Source = Union[str, os.PathLike, Seq[OpSpec], Mapping[str, Any]]
 
 
-class Sequence:
+class Sequence(_Owned):
     """A sequence of ops under a recipe, created from
 
     - JSON text (``jitfuse.sequence/1``) or a dict of that document,
@@ -474,6 +484,8 @@ class Sequence:
     Errors raise :class:`ParseError` / :class:`InvalidArgumentError` with the library's message
     (``<sequence>:1:9: op 0: unknown op 'geluu'; ...``).
     """
+
+    _DESTROY = "jf_sequence_destroy"
 
     def __init__(self, ctx: Context, source: Source, recipe: str = "bf16", name: Optional[str] = None):
         self._ctx = ctx
@@ -629,23 +641,6 @@ class Sequence:
         self._lib.check(self._lib.cdll.jf_sequence_fp8_state(self.handle, int(op_index), ctypes.byref(st)),
                         "jf_sequence_fp8_state")
         return st
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._lib.check(self._lib.cdll.jf_sequence_destroy(self._handle), "jf_sequence_destroy")
-            self._handle = None
-
-    def __enter__(self) -> "Sequence":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         if self._handle is None:
