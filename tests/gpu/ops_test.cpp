@@ -89,3 +89,24 @@ TEST_CASE("a training-like sequence: layernorm linear bias gelu linear bias add_
     run_check(seq, recipe, {96, 64});
   }
 }
+
+// The row-norm kernels (the forward keeps the row in its storage dtype and takes layernorm's statistics in
+// one shifted reduction; the backward accumulates dgamma/dbeta per block) at the row counts and hidden
+// sizes where their chunking changes: one row, a few rows, many rows; hidden 8 (one chunk), 24 (a partial
+// chunk set), 4104 (not a multiple of the block's columns) and 12288 (384 threads). bf16 and fp16 on the
+// vector path; fp32 with misaligned pointers on the scalar path. A residual add before the norm keeps the
+// float row path covered.
+TEST_CASE("norm kernels on odd rows and hidden sizes", "[ops]") {
+  const char* norms[] = {R"([{"op": "layernorm", "eps": 1e-5}])", R"([{"op": "rmsnorm", "eps": 1e-6}])",
+                         R"([{"op": "layernorm", "eps": 1e-5, "zero_centered_gamma": true}])",
+                         R"([{"op": "add_extra_input"}, {"op": "layernorm", "eps": 1e-5}])",
+                         R"([{"op": "add_extra_input"}, {"op": "rmsnorm", "eps": 1e-6}])"};
+  for (auto rows : {1, 3, 1000})
+    for (auto cols : {8, 24, 4104, 12288})
+      for (const char* ops : norms) {
+        std::string seq = test::seq_json(ops);
+        run_check(seq, "bf16", {rows, cols});
+        run_check(seq, "fp16", {rows, cols});
+        run_check(seq, "fp32", {rows, cols}, true, /*misalign=*/true);
+      }
+}

@@ -203,24 +203,38 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
                     e * (3.0 * R * C + C)});
     jf_saved_release(saved, reinterpret_cast<jf_stream>(s));
   }
+  // Norms: forward and backward (dx with dgamma/dbeta) at 8192x4096, then a hidden-size sweep at the same
+  // element count (rows = 8192 * 4096 / hidden, so every size moves 64 MiB per tensor and none fits in L2).
+  // Bytes: forward reads x and writes y; backward reads dy and the saved x and writes dx (the statistics,
+  // gamma and the dgamma/dbeta partials are under 1 % and not counted).
   for (const char* norm : {"layernorm", "rmsnorm"}) {
     if (!want(norm)) continue;
-    const int64_t C = 4096;
-    std::vector<std::tuple<int, std::string, ops::Shape>> params = {{0, "weight", {C}}};
-    if (std::string(norm) == "layernorm") params.push_back({0, "bias", {C}});
-    SeqBench b(ctx, fmt::format(R"([{{"op": "{}"}}])", norm), {R, C}, {R, C}, params, 0, 0);
-    rows.push_back({std::string(norm) + " fwd", "8192x4096", median_ms(s, [&] { b.forward(s, nullptr); }, o),
-                    e * 2.0 * R * C});
+    for (int64_t C : {4096, 1024, 2048, 8192, 12288}) {
+      const int64_t M = R * 4096 / C;
+      std::vector<std::tuple<int, std::string, ops::Shape>> params = {{0, "weight", {C}}};
+      if (std::string(norm) == "layernorm") params.push_back({0, "bias", {C}});
+      SeqBench b(ctx, fmt::format(R"([{{"op": "{}"}}])", norm), {M, C}, {M, C}, params, 0, 0);
+      const std::string shape = fmt::format("{}x{}", M, C);
+      rows.push_back({std::string(norm) + " fwd", shape, median_ms(s, [&] { b.forward(s, nullptr); }, o),
+                      e * 2.0 * M * C});
+      jf_saved saved = nullptr;
+      b.forward(s, &saved);
+      rows.push_back({std::string(norm) + " bwd", shape, median_ms(s, [&] { b.backward(s, saved); }, o),
+                      e * 3.0 * M * C});
+      jf_saved_release(saved, reinterpret_cast<jf_stream>(s));
+    }
   }
-  // FP8: the norm with its E4M3 cast; the minimum traffic is a bf16 read and a 1-byte write per element.
-  // fp8_current reads the input twice (the amax pass, then the cast pass); fp8_delayed once.
+  // FP8: the norm with its E4M3 cast. fp8_delayed is one pass (a bf16 read and a 1-byte write per
+  // element); fp8_current needs the amax before the first byte is cast, so it reads the input twice by
+  // necessity (the amax pass, then the cast pass) and its bytes count both reads.
   for (const char* recipe : {"fp8_current", "fp8_delayed"}) {
     const std::string name = std::string("layernorm_") + recipe;
     if (!want(name.c_str())) continue;
     const int64_t C = 4096;
     SeqBench b(ctx, R"([{"op": "layernorm"}, {"op": "quantize"}])", {R, C}, {R, C}, {{0, "weight", {C}}, {0, "bias", {C}}},
                0, 0, recipe);
-    rows.push_back({name + " fwd", "8192x4096 -> e4m3", median_ms(s, [&] { b.forward(s, nullptr); }, o), 3.0 * R * C});
+    const double bytes = (std::string(recipe) == "fp8_current" ? 5.0 : 3.0) * R * C;
+    rows.push_back({name + " fwd", "8192x4096 -> e4m3", median_ms(s, [&] { b.forward(s, nullptr); }, o), bytes});
   }
   if (want("swiglu")) {
     SeqBench b(ctx, R"([{"op": "swiglu"}])", {R, 22016}, {R, 11008}, {}, 0, 0);

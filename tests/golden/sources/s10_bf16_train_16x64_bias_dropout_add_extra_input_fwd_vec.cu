@@ -79,6 +79,40 @@ __device__ __forceinline__ void jf_store8(typename DT::storage* __restrict__ p, 
   }
 }
 
+// A chunk of 8 elements kept in the storage dtype: a row held in registers this way takes half the
+// registers of floats for fp16/bf16, so more rows are in flight per SM (rownorm forward).
+template <typename DT>
+struct alignas(16) jf_raw8 {
+  typename DT::storage h[8];
+};
+template <typename DT, bool VEC>
+__device__ __forceinline__ void jf_load_raw8(const typename DT::storage* __restrict__ p, jf_raw8<DT>& r, int n = 8) {
+  if (VEC) {
+    if (sizeof(typename DT::storage) == 2) {
+      *reinterpret_cast<uint4*>(r.h) = *reinterpret_cast<const uint4*>(p);
+    } else {
+      reinterpret_cast<float4*>(r.h)[0] = reinterpret_cast<const float4*>(p)[0];
+      reinterpret_cast<float4*>(r.h)[1] = reinterpret_cast<const float4*>(p)[1];
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r.h[e] = e < n ? p[e] : typename DT::storage(0);
+  }
+}
+template <typename DT>
+__device__ __forceinline__ void jf_unpack8(const jf_raw8<DT>& r, float (&v)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = DT::load(r.h[e]);
+}
+template <typename DT>
+__device__ __forceinline__ void jf_zero_raw8(jf_raw8<DT>& r) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) r.h[e] = typename DT::storage(0);
+}
+
+// Two sums over the block in one reduction (one pair of barriers); every thread gets both.
+__device__ __forceinline__ float2 jf_block_sum2(float a, float b, float* smem);
+
 __device__ __forceinline__ float jf_warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -95,6 +129,20 @@ __device__ __forceinline__ float jf_block_sum(float v, float* smem) {
   float t = lane < nwarps ? smem[lane] : 0.f;
   t = jf_warp_sum(t);
   return t;
+}
+
+__device__ __forceinline__ float2 jf_block_sum2(float a, float b, float* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  a = jf_warp_sum(a);
+  b = jf_warp_sum(b);
+  __syncthreads();
+  if (lane == 0) {
+    smem[warp] = a;
+    smem[32 + warp] = b;
+  }
+  __syncthreads();
+  float ta = lane < nwarps ? smem[lane] : 0.f, tb = lane < nwarps ? smem[32 + lane] : 0.f;
+  return make_float2(jf_warp_sum(ta), jf_warp_sum(tb));
 }
 // ---- end template skeletons/common.cuh
 // ---- begin template ops/dropout.cuh
