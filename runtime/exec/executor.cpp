@@ -165,8 +165,9 @@ void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, CUstream str
     void* g = ptr[static_cast<size_t>(f.grad)];
     int np = L.parts, acc = 0;
     void* fp[] = {&part, &g, &np, &acc};
-    const unsigned grid = static_cast<unsigned>((f.cols + 255) / 256);
-    cuda::check(d.cuLaunchKernel(v.kernel->finalize.at(f.key), grid, 1, 1, 256, 1, 1, 0, stream, fp, nullptr),
+    using F = codegen::Finalize;
+    const unsigned grid = static_cast<unsigned>((f.cols + F::kCols - 1) / F::kCols);
+    cuda::check(d.cuLaunchKernel(v.kernel->finalize.at(f.key), grid, 1, 1, F::kThreads, 1, 1, 0, stream, fp, nullptr),
                 "cuLaunchKernel(finalize)");
   }
   if (v.kernel->fp8_update) {

@@ -278,11 +278,27 @@ extern "C" __global__ void __launch_bounds__(256) jf_bias_gelu_bwd(const ST* __r
 }
 
 // grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum
+// launch: grid ceil(64 / 32), block 256
 extern "C" __global__ void __launch_bounds__(256) jf_bias_gelu_bwd_fin0_bias(const float* __restrict__ part, ST* __restrict__ grad, int parts, int accumulate) {
-  const int c = blockIdx.x * 256 + threadIdx.x;
-  if (c >= 64) return;
+  __shared__ float jf_fs[8][32];
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  const int c = blockIdx.x * 32 + tx;
+  const int ny = 8;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  if (c < 64) {
+    int p = ty;
+    for (; p + 3 * ny < parts; p += 4 * ny) {
+      s0 += part[(jf_i64)p * 64 + c]; s1 += part[(jf_i64)(p + ny) * 64 + c];
+      s2 += part[(jf_i64)(p + 2 * ny) * 64 + c]; s3 += part[(jf_i64)(p + 3 * ny) * 64 + c];
+    }
+    for (; p < parts; p += ny) s0 += part[(jf_i64)p * 64 + c];
+  }
+  jf_fs[ty][tx] = (s0 + s1) + (s2 + s3);
+  __syncthreads();
+  if (ty != 0 || c >= 64) return;
   float s = 0.f;
-  for (int p = 0; p < parts; ++p) s += part[(jf_i64)p * 64 + c];
+  #pragma unroll
+  for (int y = 0; y < ny; ++y) s += jf_fs[y][tx];
   if (accumulate) s += DT::load(grad[c]);
   grad[c] = DT::store(s);
 }
