@@ -281,6 +281,9 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
 }  // namespace
 
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec) {
+  g.scalar_kernel = g.kernel + "_scalar";
+  g.vec = spec.vec;
+  emit_variants(w, spec, g.kernel, g.scalar_kernel);
   if (spec.fp8 && (spec.fp8->delayed || spec.fp8->amax_only)) {
     g.fp8_update = g.kernel + "_fp8_update";
     w.line("");
