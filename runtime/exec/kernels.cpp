@@ -103,6 +103,10 @@ cache::KernelRequest KernelLibrary::request(const codegen::Generated& g, const c
   for (const auto& f : g.finalize) fns.push_back(f.kernel);
   if (!g.fp8_update.empty()) fns.push_back(g.fp8_update);
   r.meta["functions"] = fns;
+  // NVRTC time on the 2-core machine (docs/cache.md, "Cold start"): kernels that reduce over rows into
+  // per-block partials (norm and bias backward) take 2-4x the others, norms 1.5-2x; starting them first
+  // keeps a warmup's last kernel from compiling alone.
+  r.cost_hint = (g.launch.persistent ? 2.0 : 0.0) + (spec.skeleton == codegen::Skeleton::rownorm ? 1.0 : 0.0);
   return r;
 }
 
