@@ -126,6 +126,12 @@ void KernelLibrary::prefetch(const std::vector<std::pair<codegen::KernelSpec, nl
   cache_.get_or_compile_all(reqs, compiler(), threads);
 }
 
+std::shared_ptr<const cache::Entry> KernelLibrary::entry(const codegen::Generated& gen,
+                                                         const codegen::KernelSpec& spec, const Target& target,
+                                                         const nlohmann::json& meta) {
+  return cache_.get_or_compile(request(gen, spec, target, meta), compiler());
+}
+
 const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const codegen::KernelSpec& spec,
                                         const Target& target, const nlohmann::json& meta, bool vector) {
   if (vector && !gen.vec)
@@ -142,7 +148,7 @@ const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const cod
     auto it = by_source.find(gen.source);
     if (it != by_source.end()) return pick(it->second);
   }
-  auto entry = cache_.get_or_compile(request(gen, spec, target, meta), compiler());
+  auto entry = this->entry(gen, spec, target, meta);
   const auto& d = cuda::driver();
   std::lock_guard<std::mutex> lock(mu_);
   auto& by_source = modules_[where];

@@ -67,6 +67,9 @@ class KernelLibrary {
   // needed).
   void prefetch(const std::vector<std::pair<codegen::KernelSpec, nlohmann::json>>& specs, const Target& target,
                 unsigned threads);
+  // The cache entry of `gen` (= generate(spec)): memory -> disk -> NVRTC. What load does before the driver.
+  std::shared_ptr<const cache::Entry> entry(const codegen::Generated& gen, const codegen::KernelSpec& spec,
+                                            const Target& target, const nlohmann::json& meta);
   // Compiles (through the cache) and loads on the current device the module of `gen` (= generate(spec)), and
   // returns its vector or scalar entry point. Thread-safe; memoized per source, target and device, so groups
   // (and sequences) generating the same source share one module, and a step's second variant, or a kernel
