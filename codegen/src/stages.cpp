@@ -232,7 +232,7 @@ void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec) {
 
 void emit_fp8_epilogue(Writer& w, const KernelSpec& spec) {
   if (!spec.fp8 || !(spec.fp8->amax_only || spec.fp8->delayed)) return;
-  w.line("jf_amax_flush(jf_am, q{}_amax);", spec.fp8->op);
+  w.line("jf_amax_flush<JF_VEC>(jf_am, q{}_amax);", spec.fp8->op);
 }
 
 namespace {
