@@ -232,7 +232,7 @@ void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec) {
 
 void emit_fp8_epilogue(Writer& w, const KernelSpec& spec) {
   if (!spec.fp8 || !(spec.fp8->amax_only || spec.fp8->delayed)) return;
-  w.line("jf_amax_flush(jf_am, q{}_amax);", spec.fp8->op);
+  w.line("jf_amax_flush<JF_VEC>(jf_am, q{}_amax);", spec.fp8->op);
 }
 
 namespace {
@@ -281,6 +281,9 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
 }  // namespace
 
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec) {
+  g.scalar_kernel = g.kernel + "_scalar";
+  g.vec = spec.vec;
+  emit_variants(w, spec, g.kernel, g.scalar_kernel);
   if (spec.fp8 && (spec.fp8->delayed || spec.fp8->amax_only)) {
     g.fp8_update = g.kernel + "_fp8_update";
     w.line("");

@@ -48,7 +48,8 @@ std::string out_type(const KernelSpec& spec);
 void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec);
 // FP8: folds the per-thread amax into the amax argument (after the row loop; every thread).
 void emit_fp8_epilogue(Writer& w, const KernelSpec& spec);
-// Appends the finalize kernels of `setup` to `w` and fills g.finalize, g.args and g.source.
+// Writes the kernel once per variant (emit_variants), appends the FP8 update and finalize kernels of
+// `setup` to `w` and fills g.finalize, g.args and g.source.
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec);
 // Registers partials + finalize for a parameter grad reduced over rows.
 std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,

@@ -22,10 +22,14 @@ class Writer {
   void open() { ++indent_; }
   void close() { --indent_; }
   const std::string& str() const { return out_; }
+  // Remembers where the text written so far ends (emit_prelude: where the kernel starts).
+  void mark() { mark_ = out_.size(); }
+  size_t marked() const { return mark_; }
 
  private:
   std::string out_;
   int indent_ = 0;
+  size_t mark_ = 0;
 };
 
 // Kernel arguments: their C declarations and their binding descriptions, in one order.
@@ -51,7 +55,11 @@ std::string comment_text(const std::string& s);
 std::string num(double v);  // float literal with 9 significant digits: "1.702f", never text from a rule
 std::string storage_struct(const std::string& dtype);  // "jf_bf16"
 std::string consts_suffix(const std::vector<double>& consts);  // ", 0.5f, 2f"
+// The comment header, the template includes and the dtype typedefs; marks `w` where the kernel starts.
 void emit_prelude(Writer& w, const KernelSpec& spec, const std::vector<std::string>& headers);
+// Writes the kernel text that `w` holds after its prelude once per variant: under `kernel` with
+// `#define JF_VEC true` (when spec.vec), then under `scalar` with `#define JF_VEC false`.
+void emit_variants(Writer& w, const KernelSpec& spec, const std::string& kernel, const std::string& scalar);
 std::vector<std::string> headers_for(const KernelSpec& spec);
 void emit_finalize(Writer& w, const std::string& kernel, int64_t cols);
 std::string kernel_name(const KernelSpec& spec);

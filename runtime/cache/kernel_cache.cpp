@@ -6,6 +6,7 @@
 #include <atomic>
 #include <future>
 #include <mutex>
+#include <numeric>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -287,11 +288,17 @@ std::vector<std::shared_ptr<const Entry>> KernelCache::get_or_compile_all(
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   const size_t workers = std::min<size_t>(threads, n);
 
+  // Longest first: with as many workers as cores, a long compile picked up last would run alone at the end.
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return requests[a].cost_hint > requests[b].cost_hint; });
   std::atomic<size_t> next{0};
   std::mutex progress_mu;
   size_t done = 0;
   auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < n;) {
+    for (size_t k; (k = next.fetch_add(1)) < n;) {
+      const size_t i = order[k];
       try {
         results[i] = get_or_compile(requests[i], compile, &got[i]);
       } catch (...) {

@@ -19,6 +19,9 @@ struct KernelRequest {
   std::string arch;                  // target with suffix, e.g. "sm_90a", "sm_80"
   std::string nvrtc_version;         // e.g. "13.0"
   nlohmann::json meta;               // rule, ops, recipe, dtypes, shape, kernels: NOT part of the key
+  // Relative compile cost (NOT part of the key): a batch starts its costliest requests first, so that on a
+  // few cores the longest compile does not start last and run alone (get_or_compile_all).
+  double cost_hint = 0;
 };
 
 struct CompileResult {
@@ -73,7 +76,8 @@ class KernelCache {
   std::shared_ptr<const Entry> get_or_compile(const KernelRequest& request, const CompileFn& compile,
                                               Origin* origin = nullptr);
 
-  // Many kernels on a bounded thread pool; results in request order. `progress(done, total)` may be null;
+  // Many kernels on a bounded thread pool, the highest cost_hint first (ties in request order); results in
+  // request order. `progress(done, total)` may be null;
   // it is called from worker threads, one call at a time. threads == 0: one per hardware thread.
   // Every request is attempted; then the first failure (in request order) is rethrown.
   std::vector<std::shared_ptr<const Entry>> get_or_compile_all(

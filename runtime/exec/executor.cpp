@@ -273,17 +273,16 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
   auto pp = std::make_shared<Prepared>();
   pp->device = cuda::current_device();
   pp->target = target_for_arch(pp->device.arch());
-  // Compile every variant in parallel first (the cache dedupes across threads and processes), then load.
+  // Compile every kernel (each source holds both its variants) in parallel first (the cache dedupes across threads and processes), then load.
   rt.kernels->prefetch(program_kernels(*program), pp->target,
                        std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   for (auto* steps : {&program->forward, &program->backward})
     for (auto& s : *steps) {
       if (s.kind != Step::Kind::kernel) continue;
       KernelStep& k = *s.kernel;
-      if (k.spec.vec) k.vec.kernel = &rt.kernels->load(k.spec, pp->target, k.meta);
-      auto scalar = k.spec;
-      scalar.vec = false;
-      k.scalar.kernel = &rt.kernels->load(scalar, pp->target, k.meta);
+      // Both variants are entry points of one module (codegen::Generated): one lookup, one load.
+      if (k.spec.vec) k.vec.kernel = &rt.kernels->load(k.gen, k.spec, pp->target, k.meta, true);
+      k.scalar.kernel = &rt.kernels->load(k.gen, k.spec, pp->target, k.meta, false);
     }
   // cuBLASLt's algorithm for every GEMM, chosen now (a BGRADB problem without one takes the fallback).
   GemmTuner tuner;

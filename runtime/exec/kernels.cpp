@@ -17,7 +17,12 @@ TemplateStore::TemplateStore() {
   for (const auto& f : embedded::templates) files_[std::string(f.path)] = std::string(f.content);
 }
 
-void TemplateStore::add(const std::string& name, const std::string& content) { files_[name] = content; }
+void TemplateStore::add(const std::string& name, const std::string& content) {
+  auto& text = files_[name];
+  if (text == content) return;
+  text = content;
+  ++generation_;
+}
 
 const std::string& TemplateStore::get(const std::string& name) const {
   auto it = files_.find(name);
@@ -68,12 +73,17 @@ KernelLibrary::KernelLibrary(cache::KernelCache& cache, const TemplateStore& tem
 
 KernelLibrary::~KernelLibrary() {
   if (auto* d = cuda::try_driver())
-    for (auto& [k, m] : modules_) d->cuModuleUnload(m);
+    for (auto& [where, by_source] : modules_)
+      for (auto& [source, m] : by_source) d->cuModuleUnload(m.mod);
 }
 
 cache::KernelRequest KernelLibrary::request(const codegen::KernelSpec& spec, const Target& target,
                                             const nlohmann::json& meta) const {
-  codegen::Generated g = codegen::generate(spec);
+  return request(codegen::generate(spec), spec, target, meta);
+}
+
+cache::KernelRequest KernelLibrary::request(const codegen::Generated& g, const codegen::KernelSpec& spec,
+                                            const Target& target, const nlohmann::json& meta) const {
   cache::KernelRequest r;
   r.source = templates_.stitch(g.source);
   r.options = target.options;
@@ -86,6 +96,17 @@ cache::KernelRequest KernelLibrary::request(const codegen::KernelSpec& spec, con
   r.meta["dtype"] = spec.dtype;
   r.meta["cols"] = spec.cols;
   r.meta["vector"] = spec.vec;
+  // Every entry point of the module: the variants, then the finalize and FP8 update kernels.
+  nlohmann::json fns = nlohmann::json::array();
+  if (g.vec) fns.push_back(g.kernel);
+  fns.push_back(g.scalar_kernel);
+  for (const auto& f : g.finalize) fns.push_back(f.kernel);
+  if (!g.fp8_update.empty()) fns.push_back(g.fp8_update);
+  r.meta["functions"] = fns;
+  // NVRTC time on the 2-core machine (docs/cache.md, "Cold start"): kernels that reduce over rows into
+  // per-block partials (norm and bias backward) take 2-4x the others, norms 1.5-2x; starting them first
+  // keeps a warmup's last kernel from compiling alone.
+  r.cost_hint = (g.launch.persistent ? 2.0 : 0.0) + (spec.skeleton == codegen::Skeleton::rownorm ? 1.0 : 0.0);
   return r;
 }
 
@@ -105,44 +126,59 @@ void KernelLibrary::prefetch(const std::vector<std::pair<codegen::KernelSpec, nl
   cache_.get_or_compile_all(reqs, compiler(), threads);
 }
 
-const LoadedKernel& KernelLibrary::load(const codegen::KernelSpec& spec, const Target& target,
-                                        const nlohmann::json& meta) {
-  cache::KernelRequest req = request(spec, target, meta);
+std::shared_ptr<const cache::Entry> KernelLibrary::entry(const codegen::Generated& gen,
+                                                         const codegen::KernelSpec& spec, const Target& target,
+                                                         const nlohmann::json& meta) {
+  return cache_.get_or_compile(request(gen, spec, target, meta), compiler());
+}
+
+const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const codegen::KernelSpec& spec,
+                                        const Target& target, const nlohmann::json& meta, bool vector) {
+  if (vector && !gen.vec)
+    fail(Status::internal, "kernel {} has no vector variant (its shape does not allow one)", gen.kernel);
   // Modules belong to a device's context: the same kernel is loaded once per device (and shared by every
   // group, at any depth, and every sequence that generates its source).
-  const std::string key = cache::cache_key(req) + "@" + std::to_string(cuda::current_ordinal());
+  std::string where;
+  for (const auto& o : target.options) where += o + " ";
+  where += "templates " + std::to_string(templates_.generation()) + " @" + std::to_string(cuda::current_ordinal());
+  auto pick = [&](const Module& m) -> const LoadedKernel& { return vector ? *m.vec : *m.scalar; };
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = loaded_.find(key);
-    if (it != loaded_.end()) return *it->second;
+    auto& by_source = modules_[where];
+    auto it = by_source.find(gen.source);
+    if (it != by_source.end()) return pick(it->second);
   }
-  auto entry = cache_.get_or_compile(req, compiler());
-  // (the cache key proper is entry->key; `key` adds the device)
+  auto entry = this->entry(gen, spec, target, meta);
   const auto& d = cuda::driver();
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = loaded_.find(key);
-  if (it != loaded_.end()) return *it->second;
-  CUmodule mod = nullptr;
-  cuda::check(d.cuModuleLoadData(&mod, entry->cubin.data()), "cuModuleLoadData");
-  modules_[key] = mod;
-  auto lk = std::make_unique<LoadedKernel>();
-  lk->gen = codegen::generate(spec);
-  lk->key = entry->key;
-  cuda::check(d.cuModuleGetFunction(&lk->fn, mod, lk->gen.kernel.c_str()), "cuModuleGetFunction");
-  const auto& L = lk->gen.launch;
-  cuda::check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&lk->blocks_per_sm, lk->fn, L.bx * L.by, 0),
-              "cuOccupancyMaxActiveBlocksPerMultiprocessor");
-  lk->blocks_per_sm = std::max(1, lk->blocks_per_sm);
-  for (auto& f : lk->gen.finalize) {
-    CUfunction fn;
-    cuda::check(d.cuModuleGetFunction(&fn, mod, f.kernel.c_str()), "cuModuleGetFunction");
-    lk->finalize[f.kernel] = fn;  // by name: the kernel is shared by groups at any depth, so not by op index
-  }
-  if (!lk->gen.fp8_update.empty())
-    cuda::check(d.cuModuleGetFunction(&lk->fp8_update, mod, lk->gen.fp8_update.c_str()), "cuModuleGetFunction");
-  auto& ref = *lk;
-  loaded_[key] = std::move(lk);
-  return ref;
+  auto& by_source = modules_[where];
+  auto it = by_source.find(gen.source);
+  if (it != by_source.end()) return pick(it->second);
+  Module m;
+  cuda::check(d.cuModuleLoadData(&m.mod, entry->cubin.data()), "cuModuleLoadData");
+  auto get = [&](const std::string& name) {
+    CUfunction fn = nullptr;
+    cuda::check(d.cuModuleGetFunction(&fn, m.mod, name.c_str()), "cuModuleGetFunction");
+    return fn;
+  };
+  auto entry_point = [&](bool vec) {
+    auto lk = std::make_unique<LoadedKernel>();
+    lk->gen = gen;
+    lk->key = entry->key;
+    lk->vector = vec;
+    lk->fn = get(gen.entry(vec));
+    const auto& L = gen.launch;
+    cuda::check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&lk->blocks_per_sm, lk->fn, L.bx * L.by, 0),
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    lk->blocks_per_sm = std::max(1, lk->blocks_per_sm);
+    // by name: the kernel is shared by groups at any depth, so not by op index
+    for (const auto& f : gen.finalize) lk->finalize[f.kernel] = get(f.kernel);
+    if (!gen.fp8_update.empty()) lk->fp8_update = get(gen.fp8_update);
+    return lk;
+  };
+  if (gen.vec) m.vec = entry_point(true);
+  m.scalar = entry_point(false);
+  return pick(by_source.emplace(gen.source, std::move(m)).first->second);
 }
 
 }  // namespace jitfuse::exec

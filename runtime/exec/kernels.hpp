@@ -22,9 +22,12 @@ class TemplateStore {
   const std::string& get(const std::string& name) const;  // throws naming the missing template
   // Replaces each `#include "x"` of `source` by x's text (once per file, recursively).
   std::string stitch(const std::string& source) const;
+  // Changes whenever a template's text does: what a generated source stitches to is fixed within one.
+  uint64_t generation() const { return generation_; }
 
  private:
   std::map<std::string, std::string> files_;
+  uint64_t generation_ = 0;
 };
 
 struct Target {
@@ -34,11 +37,14 @@ struct Target {
 };
 Target target_for_arch(const std::string& arch);  // CUBIN if NVRTC knows the arch, else PTX
 
+// One entry point of a loaded module: the vector or the scalar variant of a kernel, with the finalize and
+// FP8 update kernels of the same module.
 struct LoadedKernel {
   // Of the first spec loaded: a kernel is shared by every group that generates its source, so gen.args[].op
   // are that group's ops. Steps bind their own arguments (KernelStep::args).
   codegen::Generated gen;
   std::string key;
+  bool vector = true;      // which entry point `fn` is (gen.entry(vector))
   CUfunction fn = nullptr;
   int blocks_per_sm = 1;  // resident blocks of `fn` per SM at its block size (the driver's occupancy)
   std::map<std::string, CUfunction> finalize;  // finalize kernel name (Finalize::kernel) -> kernel
@@ -52,22 +58,35 @@ class KernelLibrary {
 
   cache::KernelRequest request(const codegen::KernelSpec& spec, const Target& target,
                                const nlohmann::json& meta) const;
+  // The same for a kernel already generated (codegen::generate(spec)).
+  cache::KernelRequest request(const codegen::Generated& gen, const codegen::KernelSpec& spec,
+                               const Target& target, const nlohmann::json& meta) const;
   // The compile function handed to the cache.
   cache::CompileFn compiler() const;
   // Compiles every distinct kernel of `specs` not yet in the cache, once, in parallel on a bounded pool (no GPU
   // needed).
   void prefetch(const std::vector<std::pair<codegen::KernelSpec, nlohmann::json>>& specs, const Target& target,
                 unsigned threads);
-  // Compiles (through the cache) and loads on the current device. Thread-safe; memoized per cache key, so
-  // groups (and sequences) generating the same source share one module.
-  const LoadedKernel& load(const codegen::KernelSpec& spec, const Target& target, const nlohmann::json& meta);
+  // The cache entry of `gen` (= generate(spec)): memory -> disk -> NVRTC. What load does before the driver.
+  std::shared_ptr<const cache::Entry> entry(const codegen::Generated& gen, const codegen::KernelSpec& spec,
+                                            const Target& target, const nlohmann::json& meta);
+  // Compiles (through the cache) and loads on the current device the module of `gen` (= generate(spec)), and
+  // returns its vector or scalar entry point. Thread-safe; memoized per source, target and device, so groups
+  // (and sequences) generating the same source share one module, and a step's second variant, or a kernel
+  // shared by many layers, costs a map lookup (no stitching, no hashing).
+  const LoadedKernel& load(const codegen::Generated& gen, const codegen::KernelSpec& spec, const Target& target,
+                           const nlohmann::json& meta, bool vector);
 
  private:
+  struct Module {
+    CUmodule mod = nullptr;
+    std::unique_ptr<LoadedKernel> vec, scalar;
+  };
   cache::KernelCache& cache_;
   const TemplateStore& templates_;
   std::mutex mu_;
-  std::map<std::string, std::unique_ptr<LoadedKernel>> loaded_;  // by cache key @ device
-  std::map<std::string, CUmodule> modules_;
+  // target options, template generation @ device -> generated source (before stitching) -> its module
+  std::map<std::string, std::map<std::string, Module, std::less<>>> modules_;
 };
 
 }  // namespace jitfuse::exec

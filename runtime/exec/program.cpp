@@ -117,7 +117,7 @@ std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan
   return p;
 }
 
-std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p, bool all_variants) {
+std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p) {
   std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> out;
   // Sources are position independent, so the groups of every layer of a deep model ask for the same few
   // kernels: each distinct source is listed once (same source, same cache key), with the metadata of its
@@ -131,11 +131,6 @@ std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(cons
       if (s.kind != Step::Kind::kernel) continue;
       const KernelStep& k = *s.kernel;
       add(k.spec, k.gen.source, k.meta);
-      if (all_variants && k.spec.vec) {
-        auto scalar = k.spec;
-        scalar.vec = false;
-        add(scalar, codegen::generate(scalar).source, k.meta);
-      }
     }
   return out;
 }
@@ -205,15 +200,10 @@ void layout_program(Program& p, const DeviceModel& dev) {
       auto occupancy = [&](const KernelStep::Variant& v, const codegen::Launch& L) {
         return v.kernel ? v.kernel->blocks_per_sm : estimated_blocks_per_sm(L);
       };
-      const codegen::Launch& Lv = k.gen.launch;
-      codegen::Launch Ls = Lv;
-      if (spec.vec) {
-        auto scalar = spec;
-        scalar.vec = false;
-        Ls = codegen::generate(scalar).launch;
-        k.vec.launch = launch_for(Lv, spec.skeleton, k.rows, dev.sm_count, occupancy(k.vec, Lv));
-      }
-      k.scalar.launch = launch_for(Ls, spec.skeleton, k.rows, dev.sm_count, occupancy(k.scalar, Ls));
+      // Both variants are entry points of one source, with one launch shape (their occupancy may differ).
+      const codegen::Launch& L = k.gen.launch;
+      if (spec.vec) k.vec.launch = launch_for(L, spec.skeleton, k.rows, dev.sm_count, occupancy(k.vec, L));
+      k.scalar.launch = launch_for(L, spec.skeleton, k.rows, dev.sm_count, occupancy(k.scalar, L));
       const int parts = std::max(spec.vec ? k.vec.launch.parts : 0, k.scalar.launch.parts);
       const int blocks = static_cast<int>(std::max(spec.vec ? k.vec.launch.gx * k.vec.launch.gy : 0u,
                                                    k.scalar.launch.gx * k.scalar.launch.gy));

@@ -78,7 +78,7 @@ struct KernelLaunch {
 struct KernelStep {
   codegen::KernelSpec spec;  // spec.vec: the shape allows the vector variant
   nlohmann::json meta;       // cache metadata (rule, ops, recipe, ...)
-  codegen::Generated gen;    // of the variant the shape allows (args, launch shape, follow-up kernels)
+  codegen::Generated gen;    // args, launch shape, entry points of both variants, follow-up kernels
   std::vector<KArg> args;    // in gen.args order
   struct Variant {
     const LoadedKernel* kernel = nullptr;  // set by load_program
@@ -161,10 +161,9 @@ std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan
                                       bool training, const std::string& sequence_name, const DeviceModel& dev);
 
 // Every distinct kernel (spec + cache metadata) a program launches, once however many groups share it:
-// each variant it may select (what prepare loads and warmup compiles), or only the variant the shape
-// allows (what codegen prints).
-std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p,
-                                                                           bool all_variants = true);
+// what prepare loads and warmup compiles. One source (one NVRTC program, one cache entry, one module) holds
+// every variant a launch may select.
+std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p);
 
 // Grids, partial-sum sizes, arena offsets: from each kernel's occupancy (load_program) or the estimate.
 void layout_program(Program& p, const DeviceModel& dev);

@@ -62,19 +62,30 @@ __device__ __forceinline__ void jf_amax8(float& am, const float (&v)[8], int n =
 // by a one-block kernel afterwards, so the result does not depend on block order and no block waits on
 // a same-address atomic (one atomicMax per warp measured 0.087 ms for layernorm + delayed cast on an
 // H200, against 0.044 ms now; docs/benchmarks.md). Every thread of the block calls it.
-__device__ __forceinline__ void jf_amax_flush(float am, float* part) {
-  __shared__ float jf_amax_sm[32];
-  const int lin = threadIdx.x + threadIdx.y * blockDim.x;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-  if ((lin & 31) == 0) jf_amax_sm[lin >> 5] = am;
-  __syncthreads();
-  if (lin == 0) {
-    const int nw = (blockDim.x * blockDim.y + 31) >> 5;
-    for (int w = 1; w < nw; ++w) am = fmaxf(am, jf_amax_sm[w]);
-    part[blockIdx.y * gridDim.x + blockIdx.x] = am;
+// VEC: the calling kernel's variant (JF_VEC). Each variant calls its own explicit specialization, so each
+// has its own function-scope jf_amax_sm: one array shared by the vector and scalar entry points of a module
+// changed their SASS (instruction schedule), and a function template's implicit instantiations did too;
+// two plain specializations compile each kernel exactly as it compiled in a program of its own.
+template <bool VEC>
+__device__ __forceinline__ void jf_amax_flush(float am, float* part);
+#define JF_AMAX_FLUSH_BODY                                                                    \
+  {                                                                                           \
+    __shared__ float jf_amax_sm[32];                                                          \
+    const int lin = threadIdx.x + threadIdx.y * blockDim.x;                                   \
+    _Pragma("unroll") for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o)); \
+    if ((lin & 31) == 0) jf_amax_sm[lin >> 5] = am;                                           \
+    __syncthreads();                                                                          \
+    if (lin == 0) {                                                                           \
+      const int nw = (blockDim.x * blockDim.y + 31) >> 5;                                     \
+      for (int w = 1; w < nw; ++w) am = fmaxf(am, jf_amax_sm[w]);                             \
+      part[blockIdx.y * gridDim.x + blockIdx.x] = am;                                         \
+    }                                                                                         \
   }
-}
+template <>
+__device__ __forceinline__ void jf_amax_flush<true>(float am, float* part) JF_AMAX_FLUSH_BODY
+template <>
+__device__ __forceinline__ void jf_amax_flush<false>(float am, float* part) JF_AMAX_FLUSH_BODY
+#undef JF_AMAX_FLUSH_BODY
 
 // The maximum of part[0 .. count) for a block of 1024 threads; valid in thread 0. Eight independent loads
 // per thread are in flight at once: one block is latency-bound, and a loop of dependent-looking loads

@@ -123,12 +123,12 @@ inline std::shared_ptr<exec::Program> case_program(const BuiltinCase& c, const r
   return exec::make_program(ops, plan, rc, c.training, "n", dev);
 }
 
-// The kernels (spec + cache metadata) a case's program launches, in step order, each in the variant its
-// shape allows.
+// The kernels (spec + cache metadata) a case's program launches, in step order (each source holds every
+// variant its shape allows).
 inline std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> case_kernels(const BuiltinCase& c,
                                                                                const rules::RuleSet& rs,
                                                                                int arch = 90) {
-  return exec::program_kernels(*case_program(c, rs, arch), false);
+  return exec::program_kernels(*case_program(c, rs, arch));
 }
 
 }  // namespace jitfuse::test

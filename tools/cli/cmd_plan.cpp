@@ -45,17 +45,17 @@ struct Collected {
   std::vector<std::string> labels;             // of each request's first use
 };
 
-// all_variants: every kernel variant a prepared program loads (warmup), else the one the shape allows.
-// A kernel shared by several programs (sequences, shapes) is listed once, as a prepared context loads it.
+// Every kernel a prepared program loads (each source holds both its variants). A kernel shared by several
+// programs (sequences, shapes) is listed once, as a prepared context loads it.
 Collected collect(const PlanOpts& o, const rules::RuleSet& rs, const exec::TemplateStore& templates,
-                  const exec::Target& target, bool all_variants) {
+                  const exec::Target& target) {
   Collected all;
   cache::KernelCache scratch(cache::Config{});
   exec::KernelLibrary lib(scratch, templates);
   for (const auto& seq : o.seqs)
     for (const auto& shape : o.shapes) {
       Planned p = plan_file(rs, seq, o.recipe, shape, parse_arch(target.arch), !o.inference);
-      for (auto& [spec, meta] : exec::program_kernels(*p.program, all_variants)) {
+      for (auto& [spec, meta] : exec::program_kernels(*p.program)) {
         all.requests.push_back(lib.request(spec, target, meta));
         all.labels.push_back(seq + " " + shape + ": " + all.requests.back().meta["kernel"].get<std::string>());
       }
@@ -80,7 +80,7 @@ void run_codegen(const PlanOpts& o) {
   auto rs = load_rules(o.rules);
   auto templates = templates_for(rs);
   exec::Target target = exec::target_for_arch(default_arch(o.arch));
-  Collected c = collect(o, rs, templates, target, false);
+  Collected c = collect(o, rs, templates, target);
   nlohmann::json out = nlohmann::json::array();
   cache::KernelCache scratch(cache::Config{});
   exec::KernelLibrary lib(scratch, templates);
@@ -156,7 +156,7 @@ void run_warmup(const PlanOpts& o) {
   auto rs = load_rules(o.rules);
   auto templates = templates_for(rs);
   exec::Target target = exec::target_for_arch(default_arch(o.arch));
-  Collected c = collect(o, rs, templates, target, true);
+  Collected c = collect(o, rs, templates, target);
   cache::KernelCache kc(cache::config_from_env());
   exec::KernelLibrary lib(kc, templates);
   std::vector<cache::Origin> origins;

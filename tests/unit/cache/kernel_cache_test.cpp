@@ -4,6 +4,7 @@
 
 #include <future>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "cache/disk_io.hpp"
@@ -151,6 +152,33 @@ TEST_CASE("get_or_compile_all: bounded pool, order, origins, progress", "[cache]
   CHECK(std::count(origins.begin(), origins.end(), Origin::memory) == 13);
   CHECK(again == out);
   CHECK(c.get_or_compile_all({}, fc.fn(), 4).empty());
+}
+
+TEST_CASE("get_or_compile_all starts the costliest requests first", "[cache]") {
+  TempDir tmp;
+  std::vector<KernelRequest> reqs;
+  for (int i = 0; i < 6; ++i) reqs.push_back(make_request(i));
+  reqs[1].cost_hint = 3;
+  reqs[4].cost_hint = 3;
+  reqs[5].cost_hint = 1;
+  std::mutex mu;
+  std::vector<std::string> started;
+  CompileFn fn = [&](const KernelRequest& r) {
+    std::lock_guard<std::mutex> lock(mu);
+    started.push_back(r.source);
+    return CompileResult{expected_cubin(r), "", 1};
+  };
+  KernelCache c(Config{tmp.sub("c")});
+  auto out = c.get_or_compile_all(reqs, fn, 1);
+  // One worker: highest hint first, ties in request order; results stay in request order.
+  const std::vector<size_t> want = {1, 4, 5, 0, 2, 3};
+  REQUIRE(started.size() == want.size());
+  for (size_t k = 0; k < want.size(); ++k) CHECK(started[k] == reqs[want[k]].source);
+  for (size_t i = 0; i < reqs.size(); ++i) CHECK(out[i]->source == reqs[i].source);
+  // The hint is not part of the key.
+  KernelRequest other = reqs[0];
+  other.cost_hint = 7;
+  CHECK(cache_key(other) == cache_key(reqs[0]));
 }
 
 TEST_CASE("a compile error propagates, is not cached, and does not stop the others", "[cache]") {

@@ -68,7 +68,7 @@ struct KernelSpec {
   Direction dir = Direction::forward;
   std::string dtype = "fp32";  // fp32 | fp16 | bf16
   int64_t cols = 0;            // columns of the anchor (norm: hidden; gated: output n; elementwise: cols)
-  bool vec = true;             // 16-byte vector path (cols % 8 == 0 and aligned pointers)
+  bool vec = true;             // the shape allows the 16-byte vector path (cols % 8 == 0): emit its entry point
   std::vector<Stage> pre;      // stages before the anchor (elementwise: all stages)
   std::optional<NormSpec> norm;
   std::optional<GatedSpec> gated;
@@ -128,9 +128,15 @@ struct Finalize {
   int64_t cols = 0;
 };
 
+// One NVRTC program per kernel: both variants of the kernel (the 16-byte vector path for aligned pointers
+// and the scalar path for any pointer) are entry points of one source, beside its finalize and FP8
+// update kernels, so a module holds everything any launch of the kernel needs.
 struct Generated {
   std::string source;
-  std::string kernel;  // extern "C" name
+  std::string kernel;         // extern "C" name of the vector entry point; every other name extends it
+  std::string scalar_kernel;  // kernel + "_scalar": the scalar entry point (every source has one)
+  bool vec = true;            // the source has the vector entry point (KernelSpec::vec)
+  const std::string& entry(bool vector) const { return vector ? kernel : scalar_kernel; }
   std::vector<Arg> args;
   Launch launch;
   std::vector<Finalize> finalize;  // same module
