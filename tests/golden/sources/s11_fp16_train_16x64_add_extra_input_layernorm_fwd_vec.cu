@@ -212,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
 
 #define JF_VEC false
 extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernorm_fwd_scalar(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p1_weight, const ST* __restrict__ p1_bias, const ST* __restrict__ e0, ST* __restrict__ s1_input, float* __restrict__ s1_mean, float* __restrict__ s1_rstd) {
-  __shared__ float jf_sm[33];
+  __shared__ float jf_sm[64];
   for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {
     float x[1][8];
     #pragma unroll
@@ -236,20 +236,21 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
       }
     }
     // op 1 layernorm: statistics over 64 columns
-    float s1 = 0.f;
-    #pragma unroll
-    for (int k = 0; k < 1; ++k) for (int e = 0; e < 8; ++e) s1 += x[k][e];
-    const float mu = jf_block_sum(s1, jf_sm) * 0.015625f;
-    float s2 = 0.f;
+    const float jf_k = DT::load(in[r * 64]);
+    float s1 = 0.f, s2 = 0.f;
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
       const int n = active ? min(8, 64 - c0) : 0;
+      const float (&xv)[8] = x[k];
       #pragma unroll
-      for (int e = 0; e < 8; ++e) if (e < n) { const float d = x[k][e] - mu; s2 += d * d; }
+      for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
     }
-    const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * 0.015625f + 1e-05f);
+    const float2 jf_s = jf_block_sum2(s1, s2, jf_sm);
+    const float m1 = jf_s.x * 0.015625f;
+    const float mu = jf_k + m1;
+    const float rs = rsqrtf(fmaxf(jf_s.y * 0.015625f - m1 * m1, 0.f) + 1e-05f);
     if (threadIdx.x == 0) { s1_mean[r] = mu; s1_rstd[r] = rs; }
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
@@ -257,12 +258,13 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
       const bool active = c0 < 64;
       const int n = active ? min(8, 64 - c0) : 0;
       if (active) {
+        const float (&xv)[8] = x[k];
         float gw[8];
         jf_load8<DT, JF_VEC>(p1_weight + c0, gw, n);
         float v[8];
         float bw[8];
         jf_load8<DT, JF_VEC>(p1_bias + c0, bw, n);
-        for (int e = 0; e < 8; ++e) v[e] = (x[k][e] - mu) * rs * gw[e] + bw[e];
+        for (int e = 0; e < 8; ++e) v[e] = (xv[e] - mu) * rs * gw[e] + bw[e];
         jf_store8<DT, JF_VEC>(out + r * 64 + c0, v, n);
       }
     }

@@ -214,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
 
 #define JF_VEC false
 extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_weight, const ST* __restrict__ p0_bias, const ST* __restrict__ s0_input, const float* __restrict__ s0_mean, const float* __restrict__ s0_rstd, float* __restrict__ part0_weight, float* __restrict__ part0_bias) {
-  __shared__ float jf_sm[33];
+  __shared__ float jf_sm[64];
   float dgam[1][8], dbet[1][8];
   #pragma unroll
   for (int k = 0; k < 1; ++k) for (int e = 0; e < 8; ++e) { dgam[k][e] = 0.f; dbet[k][e] = 0.f; }

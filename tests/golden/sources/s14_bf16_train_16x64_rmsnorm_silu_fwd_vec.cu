@@ -274,25 +274,27 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd(const S
 
 #define JF_VEC false
 extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_weight, float* __restrict__ s0_mean, float* __restrict__ s0_rstd, ST* __restrict__ s1_input) {
-  __shared__ float jf_sm[33];
+  __shared__ float jf_sm[64];
   for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-    float x[1][8];
+    jf_raw8<DT> xr[1];
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
       const int n = active ? min(8, 64 - c0) : 0;
-      if (active) jf_load8<DT, JF_VEC>(in + r * 64 + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;
-      if (active) {
-        float (&v)[8] = x[k];
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) if (e >= n) v[e] = 0.f;
-      }
+      if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 rmsnorm: statistics over 64 columns
     float s2 = 0.f;
     #pragma unroll
-    for (int k = 0; k < 1; ++k) for (int e = 0; e < 8; ++e) s2 += x[k][e] * x[k][e];
+    for (int k = 0; k < 1; ++k) {
+      const int c0 = (k * 32 + (int)threadIdx.x) * 8;
+      const bool active = c0 < 64;
+      const int n = active ? min(8, 64 - c0) : 0;
+      float xv[8]; jf_unpack8<DT>(xr[k], xv);
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) s2 += xv[e] * xv[e];
+    }
     const float mu = 0.f;
     const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * 0.015625f + 1e-05f);
     if (threadIdx.x == 0) { s0_mean[r] = mu; s0_rstd[r] = rs; }
@@ -302,10 +304,11 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(
       const bool active = c0 < 64;
       const int n = active ? min(8, 64 - c0) : 0;
       if (active) {
+        float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
         jf_load8<DT, JF_VEC>(p0_weight + c0, gw, n);
         float v[8];
-        for (int e = 0; e < 8; ++e) v[e] = x[k][e] * rs * gw[e];
+        for (int e = 0; e < 8; ++e) v[e] = xv[e] * rs * gw[e];
         // op 1 silu (forward): y = x * sigmoid(x)
         jf_store8<DT, JF_VEC>(s1_input + r * 64 + c0, v, n);
         #pragma unroll

@@ -398,38 +398,34 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd(c
 
 #define JF_VEC false
 extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd_scalar(const ST* __restrict__ in, unsigned char* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_weight, const ST* __restrict__ p0_bias, const float* __restrict__ q1_scale, float* __restrict__ q1_amax, float* __restrict__ s0_mean, float* __restrict__ s0_rstd) {
-  __shared__ float jf_sm[33];
+  __shared__ float jf_sm[64];
   float jf_am = 0.f;
   const float jf_scale = q1_scale[0];
   for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-    float x[1][8];
+    jf_raw8<DT> xr[1];
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
       const int n = active ? min(8, 64 - c0) : 0;
-      if (active) jf_load8<DT, JF_VEC>(in + r * 64 + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;
-      if (active) {
-        float (&v)[8] = x[k];
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) if (e >= n) v[e] = 0.f;
-      }
+      if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 layernorm: statistics over 64 columns
-    float s1 = 0.f;
-    #pragma unroll
-    for (int k = 0; k < 1; ++k) for (int e = 0; e < 8; ++e) s1 += x[k][e];
-    const float mu = jf_block_sum(s1, jf_sm) * 0.015625f;
-    float s2 = 0.f;
+    const float jf_k = DT::load(in[r * 64]);
+    float s1 = 0.f, s2 = 0.f;
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
       const int n = active ? min(8, 64 - c0) : 0;
+      float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
-      for (int e = 0; e < 8; ++e) if (e < n) { const float d = x[k][e] - mu; s2 += d * d; }
+      for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
     }
-    const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * 0.015625f + 1e-05f);
+    const float2 jf_s = jf_block_sum2(s1, s2, jf_sm);
+    const float m1 = jf_s.x * 0.015625f;
+    const float mu = jf_k + m1;
+    const float rs = rsqrtf(fmaxf(jf_s.y * 0.015625f - m1 * m1, 0.f) + 1e-05f);
     if (threadIdx.x == 0) { s0_mean[r] = mu; s0_rstd[r] = rs; }
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
@@ -437,12 +433,13 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd_s
       const bool active = c0 < 64;
       const int n = active ? min(8, 64 - c0) : 0;
       if (active) {
+        float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
         jf_load8<DT, JF_VEC>(p0_weight + c0, gw, n);
         float v[8];
         float bw[8];
         jf_load8<DT, JF_VEC>(p0_bias + c0, bw, n);
-        for (int e = 0; e < 8; ++e) v[e] = (x[k][e] - mu) * rs * gw[e] + bw[e];
+        for (int e = 0; e < 8; ++e) v[e] = (xv[e] - mu) * rs * gw[e] + bw[e];
         // op 1 quantize: E4M3 cast of x * scale
         jf_amax8(jf_am, v, n);
         jf_store8_e4m3<JF_VEC>(out + r * 64 + c0, v, jf_scale, n);
