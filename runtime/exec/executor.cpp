@@ -273,7 +273,8 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
   auto pp = std::make_shared<Prepared>();
   pp->device = cuda::current_device();
   pp->target = target_for_arch(pp->device.arch());
-  // Compile every kernel (each source holds both its variants) in parallel first (the cache dedupes across threads and processes), then load.
+  // Compile every kernel (each source holds both its variants) in parallel first (the cache dedupes across
+  // threads and processes), then load.
   rt.kernels->prefetch(program_kernels(*program), pp->target,
                        std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   for (auto* steps : {&program->forward, &program->backward})

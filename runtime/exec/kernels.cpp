@@ -176,8 +176,13 @@ const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const cod
     if (!gen.fp8_update.empty()) lk->fp8_update = get(gen.fp8_update);
     return lk;
   };
-  if (gen.vec) m.vec = entry_point(true);
-  m.scalar = entry_point(false);
+  try {
+    if (gen.vec) m.vec = entry_point(true);
+    m.scalar = entry_point(false);
+  } catch (...) {
+    d.cuModuleUnload(m.mod);  // a module missing an entry point is never kept
+    throw;
+  }
   return pick(by_source.emplace(gen.source, std::move(m)).first->second);
 }
 

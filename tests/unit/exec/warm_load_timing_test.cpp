@@ -17,7 +17,8 @@ using namespace jitfuse;
 
 namespace {
 
-// A CUBIN-sized stand-in (the layer's real entries are 19-70 KiB): the cache neither parses nor runs it.
+// A CUBIN-sized stand-in (the layer's real entries, source included, are 15-70 KiB, 36 KiB on average):
+// the cache neither parses nor runs it.
 cache::CompileResult fake_cubin(const cache::KernelRequest& r) {
   return {std::string("\x7f" "ELF", 4) + std::string(28 * 1024, '\x5a') + r.source.substr(0, 64), "", 1};
 }
