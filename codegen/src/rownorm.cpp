@@ -28,6 +28,7 @@ class Rownorm {
     gamma_ = fmt::format("p{}_weight", ns_.op);
     beta_ = fmt::format("p{}_bias", ns_.op);
     mean_ = fmt::format("s{}_mean", ns_.op);
+    prefetch_ = !fwd_ && spec.dtype != "fp32";
     rstd_ = fmt::format("s{}_rstd", ns_.op);
   }
 
@@ -54,10 +55,24 @@ class Rownorm {
       k.line("float dgam[{}][8], dbet[{}][8];", nch_, nch_);
       k.line("#pragma unroll");
       k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) {{ dgam[k][e] = 0.f; dbet[k][e] = 0.f; }}", nch_);
+      if (prefetch_) {
+        // The first row of this block; each iteration then loads the next one (backward_row).
+        k.line("jf_raw8<DT> jf_pg[{0}], jf_px[{0}];", nch_);
+        k.line("if (blockIdx.x < rows) {{");
+        k.open();
+        k.line("const jf_i64 rn = blockIdx.x;");
+        chunk_loop_open(k);
+        k.line("if (active) {{");
+        k.line("  jf_load_raw8<DT, JF_VEC>(in + rn * {} + c0, jf_pg[k], n);", cols_);
+        k.line("  jf_load_raw8<DT, JF_VEC>(s{}_input + rn * {} + c0, jf_px[k], n);", ns_.op, cols_);
+        k.line("}} else {{ jf_zero_raw8<DT>(jf_pg[k]); jf_zero_raw8<DT>(jf_px[k]); }}");
+        chunk_loop_close(k);
+        k.close();
+        k.line("}}");
+      }
     }
     k.line("for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {{");
     k.open();
-    if (!fwd_) k.line("float x[{}][8];", nch_);
     if (fwd_)
       forward_row(k);
     else
@@ -210,49 +225,86 @@ class Rownorm {
   }
 
   // dx from the saved input and statistics (post stages' backward first, pre stages' after); dgamma and
-  // dbeta accumulate in registers across this block's rows.
+  // dbeta accumulate in registers across this block's rows (the grid is persistent). The row's dy and x
+  // stay in registers in their storage dtype (jf_raw8) and are unpacked per pass (dy as floats only when
+  // post stages rewrite it); for fp16/bf16 the next row's dy and x are loaded before this row's block
+  // reduction, so a row's loads overlap the previous row's reduction and stores. layernorm's two sums
+  // take one reduction. H100, 8192x4096 bf16: see docs/benchmarks.md "Backward" for what was measured.
   void backward_row(Writer& k) {
     std::string sp = fmt::format("s{}_input", ns_.op);
     args_.ptr(Arg::Role::saved, ns_.op, "input", sp, "ST", false);
     args_.ptr(Arg::Role::saved, ns_.op, "mean", mean_, "float", false);
     args_.ptr(Arg::Role::saved, ns_.op, "rstd", rstd_, "float", false);
-    k.line("float gr[{}][8];", nch_);
+    const bool float_dy = !spec_.post.empty();
+    const auto load_row = [&](Writer& w, const char* row, const char* g, const char* x) {
+      chunk_loop_open(w);
+      w.line("if (active) {{");
+      w.line("  jf_load_raw8<DT, JF_VEC>(in + {} * {} + c0, {}[k], n);", row, cols_, g);
+      w.line("  jf_load_raw8<DT, JF_VEC>({} + {} * {} + c0, {}[k], n);", sp, row, cols_, x);
+      w.line("}} else {{ jf_zero_raw8<DT>({}[k]); jf_zero_raw8<DT>({}[k]); }}", g, x);
+      chunk_loop_close(w);
+    };
+    if (prefetch_) {
+      k.line("jf_raw8<DT> gq[{0}], xq[{0}];", nch_);
+      k.line("#pragma unroll");
+      k.line("for (int k = 0; k < {}; ++k) {{ gq[k] = jf_pg[k]; xq[k] = jf_px[k]; }}", nch_);
+      k.line("if (r + gridDim.x < rows) {{");
+      k.open();
+      k.line("const jf_i64 rn = r + gridDim.x;");
+      load_row(k, "rn", "jf_pg", "jf_px");
+      k.close();
+      k.line("}}");
+    } else {
+      k.line("jf_raw8<DT> gq[{0}], xq[{0}];", nch_);
+      load_row(k, "r", "gq", "xq");
+    }
+    if (float_dy) k.line("float gr[{}][8];", nch_);
     k.line("const float mu = {}[r], rs = {}[r];", mean_, rstd_);
     k.line("float s1 = 0.f, s2 = 0.f;");
     chunk_loop_open(k);
-    k.line("for (int e = 0; e < 8; ++e) {{ gr[k][e] = 0.f; x[k][e] = 0.f; }}");
     k.line("if (active) {{");
     k.open();
-    k.line("jf_load8<DT, JF_VEC>(in + r * {} + c0, gr[k], n);", cols_);
-    k.line("float (&g)[8] = gr[k];");
-    for (auto it = spec_.post.rbegin(); it != spec_.post.rend(); ++it) emit_stage_bwd(k, args_, setup_, *it, ctx("g"));
-    k.line("jf_load8<DT, JF_VEC>({} + r * {} + c0, x[k], n);", sp, cols_);
+    if (float_dy) {
+      k.line("jf_unpack8<DT>(gq[k], gr[k]);");
+      k.line("float (&g)[8] = gr[k];");
+      for (auto it = spec_.post.rbegin(); it != spec_.post.rend(); ++it) emit_stage_bwd(k, args_, setup_, *it, ctx("g"));
+    } else {
+      k.line("float g[8]; jf_unpack8<DT>(gq[k], g);");
+    }
+    k.line("float xv[8]; jf_unpack8<DT>(xq[k], xv);");
     load_gamma(k, "gw");
     k.line("#pragma unroll");
     k.line("for (int e = 0; e < 8; ++e) if (e < n) {{");
     k.open();
-    k.line("const float xh = (x[k][e] - mu) * rs;");
+    k.line("const float xh = (xv[e] - mu) * rs;");
     k.line("const float wdy = gw[e] * g[e];");
     k.line("s1 += wdy * xh;");
     k.line("s2 += wdy;");
     k.line("dgam[k][e] += g[e] * xh;");
-    k.line("dbet[k][e] += g[e];");
+    if (!ns_.rms) k.line("dbet[k][e] += g[e];");
     k.close();
     k.line("}}");
     k.close();
     k.line("}}");
     chunk_loop_close(k);
-    k.line("const float c1 = jf_block_sum(s1, jf_sm) * {};", inv_cols());
-    if (!ns_.rms)
-      k.line("const float c2 = jf_block_sum(s2, jf_sm) * {};", inv_cols());
-    else
+    if (!ns_.rms) {
+      k.line("const float2 jf_c = jf_block_sum2(s1, s2, jf_sm);");
+      k.line("const float c1 = jf_c.x * {}, c2 = jf_c.y * {};", inv_cols(), inv_cols());
+    } else {
+      k.line("const float c1 = jf_block_sum(s1, jf_sm) * {};", inv_cols());
       k.line("const float c2 = 0.f;");
+    }
     chunk_loop_open(k);
     k.line("if (active) {{");
     k.open();
     load_gamma(k, "gw");
+    if (float_dy)
+      k.line("const float (&g)[8] = gr[k];");
+    else
+      k.line("float g[8]; jf_unpack8<DT>(gq[k], g);");
+    k.line("float xv[8]; jf_unpack8<DT>(xq[k], xv);");
     k.line("float dx[8];");
-    k.line("for (int e = 0; e < 8; ++e) dx[e] = rs * (gw[e] * gr[k][e] - (x[k][e] - mu) * rs * c1 - c2);");
+    k.line("for (int e = 0; e < 8; ++e) dx[e] = rs * (gw[e] * g[e] - (xv[e] - mu) * rs * c1 - c2);");
     for (auto it = spec_.pre.rbegin(); it != spec_.pre.rend(); ++it) emit_stage_bwd(k, args_, setup_, *it, ctx("dx"));
     k.line("jf_store8<DT, JF_VEC>(out + r * {} + c0, dx, n);", cols_);
     k.close();
@@ -270,13 +322,12 @@ class Rownorm {
       args_.ptr(Arg::Role::partials, ns_.op, "bias", pb, "float", true);
       setup_.finalize.push_back({"", ns_.op, "bias", cols_});
     }
+    // 8 consecutive floats per chunk: two 16-byte stores on the vector path (cols % 8 == 0 there and the
+    // partials buffer is 256-byte aligned), bounded scalar stores otherwise.
     chunk_loop_open(k);
-    k.line("#pragma unroll");
-    k.line("for (int e = 0; e < 8; ++e) if (e < n) {{");
-    k.open();
-    k.line("{}[(jf_i64)blockIdx.x * {} + c0 + e] = dgam[k][e];", pg, cols_);
-    if (!ns_.rms) k.line("{}[(jf_i64)blockIdx.x * {} + c0 + e] = dbet[k][e];", pb, cols_);
-    k.close();
+    k.line("if (active) {{");
+    k.line("  jf_store8<jf_f32, JF_VEC>({} + (jf_i64)blockIdx.x * {} + c0, dgam[k], n);", pg, cols_);
+    if (!ns_.rms) k.line("  jf_store8<jf_f32, JF_VEC>({} + (jf_i64)blockIdx.x * {} + c0, dbet[k], n);", pb, cols_);
     k.line("}}");
     chunk_loop_close(k);
   }
@@ -287,6 +338,7 @@ class Rownorm {
   const int64_t cols_;
   int threads_ = 32;
   int64_t nch_ = 1;
+  bool prefetch_ = false;  // backward, 16-bit dtypes: the next row's dy and x are loaded a row ahead
   std::string gamma_, beta_, mean_, rstd_;
   Args args_;
   Setup setup_;

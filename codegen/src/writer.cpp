@@ -138,39 +138,70 @@ void emit_variants(Writer& w, const KernelSpec& spec, const std::string& kernel,
 }
 
 void emit_finalize(Writer& w, const std::string& kernel, int64_t cols) {
-  constexpr int kFinalizeCols = Finalize::kCols, kFinalizeThreads = Finalize::kThreads;
-  // A block of 256 threads takes 32 columns: its 8 warps each sum every 8th part (four independent
-  // accumulators keep loads in flight), then one warp adds the 8 warp sums in a fixed order, so the
-  // result is deterministic. One thread per column looping over every part took ~25 us per finalize
-  // for 264 parts x 4096 columns on an H100 (16 blocks, one dependent load at a time).
+  constexpr int kC = Finalize::kCols, kT = Finalize::kThreads;
+  // A block of 256 threads takes 16 columns. Each thread owns V consecutive columns (V = 4, one 16-byte
+  // load per part, when cols % 4 == 0; the partials buffer is 256-byte aligned) and every ny-th part,
+  // eight parts' loads in flight; the ny sums per column are then added in a fixed order (groups of
+  // 4, then the 16 group sums), so the result is deterministic. H100, 396 parts x 4096 columns: 7.0 us
+  // per finalize with 32 columns per block and one 4-byte load per part (128 blocks), see
+  // docs/benchmarks.md "Backward".
+  const int v = cols % 4 == 0 ? 4 : 1;
+  const int tx_n = kC / v, ny = kT / tx_n;
   w.line("// grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum");
-  w.line("// launch: grid ceil({} / {}), block {}", cols, kFinalizeCols, kFinalizeThreads);
+  w.line("// launch: grid ceil({} / {}), block {}", cols, kC, kT);
   w.line("extern \"C\" __global__ void __launch_bounds__({}) {}(const float* __restrict__ part, ST* __restrict__ grad, "
-         "int parts, int accumulate) {{", kFinalizeThreads, kernel);
+         "int parts, int accumulate) {{", kT, kernel);
   w.open();
-  w.line("__shared__ float jf_fs[{}][{}];", kFinalizeThreads / kFinalizeCols, kFinalizeCols);
-  w.line("const int tx = threadIdx.x % {}, ty = threadIdx.x / {};", kFinalizeCols, kFinalizeCols);
-  w.line("const int c = blockIdx.x * {} + tx;", kFinalizeCols);
-  w.line("const int ny = {};", kFinalizeThreads / kFinalizeCols);
-  w.line("float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;");
+  w.line("__shared__ float jf_fs[{}][{}];", ny, kC);
+  w.line("const int tx = threadIdx.x % {}, ty = threadIdx.x / {};", tx_n, tx_n);
+  w.line("const int c = blockIdx.x * {} + tx * {};", kC, v);
+  w.line("float s[4][{}];", v);
+  w.line("#pragma unroll");
+  w.line("for (int u = 0; u < 4; ++u) for (int e = 0; e < {}; ++e) s[u][e] = 0.f;", v);
   w.line("if (c < {}) {{", cols);
   w.open();
-  w.line("int p = ty;");
-  w.line("for (; p + 3 * ny < parts; p += 4 * ny) {{");
-  w.line("  s0 += part[(jf_i64)p * {0} + c]; s1 += part[(jf_i64)(p + ny) * {0} + c];", cols);
-  w.line("  s2 += part[(jf_i64)(p + 2 * ny) * {0} + c]; s3 += part[(jf_i64)(p + 3 * ny) * {0} + c];", cols);
-  w.line("}}");
-  w.line("for (; p < parts; p += ny) s0 += part[(jf_i64)p * {} + c];", cols);
+  // Eight parts per thread per round, all loads issued before the first add (396 parts of a 4096-wide
+  // grad are one round: one L2 round trip instead of one per part).
+  w.line("for (int p0 = ty; p0 < parts; p0 += {}) {{", 8 * ny);
+  w.open();
+  if (v == 4) {
+    w.line("const float4* q = reinterpret_cast<const float4*>(part + c);");
+    w.line("float4 a[8];");
+    w.line("#pragma unroll");
+    w.line("for (int u = 0; u < 8; ++u) a[u] = p0 + u * {0} < parts ? q[(jf_i64)(p0 + u * {0}) * {1}] : make_float4(0.f, 0.f, 0.f, 0.f);",
+           ny, cols / 4);
+    w.line("#pragma unroll");
+    w.line("for (int u = 0; u < 8; ++u) {{ s[u & 3][0] += a[u].x; s[u & 3][1] += a[u].y; s[u & 3][2] += a[u].z; s[u & 3][3] += a[u].w; }}");
+  } else {
+    w.line("float a[8];");
+    w.line("#pragma unroll");
+    w.line("for (int u = 0; u < 8; ++u) a[u] = p0 + u * {0} < parts ? part[(jf_i64)(p0 + u * {0}) * {1} + c] : 0.f;", ny, cols);
+    w.line("#pragma unroll");
+    w.line("for (int u = 0; u < 8; ++u) s[u & 3][0] += a[u];");
+  }
   w.close();
   w.line("}}");
-  w.line("jf_fs[ty][tx] = (s0 + s1) + (s2 + s3);");
-  w.line("__syncthreads();");
-  w.line("if (ty != 0 || c >= {}) return;", cols);
-  w.line("float s = 0.f;");
+  w.close();
+  w.line("}}");
   w.line("#pragma unroll");
-  w.line("for (int y = 0; y < ny; ++y) s += jf_fs[y][tx];");
-  w.line("if (accumulate) s += DT::load(grad[c]);");
-  w.line("grad[c] = DT::store(s);");
+  w.line("for (int e = 0; e < {}; ++e) jf_fs[ty][tx * {} + e] = (s[0][e] + s[1][e]) + (s[2][e] + s[3][e]);", v, v);
+  w.line("__syncthreads();");
+  // 256 threads: column threadIdx.x % 16 of group threadIdx.x / 16 sums ny / 16 rows of jf_fs in order,
+  // then the first 16 threads add the 16 group sums.
+  w.line("const int fc = threadIdx.x % {}, fg = threadIdx.x / {};", kC, kC);
+  w.line("float t = 0.f;");
+  w.line("#pragma unroll");
+  w.line("for (int y = 0; y < {}; ++y) t += jf_fs[fg * {} + y][fc];", ny / (kT / kC), ny / (kT / kC));
+  w.line("__syncthreads();");
+  w.line("jf_fs[fg][fc] = t;");
+  w.line("__syncthreads();");
+  w.line("const int col = blockIdx.x * {} + fc;", kC);
+  w.line("if (fg != 0 || col >= {}) return;", cols);
+  w.line("float r = 0.f;");
+  w.line("#pragma unroll");
+  w.line("for (int y = 0; y < {}; ++y) r += jf_fs[y][fc];", kT / kC);
+  w.line("if (accumulate) r += DT::load(grad[col]);");
+  w.line("grad[col] = DT::store(r);");
   w.close();
   w.line("}}");
 }

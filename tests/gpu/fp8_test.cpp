@@ -173,6 +173,36 @@ TEST_CASE("fp8_delayed: cast with the stored scale, then roll the amax history a
   }
 }
 
+// The last block of the cast kernel rolls the history in slices of its thread count (32 for a 64-wide
+// layernorm, 128 for the large shape): 300 calls cross several slice boundaries. The many blocks of the
+// large shape also race to count themselves done; each call's amax must land exactly once.
+TEST_CASE("fp8_delayed: the amax history rolls correctly over many calls", "[fp8]") {
+  cuda::current_device();
+  std::mt19937_64 rng(23);
+  for (const ops::Shape shape : {ops::Shape{7, 64}, ops::Shape{4096, 1024}}) {
+    INFO("shape " << ops::shape_str(shape));
+    const std::string json = test::seq_json(R"([{"op": "layernorm"}, {"op": "quantize"}])");
+    jf_sequence seq = nullptr;
+    REQUIRE(jf_sequence_create(test::shared_context(), json.c_str(), "fp8_delayed", &seq) == JF_OK);
+    auto ops = ops::infer(ops::parse_sequence(json, "<test>", test::builtin_registry()), shape);
+    std::vector<float> amaxes;
+    const int calls = shape[0] == 7 ? 300 : 40;
+    for (int call = 0; call < calls; ++call) {
+      Run r = forward_once(seq, ops, rng, false);
+      const double amax = amax_of(r.ref);
+      REQUIRE(std::fabs(r.hist[0] - amax) <= 1.6e-2 * amax);
+      amaxes.insert(amaxes.begin(), r.hist[0]);
+      if (call % 37 == 0 || call == calls - 1) {
+        for (size_t i = 0; i < amaxes.size(); ++i) REQUIRE(r.hist[i] == amaxes[i]);  // newest first
+        CHECK(r.hist[amaxes.size()] == 0.f);
+        const float hmax = *std::max_element(amaxes.begin(), amaxes.end());
+        CHECK(r.scale_next == Approx(448.0 / hmax).epsilon(1e-6));
+      }
+    }
+    jf_sequence_destroy(seq);
+  }
+}
+
 TEST_CASE("FP8 recipes: the backward passes gradients straight through quantize", "[fp8]") {
   // bf16 gradients against the float64 reference, where quantize's backward is the identity.
   cuda::current_device();

@@ -110,9 +110,6 @@ __device__ __forceinline__ void jf_zero_raw8(jf_raw8<DT>& r) {
   for (int e = 0; e < 8; ++e) r.h[e] = typename DT::storage(0);
 }
 
-// Two sums over the block in one reduction (one pair of barriers); every thread gets both.
-__device__ __forceinline__ float2 jf_block_sum2(float a, float b, float* smem);
-
 __device__ __forceinline__ float jf_warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -131,6 +128,8 @@ __device__ __forceinline__ float jf_block_sum(float v, float* smem) {
   return t;
 }
 
+// Two sums over the block in one reduction (one pair of barriers); every thread gets both. `smem` holds
+// at least 64 floats.
 __device__ __forceinline__ float2 jf_block_sum2(float a, float b, float* smem) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
   a = jf_warp_sum(a);
@@ -332,27 +331,39 @@ extern "C" __global__ void __launch_bounds__(256) jf_bias_gelu_bwd_scalar(const 
 }
 
 // grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum
-// launch: grid ceil(64 / 32), block 256
+// launch: grid ceil(64 / 16), block 256
 extern "C" __global__ void __launch_bounds__(256) jf_bias_gelu_bwd_fin0_bias(const float* __restrict__ part, ST* __restrict__ grad, int parts, int accumulate) {
-  __shared__ float jf_fs[8][32];
-  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
-  const int c = blockIdx.x * 32 + tx;
-  const int ny = 8;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-  if (c < 64) {
-    int p = ty;
-    for (; p + 3 * ny < parts; p += 4 * ny) {
-      s0 += part[(jf_i64)p * 64 + c]; s1 += part[(jf_i64)(p + ny) * 64 + c];
-      s2 += part[(jf_i64)(p + 2 * ny) * 64 + c]; s3 += part[(jf_i64)(p + 3 * ny) * 64 + c];
-    }
-    for (; p < parts; p += ny) s0 += part[(jf_i64)p * 64 + c];
-  }
-  jf_fs[ty][tx] = (s0 + s1) + (s2 + s3);
-  __syncthreads();
-  if (ty != 0 || c >= 64) return;
-  float s = 0.f;
+  __shared__ float jf_fs[64][16];
+  const int tx = threadIdx.x % 4, ty = threadIdx.x / 4;
+  const int c = blockIdx.x * 16 + tx * 4;
+  float s[4][4];
   #pragma unroll
-  for (int y = 0; y < ny; ++y) s += jf_fs[y][tx];
-  if (accumulate) s += DT::load(grad[c]);
-  grad[c] = DT::store(s);
+  for (int u = 0; u < 4; ++u) for (int e = 0; e < 4; ++e) s[u][e] = 0.f;
+  if (c < 64) {
+    for (int p0 = ty; p0 < parts; p0 += 512) {
+      const float4* q = reinterpret_cast<const float4*>(part + c);
+      float4 a[8];
+      #pragma unroll
+      for (int u = 0; u < 8; ++u) a[u] = p0 + u * 64 < parts ? q[(jf_i64)(p0 + u * 64) * 16] : make_float4(0.f, 0.f, 0.f, 0.f);
+      #pragma unroll
+      for (int u = 0; u < 8; ++u) { s[u & 3][0] += a[u].x; s[u & 3][1] += a[u].y; s[u & 3][2] += a[u].z; s[u & 3][3] += a[u].w; }
+    }
+  }
+  #pragma unroll
+  for (int e = 0; e < 4; ++e) jf_fs[ty][tx * 4 + e] = (s[0][e] + s[1][e]) + (s[2][e] + s[3][e]);
+  __syncthreads();
+  const int fc = threadIdx.x % 16, fg = threadIdx.x / 16;
+  float t = 0.f;
+  #pragma unroll
+  for (int y = 0; y < 4; ++y) t += jf_fs[fg * 4 + y][fc];
+  __syncthreads();
+  jf_fs[fg][fc] = t;
+  __syncthreads();
+  const int col = blockIdx.x * 16 + fc;
+  if (fg != 0 || col >= 64) return;
+  float r = 0.f;
+  #pragma unroll
+  for (int y = 0; y < 16; ++y) r += jf_fs[y][fc];
+  if (accumulate) r += DT::load(grad[col]);
+  grad[col] = DT::store(r);
 }

@@ -110,9 +110,6 @@ __device__ __forceinline__ void jf_zero_raw8(jf_raw8<DT>& r) {
   for (int e = 0; e < 8; ++e) r.h[e] = typename DT::storage(0);
 }
 
-// Two sums over the block in one reduction (one pair of barriers); every thread gets both.
-__device__ __forceinline__ float2 jf_block_sum2(float a, float b, float* smem);
-
 __device__ __forceinline__ float jf_warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -131,6 +128,8 @@ __device__ __forceinline__ float jf_block_sum(float v, float* smem) {
   return t;
 }
 
+// Two sums over the block in one reduction (one pair of barriers); every thread gets both. `smem` holds
+// at least 64 floats.
 __device__ __forceinline__ float2 jf_block_sum2(float a, float b, float* smem) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
   a = jf_warp_sum(a);

@@ -121,7 +121,7 @@ struct Launch {
 // A finalize kernel sums [parts, cols] fp32 partials into a parameter grad. Launch: grid
 // ceil(cols / kCols), block kThreads.
 struct Finalize {
-  static constexpr int kCols = 32, kThreads = 256;
+  static constexpr int kCols = 16, kThreads = 256;
   std::string kernel;  // "<kernel>_fin<position>_<name>": unique in its module, the same at any depth
   int op = -1;         // the op's index in the sequence
   std::string name;  // "bias", "weight"
