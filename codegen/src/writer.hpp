@@ -58,7 +58,8 @@ std::string consts_suffix(const std::vector<double>& consts);  // ", 0.5f, 2f"
 // The comment header, the template includes and the dtype typedefs; marks `w` where the kernel starts.
 void emit_prelude(Writer& w, const KernelSpec& spec, const std::vector<std::string>& headers);
 // Writes the kernel text that `w` holds after its prelude once per variant: under `kernel` with
-// `#define JF_VEC true` (when spec.vec), then under `scalar` with `#define JF_VEC false`.
+// `#define JF_VEC true` (when spec.vec), then under `scalar` with `#define JF_VEC false`, each in its
+// branch of `#ifndef JF_SCALAR` (one variant per NVRTC program).
 void emit_variants(Writer& w, const KernelSpec& spec, const std::string& kernel, const std::string& scalar);
 std::vector<std::string> headers_for(const KernelSpec& spec);
 void emit_finalize(Writer& w, const std::string& kernel, int64_t cols);

@@ -22,6 +22,8 @@ Context::Context() : rules_(rules::RuleSet::with_builtins()) {
   cache_ = std::make_unique<cache::KernelCache>(cache::config_from_env());
   kernels_ = std::make_unique<exec::KernelLibrary>(*cache_, templates_);
   runtime_.kernels = kernels_.get();
+  // A deployment that must never compile during a call loads every variant at prepare (docs/environment.md).
+  if (env::flag("JITFUSE_ALL_VARIANTS")) runtime_.variants = exec::Variants::all;
   if (env::flag("JITFUSE_VERIFY")) {
     verify_ = std::make_unique<exec::VerifyLog>();
     runtime_.verify = verify_.get();

@@ -12,6 +12,7 @@ namespace jitfuse::env {
 // JITFUSE_LOG_LEVEL        trace|debug|info|warn|error|off (default warn)
 // JITFUSE_DISABLE_FUSION   1: every op runs unfused (kill switch)
 // JITFUSE_VERIFY           1: run the unfused ops beside each fused group and compare
+// JITFUSE_ALL_VARIANTS     1: prepare loads every kernel variant (no compile in a call, even misaligned)
 std::optional<std::string> get(const char* name);
 bool flag(const char* name);  // set and not "0"/"false"/""
 std::vector<std::string> split_path(const std::string& s);

@@ -1,4 +1,4 @@
-// The executor: prepare a program (compile + load every variant, lay out for the device), then run its
+// The executor: prepare a program (compile + load its kernels, lay out for the device), then run its
 // steps. A step is a resolved cuBLASLt call or a generated kernel with its arguments bound to buffer ids;
 // nothing here knows rules, ops or names.
 #include "exec/executor.hpp"
@@ -136,11 +136,67 @@ void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUs
   rt.blas->column_sums(c.dtype, c.m, c.n, c.a, at(g.ones), db, c.workspace, stream);
 }
 
-void run_kernel(const KernelStep& k, const std::vector<void*>& ptr, CUstream stream) {
+// While the calling thread enqueues into a stream that is capturing a CUDA graph, lets it make calls the
+// capture mode would refuse (cudaStreamCaptureModeRelaxed for this thread only), as a late module load
+// needs; restores the thread's mode on scope exit. No-op outside a capture.
+class RelaxCapture {
+ public:
+  explicit RelaxCapture(CUstream stream) {
+    const auto& d = cuda::driver();
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    const CUresult r = d.cuStreamIsCapturing(stream, &st);
+    if (r != CUDA_ERROR_STREAM_CAPTURE_IMPLICIT && (r != CUDA_SUCCESS || st == CU_STREAM_CAPTURE_STATUS_NONE)) return;
+    mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+    active_ = d.cuThreadExchangeStreamCaptureMode(&mode_) == CUDA_SUCCESS;
+  }
+  ~RelaxCapture() {
+    if (active_) cuda::driver().cuThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxCapture(const RelaxCapture&) = delete;
+  RelaxCapture& operator=(const RelaxCapture&) = delete;
+  bool capturing() const { return active_; }
+
+ private:
+  CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_GLOBAL;
+  bool active_ = false;
+};
+
+// The scalar variant of a step, for a call with a tensor that is not 16-byte aligned: the one prepare
+// loaded, or, for a vector-capable step prepared without it (Variants::needed), compiled (or read from the
+// cache) and loaded now, once per step and thread-safely. Also inside a CUDA-graph capture: compiling and
+// loading are host work plus a module load, which the capture does not record; only the launch is.
+const KernelStep::Variant& scalar_variant(const Prepared& pp, Runtime& rt, const KernelStep& k,
+                                          const std::vector<void*>& ptr, CUstream stream) {
+  if (k.scalar.kernel || !k.spec.vec) return k.scalar;
+  return k.late_scalar([&] {
+    std::string tensor = "?";
+    for (int id : k.align_buffers)
+      if (!aligned16(ptr[static_cast<size_t>(id)])) {
+        tensor = pp.program->buffer(id).name;
+        break;
+      }
+    RelaxCapture relax(stream);
+    log().info("kernel {}: tensor '{}' is not 16-byte aligned: loading the kernel's scalar variant (once){}",
+               k.gen.kernel, tensor, relax.capturing() ? ", inside a CUDA-graph capture" : "");
+    KernelStep::Variant v;
+    try {
+      v.kernel = &rt.kernels->load(k.gen, k.spec, pp.target, k.meta, false);
+      v.launch = late_scalar_launch(*pp.program, k, pp.device.sm_count, v.kernel->blocks_per_sm);
+    } catch (const Error& e) {
+      fail(e.status(), "kernel {}: tensor '{}' is not 16-byte aligned, so the call needs the kernel's scalar "
+           "variant, which could not be loaded (pass 16-byte aligned tensors, or prepare with "
+           "JITFUSE_ALL_VARIANTS=1 to load it up front): {}", k.gen.kernel, tensor, e.what());
+    }
+    return v;
+  });
+}
+
+void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std::vector<void*>& ptr,
+                CUstream stream) {
   const auto& d = cuda::driver();
   bool vec = k.spec.vec;
   for (int id : k.align_buffers) vec = vec && aligned16(ptr[static_cast<size_t>(id)]);
-  const KernelStep::Variant& v = vec ? k.vec : k.scalar;
+  const KernelStep::Variant& v = vec ? k.vec : scalar_variant(pp, rt, k, ptr, stream);
   if (!v.kernel) fail(Status::internal, "kernel {} was not prepared", k.gen.kernel);
   const KernelLaunch& L = v.launch;
   const size_t n = k.args.size();
@@ -263,27 +319,25 @@ void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, 
     if (s.kind == Step::Kind::gemm)
       run_gemm(rt, s.gemm, ptr, stream);
     else
-      run_kernel(*s.kernel, ptr, stream);
+      run_kernel(pp, rt, *s.kernel, ptr, stream);
     if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);
   }
-  (void)pp;
 }
 
 std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program, Runtime& rt) {
   auto pp = std::make_shared<Prepared>();
   pp->device = cuda::current_device();
   pp->target = target_for_arch(pp->device.arch());
-  // Compile every kernel (each source holds both its variants) in parallel first (the cache dedupes across
-  // threads and processes), then load.
+  // Compile the variants the plan launches (or all of them) in parallel first (the cache dedupes across
+  // threads and processes), then load. A scalar variant left out is loaded by the first call that needs it.
   rt.kernels->prefetch(program_kernels(*program), pp->target,
-                       std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
+                       std::max(1u, std::min(8u, std::thread::hardware_concurrency())), rt.variants);
   for (auto* steps : {&program->forward, &program->backward})
     for (auto& s : *steps) {
       if (s.kind != Step::Kind::kernel) continue;
       KernelStep& k = *s.kernel;
-      // Both variants are entry points of one module (codegen::Generated): one lookup, one load.
-      if (k.spec.vec) k.vec.kernel = &rt.kernels->load(k.gen, k.spec, pp->target, k.meta, true);
-      k.scalar.kernel = &rt.kernels->load(k.gen, k.spec, pp->target, k.meta, false);
+      for (bool vector : variants_of(k.spec, rt.variants))
+        (vector ? k.vec : k.scalar).kernel = &rt.kernels->load(k.gen, k.spec, pp->target, k.meta, vector);
     }
   // cuBLASLt's algorithm for every GEMM, chosen now (a BGRADB problem without one takes the fallback).
   GemmTuner tuner;

@@ -1,7 +1,8 @@
 // Running a Program: prepare (compile, load, lay out) once, then forward (leaving the saved context) and
 // backward (reading it) as loops over steps on the caller's stream: bind buffer ids to pointers, launch.
 // Memory is the host's (saved block, workspace) or one allocation per call through the allocator; no host
-// synchronisation, no compile, no module load: a prepared program's calls can be captured in a CUDA graph.
+// synchronisation, no compile, no module load (but a misaligned tensor's first call loading a kernel's
+// scalar fallback): a prepared program's calls can be captured in a CUDA graph.
 #pragma once
 #include <cuda.h>
 
@@ -37,7 +38,8 @@ struct Fp8State {
   int len = 0;
 };
 
-// A program ready to run on one device: every kernel variant loaded, launch shapes from real occupancy.
+// A program ready to run on one device: the kernel variants its plan launches loaded (all of them with
+// Variants::all), launch shapes from real occupancy.
 struct Prepared {
   std::shared_ptr<Program> program;
   cuda::DeviceInfo device;
@@ -50,6 +52,9 @@ struct Runtime {  // what a context lends to programs
   cuda::Blas* blas = nullptr;
   Allocator allocator;
   VerifyLog* verify = nullptr;  // JITFUSE_VERIFY: where shadow runs report
+  // What prepare compiles and loads: the variants the plan launches (a misaligned tensor's call then loads
+  // the scalar fallback), or all of them (JITFUSE_ALL_VARIANTS=1: no call ever compiles).
+  Variants variants = Variants::needed;
 };
 
 // Where a forward's dropout draws from: the host's device state {seed, offset} (read when the forward
@@ -99,9 +104,10 @@ struct ForwardResult {
   std::shared_ptr<Shadow> shadow;  // JITFUSE_VERIFY: the unfused run's memory, for the backward's comparison
 };
 
-// Compiles (in parallel, through the cache) and loads every kernel variant, looks up every GEMM's cuBLASLt
-// algorithm, then lays the program out for the current device. Everything that cannot happen in a launch
-// path (or inside a CUDA-graph capture) happens here.
+// Compiles (in parallel, through the cache) and loads the kernel variants `rt.variants` asks for, looks up
+// every GEMM's cuBLASLt algorithm, then lays the program out for the current device. Everything a call
+// needs happens here, except the scalar fallback of a vector-capable kernel under Variants::needed, which
+// the first call with a misaligned tensor loads (inside a CUDA-graph capture too).
 std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program, Runtime& rt);
 
 ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& args);

@@ -68,38 +68,49 @@ Target target_for_arch(const std::string& arch) {
   return {arch, t.options(), cuda::nvrtc_version()};
 }
 
-KernelLibrary::KernelLibrary(cache::KernelCache& cache, const TemplateStore& templates)
-    : cache_(cache), templates_(templates) {}
+std::vector<bool> variants_of(const codegen::KernelSpec& spec, Variants v) {
+  if (!spec.vec) return {false};
+  if (v == Variants::all) return {true, false};
+  return {true};
+}
+
+KernelLibrary::KernelLibrary(cache::KernelCache& cache, const TemplateStore& templates, cache::CompileFn compile)
+    : cache_(cache), templates_(templates), compile_(std::move(compile)) {}
 
 KernelLibrary::~KernelLibrary() {
   if (auto* d = cuda::try_driver())
     for (auto& [where, by_source] : modules_)
-      for (auto& [source, m] : by_source) d->cuModuleUnload(m.mod);
+      for (auto& [source, variants] : by_source)
+        for (auto& m : variants)
+          if (m.mod) d->cuModuleUnload(m.mod);
 }
 
 cache::KernelRequest KernelLibrary::request(const codegen::KernelSpec& spec, const Target& target,
-                                            const nlohmann::json& meta) const {
-  return request(codegen::generate(spec), spec, target, meta);
+                                            const nlohmann::json& meta, bool vector) const {
+  return request(codegen::generate(spec), spec, target, meta, vector);
 }
 
 cache::KernelRequest KernelLibrary::request(const codegen::Generated& g, const codegen::KernelSpec& spec,
-                                            const Target& target, const nlohmann::json& meta) const {
+                                            const Target& target, const nlohmann::json& meta, bool vector) const {
+  if (vector && !g.vec)
+    fail(Status::internal, "kernel {} has no vector variant (its shape does not allow one)", g.kernel);
   cache::KernelRequest r;
   r.source = templates_.stitch(g.source);
   r.options = target.options;
+  for (auto& o : codegen::Generated::options(vector)) r.options.push_back(std::move(o));
   r.arch = target.arch;
   r.nvrtc_version = target.nvrtc_version;
   r.meta = meta;
   r.meta["kernel"] = g.kernel;
+  r.meta["variant"] = vector ? "vector" : "scalar";
   r.meta["skeleton"] = codegen::skeleton_name(spec.skeleton);
   r.meta["direction"] = spec.dir == codegen::Direction::forward ? "forward" : "backward";
   r.meta["dtype"] = spec.dtype;
   r.meta["cols"] = spec.cols;
   r.meta["vector"] = spec.vec;
-  // Every entry point of the module: the variants, then the finalize and FP8 update kernels.
+  // Every entry point of the module: the variant's, then the finalize and FP8 update kernels.
   nlohmann::json fns = nlohmann::json::array();
-  if (g.vec) fns.push_back(g.kernel);
-  fns.push_back(g.scalar_kernel);
+  fns.push_back(g.entry(vector));
   for (const auto& f : g.finalize) fns.push_back(f.kernel);
   if (!g.fp8_update.empty()) fns.push_back(g.fp8_update);
   r.meta["functions"] = fns;
@@ -111,6 +122,7 @@ cache::KernelRequest KernelLibrary::request(const codegen::Generated& g, const c
 }
 
 cache::CompileFn KernelLibrary::compiler() const {
+  if (compile_) return compile_;
   return [](const cache::KernelRequest& r) {
     auto out = cuda::compile(r.source, r.meta.value("kernel", std::string("jitfuse")) + ".cu", {}, r.options);
     if (!out.log.empty()) log().debug("NVRTC log for {}:\n{}", r.meta.value("kernel", ""), out.log);
@@ -119,17 +131,20 @@ cache::CompileFn KernelLibrary::compiler() const {
 }
 
 void KernelLibrary::prefetch(const std::vector<std::pair<codegen::KernelSpec, nlohmann::json>>& specs,
-                             const Target& target, unsigned threads) {
+                             const Target& target, unsigned threads, Variants variants) {
   std::vector<cache::KernelRequest> all, reqs;
-  for (const auto& [spec, meta] : specs) all.push_back(request(spec, target, meta));
+  for (const auto& [spec, meta] : specs) {
+    const codegen::Generated g = codegen::generate(spec);
+    for (bool vector : variants_of(spec, variants)) all.push_back(request(g, spec, target, meta, vector));
+  }
   for (size_t i : cache::distinct(all)) reqs.push_back(std::move(all[i]));
   cache_.get_or_compile_all(reqs, compiler(), threads);
 }
 
 std::shared_ptr<const cache::Entry> KernelLibrary::entry(const codegen::Generated& gen,
                                                          const codegen::KernelSpec& spec, const Target& target,
-                                                         const nlohmann::json& meta) {
-  return cache_.get_or_compile(request(gen, spec, target, meta), compiler());
+                                                         const nlohmann::json& meta, bool vector) {
+  return cache_.get_or_compile(request(gen, spec, target, meta, vector), compiler());
 }
 
 const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const codegen::KernelSpec& spec,
@@ -141,32 +156,31 @@ const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const cod
   std::string where;
   for (const auto& o : target.options) where += o + " ";
   where += "templates " + std::to_string(templates_.generation()) + " @" + std::to_string(cuda::current_ordinal());
-  auto pick = [&](const Module& m) -> const LoadedKernel& { return vector ? *m.vec : *m.scalar; };
+  const size_t slot = vector ? 1 : 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto& by_source = modules_[where];
     auto it = by_source.find(gen.source);
-    if (it != by_source.end()) return pick(it->second);
+    if (it != by_source.end() && it->second[slot].kernel) return *it->second[slot].kernel;
   }
-  auto entry = this->entry(gen, spec, target, meta);
+  auto entry = this->entry(gen, spec, target, meta, vector);
   const auto& d = cuda::driver();
   std::lock_guard<std::mutex> lock(mu_);
-  auto& by_source = modules_[where];
-  auto it = by_source.find(gen.source);
-  if (it != by_source.end()) return pick(it->second);
-  Module m;
-  cuda::check(d.cuModuleLoadData(&m.mod, entry->cubin.data()), "cuModuleLoadData");
-  auto get = [&](const std::string& name) {
-    CUfunction fn = nullptr;
-    cuda::check(d.cuModuleGetFunction(&fn, m.mod, name.c_str()), "cuModuleGetFunction");
-    return fn;
-  };
-  auto entry_point = [&](bool vec) {
+  Module& m = modules_[where][gen.source][slot];
+  if (m.kernel) return *m.kernel;  // another thread loaded it meanwhile
+  CUmodule mod = nullptr;
+  cuda::check(d.cuModuleLoadData(&mod, entry->cubin.data()), "cuModuleLoadData");
+  try {
+    auto get = [&](const std::string& name) {
+      CUfunction fn = nullptr;
+      cuda::check(d.cuModuleGetFunction(&fn, mod, name.c_str()), "cuModuleGetFunction");
+      return fn;
+    };
     auto lk = std::make_unique<LoadedKernel>();
     lk->gen = gen;
     lk->key = entry->key;
-    lk->vector = vec;
-    lk->fn = get(gen.entry(vec));
+    lk->vector = vector;
+    lk->fn = get(gen.entry(vector));
     const auto& L = gen.launch;
     cuda::check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&lk->blocks_per_sm, lk->fn, L.bx * L.by, 0),
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor");
@@ -174,16 +188,13 @@ const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const cod
     // by name: the kernel is shared by groups at any depth, so not by op index
     for (const auto& f : gen.finalize) lk->finalize[f.kernel] = get(f.kernel);
     if (!gen.fp8_update.empty()) lk->fp8_update = get(gen.fp8_update);
-    return lk;
-  };
-  try {
-    if (gen.vec) m.vec = entry_point(true);
-    m.scalar = entry_point(false);
+    m.kernel = std::move(lk);
   } catch (...) {
-    d.cuModuleUnload(m.mod);  // a module missing an entry point is never kept
+    d.cuModuleUnload(mod);  // a module missing an entry point is never kept
     throw;
   }
-  return pick(by_source.emplace(gen.source, std::move(m)).first->second);
+  m.mod = mod;
+  return *m.kernel;
 }
 
 }  // namespace jitfuse::exec

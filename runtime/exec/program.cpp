@@ -164,6 +164,24 @@ KernelLaunch launch_for(const codegen::Launch& L, codegen::Skeleton sk, int64_t 
 
 int estimated_blocks_per_sm(const codegen::Launch& L) { return std::clamp(2048 / std::max(1, L.bx * L.by), 1, 32); }
 
+// Fits `k`'s launch `l` to at most `parts` partial rows and `blocks` blocks (the amax partials): fewer
+// blocks of a persistent kernel, which loop over the rows. A non-persistent grid (one block per row slab)
+// does not depend on occupancy, so it already fits; if it did not, shrinking it would drop rows.
+void clamp_launch(KernelLaunch& l, const KernelStep& k, int parts, int blocks) {
+  const bool rownorm = k.spec.skeleton == codegen::Skeleton::rownorm;
+  const int64_t per_part = rownorm ? 1 : static_cast<int64_t>(l.gx);  // blocks in one partial row
+  int64_t n = rownorm ? l.gx : l.gy;
+  const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(k.finalize.empty() ? n : parts,
+                                                            k.amax_partials < 0 ? n : blocks / per_part));
+  if (n <= cap) return;
+  if (!k.gen.launch.persistent)
+    fail(Status::internal, "kernel {}: the scalar variant's grid ({} partial rows) does not fit the buffers sized "
+         "for the vector variant ({})", k.gen.kernel, n, cap);
+  n = cap;
+  (rownorm ? l.gx : l.gy) = static_cast<unsigned>(n);
+  l.parts = static_cast<int>(n);
+}
+
 // Packs the buffers of one arena: each at the lowest aligned offset free during its lifetime.
 size_t pack(std::vector<Buffer>& buffers, Storage arena) {
   std::vector<Buffer*> list;
@@ -191,6 +209,24 @@ size_t pack(std::vector<Buffer>& buffers, Storage arena) {
 
 }  // namespace
 
+const KernelStep::Variant& KernelStep::late_scalar(const std::function<Variant()>& make) const {
+  if (const Variant* v = late.ready.load(std::memory_order_acquire)) return *v;
+  std::lock_guard<std::mutex> lock(late.mu);
+  if (const Variant* v = late.ready.load(std::memory_order_relaxed)) return *v;
+  late.owned = std::make_unique<Variant>(make());
+  late.ready.store(late.owned.get(), std::memory_order_release);
+  return *late.owned;
+}
+
+KernelLaunch late_scalar_launch(const Program& p, const KernelStep& k, int sm_count, int blocks_per_sm) {
+  KernelLaunch l = launch_for(k.gen.launch, k.spec.skeleton, k.rows, sm_count, blocks_per_sm);
+  int parts = 0, blocks = 0;
+  for (const auto& f : k.finalize) parts = static_cast<int>(p.buffer(f.partials).rows);
+  if (k.amax_partials >= 0) blocks = static_cast<int>(p.buffer(k.amax_partials).rows);
+  clamp_launch(l, k, parts, blocks);
+  return l;
+}
+
 void layout_program(Program& p, const DeviceModel& dev) {
   for (auto* steps : {&p.forward, &p.backward})
     for (auto& s : *steps) {
@@ -200,13 +236,17 @@ void layout_program(Program& p, const DeviceModel& dev) {
       auto occupancy = [&](const KernelStep::Variant& v, const codegen::Launch& L) {
         return v.kernel ? v.kernel->blocks_per_sm : estimated_blocks_per_sm(L);
       };
-      // Both variants are entry points of one source, with one launch shape (their occupancy may differ).
+      // Both variants come from one source, with one launch shape (their occupancy may differ). A scalar
+      // variant that was not loaded with a vector one is launched only after a late load, within the buffers
+      // sized here for the vector one (late_scalar_launch).
       const codegen::Launch& L = k.gen.launch;
+      const bool late = spec.vec && !k.scalar.kernel && k.vec.kernel;
       if (spec.vec) k.vec.launch = launch_for(L, spec.skeleton, k.rows, dev.sm_count, occupancy(k.vec, L));
       k.scalar.launch = launch_for(L, spec.skeleton, k.rows, dev.sm_count, occupancy(k.scalar, L));
-      const int parts = std::max(spec.vec ? k.vec.launch.parts : 0, k.scalar.launch.parts);
+      const int parts = std::max(spec.vec ? k.vec.launch.parts : 0, late ? 0 : k.scalar.launch.parts);
       const int blocks = static_cast<int>(std::max(spec.vec ? k.vec.launch.gx * k.vec.launch.gy : 0u,
-                                                   k.scalar.launch.gx * k.scalar.launch.gy));
+                                                   late ? 0u : k.scalar.launch.gx * k.scalar.launch.gy));
+      if (late) clamp_launch(k.scalar.launch, k, parts, blocks);
       for (auto& f : k.finalize) {
         auto& b = p.buffers[static_cast<size_t>(f.partials)];
         b.rows = parts;

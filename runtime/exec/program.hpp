@@ -2,9 +2,12 @@
 // typed steps (cuBLASLt GEMMs, generated kernels) over a table of typed buffers. Built once by
 // make_program; the executor (executor.hpp) only binds buffer ids to pointers and launches.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -75,15 +78,28 @@ struct KernelLaunch {
 };
 
 // One generated kernel (and the finalize / FP8 update kernels of its module), both variants resolved.
+// Shared by the steps of a program only through its shared_ptr, never copied (it holds a mutex).
 struct KernelStep {
   codegen::KernelSpec spec;  // spec.vec: the shape allows the vector variant
   nlohmann::json meta;       // cache metadata (rule, ops, recipe, ...)
   codegen::Generated gen;    // args, launch shape, entry points of both variants, follow-up kernels
   std::vector<KArg> args;    // in gen.args order
   struct Variant {
-    const LoadedKernel* kernel = nullptr;  // set by load_program
+    const LoadedKernel* kernel = nullptr;  // set by prepare_program (when it loads this variant)
     KernelLaunch launch;
   } vec, scalar;
+  // The scalar variant of a vector-capable step (spec.vec) prepared without it (Variants::needed): the first
+  // call that selects it (a misaligned tensor) compiles or loads it under `mu` and publishes it in `ready`;
+  // later calls read the pointer. Its launch fits the partial buffers prepare sized (late_scalar_launch).
+  struct LateScalar {
+    std::mutex mu;
+    std::atomic<const Variant*> ready{nullptr};
+    std::unique_ptr<Variant> owned;
+  };
+  mutable LateScalar late;
+  // The late scalar variant: made by `make` on the first call (one thread at a time; a `make` that throws
+  // publishes nothing, so the next call tries again), then the same object for every call.
+  const Variant& late_scalar(const std::function<Variant()>& make) const;
   std::vector<int> align_buffers;  // caller buffers whose misalignment selects the scalar variant
   struct Follow {                  // a finalize kernel: grad(op,name) = sum of the partials
     int partials = -1, grad = -1;
@@ -165,8 +181,16 @@ std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan
 // every variant a launch may select.
 std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p);
 
-// Grids, partial-sum sizes, arena offsets: from each kernel's occupancy (load_program) or the estimate.
+// Grids, partial-sum sizes, arena offsets: from each loaded variant's occupancy (prepare_program) or the
+// estimate. The partial-sum buffers are sized for the variants a call may launch without loading anything:
+// a vector-capable step whose scalar variant was not loaded is sized for its vector variant alone.
 void layout_program(Program& p, const DeviceModel& dev);
+
+// The launch of a step's scalar variant loaded after prepare (by the first call that selects it), from its
+// occupancy `blocks_per_sm`: its persistent grid clamped to the partial-sum buffers prepare sized, so the
+// arena a host allocated from jf_sequence_info still fits (a persistent kernel's blocks loop over rows:
+// fewer blocks cost speed, never correctness). Throws rather than return a grid that writes past a buffer.
+KernelLaunch late_scalar_launch(const Program& p, const KernelStep& k, int sm_count, int blocks_per_sm);
 
 // The JSON and text forms `jitfuse explain --program` prints.
 nlohmann::json program_json(const Program& p, double bandwidth_gbs);

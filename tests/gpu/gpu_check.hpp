@@ -5,9 +5,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <string>
 
+#include "api/handles.hpp"
 #include "reference/check.hpp"
 #include "rules/rule.hpp"
 #include "support/gpu.hpp"
@@ -67,6 +69,33 @@ struct ScopedEnv {
   std::string name;
   ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
   ~ScopedEnv() { unsetenv(name.c_str()); }
+};
+
+// A context of its own with an empty disk cache (a temporary JITFUSE_CACHE_DIR, removed with it), so that a
+// test can count what it compiles: cache().stats().compiled.
+struct FreshContext {
+  jf_context ctx = nullptr;
+  std::string dir;
+  FreshContext() {
+    char tmpl[] = "/tmp/jf_gpu_cache_XXXXXX";
+    REQUIRE(mkdtemp(tmpl));
+    dir = tmpl;
+    const char* old = std::getenv("JITFUSE_CACHE_DIR");
+    const std::string saved = old ? old : "";
+    setenv("JITFUSE_CACHE_DIR", dir.c_str(), 1);  // read when the context is created
+    const jf_status st = jf_context_create(&ctx);
+    if (old) setenv("JITFUSE_CACHE_DIR", saved.c_str(), 1); else unsetenv("JITFUSE_CACHE_DIR");
+    REQUIRE(st == JF_OK);
+  }
+  ~FreshContext() {
+    jf_context_destroy(ctx);
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  FreshContext(const FreshContext&) = delete;
+  FreshContext& operator=(const FreshContext&) = delete;
+  // Kernel programs this context compiled with NVRTC so far.
+  uint64_t compiled() const { return api::context_of(ctx).cache().stats().compiled; }
 };
 
 }  // namespace jitfuse::test

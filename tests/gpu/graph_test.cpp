@@ -1,11 +1,13 @@
 // ABI 2 on the GPU: prepared programs captured in CUDA graphs (replays bit-identical to eager calls with
-// the same Philox state, new dropout masks per replay, nothing allocated), one prepared sequence run from
-// 8 threads at once with different tensors, and a capture of an unprepared shape refused cleanly.
+// the same Philox state, new dropout masks per replay, nothing allocated), a capture whose misaligned
+// tensors make it compile and load scalar variants, one prepared sequence run from 8 threads at once with
+// different tensors, and a capture of an unprepared shape refused cleanly.
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -30,6 +32,10 @@ std::string example(const char* name) {
   return ss.str();
 }
 
+// Norm, bias, activation, dropout and residual: generated kernels only (no GEMM).
+const char* kNormDropout = R"([{"op": "make_extra_output"}, {"op": "layernorm"}, {"op": "bias"},
+  {"op": "gelu", "approximate": "tanh"}, {"op": "dropout", "p": 0.1, "seed": 7}, {"op": "add_extra_input"}])";
+
 // The MLP block with its residual dropout (bias, dropout, add), at test-sized features.
 const char* kMlpDropout = R"([{"op": "layernorm"}, {"op": "linear", "in_features": 256, "out_features": 1024},
   {"op": "bias"}, {"op": "gelu", "approximate": "tanh"}, {"op": "linear", "in_features": 1024, "out_features": 256},
@@ -51,8 +57,10 @@ struct Rig {
   jf_program_info info{};
   CUdeviceptr saved = 0, fws = 0, bws = 0, rng = 0;
 
+  bool misalign = false;  // every tensor one element past a 16-byte boundary
+
   DeviceTensor* make(const ops::Shape& s, std::mt19937_64& g) {
-    keep.push_back(std::make_unique<DeviceTensor>(s, "bf16"));
+    keep.push_back(std::make_unique<DeviceTensor>(s, "bf16", misalign));
     std::uniform_real_distribution<double> u(-1, 1);
     std::vector<double> v(static_cast<size_t>(ops::numel(s)));
     for (auto& e : v) e = u(g);
@@ -60,7 +68,8 @@ struct Rig {
     return keep.back().get();
   }
 
-  Rig(jf_context ctx, jf_sequence s, const ops::Shape& shape, uint64_t seed) : seq(s) {
+  Rig(jf_context ctx, jf_sequence s, const ops::Shape& shape, uint64_t seed, bool misaligned = false)
+      : seq(s), misalign(misaligned) {
     const auto& reg = api::context_of(ctx).registry();
     ops = ops::infer(s->impl->def, shape);
     (void)reg;
@@ -175,10 +184,17 @@ void count_free(void* p, size_t, jf_stream s, void* user) {
   drv().cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), reinterpret_cast<CUstream>(s));
 }
 
-void graph_case(const std::string& json, const ops::Shape& shape) {
+// `misaligned`: every tensor one element past a 16-byte boundary, and the capture comes first, so the call
+// that selects the scalar variants, and compiles and loads them (a context with an empty disk cache), is
+// the captured one.
+void graph_case(const std::string& json, const ops::Shape& shape, bool misaligned = false) {
   cuda::current_device();  // the device's primary context current (the test creates streams itself)
+  std::optional<test::FreshContext> fresh;
   jf_context ctx = nullptr;
-  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  if (misaligned)
+    ctx = fresh.emplace().ctx;
+  else
+    REQUIRE(jf_context_create(&ctx) == JF_OK);
   Counter counter;
   jf_allocator alloc{count_alloc, count_free, &counter};
   REQUIRE(jf_context_set_allocator(ctx, &alloc) == JF_OK);
@@ -189,12 +205,30 @@ void graph_case(const std::string& json, const ops::Shape& shape) {
   REQUIRE(jf_sequence_prepare(seq, shape.data(), static_cast<int>(shape.size()), 1, reinterpret_cast<jf_stream>(s)) ==
           JF_OK);
   {
-    Rig rig(ctx, seq, shape, 42);
+    Rig rig(ctx, seq, shape, 42, misaligned);
     REQUIRE(rig.info.uses_rng == 1);
     REQUIRE(rig.info.rng_offset_advance == 1);
     const uint64_t seed = 0x1234abcdULL;
+    const uint64_t prepared = fresh ? fresh->compiled() : 0;
+    // The calls captured once (replayed ten times below with the state rewritten before each replay).
+    CUgraph graph = nullptr;
+    CUgraphExec exec = nullptr;
+    auto capture = [&] {
+      ck(drv().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+      jf_status st = rig.enqueue(s);
+      const std::string err = jf_last_error();
+      ck(drv().cuStreamEndCapture(s, &graph), "cuStreamEndCapture");  // fails if jitfuse invalidated the capture
+      INFO(err);
+      REQUIRE(st == JF_OK);
+    };
+    if (misaligned) {
+      capture();
+      // The scalar variants were compiled (and loaded) inside the capture, which recorded only launches.
+      CHECK(fresh->compiled() > prepared);
+    }
     // Ten eager calls, the Philox offset advanced by the documented step between them.
     std::vector<std::vector<std::vector<uint8_t>>> eager;
+    const uint64_t compiled = fresh ? fresh->compiled() : 0;
     for (uint64_t r = 0; r < 10; ++r) {
       rig.set_rng(seed, 100 + r * rig.info.rng_offset_advance);
       rig.poison();
@@ -202,15 +236,8 @@ void graph_case(const std::string& json, const ops::Shape& shape) {
       ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
       eager.push_back(rig.results());
     }
-    // The same calls captured once, replayed ten times with the state rewritten before each replay.
-    CUgraph graph = nullptr;
-    CUgraphExec exec = nullptr;
-    ck(drv().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
-    jf_status st = rig.enqueue(s);
-    const std::string err = jf_last_error();
-    ck(drv().cuStreamEndCapture(s, &graph), "cuStreamEndCapture");  // fails if jitfuse invalidated the capture
-    INFO(err);
-    REQUIRE(st == JF_OK);
+    if (fresh) CHECK(fresh->compiled() == compiled);  // compiled once, by the first call that needed them
+    if (!misaligned) capture();
     ck(drv().cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiate");
     for (uint64_t r = 0; r < 10; ++r) {
       rig.set_rng(seed, 100 + r * rig.info.rng_offset_advance);
@@ -240,7 +267,8 @@ void graph_case(const std::string& json, const ops::Shape& shape) {
   ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
   drv().cuStreamDestroy(s);
   jf_sequence_destroy(seq);
-  jf_context_destroy(ctx);
+  if (!fresh) jf_context_destroy(ctx);
+  fresh.reset();  // before `counter`, which the context's allocator points to, goes
 }
 
 }  // namespace
@@ -252,6 +280,12 @@ TEST_CASE("a prepared MLP (with dropout) forward+backward captured in a CUDA gra
 
 TEST_CASE("the transformer layer forward+backward captured in a CUDA graph replays bit-identically", "[graph]") {
   graph_case(example("transformer_layer.json"), {128, 1024});
+}
+
+TEST_CASE("a capture whose first call has misaligned tensors compiles the scalar variants inside it and replays "
+          "bit-identically", "[graph]") {
+  graph_case(test::seq_json(kNormDropout, "norm_dropout"), {64, 256}, /*misaligned=*/true);
+  graph_case(test::seq_json(kNormDropout, "norm_dropout"), {64, 256});  // aligned: the vector path, as before
 }
 
 TEST_CASE("8 threads run one prepared sequence at once with their own tensors and match their single runs",

@@ -27,6 +27,29 @@ TEST_CASE("bias + gelu on misaligned pointers takes the scalar path and stays ri
     run_check(kBiasGelu, recipe, {64, 32}, true, /*misalign=*/true);
 }
 
+// Issue 14: prepare compiles and loads only the vector variants a plan launches; the first call whose
+// tensors sit one element off a 16-byte boundary compiles the scalar variants then, once, and is right.
+TEST_CASE("a call misaligned by one element after a vector-only prepare compiles the scalar variants once",
+          "[slice]") {
+  test::FreshContext fresh;
+  for (const char* recipe : {"fp32", "bf16"}) {
+    INFO(recipe);
+    const uint64_t before = fresh.compiled();
+    // Aligned: prepares (forward + backward kernels, vector variants only) and runs the vector path.
+    run_check(kBiasGelu, recipe, {64, 32}, true, /*misalign=*/false, 1, fresh.ctx);
+    const uint64_t vec = fresh.compiled() - before;
+    CHECK(vec >= 2);
+    // Misaligned by one element (input, output, bias, gradients): every kernel's scalar variant, compiled
+    // by this call, once each; the numerics against the float64 reference as always.
+    run_check(kBiasGelu, recipe, {64, 32}, true, /*misalign=*/true, 2, fresh.ctx);
+    CHECK(fresh.compiled() - before == 2 * vec);
+    // From now on a lookup: no compile, the same results.
+    run_check(kBiasGelu, recipe, {64, 32}, true, /*misalign=*/true, 3, fresh.ctx);
+    run_check(kBiasGelu, recipe, {64, 32}, true, /*misalign=*/false, 4, fresh.ctx);
+    CHECK(fresh.compiled() - before == 2 * vec);
+  }
+}
+
 TEST_CASE("the fused plan really fuses and explain says so", "[slice]") {
   jf_sequence seq = nullptr;
   REQUIRE(jf_sequence_create(test::shared_context(), kBiasGelu.c_str(), "bf16", &seq) == JF_OK);

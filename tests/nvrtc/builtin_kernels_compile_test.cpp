@@ -1,5 +1,6 @@
-// Every kernel the built-in rules produce (forward and backward, all recipes; each source with its vector
-// and scalar entry points) compiles with NVRTC for sm_80 and sm_90a — no GPU needed, so CI runs it.
+// Every kernel the built-in rules produce (forward and backward, all recipes; each variant of each source:
+// the vector program, and the scalar one under -DJF_SCALAR) compiles with NVRTC for sm_80 and sm_90a — no
+// GPU needed, so CI runs it.
 #include <catch2/catch.hpp>
 
 #include <set>
@@ -28,18 +29,22 @@ TEST_CASE("every kernel of the built-in rules compiles with NVRTC for sm_80 and 
     for (const auto& c : test::builtin_cases())
       for (const auto& [spec, meta] : test::case_kernels(c, rs, arch[3] == '9' ? 90 : 80)) {
         const codegen::Generated g = codegen::generate(spec);
-        auto req = lib.request(g, spec, target, meta);
-        if (!seen.insert(cache::cache_key(req)).second) continue;
-        INFO(arch << " " << c.id() << " kernel " << meta.dump());
-        auto res = lib.compiler()(req);
-        CHECK(res.cubin.size() > 1000);
-        // One program, every entry point a launch may need: the cubin has a code section for each.
-        for (const auto& fn : req.meta["functions"]) {
-          INFO("entry point " << fn.get<std::string>());
-          CHECK(res.cubin.find(".text." + fn.get<std::string>() + '\0') != std::string::npos);
+        for (bool vector : exec::variants_of(spec, exec::Variants::all)) {
+          auto req = lib.request(g, spec, target, meta, vector);
+          if (!seen.insert(cache::cache_key(req)).second) continue;
+          INFO(arch << " " << c.id() << " kernel " << meta.dump() << (vector ? " vector" : " scalar"));
+          auto res = lib.compiler()(req);
+          CHECK(res.cubin.size() > 1000);
+          // One program per variant, every entry point a launch of it may need: a code section for each,
+          // and none for the other variant.
+          for (const auto& fn : req.meta["functions"]) {
+            INFO("entry point " << fn.get<std::string>());
+            CHECK(res.cubin.find(".text." + fn.get<std::string>() + '\0') != std::string::npos);
+          }
+          CHECK(req.meta["functions"][0] == g.entry(vector));
+          if (spec.vec) CHECK(res.cubin.find(".text." + g.entry(!vector) + '\0') == std::string::npos);
+          ++compiled;
         }
-        CHECK(req.meta["functions"].size() >= (spec.vec ? 2u : 1u));
-        ++compiled;
       }
   }
   INFO("compiled " << compiled << " distinct kernels");
@@ -61,7 +66,7 @@ TEST_CASE("an uncompilable user template fails with the NVRTC log, not a crash",
   st.functor = "jf_op_broken";
   spec.pre.push_back(st);
   spec.label = "broken";
-  auto req = lib.request(spec, exec::target_for_arch("sm_90a"), {});
+  auto req = lib.request(spec, exec::target_for_arch("sm_90a"), {}, true);
   try {
     lib.compiler()(req);
     FAIL("expected a compile error");

@@ -109,7 +109,7 @@ void cmd_ls(const CacheArgs& a) {
     return;
   }
   std::vector<std::vector<std::string>> rows{
-      {"KEY", "RULE", "OPS", "RECIPE", "SHAPE", "ARCH", "SIZE", "COMPILE", "LAST USED"}};
+      {"KEY", "RULE", "OPS", "RECIPE", "SHAPE", "ARCH", "VARIANT", "SIZE", "COMPILE", "LAST USED"}};
   for (const auto& e : entries) {
     if (!e.problem.empty()) {
       rows.push_back({e.key.substr(0, 12), "(damaged: " + e.problem + ")"});
@@ -120,7 +120,8 @@ void cmd_ls(const CacheArgs& a) {
                          ? fmt::format("{:.0f} ms", m["compile_ms"].get<double>())
                          : "-";
     rows.push_back({e.key.substr(0, 12), cell(m, "rule", ","), cell(m, "ops", "+"), cell(m, "recipe", ","),
-                    cell(m, "shape", "x"), cell(m, "arch", ","), human_bytes(e.bytes), ms, age(e.last_used_ns)});
+                    cell(m, "shape", "x"), cell(m, "arch", ","), cell(m, "variant", ","), human_bytes(e.bytes), ms,
+                    age(e.last_used_ns)});
   }
   print_table(rows);
 }

@@ -23,6 +23,7 @@ struct PlanOpts {
   std::vector<std::string> seqs, shapes, rules;
   std::string recipe, arch;
   bool inference = false, json = false, compile = false, verify = false;
+  bool all_variants = false;  // warmup: the scalar fallbacks of vector-capable kernels too
   unsigned jobs = 0;
 };
 
@@ -45,10 +46,11 @@ struct Collected {
   std::vector<std::string> labels;             // of each request's first use
 };
 
-// Every kernel a prepared program loads (each source holds both its variants). A kernel shared by several
-// programs (sequences, shapes) is listed once, as a prepared context loads it.
+// Every kernel variant a prepared program loads (`needed`: the vector one where the shape allows it, else
+// the scalar one), or every variant (`all`). A kernel shared by several programs (sequences, shapes) is
+// listed once, as a prepared context loads it.
 Collected collect(const PlanOpts& o, const rules::RuleSet& rs, const exec::TemplateStore& templates,
-                  const exec::Target& target) {
+                  const exec::Target& target, exec::Variants variants) {
   Collected all;
   cache::KernelCache scratch(cache::Config{});
   exec::KernelLibrary lib(scratch, templates);
@@ -56,8 +58,11 @@ Collected collect(const PlanOpts& o, const rules::RuleSet& rs, const exec::Templ
     for (const auto& shape : o.shapes) {
       Planned p = plan_file(rs, seq, o.recipe, shape, parse_arch(target.arch), !o.inference);
       for (auto& [spec, meta] : exec::program_kernels(*p.program)) {
-        all.requests.push_back(lib.request(spec, target, meta));
-        all.labels.push_back(seq + " " + shape + ": " + all.requests.back().meta["kernel"].get<std::string>());
+        const codegen::Generated g = codegen::generate(spec);
+        for (bool vector : exec::variants_of(spec, variants)) {
+          all.requests.push_back(lib.request(g, spec, target, meta, vector));
+          all.labels.push_back(seq + " " + shape + ": " + g.entry(vector));
+        }
       }
     }
   Collected c;
@@ -80,7 +85,7 @@ void run_codegen(const PlanOpts& o) {
   auto rs = load_rules(o.rules);
   auto templates = templates_for(rs);
   exec::Target target = exec::target_for_arch(default_arch(o.arch));
-  Collected c = collect(o, rs, templates, target);
+  Collected c = collect(o, rs, templates, target, exec::Variants::needed);
   nlohmann::json out = nlohmann::json::array();
   cache::KernelCache scratch(cache::Config{});
   exec::KernelLibrary lib(scratch, templates);
@@ -156,7 +161,7 @@ void run_warmup(const PlanOpts& o) {
   auto rs = load_rules(o.rules);
   auto templates = templates_for(rs);
   exec::Target target = exec::target_for_arch(default_arch(o.arch));
-  Collected c = collect(o, rs, templates, target);
+  Collected c = collect(o, rs, templates, target, o.all_variants ? exec::Variants::all : exec::Variants::needed);
   cache::KernelCache kc(cache::config_from_env());
   exec::KernelLibrary lib(kc, templates);
   std::vector<cache::Origin> origins;
@@ -187,7 +192,8 @@ void run_warmup(const PlanOpts& o) {
     memory += og == cache::Origin::memory;
   }
   if (o.json) {
-    nlohmann::json j = {{"arch", target.arch}, {"kernels", c.requests.size()}, {"compiled", compiled},
+    nlohmann::json j = {{"arch", target.arch}, {"variants", o.all_variants ? "all" : "needed"},
+                        {"kernels", c.requests.size()}, {"compiled", compiled},
                         {"loaded_from_disk", disk}, {"already_in_memory", memory},
                         {"cache_dir", kc.dir() ? nlohmann::json(*kc.dir()) : nlohmann::json()},
                         {"disk_enabled", kc.disk_enabled()}};
@@ -285,6 +291,9 @@ void add_plan_commands(CLI::App& app) {
     add_plan_options(cmd, *o, true);
     cmd->add_flag("--json", o->json, "Machine-readable summary");
     cmd->add_option("--jobs", o->jobs, "Parallel compiles (default: min(8, cores))");
+    cmd->add_flag("--all-variants", o->all_variants,
+                  "Also compile the scalar fallback of every kernel that has a vector variant (by default a process "
+                  "compiles it when a call first passes a tensor that is not 16-byte aligned)");
     cmd->callback([o] { run_warmup(*o); });
   }
   {

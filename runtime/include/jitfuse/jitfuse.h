@@ -87,7 +87,10 @@ JF_API jf_status jf_builder_destroy(jf_builder b);
  * jf_sequence_prepare does everything that cannot go into a CUDA graph: plan, program, NVRTC/cache,
  * module loads, occupancy queries, cuBLASLt heuristics, FP8 recipe state. A jf_forward / jf_backward of a
  * prepared shape then only enqueues stream-ordered work on the caller's stream (no compile, no module
- * load, no synchronous allocation, no host synchronisation), so it may be captured in a CUDA graph. An
+ * load, no synchronous allocation, no host synchronisation), so it may be captured in a CUDA graph; the
+ * one exception is the first call with a tensor that is not 16-byte aligned, which compiles (or reads from
+ * the cache) and loads the kernels' scalar variants, inside a capture too, unless JITFUSE_ALL_VARIANTS=1
+ * loaded them at prepare (docs/c_api.md, "Alignment"). An
  * unprepared shape is prepared on first use outside a capture; inside a capture the call fails with
  * JF_ERR_NOT_PREPARED before touching the stream (the capture stays valid). */
 JF_API jf_status jf_sequence_prepare(jf_sequence seq, const int64_t* shape, int ndim, int training, jf_stream stream);

@@ -1,7 +1,9 @@
 // `jitfuse warmup` compiles each distinct kernel once: a 64-layer model compiles exactly the kernels of one
-// layer (both variants, forward and backward), and they are the very kernels the single layer asks for.
+// layer (forward and backward, the vector variant each: what a prepared plan loads), and they are the very
+// kernels the single layer asks for; `--all-variants` adds their scalar fallbacks.
 #include <chrono>
 #include <filesystem>
+#include <map>
 
 #include "support/deep_model.hpp"
 #include "unit/rules/rules_test_util.hpp"
@@ -10,10 +12,11 @@ using jf_test::run_cli;
 
 namespace {
 
-nlohmann::json warmup_json(const std::string& seq, const std::string& cache, double* wall_s = nullptr) {
+nlohmann::json warmup_json(const std::string& seq, const std::string& cache, double* wall_s = nullptr,
+                           const std::string& extra = "") {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_cli("warmup '" + seq + "' --recipe bf16 --shape " + jitfuse::test::kLayerShape +
-                       " --arch sm_90 --jobs 2 --json",
+                       " --arch sm_90 --jobs 2 --json" + extra,
                    "JITFUSE_CACHE_DIR='" + cache + "'", true);
   if (wall_s) *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   INFO(r.out);
@@ -28,6 +31,16 @@ size_t entries(const std::string& cache) {
   return n;
 }
 
+// Entries by their metadata's variant, as `jitfuse cache ls --json` lists them.
+std::map<std::string, size_t> variants(const std::string& cache) {
+  auto r = run_cli("cache ls --json --dir '" + cache + "'", "", true);
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  std::map<std::string, size_t> out;
+  for (const auto& e : nlohmann::json::parse(r.out)) ++out[e["meta"].value("variant", std::string("-"))];
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("warmup of a 64-layer model compiles the kernels of one layer, once each", "[cli][position]") {
@@ -35,7 +48,7 @@ TEST_CASE("warmup of a 64-layer model compiles the kernels of one layer, once ea
   const std::string deep = dir.write("layers64.json", jitfuse::test::repeated_layers(64).dump(1));
   const std::string cache = dir.path() + "/cache";
   // The distinct kernels of one layer: what a prepared context loads for it, one program per kernel (its
-  // vector and scalar variants are two entry points of one source): 13, forward and backward.
+  // vector variant; the scalar fallback only when a call needs it): 13, forward and backward.
   const size_t one_layer = jitfuse::exec::program_kernels(*jitfuse::test::plan_layers(1, "bf16", true).program).size();
   REQUIRE(one_layer == 13);
 
@@ -52,4 +65,17 @@ TEST_CASE("warmup of a 64-layer model compiles the kernels of one layer, once ea
   CHECK(j["kernels"] == one_layer);
   CHECK(j["compiled"] == 0);
   CHECK(j["loaded_from_disk"] == one_layer);
+  CHECK(variants(cache) == std::map<std::string, size_t>{{"vector", one_layer}});
+
+  // --all-variants: the scalar fallbacks too, each its own program and entry; then nothing is left to compile.
+  j = warmup_json(jitfuse::test::kLayerFile, cache, nullptr, " --all-variants");
+  CHECK(j["variants"] == "all");
+  CHECK(j["kernels"] == 2 * one_layer);
+  CHECK(j["compiled"] == one_layer);
+  CHECK(j["loaded_from_disk"] == one_layer);
+  CHECK(entries(cache) == 2 * one_layer);
+  CHECK(variants(cache) == std::map<std::string, size_t>{{"scalar", one_layer}, {"vector", one_layer}});
+  j = warmup_json(deep, cache, nullptr, " --all-variants");
+  CHECK(j["compiled"] == 0);
+  CHECK(j["loaded_from_disk"] == 2 * one_layer);
 }

@@ -1,7 +1,7 @@
 // Golden generated sources: every kernel of every built-in rule case (tests/support/builtin_cases.hpp),
 // hashed into tests/golden/sources/manifest.txt, plus the complete text of a representative set. "vec":
-// a source with both entry points (16-byte vector and scalar); "scalar": a shape that allows only the
-// scalar one (odd widths). A refactor of lowering or codegen must leave them byte-identical; a deliberate
+// a source with both variants (the 16-byte vector one, and the scalar one under -DJF_SCALAR); "scalar": a
+// shape that allows only the scalar one (odd widths). A refactor of lowering or codegen must leave them byte-identical; a deliberate
 // change regenerates them with JITFUSE_UPDATE_GOLDEN=1 and shows up in review.
 #include <catch2/catch.hpp>
 
@@ -64,7 +64,7 @@ TEST_CASE("generated sources of the built-in rules match the golden files", "[co
     for (const auto& [spec, meta] : test::case_kernels(c, rs)) {
       {
         const bool vec = spec.vec;
-        const std::string source = lib.request(spec, target, meta).source;
+        const std::string source = lib.request(spec, target, meta, vec).source;  // one source, both variants
         const std::string name = "s" + std::to_string(c.seq) + " " + c.recipe + (c.training ? " train " : " infer ") +
                                  ops::shape_str(c.shape) + " " +
                                  spec.label + (spec.dir == codegen::Direction::forward ? " fwd" : " bwd") +

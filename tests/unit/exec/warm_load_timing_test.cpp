@@ -38,7 +38,7 @@ TEST_CASE("a warm transformer layer is found on disk in milliseconds", "[exec][t
     cache::KernelCache fill(cfg);
     exec::KernelLibrary lib(fill, templates);
     std::vector<cache::KernelRequest> reqs;
-    for (const auto& [spec, meta] : exec::program_kernels(p)) reqs.push_back(lib.request(spec, target, meta));
+    for (const auto& [spec, meta] : exec::program_kernels(p)) reqs.push_back(lib.request(spec, target, meta, true));
     fill.get_or_compile_all(reqs, fake_cubin, 2);
   }
   std::vector<double> ms;
@@ -47,14 +47,14 @@ TEST_CASE("a warm transformer layer is found on disk in milliseconds", "[exec][t
     exec::KernelLibrary lib(warm, templates);
     const auto t0 = std::chrono::steady_clock::now();
     // prepare_program: prefetch every kernel, then load each kernel step's module (its CPU part: the
-    // entry, once per distinct source; the other steps and the second variant are memo lookups).
-    lib.prefetch(exec::program_kernels(p), target, 2);
+    // vector entry, once per distinct source; the other steps are memo lookups).
+    lib.prefetch(exec::program_kernels(p), target, 2, exec::Variants::needed);
     std::set<std::string> loaded;
     for (const auto* steps : {&p.forward, &p.backward})
       for (const auto& s : *steps) {
         if (s.kind != exec::Step::Kind::kernel) continue;
         const exec::KernelStep& k = *s.kernel;
-        if (loaded.insert(k.gen.source).second) REQUIRE(lib.entry(k.gen, k.spec, target, k.meta));
+        if (loaded.insert(k.gen.source).second) REQUIRE(lib.entry(k.gen, k.spec, target, k.meta, true));
       }
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     const auto st = warm.stats();

@@ -128,15 +128,25 @@ struct Finalize {
   int64_t cols = 0;
 };
 
-// One NVRTC program per kernel: both variants of the kernel (the 16-byte vector path for aligned pointers
-// and the scalar path for any pointer) are entry points of one source, beside its finalize and FP8
-// update kernels, so a module holds everything any launch of the kernel needs.
+// The NVRTC option that compiles a source's scalar variant instead of its vector one.
+inline constexpr const char* kScalarOption = "-DJF_SCALAR";
+
+// One source per kernel, two NVRTC programs: the 16-byte vector variant (aligned pointers; what a plan
+// runs) is the source compiled as it is, the scalar variant (any pointer; a fallback for misaligned
+// tensors) the same source compiled with kScalarOption. Each program holds its variant's entry point and
+// the kernel's finalize and FP8 update kernels, so either module has everything a launch needs, and a
+// plan compiles the scalar one only when a call selects it. A shape without a vector path (spec.vec
+// false) has only the scalar variant.
 struct Generated {
   std::string source;
   std::string kernel;         // extern "C" name of the vector entry point; every other name extends it
   std::string scalar_kernel;  // kernel + "_scalar": the scalar entry point (every source has one)
   bool vec = true;            // the source has the vector entry point (KernelSpec::vec)
   const std::string& entry(bool vector) const { return vector ? kernel : scalar_kernel; }
+  // The options (after the target's) that select a variant: none for the vector one.
+  static std::vector<std::string> options(bool vector) {
+    return vector ? std::vector<std::string>{} : std::vector<std::string>{kScalarOption};
+  }
   std::vector<Arg> args;
   Launch launch;
   std::vector<Finalize> finalize;  // same module
