@@ -438,8 +438,14 @@ class Sequential(nn.Module):
             raise RuntimeError(f"{self.name}: recipe {self.recipe} runs forward only in jitfuse.torch "
                                f"(use torch.no_grad() or detached inputs)")
         uses_rng = self._jf_uses_rng[training]
-        outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs], params,
-                             self._jf_rng_state if uses_rng else None, needs_grad)
+        rng = self._jf_rng_state if uses_rng else None
+        if not needs_grad and not torch.compiler.is_compiling():
+            # Eager with no gradient: the op's CUDA kernel directly, without the dispatcher's two hops
+            # (Autograd, then CUDA) and without the empty saved buffer the op's schema returns.
+            outs = rt.forward_direct(key, input.contiguous(), [e.contiguous() for e in extra_inputs], params, rng)
+        else:
+            outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs],
+                                                     params, rng, needs_grad)
         if uses_rng:
             self._jf_rng_state.add_(self._jf_rng_step)
         if self._n_extra_outputs:
