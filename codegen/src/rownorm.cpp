@@ -61,12 +61,7 @@ class Rownorm {
         k.line("if (blockIdx.x < rows) {{");
         k.open();
         k.line("const jf_i64 rn = blockIdx.x;");
-        chunk_loop_open(k);
-        k.line("if (active) {{");
-        k.line("  jf_load_raw8<DT, JF_VEC>(in + rn * {} + c0, jf_pg[k], n);", cols_);
-        k.line("  jf_load_raw8<DT, JF_VEC>(s{}_input + rn * {} + c0, jf_px[k], n);", ns_.op, cols_);
-        k.line("}} else {{ jf_zero_raw8<DT>(jf_pg[k]); jf_zero_raw8<DT>(jf_px[k]); }}");
-        chunk_loop_close(k);
+        load_row_raw(k, "rn", "jf_pg", "jf_px");
         k.close();
         k.line("}}");
       }
@@ -127,6 +122,16 @@ class Rownorm {
     w.line("float {}[8];", var);
     w.line("jf_load8<DT, JF_VEC>({} + c0, {}, n);", gamma_, var);
     if (ns_.zero_centered) w.line("for (int e = 0; e < 8; ++e) {}[e] += 1.f;", var);
+  }
+  // Backward: row `row`'s dy (into g[k]) and saved input (into x[k]) in the storage dtype; chunks past the
+  // row's end are zero.
+  void load_row_raw(Writer& w, const char* row, const char* g, const char* x) const {
+    chunk_loop_open(w);
+    w.line("if (active) {{");
+    w.line("  jf_load_raw8<DT, JF_VEC>(in + {} * {} + c0, {}[k], n);", row, cols_, g);
+    w.line("  jf_load_raw8<DT, JF_VEC>(s{}_input + {} * {} + c0, {}[k], n);", ns_.op, row, cols_, x);
+    w.line("}} else {{ jf_zero_raw8<DT>({}[k]); jf_zero_raw8<DT>({}[k]); }}", g, x);
+    chunk_loop_close(w);
   }
   std::string inv_cols() const { return num(1.0 / static_cast<double>(cols_)); }
 
@@ -236,14 +241,6 @@ class Rownorm {
     args_.ptr(Arg::Role::saved, ns_.op, "mean", mean_, "float", false);
     args_.ptr(Arg::Role::saved, ns_.op, "rstd", rstd_, "float", false);
     const bool float_dy = !spec_.post.empty();
-    const auto load_row = [&](Writer& w, const char* row, const char* g, const char* x) {
-      chunk_loop_open(w);
-      w.line("if (active) {{");
-      w.line("  jf_load_raw8<DT, JF_VEC>(in + {} * {} + c0, {}[k], n);", row, cols_, g);
-      w.line("  jf_load_raw8<DT, JF_VEC>({} + {} * {} + c0, {}[k], n);", sp, row, cols_, x);
-      w.line("}} else {{ jf_zero_raw8<DT>({}[k]); jf_zero_raw8<DT>({}[k]); }}", g, x);
-      chunk_loop_close(w);
-    };
     if (prefetch_) {
       k.line("jf_raw8<DT> gq[{0}], xq[{0}];", nch_);
       k.line("#pragma unroll");
@@ -251,12 +248,12 @@ class Rownorm {
       k.line("if (r + gridDim.x < rows) {{");
       k.open();
       k.line("const jf_i64 rn = r + gridDim.x;");
-      load_row(k, "rn", "jf_pg", "jf_px");
+      load_row_raw(k, "rn", "jf_pg", "jf_px");
       k.close();
       k.line("}}");
     } else {
       k.line("jf_raw8<DT> gq[{0}], xq[{0}];", nch_);
-      load_row(k, "r", "gq", "xq");
+      load_row_raw(k, "r", "gq", "xq");
     }
     if (float_dy) k.line("float gr[{}][8];", nch_);
     k.line("const float mu = {}[r], rs = {}[r];", mean_, rstd_);
