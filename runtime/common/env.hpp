@@ -13,6 +13,8 @@ namespace jitfuse::env {
 // JITFUSE_DISABLE_FUSION   1: every op runs unfused (kill switch)
 // JITFUSE_VERIFY           1: run the unfused ops beside each fused group and compare
 // JITFUSE_ALL_VARIANTS     1: prepare loads every kernel variant (no compile in a call, even misaligned)
+// JITFUSE_GEMM_TUNING      0: cuBLASLt's first heuristic choice for every GEMM (no timing at prepare)
+// JITFUSE_GEMM_TUNING_MAX_BYTES  largest scratch a GEMM is timed on at prepare (default 256M; 0: no cap)
 std::optional<std::string> get(const char* name);
 bool flag(const char* name);  // set and not "0"/"false"/""
 std::vector<std::string> split_path(const std::string& s);
