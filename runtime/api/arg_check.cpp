@@ -29,6 +29,7 @@ std::string dl_dtype_name(DLDataType t) {
                      : t.code == kDLInt    ? "int"
                      : t.code == kDLUInt   ? "uint"
                      : t.code == 10        ? "float8_e4m3fn"
+                     : t.code == 12        ? "float8_e5m2"
                                            : "other";
   std::string s = fmt::format("{}{}", base, t.bits);
   if (t.lanes != 1) s += fmt::format("x{}", t.lanes);
@@ -42,8 +43,9 @@ bool dtype_matches(DLDataType t, ops::DType d) {
     case ops::DType::f16: return t.code == kDLFloat && t.bits == 16;
     case ops::DType::bf16: return t.code == kDLBfloat && t.bits == 16;
     case ops::DType::e4m3: return (t.code == 10 || t.code == kDLUInt) && t.bits == 8;
-    default: return false;
+    case ops::DType::e5m2: return (t.code == 12 || t.code == kDLUInt) && t.bits == 8;  // DLPack 1.0's kDLFloat8_e5m2
   }
+  return false;
 }
 
 Span span_of(const DLTensor* t, std::string name, bool written) {

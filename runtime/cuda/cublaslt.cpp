@@ -27,6 +27,22 @@ cudaDataType_t data_type(ops::DType d) {
   }
 }
 
+// Operands and outputs of FP8 GEMMs (check_gemm_call has vetted the combination).
+cudaDataType_t fp8_data_type(ops::DType d) {
+  switch (d) {
+    case ops::DType::e4m3: return CUDA_R_8F_E4M3;
+    case ops::DType::e5m2: return CUDA_R_8F_E5M2;
+    default: return data_type(d);
+  }
+}
+
+template <class T>
+void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& v, const char* what) {
+  check_blas(cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v)), what);
+}
+
+const char* kind_name(GemmKind k) { return k == GemmKind::fwd ? "forward" : k == GemmKind::dgrad ? "dgrad" : "wgrad"; }
+
 struct MatmulDesc {
   cublasLtMatmulDesc_t d = nullptr;
   ~MatmulDesc() { if (d) cublasLtMatmulDescDestroy(d); }
@@ -67,6 +83,67 @@ std::string epilogue_name(Epilogue e) {
   return "?";
 }
 
+namespace {
+
+// The rules of the FP8 primitive (cublaslt.hpp), from cuBLASLt's FP8 requirements:
+// - A and B are E4M3 or E5M2, not both E5M2; D is bf16, fp16, fp32, or E4M3 / E5M2 (E5M2 output only when
+//   an operand is E5M2), FP8 D with a d_scale and no C operand;
+// - the TN layout: GemmKind::fwd only (dgrad and wgrad go through transposed copies);
+// - k and n multiples of 16, A, B, C and D 16-byte aligned (FP8 tensor-core kernels);
+// - epilogues none and bias; the bias is fp16 with fp16 output and bf16 otherwise;
+// - launching needs both scale-inverse pointers (and d_scale for FP8 output).
+void check_fp8(const GemmCall& g, bool launching) {
+  const Fp8Gemm& f = *g.fp8;
+  auto bad = [&](const std::string& why) {
+    fail(Status::invalid_argument, "FP8 GEMM m={} n={} k={} ({} x {} -> {}): {}", g.m, g.n, g.k, ops::dtype_name(f.a),
+         ops::dtype_name(f.b), ops::dtype_name(g.dtype), why);
+  };
+  if (!ops::is_fp8(f.a) || !ops::is_fp8(f.b))
+    bad("both operands must be e4m3 or e5m2 (cuBLASLt has no FP8 x 16-bit GEMM: cast the other operand too)");
+  if (f.a == ops::DType::e5m2 && f.b == ops::DType::e5m2)
+    bad("E5M2 x E5M2 is not supported by cuBLASLt; one operand must be E4M3 (the HYBRID recipe pairs E5M2 "
+        "gradients with E4M3 activations and weights)");
+  if (g.kind != GemmKind::fwd)
+    bad(fmt::format("FP8 GEMMs take the TN layout only: a {} GEMM must be called as the primitive D = A B^T "
+                    "(GemmKind::fwd) on transposed FP8 copies (cublaslt.hpp)", kind_name(g.kind)));
+  if (g.m <= 0 || g.n <= 0 || g.k <= 0) bad("every dimension must be positive");
+  if (g.k % 16)
+    bad("k must be a multiple of 16 (the leading dimension of both FP8 operands); pad K with zeros");
+  if (g.n % 16) bad("n must be a multiple of 16 (the leading dimension of D and the row count of B)");
+  const bool fp8_out = ops::is_fp8(g.dtype);
+  if (fp8_out) {
+    if (g.dtype == ops::DType::e5m2 && f.a == ops::DType::e4m3 && f.b == ops::DType::e4m3)
+      bad("cuBLASLt writes E5M2 output only when an operand is E5M2; use e4m3 (or bf16) output");
+    if (g.beta != 0.f) bad("FP8 output with a C operand (beta != 0) is not supported");
+    if (launching && !f.d_scale) bad("FP8 output needs d_scale (the device scale D is multiplied by before the cast)");
+  } else if (f.d_scale || f.d_amax) {
+    bad("d_scale and d_amax apply to FP8 output only");
+  }
+  if (launching && (!f.a_scale_inv || !f.b_scale_inv))
+    bad("a_scale_inv and b_scale_inv are required (per-tensor device floats; pass a 1.0f for an unscaled operand)");
+  if (g.epilogue != Epilogue::none && g.epilogue != Epilogue::bias)
+    bad(fmt::format("epilogue {} is not supported with FP8 operands here (none and BIAS are)", epilogue_name(g.epilogue)));
+  if (g.epilogue == Epilogue::bias) {
+    const ops::DType want = g.dtype == ops::DType::f16 ? ops::DType::f16 : ops::DType::bf16;
+    if (f.bias != want)
+      bad(fmt::format("cuBLASLt takes a {} bias with {} output and FP8 operands, not {}", ops::dtype_name(want),
+                      ops::dtype_name(g.dtype), ops::dtype_name(f.bias)));
+    if (launching && !g.bias) bad("Epilogue::bias without a bias pointer");
+  }
+  if (g.aux) bad("FP8 GEMMs take no aux operand");
+  const void* c = g.beta != 0.f ? (g.c ? g.c : g.d) : nullptr;
+  for (auto [p, name] : {std::pair{g.a, "A"}, {g.b, "B"}, {c, "C"}, {static_cast<const void*>(g.d), "D"}})
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      bad(fmt::format("{} must be 16-byte aligned (FP8 tensor-core kernels); it is at 0x{:x}", name,
+                      reinterpret_cast<uintptr_t>(p)));
+}
+
+}  // namespace
+
+void check_gemm_call(const GemmCall& call) {
+  if (call.fp8) check_fp8(call, true);
+}
+
 struct Blas::Impl {
   cublasLtHandle_t handle = nullptr;
   mutable std::mutex mu;
@@ -103,6 +180,7 @@ void Blas::gemm(const GemmCall& g, CUstream stream) {
 }
 
 void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
+  if (g.fp8) check_fp8(g, launch || tune);
   // Column-major view of the transposed product (see file comment).
   uint64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldd = 0;
   cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -129,7 +207,11 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
       ldd = g.k;
       break;
   }
-  cudaDataType_t dt = data_type(g.dtype);
+  // Plain GEMMs: every matrix has g.dtype. FP8: cuBLASLt's A is our B (W) and its B our A (x); C has D's
+  // type, bf16 when D is FP8 (cuBLASLt's table; C is never read then, beta being 0).
+  const cudaDataType_t dt = g.fp8 ? fp8_data_type(g.dtype) : data_type(g.dtype);
+  const cudaDataType_t at = g.fp8 ? fp8_data_type(g.fp8->b) : dt, bt = g.fp8 ? fp8_data_type(g.fp8->a) : dt;
+  const cudaDataType_t ct = g.fp8 && ops::is_fp8(g.dtype) ? CUDA_R_16BF : dt;
   MatmulDesc op;
   check_blas(cublasLtMatmulDescCreate(&op.d, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "set TRANSA");
@@ -160,6 +242,18 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
   if (g.bias)
     check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)),
                "set BIAS_POINTER");
+  if (g.fp8) {
+    const Fp8Gemm& f = *g.fp8;
+    set_attr(op.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.b_scale_inv, "set A_SCALE_POINTER");
+    set_attr(op.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.a_scale_inv, "set B_SCALE_POINTER");
+    if (ops::is_fp8(g.dtype)) {
+      set_attr(op.d, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, f.d_scale, "set D_SCALE_POINTER");
+      if (f.d_amax) set_attr(op.d, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, f.d_amax, "set AMAX_D_POINTER");
+    }
+    set_attr(op.d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(f.fast_accum ? 1 : 0), "set FAST_ACCUM");
+    if (g.epilogue == Epilogue::bias)
+      set_attr(op.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, data_type(f.bias), "set BIAS_DATA_TYPE");
+  }
   const bool relu_mask = g.epilogue == Epilogue::relu_aux_bias || g.epilogue == Epilogue::drelu_bgrad;
   if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu_bgrad ||
       relu_mask) {
@@ -171,9 +265,9 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
                "set EPILOGUE_AUX_LD");
   }
   Layout la, lb, lc, ld;
-  check_blas(cublasLtMatrixLayoutCreate(&la.l, dt, a_rows, a_cols, lda), "cublasLtMatrixLayoutCreate(A)");
-  check_blas(cublasLtMatrixLayoutCreate(&lb.l, dt, b_rows, b_cols, ldb), "cublasLtMatrixLayoutCreate(B)");
-  check_blas(cublasLtMatrixLayoutCreate(&lc.l, dt, m, n, ldd), "cublasLtMatrixLayoutCreate(C)");
+  check_blas(cublasLtMatrixLayoutCreate(&la.l, at, a_rows, a_cols, lda), "cublasLtMatrixLayoutCreate(A)");
+  check_blas(cublasLtMatrixLayoutCreate(&lb.l, bt, b_rows, b_cols, ldb), "cublasLtMatrixLayoutCreate(B)");
+  check_blas(cublasLtMatrixLayoutCreate(&lc.l, ct, m, n, ldd), "cublasLtMatrixLayoutCreate(C)");
   check_blas(cublasLtMatrixLayoutCreate(&ld.l, dt, m, n, ldd), "cublasLtMatrixLayoutCreate(D)");
 
   const void* C = g.beta != 0.f ? (g.c ? g.c : g.d) : g.d;
@@ -181,6 +275,10 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
   std::string key = fmt::format("{}:{}x{}x{}:{}:{}:{}:{}:{}:{}:{}:{}", static_cast<int>(g.kind), g.m, g.n, g.k,
                                 static_cast<int>(dt), static_cast<int>(epi), g.beta != 0.f, al_a, al_b, al_c, al_d,
                                 g.aux ? alignment(g.aux) : 0);
+  if (g.fp8)  // plain keys stay as they were
+    key += fmt::format(":fp8:{}:{}:{}:{}:{}", static_cast<int>(at), static_cast<int>(bt),
+                       g.epilogue == Epilogue::bias ? static_cast<int>(data_type(g.fp8->bias)) : -1,
+                       g.fp8->fast_accum, g.fp8->d_amax != nullptr);
 
   cublasLtMatmulAlgo_t algo;
   {
@@ -202,9 +300,12 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
                                                 tune ? kCandidates : 1, res, &found),
                  "cublasLtMatmulAlgoGetHeuristic");
       if (found == 0)
-        fail(Status::unsupported, "cuBLASLt has no algorithm for {} GEMM m={} n={} k={} dtype {} epilogue {}",
-             g.kind == GemmKind::fwd ? "forward" : g.kind == GemmKind::dgrad ? "dgrad" : "wgrad", g.m, g.n, g.k,
-             ops::dtype_name(g.dtype), epilogue_name(g.epilogue));
+        fail(Status::unsupported, "cuBLASLt has no algorithm for {} GEMM m={} n={} k={} dtype {}{} epilogue {}",
+             kind_name(g.kind), g.m, g.n, g.k, ops::dtype_name(g.dtype),
+             g.fp8 ? fmt::format(" (FP8 {} x {}, fast accumulation {})", ops::dtype_name(g.fp8->a),
+                                 ops::dtype_name(g.fp8->b), g.fp8->fast_accum ? "on" : "off")
+                   : std::string(),
+             epilogue_name(g.epilogue));
       int best = 0;
       if (tune && found > 1) {
         // Prepare-time tuning on the caller's scratch operands: the heuristic's first choice is not always

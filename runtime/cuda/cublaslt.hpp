@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "ops/recipe.hpp"
@@ -30,10 +31,40 @@ int64_t relu_mask_ld(int64_t features);
 size_t relu_mask_bytes(int64_t features, int64_t rows);
 std::string epilogue_name(Epilogue e);
 
+// FP8 operands (issue 13). cuBLASLt takes FP8 on Ada and Hopper only in the "TN" layout, so an FP8 GEMM is
+// one primitive, written in row-major terms with both operands contiguous along K:
+//
+//   D[m,n] = alpha * (a_scale_inv * A[m,k]) . (b_scale_inv * B[n,k])^T  (+ bias[n])   (fp32 accumulation)
+//
+// It is GemmKind::fwd with A = x and B = W: the forward y = x W^T as it is. The backward GEMMs contract
+// along the other dimension of an operand and must be called as this primitive on transposed FP8 copies
+// (producing those copies, fused with the cast, is a later piece of issue 13):
+//   dgrad dx[m,k] = dy[m,n] W[n,k]    ->  A = dy [m,n] (rowwise), B = W^T [k,n]   (m, n, k) = (m, k, n)
+//   wgrad dW[n,k] = dy^T[n,m] x[m,k]  ->  A = dy^T [n,m], B = x^T [k,m]           (m, n, k) = (n, k, m)
+// GemmKind::dgrad / wgrad with FP8 operands are refused for that reason.
+//
+// GemmCall::dtype is then D's dtype: bf16, fp16, fp32, or E4M3/E5M2 (FP8 output: d_scale is required,
+// D = fp8(d_scale * result), and d_amax, if given, receives max|result| before d_scale). Legal
+// combinations (cuBLASLt's FP8 table): E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3, never E5M2 x E5M2; the bias
+// is bf16 except with fp16 output, where cuBLASLt requires it to be fp16. Epilogues: none and bias.
+// Sizes (FP8 tensor-core requirements): k and n multiples of 16 (the leading dimensions of A, B and D),
+// m any, A, B, C and D 16-byte aligned. check_gemm_call throws invalid_argument otherwise.
+struct Fp8Gemm {
+  ops::DType a = ops::DType::e4m3, b = ops::DType::e4m3;  // operand formats
+  ops::DType bias = ops::DType::bf16;                     // the bias vector's dtype (Epilogue::bias)
+  const float* a_scale_inv = nullptr;  // device, one float each: A's values are code * a_scale_inv
+  const float* b_scale_inv = nullptr;
+  const float* d_scale = nullptr;      // FP8 output only (required there)
+  float* d_amax = nullptr;             // FP8 output only (optional): max |D| before d_scale, overwritten
+  // CUBLASLT_MATMUL_DESC_FAST_ACCUM: accumulate in the tensor cores' reduced-precision accumulator without
+  // periodic promotion to fp32. TransformerEngine: on for the forward, off for dgrad and wgrad.
+  bool fast_accum = true;
+};
+
 struct GemmCall {
   GemmKind kind = GemmKind::fwd;
   int64_t m = 0, n = 0, k = 0;  // linear dims: x [m,k], W [n,k], y [m,n]
-  ops::DType dtype = ops::DType::f32;
+  ops::DType dtype = ops::DType::f32;  // every operand's dtype; with fp8 set, D's (and C's) dtype
   Epilogue epilogue = Epilogue::none;
   float alpha = 1.f, beta = 0.f;
   const void* a = nullptr;  // fwd: x, dgrad: dy, wgrad: dy
@@ -44,7 +75,13 @@ struct GemmCall {
   void* aux = nullptr;      // gelu_aux_bias: pre-activation out; dgelu_bgrad: pre-activation in;
                             // relu_aux_bias: ReLU bit-mask out; drelu_bgrad: ReLU bit-mask in
   void* workspace = nullptr;  // kGemmWorkspace bytes, 256-byte aligned
+  std::optional<Fp8Gemm> fp8;  // set: A and B are FP8 (see Fp8Gemm); kept last for aggregate initialisers
 };
+
+// Throws invalid_argument (naming the problem's dims and what to change) when `call` breaks a rule of
+// the FP8 primitive above; plain calls are not checked here (as before). Blas::gemm and prepare call it;
+// it needs no GPU.
+void check_gemm_call(const GemmCall& call);
 
 // The cuBLASLt workspace every GEMM call gets (what cuBLAS recommends for Hopper).
 constexpr size_t kGemmWorkspace = 32u << 20;

@@ -25,5 +25,6 @@ Recipe parse_recipe(const std::string& name);  // throws with the list of known 
 std::string recipe_name(RecipeKind k);
 std::string dtype_name(DType d);                // "fp32", "fp16", "bf16", "e4m3", "e5m2"
 int dtype_bytes(DType d);
+inline bool is_fp8(DType d) { return d == DType::e4m3 || d == DType::e5m2; }
 
 }  // namespace jitfuse::ops

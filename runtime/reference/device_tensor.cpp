@@ -7,7 +7,7 @@ namespace jitfuse::reference {
 
 DeviceTensor::DeviceTensor(const ops::Shape& shape, const std::string& dtype, bool misalign)
     : dtype_(dtype), shape_(shape) {
-  const size_t elt = dtype == "fp32" ? 4 : dtype == "e4m3" ? 1 : 2;
+  const size_t elt = dtype == "fp32" ? 4 : dtype == "e4m3" || dtype == "e5m2" ? 1 : 2;
   bytes_ = static_cast<size_t>(ops::numel(shape)) * elt;
   cuda::check(cuda::driver().cuMemAlloc(&base_, bytes_ + 16), "cuMemAlloc");
   t_.data = reinterpret_cast<void*>(base_);
@@ -16,7 +16,7 @@ DeviceTensor::DeviceTensor(const ops::Shape& shape, const std::string& dtype, bo
   t_.ndim = static_cast<int32_t>(shape_.size());
   t_.dtype = dtype == "fp32"   ? DLDataType{kDLFloat, 32, 1}
              : dtype == "fp16" ? DLDataType{kDLFloat, 16, 1}
-             : dtype == "e4m3" ? DLDataType{kDLUInt, 8, 1}  // E4M3 bytes (DLPack < 1.0 has no FP8 code)
+             : dtype == "e4m3" || dtype == "e5m2" ? DLDataType{kDLUInt, 8, 1}  // FP8 bytes (DLPack < 1.0 has no FP8 code)
                                : DLDataType{kDLBfloat, 16, 1};
   t_.shape = shape_.data();
   t_.strides = nullptr;

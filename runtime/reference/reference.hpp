@@ -61,6 +61,10 @@ double round_to(const std::string& dtype, double v);
 // FP8 E4M3 (the "fn" variant: no infinities, NaN = S.1111.111, max 448): round to nearest even, saturate.
 uint8_t e4m3_bits(double v);
 double e4m3_value(uint8_t bits);
+// FP8 E5M2 (IEEE-like: infinities and NaNs, max finite 57344): round to nearest even, saturate to +-57344
+// (the device's satfinite casts and cuBLASLt's FP8 outputs; NaN stays NaN).
+uint8_t e5m2_bits(double v);
+double e5m2_value(uint8_t bits);
 void round_all(const std::string& dtype, Vec& v);
 // Storage bytes of a dtype (what the GPU reads and writes) from/to doubles.
 std::vector<uint8_t> encode(const std::string& dtype, CSpan v);

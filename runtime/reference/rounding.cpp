@@ -180,4 +180,28 @@ double e4m3_value(uint8_t bits) {
   return sign * std::ldexp(1.0 + m / 8.0, e - 7);
 }
 
+uint8_t e5m2_bits(double v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
+  if (std::isnan(v)) return sign | 0x7F;
+  const double a = std::fabs(v);
+  if (a >= 57344.0) return sign | 0x7B;  // saturate (satfinite), infinities included
+  if (a < 0x1p-14) return sign | static_cast<uint8_t>(std::nearbyint(a * 65536.0));  // subnormals, steps of 2^-16
+  int e = std::ilogb(a);
+  double q = std::nearbyint((std::ldexp(a, -e) - 1.0) * 4.0);  // 2 mantissa bits, ties to even
+  if (q == 4.0) {
+    q = 0.0;
+    ++e;
+  }
+  if (e > 15) return sign | 0x7B;
+  return sign | static_cast<uint8_t>(((e + 15) << 2) | static_cast<int>(q));
+}
+
+double e5m2_value(uint8_t bits) {
+  const double sign = (bits & 0x80) ? -1.0 : 1.0;
+  const int e = (bits >> 2) & 0x1F, m = bits & 0x3;
+  if (e == 0x1F) return m ? std::numeric_limits<double>::quiet_NaN() : sign * std::numeric_limits<double>::infinity();
+  if (e == 0) return sign * std::ldexp(m, -16);
+  return sign * std::ldexp(1.0 + m / 4.0, e - 15);
+}
+
 }  // namespace jitfuse::reference

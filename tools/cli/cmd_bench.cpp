@@ -2,6 +2,7 @@
 // device-to-device copy bandwidth measured in the same run) and the GEMM cases (TFLOP/s against bare
 // cuBLASLt with the same epilogues). Inputs are random (never zeros). See docs/benchmarks.md.
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <cstdio>
 #include <functional>
@@ -73,7 +74,26 @@ struct Row {
   std::string name, shape;
   double ms = 0, bytes = 0, flops = 0, baseline_ms = 0;
   std::string note;
+  double speedup = 0;  // gemm_fp8: the bf16 row's time over this row's
 };
+
+// n random bytes for a GEMM operand without touching doubles (the FP8 case fills 134 M-element buffers):
+// bf16 values of magnitude in [2^-7, 2) with random signs and mantissas; E4M3 codes the same way
+// (exponent field 0..7, never NaN), so neither format's products overflow and no operand is zero.
+std::vector<uint8_t> random_operand_bytes(size_t n, bool fp8, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> b(fp8 ? n : 2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t r = rng();
+    if (fp8) {
+      b[i] = static_cast<uint8_t>((r & 0x80) | ((r >> 8) & 0x38) | ((r >> 16) & 0x7));  // sign, exp 0..7, mantissa
+    } else {
+      const uint16_t v = static_cast<uint16_t>((r & 0x8000) | ((120 + (r >> 20) % 8) << 7) | ((r >> 32) & 0x7F));
+      std::memcpy(&b[2 * i], &v, 2);
+    }
+  }
+  return b;
+}
 
 // One sequence with random parameters and inputs, in bf16, run through the C ABI.
 struct SeqBench {
@@ -187,7 +207,9 @@ constexpr int64_t R = 8192;
 std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
   std::vector<Row> rows;
   // decode runs only when asked for: its rows measure call overhead, not kernels.
-  auto want = [&](const char* n) { return o.only == n || (o.only.empty() && std::string(n) != "decode"); };
+  auto want = [&](const char* n) {
+    return o.only == n || (o.only.empty() && std::string(n) != "decode" && std::string(n) != "gemm_fp8");
+  };
   const double e = 2;  // bf16 bytes
   if (want("bias_gelu")) {
     const int64_t C = 16384;
@@ -348,6 +370,44 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     }, o);
     rows.push_back(r);
   }
+  if (want("gemm_fp8")) {
+    // The MLP's six GEMMs (8192 tokens, 4096 -> 16384 -> 4096) as the TN problems D[M,N] = A[M,K] B[N,K]^T
+    // an FP8 GEMM must be (cublaslt.hpp): the forward ones as they are, dgrad and wgrad on transposed
+    // copies. Each in bf16 (the same TN problem, bf16 output) and in FP8 E4M3 x E4M3 -> bf16 with fast
+    // accumulation; the FP8 row reports its speed-up over the bf16 row. Scales are 1 (their value does not
+    // change the time). Operands live in three buffers sized for the largest problem, filled once.
+    const int64_t H = 4096, F = 16384;
+    struct Shape { const char* name; int64_t m, n, k; };
+    const Shape shapes[] = {{"fc1 fwd", R, F, H},   {"fc2 fwd", R, H, F},   {"fc2 dgrad", R, F, H},
+                            {"fc2 wgrad", H, F, R}, {"fc1 dgrad", R, H, F}, {"fc1 wgrad", F, H, R}};
+    const int64_t most = F * R;  // elements of the largest operand and output
+    DeviceTensor a16({most}, "bf16"), b16({most}, "bf16"), d16({most}, "bf16"), a8({most}, "e4m3"), b8({most}, "e4m3");
+    a16.upload(random_operand_bytes(static_cast<size_t>(most), false, 11));
+    b16.upload(random_operand_bytes(static_cast<size_t>(most), false, 12));
+    a8.upload(random_operand_bytes(static_cast<size_t>(most), true, 13));
+    b8.upload(random_operand_bytes(static_cast<size_t>(most), true, 14));
+    DeviceTensor ones({2}, "fp32"), ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
+    ones.upload_values({1.0, 1.0});
+    const auto sp = reinterpret_cast<const float*>(ones.ptr());
+    auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
+    cuda::Blas blas;
+    for (const auto& sh : shapes) {
+      cuda::GemmCall g;
+      g.m = sh.m; g.n = sh.n; g.k = sh.k; g.dtype = ops::DType::bf16;
+      g.a = P(a16); g.b = P(b16); g.d = P(d16); g.workspace = P(ws);
+      const std::string shape = fmt::format("{}x{}x{} (MxNxK)", sh.m, sh.n, sh.k);
+      const double flops = 2.0 * sh.m * sh.n * sh.k;
+      blas.prepare(g, s);
+      Row bf{fmt::format("gemm {} bf16", sh.name), shape, median_ms(s, [&] { blas.gemm(g, s); }, o), 0, flops};
+      g.a = P(a8); g.b = P(b8);
+      g.fp8 = cuda::Fp8Gemm{ops::DType::e4m3, ops::DType::e4m3, ops::DType::bf16, sp, sp + 1, nullptr, nullptr, true};
+      blas.prepare(g, s);
+      Row f8{fmt::format("gemm {} e4m3", sh.name), shape, median_ms(s, [&] { blas.gemm(g, s); }, o), 0, flops};
+      f8.speedup = bf.ms / f8.ms;
+      rows.push_back(bf);
+      rows.push_back(f8);
+    }
+  }
   if (want("decode")) {
     // Inference of the MLP at decode sizes, per call: eager (host work on the critical path at small M)
     // and as a replayed CUDA graph of the same call (ABI 2: prepared, host workspace, nothing allocated).
@@ -415,20 +475,23 @@ void run_bench(const BenchOpts& o) {
       j["gbps"] = gbps;
       j["pct_copy"] = 100 * gbps / copy;
     }
-    if (r.flops > 0) {
-      j["tflops"] = tflops;
+    const bool vs_bare = r.flops > 0 && r.baseline_ms > 0;  // gemm_fp8's rows are bare cuBLASLt themselves
+    if (r.flops > 0) j["tflops"] = tflops;
+    if (vs_bare) {
       j["cublaslt_ms"] = r.baseline_ms;
       j["slowdown_pct"] = 100 * (r.ms / r.baseline_ms - 1);
     }
+    if (r.speedup > 0) j["speedup_vs_bf16"] = r.speedup;
     out["cases"].push_back(j);
     if (!o.json)
-      std::printf("%-22s %-24s %9.3f %9s %9s %7s %9s %11s %9s\n", r.name.c_str(), r.shape.c_str(), r.ms,
+      std::printf("%-22s %-24s %9.3f %9s %9s %7s %9s %11s %9s%s\n", r.name.c_str(), r.shape.c_str(), r.ms,
                   r.bytes > 0 ? fmt::format("{:.0f}", r.bytes / 1e6).c_str() : "-",
                   r.bytes > 0 ? fmt::format("{:.0f}", gbps).c_str() : "-",
                   r.bytes > 0 ? fmt::format("{:.1f}", 100 * gbps / copy).c_str() : "-",
                   r.flops > 0 ? fmt::format("{:.0f}", tflops).c_str() : "-",
-                  r.flops > 0 ? fmt::format("{:.3f}", r.baseline_ms).c_str() : "-",
-                  r.flops > 0 ? fmt::format("{:+.1f}%", 100 * (r.ms / r.baseline_ms - 1)).c_str() : "-");
+                  vs_bare ? fmt::format("{:.3f}", r.baseline_ms).c_str() : "-",
+                  vs_bare ? fmt::format("{:+.1f}%", 100 * (r.ms / r.baseline_ms - 1)).c_str() : "-",
+                  r.speedup > 0 ? fmt::format("  FP8/bf16 {:.2f}x", r.speedup).c_str() : "");
   }
   if (o.json) std::printf("%s\n", out.dump(2).c_str());
   cuda::driver().cuStreamDestroy(s);
@@ -447,7 +510,8 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--case", o->only,
                   "Run one case: bias_gelu, dgelu_dbias, layernorm, rmsnorm, layernorm_fp8_current, "
                   "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp, mlp_relu, decode (MLP inference "
-                  "at M = 1, 16, 128: eager and as a replayed CUDA graph; not in the default set)");
+                  "at M = 1, 16, 128: eager and as a replayed CUDA graph; not in the default set), gemm_fp8 (the MLP's six GEMMs "
+                  "as TN problems in bf16 and FP8 E4M3, TFLOP/s and the FP8 speed-up; not in the default set)");
   cmd->callback([o] { run_bench(*o); });
 }
 

@@ -125,3 +125,29 @@ TEST_CASE("E4M3 rounding: nearest even, subnormals, saturation at 448, NaN", "[r
   CHECK(ref::e4m3_value(0x01) == 0x1p-9);
   CHECK(std::isnan(ref::e4m3_value(0xFF)));
 }
+
+TEST_CASE("E5M2 rounding: nearest even, subnormals, saturation at 57344, NaN and infinities", "[reference]") {
+  CHECK(ref::e5m2_bits(0.0) == 0x00);
+  CHECK(ref::e5m2_bits(-0.0) == 0x80);
+  CHECK(ref::e5m2_bits(1.0) == 0x3C);
+  CHECK(ref::e5m2_bits(-2.0) == 0xC0);
+  CHECK(ref::e5m2_bits(57344.0) == 0x7B);
+  CHECK(ref::e5m2_bits(1e9) == 0x7B);  // saturates (satfinite), never infinity
+  CHECK(ref::e5m2_bits(-std::numeric_limits<double>::infinity()) == 0xFB);
+  CHECK(ref::e5m2_bits(1.125) == 0x3C);   // tie between 1 and 1.25: even mantissa (1)
+  CHECK(ref::e5m2_bits(1.375) == 0x3E);   // tie between 1.25 and 1.5: even (1.5)
+  CHECK(ref::e5m2_bits(1.3) == 0x3D);
+  CHECK(ref::e5m2_bits(0x1p-16) == 0x01);   // smallest subnormal
+  CHECK(ref::e5m2_bits(0x1p-17) == 0x00);   // tie with 0: even
+  CHECK(ref::e5m2_bits(0x1.ep-15) == 0x04); // rounds up into the first normal 2^-14
+  CHECK((ref::e5m2_bits(std::nan("")) & 0x7F) == 0x7F);
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7C) == 0x7C) continue;  // infinities and NaNs
+    const double v = ref::e5m2_value(static_cast<uint8_t>(b));
+    INFO("bits " << b << " value " << v);
+    CHECK(ref::e5m2_bits(v) == b);  // every finite code round-trips
+  }
+  CHECK(ref::e5m2_value(0x7B) == 57344.0);
+  CHECK(ref::e5m2_value(0x7C) == std::numeric_limits<double>::infinity());
+  CHECK(std::isnan(ref::e5m2_value(0x7F)));
+}
