@@ -131,6 +131,14 @@ void check_fp8(const GemmCall& g, bool launching) {
     if (launching && !g.bias) bad("Epilogue::bias without a bias pointer");
   }
   if (g.aux) bad("FP8 GEMMs take no aux operand");
+  // A scale or amax pointer that is not 16-byte aligned makes cublasLtMatmul return NOT_SUPPORTED after the
+  // heuristic accepted the problem (H100, cuBLASLt 13.1, 2026-11-24 device runs #11 and #13).
+  for (auto [p, name] : {std::pair{static_cast<const void*>(f.a_scale_inv), "a_scale_inv"},
+                         {static_cast<const void*>(f.b_scale_inv), "b_scale_inv"},
+                         {static_cast<const void*>(f.d_scale), "d_scale"}, {static_cast<const void*>(f.d_amax), "d_amax"}})
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      bad(fmt::format("{} must be 16-byte aligned (cuBLASLt refuses the call otherwise); it is at 0x{:x}", name,
+                      reinterpret_cast<uintptr_t>(p)));
   const void* c = g.beta != 0.f ? (g.c ? g.c : g.d) : nullptr;
   for (auto [p, name] : {std::pair{g.a, "A"}, {g.b, "B"}, {c, "C"}, {static_cast<const void*>(g.d), "D"}})
     if (reinterpret_cast<uintptr_t>(p) % 16)
@@ -270,7 +278,9 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
   check_blas(cublasLtMatrixLayoutCreate(&lc.l, ct, m, n, ldd), "cublasLtMatrixLayoutCreate(C)");
   check_blas(cublasLtMatrixLayoutCreate(&ld.l, dt, m, n, ldd), "cublasLtMatrixLayoutCreate(D)");
 
-  const void* C = g.beta != 0.f ? (g.c ? g.c : g.d) : g.d;
+  // C = D when beta is 0 (nothing is read), except for FP8 output: C's layout is bf16 there, and cuBLASLt
+  // refuses an in-place call whose C and D layouts differ (INVALID_VALUE, H100 run #14), so C is null.
+  const void* C = g.beta != 0.f ? (g.c ? g.c : g.d) : (g.fp8 && ops::is_fp8(g.dtype) ? nullptr : g.d);
   uint32_t al_a = alignment(A), al_b = alignment(B), al_c = alignment(C), al_d = alignment(g.d);
   std::string key = fmt::format("{}:{}x{}x{}:{}:{}:{}:{}:{}:{}:{}:{}", static_cast<int>(g.kind), g.m, g.n, g.k,
                                 static_cast<int>(dt), static_cast<int>(epi), g.beta != 0.f, al_a, al_b, al_c, al_d,

@@ -22,7 +22,6 @@ double fp8_max(DType d) { return d == DType::e4m3 ? 448.0 : 57344.0; }
 uint8_t fp8_bits(DType d, double v) { return d == DType::e4m3 ? reference::e4m3_bits(v) : reference::e5m2_bits(v); }
 double fp8_value(DType d, uint8_t b) { return d == DType::e4m3 ? reference::e4m3_value(b) : reference::e5m2_value(b); }
 // Codes as signed integers in value order: adjacent finite codes differ by one.
-int fp8_ordinal(uint8_t b) { return (b & 0x80) ? -static_cast<int>(b & 0x7F) : static_cast<int>(b); }
 void* P(const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); }
 
 // A random operand quantized on the host: values uniform in [-1, 1] (never all zero), a per-tensor scale
@@ -99,13 +98,14 @@ void run_case(cuda::Blas& blas, const Case& c, int64_t m, int64_t n, int64_t k, 
   DeviceTensor da({m, k}, ops::dtype_name(c.a)), db({n, k}, ops::dtype_name(c.b));
   da.upload(qa.codes);
   db.upload(qb.codes);
-  DeviceTensor scales({4}, "fp32");  // a_scale_inv, b_scale_inv, d_scale, amax
+  // a_scale_inv, b_scale_inv, d_scale, amax: one per 16-byte slot (floats 0, 4, 8, 12), as cuBLASLt needs.
+  DeviceTensor scales({16}, "fp32");
   const bool fp8_out = ops::is_fp8(c.out);
   // FP8 output: a d_scale that puts max|D| at 0.6..0.95 of the format's range.
   const float d_scale = static_cast<float>(fp8_max(c.out == DType::e5m2 ? DType::e5m2 : DType::e4m3) / ref_amax *
                                            std::uniform_real_distribution<double>(0.6, 0.95)(rng));
   {
-    float host[4] = {qa.scale_inv, qb.scale_inv, d_scale, std::nanf("")};  // amax poisoned
+    float host[16] = {qa.scale_inv, 0, 0, 0, qb.scale_inv, 0, 0, 0, d_scale, 0, 0, 0, std::nanf("")};  // amax poisoned
     std::vector<uint8_t> bytes(sizeof host);
     std::memcpy(bytes.data(), host, sizeof host);
     scales.upload(bytes);
@@ -127,7 +127,7 @@ void run_case(cuda::Blas& blas, const Case& c, int64_t m, int64_t n, int64_t k, 
   g.epilogue = c.bias ? cuda::Epilogue::bias : cuda::Epilogue::none;
   g.bias = c.bias ? P(dbias) : nullptr;
   g.workspace = P(ws);
-  g.fp8 = cuda::Fp8Gemm{c.a, c.b, DType::bf16, sp, sp + 1, fp8_out ? sp + 2 : nullptr, fp8_out ? sp + 3 : nullptr, c.fast};
+  g.fp8 = cuda::Fp8Gemm{c.a, c.b, DType::bf16, sp, sp + 4, fp8_out ? sp + 8 : nullptr, fp8_out ? sp + 12 : nullptr, c.fast};
   dd.poison();  // NaN in bf16 and fp32, and 0xFF is NaN in E4M3 and E5M2: an unwritten element fails
   REQUIRE(blas.prepare(g));
   blas.gemm(g, nullptr);
@@ -147,42 +147,49 @@ void run_case(cuda::Blas& blas, const Case& c, int64_t m, int64_t n, int64_t k, 
     return;
   }
   // FP8 output: the amax is max|D| before d_scale (the float64 reference's, within the accumulation
-  // tolerance), and every code is the reference's d_scale * D quantized the same way, within one code step
-  // (the accumulation error can move a value across a rounding boundary, never further).
+  // tolerance), and every code decodes to d_scale * D within the accumulation tolerance (scaled by d_scale)
+  // plus one code step of the format at that magnitude: near zero the accumulation error alone spans many
+  // (logarithmically spaced) codes, so a bound in codes would be wrong there (H100 run #16 measured up to 10
+  // codes at |value| ~ 0.02 of a 448 range).
   const auto codes = dd.download();
   float amax = 0;
   {
     auto b = scales.download();
-    std::memcpy(&amax, b.data() + 12, 4);
+    std::memcpy(&amax, b.data() + 12 * sizeof(float), sizeof(float));  // slot of float 12 (bytes from 48)
   }
   size_t at = 0;
   for (size_t i = 0; i < ref.size(); ++i) at = std::fabs(ref[i]) > std::fabs(ref[at]) ? i : at;
   INFO("amax " << amax << " reference " << ref_amax);
   CHECK(std::fabs(amax - ref_amax) <= 0x1p-20 * ref_amax + tol.acc_tol * mag[at] * 2);
-  int worst_steps = 0;
+  // One code step of the format at |x|: E4M3 has 3 mantissa bits (subnormal step 2^-9), E5M2 2 (2^-16).
+  const auto step = [&](double x) {
+    const bool e4 = c.out == DType::e4m3;
+    const double sub = e4 ? 0x1p-9 : 0x1p-16;
+    return x <= 0 ? sub : std::max(sub, std::exp2(std::floor(std::log2(x))) * (e4 ? 0.125 : 0.25));
+  };
+  double worst = 0;
   size_t worst_i = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
-    const int steps = std::abs(fp8_ordinal(codes[i]) - fp8_ordinal(fp8_bits(c.out, d_scale * ref[i])));
     const bool nan = c.out == DType::e4m3 ? (codes[i] & 0x7F) == 0x7F : (codes[i] & 0x7C) == 0x7C;
-    if (nan || steps > worst_steps) {
-      worst_steps = nan ? 1000 : steps;
+    const double want = d_scale * ref[i], got = nan ? 1e30 : fp8_value(c.out, codes[i]);
+    const double allowed = d_scale * (tol.acc_tol * mag[i] + 0x1p-20 * std::fabs(ref[i])) +
+                           step(std::max(std::fabs(want), std::fabs(got)));
+    const double r = std::fabs(got - want) / allowed;
+    if (r > worst) {
+      worst = r;
       worst_i = i;
     }
   }
-  INFO("worst code distance " << worst_steps << " at " << worst_i << ": got 0x" << std::hex << int(codes[worst_i])
-                              << " reference value " << d_scale * ref[worst_i]);
-  CHECK(worst_steps <= 1);
+  INFO("worst err/tol " << worst << " at " << worst_i << ": got 0x" << std::hex << int(codes[worst_i])
+                        << " reference value " << d_scale * ref[worst_i]);
+  CHECK(worst <= 1.0);
 }
 
 const int64_t kShapes[][3] = {{1, 16, 16}, {16, 32, 64}, {17, 48, 96}, {77, 64, 256}, {129, 128, 1024}};
 
 }  // namespace
 
-// NOT YET PASSING (hidden tag, not registered with CTest): on an H100 (CUDA 13.0, driver 580; 2026-11-24
-// device run #11) every FP8 call here fails in cublasLtMatmul with CUBLAS_STATUS_NOT_SUPPORTED (bf16/fp32
-// output) or CUBLAS_STATUS_INVALID_VALUE (FP8 output), after the heuristic returned algorithms. The FP8
-// GEMM path is the first piece of issue 13 and is not used by any plan yet; unhide when it passes.
-TEST_CASE("FP8 GEMMs (E4M3/E5M2, bf16/fp32 output, bias, fast accumulation) match float64", "[.][gemm_fp8]") {
+TEST_CASE("FP8 GEMMs (E4M3/E5M2, bf16/fp32 output, bias, fast accumulation) match float64", "[gemm_fp8]") {
   cuda::Blas blas;
   std::mt19937_64 rng(13);
   for (auto [a, b, out] : {std::tuple{DType::e4m3, DType::e4m3, DType::bf16}, std::tuple{DType::e4m3, DType::e5m2, DType::bf16},
@@ -192,7 +199,7 @@ TEST_CASE("FP8 GEMMs (E4M3/E5M2, bf16/fp32 output, bias, fast accumulation) matc
         for (auto& s : kShapes) run_case(blas, {a, b, out, bias, fast}, s[0], s[1], s[2], rng);
 }
 
-TEST_CASE("FP8 GEMMs with FP8 output: D scale, amax and codes match float64", "[.][gemm_fp8]") {
+TEST_CASE("FP8 GEMMs with FP8 output: D scale, amax and codes match float64", "[gemm_fp8]") {
   cuda::Blas blas;
   std::mt19937_64 rng(14);
   for (auto [a, b, out] : {std::tuple{DType::e4m3, DType::e4m3, DType::e4m3}, std::tuple{DType::e4m3, DType::e5m2, DType::e5m2}})
@@ -200,13 +207,13 @@ TEST_CASE("FP8 GEMMs with FP8 output: D scale, amax and codes match float64", "[
       for (auto& s : kShapes) run_case(blas, {a, b, out, bias, true}, s[0], s[1], s[2], rng);
 }
 
-TEST_CASE("FP8 GEMMs: prepare caches per FP8 configuration; refused calls throw, never crash", "[.][gemm_fp8]") {
+TEST_CASE("FP8 GEMMs: prepare caches per FP8 configuration; refused calls throw, never crash", "[gemm_fp8]") {
   cuda::Blas blas;
-  DeviceTensor a({64, 64}, "e4m3"), b({64, 64}, "e4m3"), d({64, 64}, "bf16"), scales({4}, "fp32");
+  DeviceTensor a({64, 64}, "e4m3"), b({64, 64}, "e4m3"), d({64, 64}, "bf16"), scales({8}, "fp32");
   DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
   a.upload(std::vector<uint8_t>(64 * 64, 0x38));  // 1.0
   b.upload(std::vector<uint8_t>(64 * 64, 0x38));
-  scales.upload_values({1, 1, 1, 0});
+  scales.upload_values({1, 0, 0, 0, 1, 0, 0, 0});
   const auto sp = reinterpret_cast<float*>(scales.ptr());
   cuda::GemmCall g;
   g.m = g.n = g.k = 64;
@@ -217,7 +224,7 @@ TEST_CASE("FP8 GEMMs: prepare caches per FP8 configuration; refused calls throw,
   g.workspace = P(ws);
   g.fp8 = cuda::Fp8Gemm{};
   g.fp8->a_scale_inv = sp;
-  g.fp8->b_scale_inv = sp + 1;
+  g.fp8->b_scale_inv = sp + 4;
   const size_t n0 = blas.heuristic_cache_size();
   REQUIRE(blas.prepare(g));
   CHECK(blas.heuristic_cache_size() == n0 + 1);

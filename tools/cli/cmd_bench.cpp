@@ -386,8 +386,9 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     b16.upload(random_operand_bytes(static_cast<size_t>(most), false, 12));
     a8.upload(random_operand_bytes(static_cast<size_t>(most), true, 13));
     b8.upload(random_operand_bytes(static_cast<size_t>(most), true, 14));
-    DeviceTensor ones({2}, "fp32"), ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
-    ones.upload_values({1.0, 1.0});
+    // The two scale-inverses in separate 16-byte slots (cuBLASLt refuses a scale pointer that is not).
+    DeviceTensor ones({8}, "fp32"), ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
+    ones.upload_values({1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0});
     const auto sp = reinterpret_cast<const float*>(ones.ptr());
     auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
     cuda::Blas blas;
@@ -400,7 +401,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
       blas.prepare(g, s);
       Row bf{fmt::format("gemm {} bf16", sh.name), shape, median_ms(s, [&] { blas.gemm(g, s); }, o), 0, flops};
       g.a = P(a8); g.b = P(b8);
-      g.fp8 = cuda::Fp8Gemm{ops::DType::e4m3, ops::DType::e4m3, ops::DType::bf16, sp, sp + 1, nullptr, nullptr, true};
+      g.fp8 = cuda::Fp8Gemm{ops::DType::e4m3, ops::DType::e4m3, ops::DType::bf16, sp, sp + 4, nullptr, nullptr, true};
       blas.prepare(g, s);
       Row f8{fmt::format("gemm {} e4m3", sh.name), shape, median_ms(s, [&] { blas.gemm(g, s); }, o), 0, flops};
       f8.speedup = bf.ms / f8.ms;

@@ -112,6 +112,15 @@ TEST_CASE("FP8 GEMM: refused calls say which rule and the problem's dims", "[cub
   c = good();
   c.fp8->b_scale_inv = nullptr;
   refused(c, "a_scale_inv and b_scale_inv are required");
+  // cuBLASLt returns NOT_SUPPORTED for a scale pointer off a 16-byte boundary (H100 run #13): refused here.
+  c = good();
+  c.fp8->b_scale_inv = F(0x40004);
+  refused(c, "b_scale_inv must be 16-byte aligned");
+  c = good();
+  c.dtype = DType::e4m3;
+  c.fp8->d_scale = F(0x40020);
+  c.fp8->d_amax = const_cast<float*>(F(0x40028));
+  refused(c, "d_amax must be 16-byte aligned");
   c = good();
   c.dtype = DType::e4m3;
   refused(c, "FP8 output needs d_scale");
