@@ -131,18 +131,16 @@ void check_fp8(const GemmCall& g, bool launching) {
     if (launching && !g.bias) bad("Epilogue::bias without a bias pointer");
   }
   if (g.aux) bad("FP8 GEMMs take no aux operand");
-  // A scale or amax pointer that is not 16-byte aligned makes cublasLtMatmul return NOT_SUPPORTED after the
-  // heuristic accepted the problem (H100, cuBLASLt 13.1, 2026-11-24 device runs #11 and #13).
-  for (auto [p, name] : {std::pair{static_cast<const void*>(f.a_scale_inv), "a_scale_inv"},
+  // Every matrix and every scale or amax pointer 16-byte aligned: FP8 tensor-core kernels need it of the
+  // matrices, and a scale pointer off a 16-byte boundary makes cublasLtMatmul return NOT_SUPPORTED after
+  // the heuristic accepted the problem (H100, cuBLASLt 13.1, 2026-11-24 device runs #11 and #13).
+  const void* c = g.beta != 0.f ? (g.c ? g.c : g.d) : nullptr;
+  for (auto [p, name] : {std::pair{g.a, "A"}, {g.b, "B"}, {c, "C"}, {static_cast<const void*>(g.d), "D"},
+                         {static_cast<const void*>(f.a_scale_inv), "a_scale_inv"},
                          {static_cast<const void*>(f.b_scale_inv), "b_scale_inv"},
                          {static_cast<const void*>(f.d_scale), "d_scale"}, {static_cast<const void*>(f.d_amax), "d_amax"}})
     if (reinterpret_cast<uintptr_t>(p) % 16)
-      bad(fmt::format("{} must be 16-byte aligned (cuBLASLt refuses the call otherwise); it is at 0x{:x}", name,
-                      reinterpret_cast<uintptr_t>(p)));
-  const void* c = g.beta != 0.f ? (g.c ? g.c : g.d) : nullptr;
-  for (auto [p, name] : {std::pair{g.a, "A"}, {g.b, "B"}, {c, "C"}, {static_cast<const void*>(g.d), "D"}})
-    if (reinterpret_cast<uintptr_t>(p) % 16)
-      bad(fmt::format("{} must be 16-byte aligned (FP8 tensor-core kernels); it is at 0x{:x}", name,
+      bad(fmt::format("{} must be 16-byte aligned (cuBLASLt's FP8 GEMMs refuse it otherwise); it is at 0x{:x}", name,
                       reinterpret_cast<uintptr_t>(p)));
 }
 

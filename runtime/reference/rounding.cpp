@@ -156,52 +156,52 @@ Vec decode(const std::string& dtype, const std::vector<uint8_t>& bytes) {
   return out;
 }
 
-uint8_t e4m3_bits(double v) {
+namespace {
+
+// An FP8 format: mantissa bits, exponent bias, the largest finite code (saturation), and whether the top
+// exponent holds infinities and NaNs (E5M2, IEEE-like) or only NaN at S.1111.111 (E4M3 "fn").
+struct Fp8Format {
+  int mbits, bias;
+  uint8_t max_code;
+  bool ieee_specials;
+};
+constexpr Fp8Format kE4M3{3, 7, 0x7E, false}, kE5M2{2, 15, 0x7B, true};
+
+// Round to nearest even; saturate to the largest finite value (the device's satfinite casts and cuBLASLt's
+// FP8 outputs), infinities included; NaN stays NaN.
+uint8_t fp8_bits(double v, const Fp8Format& f) {
   const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
   if (std::isnan(v)) return sign | 0x7F;
   const double a = std::fabs(v);
-  if (a >= 448.0) return sign | 0x7E;  // saturate (the device casts with satfinite semantics)
-  if (a < 0x1p-6) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0));  // subnormals, steps of 2^-9
+  const int one = 1 << f.mbits, emax = (f.max_code >> f.mbits) - f.bias, mmax = f.max_code & (one - 1);
+  if (a >= std::ldexp(1.0 + double(mmax) / one, emax)) return sign | f.max_code;
+  if (a < std::ldexp(1.0, 1 - f.bias))  // subnormals, steps of 2^(1 - bias - mbits)
+    return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, f.bias - 1 + f.mbits)));
   int e = std::ilogb(a);
-  double q = std::nearbyint((std::ldexp(a, -e) - 1.0) * 8.0);  // 3 mantissa bits, ties to even
-  if (q == 8.0) {
+  double q = std::nearbyint((std::ldexp(a, -e) - 1.0) * one);  // ties to even
+  if (q == one) {
     q = 0.0;
     ++e;
   }
-  if (e > 8 || (e == 8 && q == 7.0)) return sign | 0x7E;
-  return sign | static_cast<uint8_t>(((e + 7) << 3) | static_cast<int>(q));
+  const int code = ((e + f.bias) << f.mbits) | static_cast<int>(q);
+  return sign | static_cast<uint8_t>(code > f.max_code ? f.max_code : code);
 }
 
-double e4m3_value(uint8_t bits) {
+double fp8_value(uint8_t bits, const Fp8Format& f) {
   const double sign = (bits & 0x80) ? -1.0 : 1.0;
-  const int e = (bits >> 3) & 0xF, m = bits & 0x7;
-  if (e == 0xF && m == 0x7) return std::numeric_limits<double>::quiet_NaN();
-  if (e == 0) return sign * std::ldexp(m, -9);
-  return sign * std::ldexp(1.0 + m / 8.0, e - 7);
+  const int one = 1 << f.mbits, emask = 0x7F >> f.mbits, e = (bits >> f.mbits) & emask, m = bits & (one - 1);
+  if (f.ieee_specials && e == emask)
+    return m ? std::numeric_limits<double>::quiet_NaN() : sign * std::numeric_limits<double>::infinity();
+  if (!f.ieee_specials && (bits & 0x7F) == 0x7F) return std::numeric_limits<double>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(m, 1 - f.bias - f.mbits);
+  return sign * std::ldexp(1.0 + double(m) / one, e - f.bias);
 }
 
-uint8_t e5m2_bits(double v) {
-  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
-  if (std::isnan(v)) return sign | 0x7F;
-  const double a = std::fabs(v);
-  if (a >= 57344.0) return sign | 0x7B;  // saturate (satfinite), infinities included
-  if (a < 0x1p-14) return sign | static_cast<uint8_t>(std::nearbyint(a * 65536.0));  // subnormals, steps of 2^-16
-  int e = std::ilogb(a);
-  double q = std::nearbyint((std::ldexp(a, -e) - 1.0) * 4.0);  // 2 mantissa bits, ties to even
-  if (q == 4.0) {
-    q = 0.0;
-    ++e;
-  }
-  if (e > 15) return sign | 0x7B;
-  return sign | static_cast<uint8_t>(((e + 15) << 2) | static_cast<int>(q));
-}
+}  // namespace
 
-double e5m2_value(uint8_t bits) {
-  const double sign = (bits & 0x80) ? -1.0 : 1.0;
-  const int e = (bits >> 2) & 0x1F, m = bits & 0x3;
-  if (e == 0x1F) return m ? std::numeric_limits<double>::quiet_NaN() : sign * std::numeric_limits<double>::infinity();
-  if (e == 0) return sign * std::ldexp(m, -16);
-  return sign * std::ldexp(1.0 + m / 4.0, e - 15);
-}
+uint8_t e4m3_bits(double v) { return fp8_bits(v, kE4M3); }
+double e4m3_value(uint8_t bits) { return fp8_value(bits, kE4M3); }
+uint8_t e5m2_bits(double v) { return fp8_bits(v, kE5M2); }
+double e5m2_value(uint8_t bits) { return fp8_value(bits, kE5M2); }
 
 }  // namespace jitfuse::reference
