@@ -12,6 +12,7 @@ std::string skeleton_name(Skeleton s) {
     case Skeleton::elementwise: return "elementwise";
     case Skeleton::gated: return "gated";
     case Skeleton::rownorm: return "rownorm";
+    case Skeleton::cast_transpose: return "cast_transpose";
   }
   return "?";
 }

@@ -10,7 +10,7 @@
 
 namespace jitfuse::codegen {
 
-enum class Skeleton { elementwise, gated, rownorm };
+enum class Skeleton { elementwise, gated, rownorm, cast_transpose };
 enum class Direction { forward, backward };
 std::string skeleton_name(Skeleton s);
 
@@ -51,15 +51,22 @@ struct GatedSpec {
   bool save_input = false;
 };
 
-// A trailing FP8 (E4M3) cast of the kernel's output (quantize under an FP8 recipe) and the per-tensor
-// amax reduction its scale comes from.
+// A trailing FP8 cast of the kernel's output and the per-tensor amax reduction its scale comes from.
+// Two kinds of owner:
+//  - a quantize op (tensor empty): E4M3, the recipe state of op `op` ({scale, scale_inv, amax_history});
+//    the cast's scale_inv goes to that state (current: the cast pass; delayed: the update kernel).
+//  - an FP8 GEMM operand (tensor "input" | "weight" | "grad_output" of linear `op`): the recipe state of
+//    (op, tensor) holds {scale, amax_history}; the cast kernel itself writes the scale_inv it used
+//    (1 / scale, block (0,0) thread 0) to the Role::fp8_scale_inv argument, which the executor binds to
+//    the FP8 tensor's own scale_inv (a buffer beside it, saved with it), never to shared state.
 struct Fp8Spec {
-  int op = -1;             // the quantize op
+  int op = -1;             // the quantize op, or the linear whose operand this is
+  std::string tensor;      // "" (quantize) | "input" | "weight" | "grad_output"
+  bool e5m2 = false;       // E5M2 (gradients; max 57344) instead of E4M3 (max 448)
   bool delayed = false;    // fp8_delayed: cast with the stored scale, fold amax into the history after
   bool amax_only = false;  // fp8_current, first pass: reduce amax(output), store nothing
-  double margin = 0;       // scale = 448 / amax / 2^margin
+  double margin = 0;       // scale = fp8_max / amax / 2^margin
 };
-
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the
 // ops by their position in the kernel instead (0, 1, ... in stage order) in every name and comment, so the
 // source depends only on what the kernel computes, never on where its group sits in a sequence.
@@ -73,7 +80,11 @@ struct KernelSpec {
   std::optional<NormSpec> norm;
   std::optional<GatedSpec> gated;
   std::vector<Stage> post;     // stages after the anchor
-  std::optional<Fp8Spec> fp8;  // the output is cast to E4M3 (forward only)
+  // The output is cast to FP8. elementwise / rownorm / gated: forward only, the row-major codes to `out`.
+  // cast_transpose: forward or backward, the row-major codes to `out` [rows, cols] AND the transposed
+  // codes to the Role::fp8_colwise argument [cols, rows] (both with the same scale), with the stages'
+  // column sums (dbias) as in the elementwise skeleton; required there.
+  std::optional<Fp8Spec> fp8;
   std::map<std::string, std::string> headers;  // template files the stages need (name -> "" until filled)
   std::string label;           // "bias_gelu": kernel name stem
   std::string rule;            // provenance for comments and cache metadata
@@ -96,9 +107,11 @@ struct Arg {
     rng,           // const jf_u64[2]: the call's Philox state {seed, offset} (one per kernel)
     parts,         // int: number of partial rows
     fp8_scale,     // (op) float[1]: delayed: read; current: written by the cast pass
-    fp8_scale_inv, // (op) float[1]: written (current: cast pass; delayed: update kernel)
+    fp8_scale_inv, // (op) float[1]: written. Quantize: the state's (current: cast pass; delayed: update
+                   //      kernel). Operand casts (Fp8Spec::tensor): the FP8 tensor's own, by the cast kernel
     fp8_amax,      // (op) writes: float[grid blocks], one partial amax per block; reads (current scaling's
                    //      cast pass): amax_history[0]
+    fp8_colwise,   // (op) cast_transpose: the transposed FP8 codes, unsigned char [cols, rows] (written)
   } role;
   int op = -1;       // the op's index in the sequence (the source names it by its position in the kernel)
   std::string name;
