@@ -304,7 +304,28 @@ jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out
     if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()) || s.def.ops[op_index].kind != "quantize")
       fail(Status::invalid_argument, "op {} of sequence '{}' is not a quantize op: only quantize has FP8 recipe state",
            op_index, s.def.name);
-    const auto& st = s.fp8_state().at(op_index);
+    const auto& st = s.fp8_state().at({op_index, ""});
+    *out = jf_fp8_state{st.scale, st.scale_inv, st.history, st.len};
+  });
+}
+
+jf_status jf_sequence_fp8_operand_state(jf_sequence seq, int op_index, const char* tensor, jf_fp8_state* out) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(tensor, "tensor");
+    need(out, "out");
+    auto& s = *seq->impl;
+    if (!s.recipe.is_fp8())
+      fail(Status::invalid_argument, "sequence '{}' runs recipe {}: FP8 recipe state exists under fp8_delayed and "
+           "fp8_current only", s.def.name, jitfuse::ops::recipe_name(s.recipe.kind));
+    if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()) || s.def.ops[op_index].kind != "linear")
+      fail(Status::invalid_argument, "op {} of sequence '{}' is not a linear op: only linear has FP8 operand state",
+           op_index, s.def.name);
+    const std::string t(tensor, strnlen(tensor, 32));
+    if (t != "input" && t != "weight" && t != "grad_output")
+      fail(Status::invalid_argument, "tensor must be \"input\", \"weight\" or \"grad_output\" (the FP8 operands of a "
+           "linear), not '{}'", jitfuse::text::shorten(t));
+    const auto& st = s.fp8_state().at({op_index, t});
     *out = jf_fp8_state{st.scale, st.scale_inv, st.history, st.len};
   });
 }
@@ -373,7 +394,11 @@ jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* sav
     fa.rng.state = a.rng_state;
     fa.rng.seed = a.rng_seed;
     fa.rng.offset = a.rng_offset;
-    if (s.recipe.is_fp8()) fa.fp8 = s.fp8_state();
+    if (s.recipe.is_fp8()) {
+      fa.fp8 = s.fp8_state();
+      fa.persistent = s.persistent_for(prog);
+      fa.weights_unchanged = s.weights_unchanged(prog, fa.params, a.fp8_weights_unchanged != 0);
+    }
     auto owned = train && !a.saved ? std::make_unique<jf_saved_s>() : nullptr;
     auto& rt = s.ctx.runtime();
     auto res = jitfuse::exec::run_forward(pp, rt, fa);
@@ -442,7 +467,10 @@ jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream s
     jitfuse::api::check_no_overlap(std::move(spans));
     ba.saved = a.saved;
     ba.workspace = a.workspace;
-    if (s.recipe.is_fp8()) ba.fp8 = s.fp8_state();
+    if (s.recipe.is_fp8()) {
+      ba.fp8 = s.fp8_state();
+      ba.persistent = s.persistent_for(prog);
+    }
     auto shadow = s.take_shadow(a.saved);
     jitfuse::exec::run_backward(*pp, s.ctx.runtime(), ba, shadow.get());
   });

@@ -74,23 +74,26 @@ Sequence::Sequence(Context& c, ops::SequenceDef d, ops::Recipe r) : ctx(c), def(
 
 Sequence::~Sequence() {
   if (auto* d = cuda::try_driver())
+  {
     for (auto& [dev, states] : fp8_)
       for (auto& [op, st] : states) d->cuMemFree(reinterpret_cast<CUdeviceptr>(st.scale));  // one block each
+    for (auto& [dev, pers] : persistent_)
+      for (auto& [key, ptr] : pers.buffers) d->cuMemFree(reinterpret_cast<CUdeviceptr>(ptr));
+  }
 }
 
 ops::DType Sequence::output_dtype() const {
   return recipe.is_fp8() && !def.ops.empty() && def.ops.back().kind == "quantize" ? ops::DType::e4m3 : recipe.dtype;
 }
 
-const std::map<int, exec::Fp8State>& Sequence::fp8_state() {
+const exec::Fp8StateMap& Sequence::fp8_state() {
   std::lock_guard<std::mutex> lock(mu_);
   const int dev = cuda::current_ordinal();  // makes the primary context current if none is
   auto it = fp8_.find(dev);
   if (it != fp8_.end()) return it->second;
   auto& states = fp8_[dev];
   const auto& d = cuda::driver();
-  for (const auto& op : def.ops) {
-    if (op.kind != "quantize") continue;
+  auto make = [&](int op, const std::string& tensor) {
     // One allocation: [scale, scale_inv, history...]; a one-time setup done by prepare.
     const int len = std::max(1, recipe.amax_history);
     std::vector<float> init(2 + static_cast<size_t>(len), 0.f);
@@ -103,9 +106,66 @@ const std::map<int, exec::Fp8State>& Sequence::fp8_state() {
     st.scale_inv = st.scale + 1;
     st.history = st.scale + 2;
     st.len = len;
-    states[op.index] = st;
+    states[{op, tensor}] = st;
+  };
+  for (const auto& op : def.ops) {
+    if (op.kind == "quantize") make(op.index, "");
+    if (op.kind == "linear")
+      for (const char* t : {"input", "weight", "grad_output"}) make(op.index, t);
   }
   return states;
+}
+
+const exec::PersistentMap& Sequence::persistent_for(const exec::Program& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& pers = persistent_[cuda::current_ordinal()];
+  const auto& d = cuda::driver();
+  for (const auto& b : p.buffers) {
+    if (b.storage != exec::Storage::persistent) continue;
+    const exec::Key key{b.op, b.key};
+    if (auto it = pers.bytes.find(key); it != pers.bytes.end()) {
+      // Weights have one shape per sequence, so every program asks for the same size.
+      if (it->second != b.bytes)
+        fail(Status::internal, "persistent buffer op{}.{}: {} bytes, earlier {}", b.op, b.key, b.bytes, it->second);
+      continue;
+    }
+    CUdeviceptr ptr = 0;
+    cuda::check(d.cuMemAlloc(&ptr, std::max<size_t>(b.bytes, 16)), "cuMemAlloc(FP8 weight copy)");
+    pers.buffers[key] = reinterpret_cast<void*>(ptr);
+    pers.bytes[key] = b.bytes;
+  }
+  return pers.buffers;
+}
+
+bool Sequence::weights_unchanged(const exec::Program& p, const exec::ParamMap& params, bool host_says) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& pers = persistent_[cuda::current_ordinal()];
+  bool ok = host_says;
+  std::map<int, const void*> from;
+  for (const auto& b : p.buffers) {
+    if (b.storage != exec::Storage::persistent) continue;
+    auto w = params.find({b.op, "weight"});
+    const void* src = w == params.end() ? nullptr : w->second;
+    from[b.op] = src;
+    auto it = pers.cast_from.find(b.op);
+    if (!pers.written.count({b.op, b.key}) || it == pers.cast_from.end() || it->second != src) ok = false;
+  }
+  if (ok) return true;
+  for (const auto& b : p.buffers)
+    if (b.storage == exec::Storage::persistent) pers.written.insert({b.op, b.key});
+  for (const auto& [op, src] : from) {
+    // A copy cast from another pointer than the one recorded for its op: the op's other copies are stale.
+    auto it = pers.cast_from.find(op);
+    if (it != pers.cast_from.end() && it->second != src)
+      for (auto k = pers.written.begin(); k != pers.written.end();)
+        k = k->first == op && !std::any_of(p.buffers.begin(), p.buffers.end(), [&](const exec::Buffer& b) {
+              return b.storage == exec::Storage::persistent && b.op == op && b.key == k->second;
+            })
+                ? pers.written.erase(k)
+                : std::next(k);
+    pers.cast_from[op] = src;
+  }
+  return false;
 }
 
 std::shared_ptr<const std::vector<ops::Op>> Sequence::ops_for(const ops::Shape& input) {
@@ -245,6 +305,7 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
       exec::make_program(std::move(ops), std::move(plan), recipe, training, def.name, model), rt);
   auto pp = std::const_pointer_cast<exec::Prepared>(prepared);
   pp->reference = reference;
+  if (recipe.is_fp8()) persistent_for(*pp->program);  // the FP8 weight copies, allocated here too
   std::lock_guard<std::mutex> lock(mu_);
   auto [it, inserted] = programs_.emplace(key, pp);  // another thread may have prepared it meanwhile
   return it->second;

@@ -3,6 +3,7 @@
 #pragma once
 #include <deque>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -77,15 +78,30 @@ class Sequence {
 
   // The output tensor's dtype: E4M3 when an FP8 recipe ends the sequence in quantize, else the recipe's.
   ops::DType output_dtype() const;
-  // FP8 recipes: the recipe state of every quantize op on the current device (allocated by prepare).
-  const std::map<int, exec::Fp8State>& fp8_state();
+  // FP8 recipes: every recipe state on the current device (allocated by prepare): (op, "") of each quantize
+  // op, (op, "input" | "weight" | "grad_output") of each linear's GEMM operands.
+  const exec::Fp8StateMap& fp8_state();
+  // FP8 recipes: the sequence's persistent buffers a program binds (the FP8 copies of the weights),
+  // allocated on the current device when prepare first sees them.
+  const exec::PersistentMap& persistent_for(const exec::Program& p);
+  // Whether a forward of `p` may skip its weight casts: the host says the weights did not change AND
+  // every persistent copy `p` reads was written by an earlier forward from the same weight pointers.
+  // When it may not, records that this forward (which casts) writes them from `params`.
+  bool weights_unchanged(const exec::Program& p, const exec::ParamMap& params, bool host_says);
 
   // JITFUSE_VERIFY: a training forward's shadow run, kept (by its saved block) for the backward.
   void keep_shadow(const void* saved, std::shared_ptr<exec::Shadow> shadow);
   std::shared_ptr<exec::Shadow> take_shadow(const void* saved);
 
  private:
-  std::map<int, std::map<int, exec::Fp8State>> fp8_;  // device ordinal -> quantize op -> state
+  std::map<int, exec::Fp8StateMap> fp8_;  // device ordinal -> recipe states
+  struct Persistent {
+    exec::PersistentMap buffers;
+    std::map<exec::Key, size_t> bytes;
+    std::set<exec::Key> written;               // keys a forward's weight casts wrote
+    std::map<int, const void*> cast_from;      // linear op -> the weight pointer its copies were cast from
+  };
+  std::map<int, Persistent> persistent_;  // device ordinal -> persistent buffers
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<const exec::Prepared>> programs_;
   std::map<const exec::Prepared*, std::unique_ptr<ProgramInfo>> infos_;

@@ -170,13 +170,52 @@ int Builder::grad_extra_in(int op) {
   return extra_[key] = id;
 }
 
-int Builder::fp8_state(int op, const std::string& which) {
-  auto key = std::make_pair(op, which);
+int Builder::fp8_state(int op, const std::string& tensor, const std::string& which) {
+  auto key = std::make_tuple(op, tensor, which);
   if (auto it = state_.find(key); it != state_.end()) return it->second;
   const int64_t len = which == "amax_history" ? std::max(1, p_.recipe.amax_history) : 1;
-  return state_[key] = keyed(caller(BufferRole::recipe_state, "op" + std::to_string(op) + "." + which, op, -1,
-                                    ops::DType::f32, 1, len),
-                             which);
+  const std::string name = "op" + std::to_string(op) + "." + (tensor.empty() ? "" : tensor + ".") + which;
+  const int id = keyed(caller(BufferRole::recipe_state, name, op, -1, ops::DType::f32, 1, len), which);
+  p_.buffers[static_cast<size_t>(id)].tensor = tensor;
+  return state_[key] = id;
+}
+
+Builder::Fp8Operand& Builder::fp8_operand(int lin, const std::string& tensor) {
+  auto key = std::make_pair(lin, tensor);
+  if (auto it = fp8_.find(key); it != fp8_.end()) return it->second;
+  const auto& o = p_.ops.at(static_cast<size_t>(lin));
+  int64_t rows = 0, cols = 0;
+  if (tensor == "input") {
+    rows = ops::rows_of(o.in), cols = ops::cols_of(o.in);
+  } else if (tensor == "grad_output") {
+    rows = ops::rows_of(o.out), cols = ops::cols_of(o.out);
+  } else if (tensor == "weight") {
+    rows = ops::cols_of(o.out), cols = ops::cols_of(o.in);
+  } else {
+    fail(Status::internal, "{}: no FP8 operand '{}'", o.label(), tensor);
+  }
+  const ops::DType dt = tensor == "grad_output" ? ops::DType::e5m2 : ops::DType::e4m3;
+  const Storage row_at = tensor == "weight" ? Storage::persistent : forward_ ? Storage::fwd_arena : Storage::bwd_arena;
+  // The input's transposed copy is what the wgrad reads: it and the scale_inv both copies share are saved.
+  const Storage col_at = tensor == "weight" ? Storage::persistent : tensor == "input" ? Storage::saved : Storage::bwd_arena;
+  auto make = [&](const std::string& what, Storage at, int64_t r, int64_t c, ops::DType d) {
+    Buffer b;
+    b.role = BufferRole::fp8;
+    b.storage = at;
+    b.name = "op" + std::to_string(lin) + "." + tensor + "." + what;
+    b.op = lin;
+    b.key = tensor + "." + what;
+    b.dtype = d;
+    b.rows = r;
+    b.cols = c;
+    return add(b);
+  };
+  Fp8Operand f;
+  f.row = make("row", row_at, rows, cols, dt);
+  if (p_.training) f.col = make("col", col_at, cols, rows, dt);
+  f.scale_inv = make("scale_inv", p_.training ? col_at : row_at, 1, 1, ops::DType::f32);
+  p_.buffers[static_cast<size_t>(f.scale_inv)].needs_align16 = false;
+  return fp8_[key] = f;
 }
 
 int Builder::rng_state() {
@@ -236,7 +275,9 @@ void Builder::boundary_saves(int b, int e) {
   if (!p_.training) return;
   for (int i = b; i < e; ++i)
     for (auto k : p_.ops[i].saved) {
-      if (k == ops::SavedKind::input && i == b) save_alias(i, "input", act(b));
+      // An FP8 linear's wgrad reads the transposed FP8 copy of its input (saved by the cast), not this.
+      if (k == ops::SavedKind::input && i == b && !(p_.recipe.is_fp8() && p_.ops[i].family == ops::Family::linear))
+        save_alias(i, "input", act(b));
       if (k == ops::SavedKind::output && i + 1 == e) save_alias(i, "output", act(e));
     }
 }
@@ -296,6 +337,11 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
 
+void Builder::mark_weight_casts(size_t from) {
+  auto& steps = forward_ ? p_.forward : p_.backward;
+  for (size_t i = from; i < steps.size(); ++i) steps[i].weight_cast = true;
+}
+
 nlohmann::json Builder::kernel_meta(int b, const char* pass) const {
   nlohmann::json kinds = nlohmann::json::array();
   for (int i = b; i < g_.end; ++i) kinds.push_back(p_.ops[i].kind);
@@ -314,6 +360,7 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   ks->meta = meta;
   ks->gen = codegen::generate(spec);
   ks->rows = rows;
+  const std::string fp8_tensor = spec.fp8 ? spec.fp8->tensor : std::string();
   for (const Arg& a : ks->gen.args) {
     KArg k;
     switch (a.role) {
@@ -355,23 +402,28 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
         break;
       case Arg::Role::rng: k.buffer = rng_state(); break;
       case Arg::Role::parts: k.kind = KArg::Kind::int_const; break;  // filled by layout_program
-      case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, "scale"); break;
-      case Arg::Role::fp8_scale_inv: k.buffer = fp8_state(a.op, "scale_inv"); break;
+      case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, fp8_tensor, "scale"); break;
+      case Arg::Role::fp8_scale_inv:
+        // A quantize op's cast reports to its state; an operand's cast to the FP8 tensor's own scale_inv.
+        k.buffer = fp8_tensor.empty() ? fp8_state(a.op, "", "scale_inv") : fp8_operand(a.op, fp8_tensor).scale_inv;
+        break;
       case Arg::Role::fp8_amax:
         if (a.writes) {
           k.buffer = ks->amax_partials = temp("amax partials op" + std::to_string(a.op), ops::DType::f32, -1, 1);
         } else {
-          k.buffer = fp8_state(a.op, "amax_history");
+          k.buffer = fp8_state(a.op, fp8_tensor, "amax_history");
         }
         break;
+      case Arg::Role::fp8_colwise: k.buffer = fp8_operand(a.op, fp8_tensor).col; break;
     }
     ks->args.push_back(k);
   }
   if (!ks->gen.fp8_update.empty()) {
     const int q = spec.fp8->op;
-    ks->fp8_scale = fp8_state(q, "scale");
-    ks->fp8_scale_inv = fp8_state(q, "scale_inv");
-    ks->fp8_history = fp8_state(q, "amax_history");
+    // The update kernel's scale_inv: the state's (an operand's GEMMs read the copy's own, written by the cast).
+    ks->fp8_scale = fp8_state(q, fp8_tensor, "scale");
+    ks->fp8_scale_inv = fp8_state(q, fp8_tensor, "scale_inv");
+    ks->fp8_history = fp8_state(q, fp8_tensor, "amax_history");
     ks->fp8_len = std::max(1, p_.recipe.amax_history);
   }
   for (const auto& k : ks->args)

@@ -2,6 +2,7 @@
 // buffers by role, GEMM and kernel steps. Saved context is keyed by (op, name) here, once, at build time.
 #pragma once
 #include <map>
+#include <tuple>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,7 +32,19 @@ class Builder {
   int extra_out(int op);
   int grad_extra_out(int op);
   int grad_extra_in(int op);
-  int fp8_state(int op, const std::string& which);  // "scale" | "scale_inv" | "amax_history"
+  // FP8 recipe state (op, tensor) ("": a quantize op's; "input" | "weight" | "grad_output": a linear's
+  // operand): which = "scale" | "scale_inv" | "amax_history".
+  int fp8_state(int op, const std::string& tensor, const std::string& which);
+  // An FP8 copy of linear `lin`'s operand `tensor`: row-major codes, the transposed codes (training;
+  // -1 otherwise) and the scale_inv its cast used. Where it lives follows from the operand: the input's
+  // row-major copy in the forward arena, its transposed copy and scale_inv in the saved block (the wgrad
+  // reads them); the weight's in persistent storage (cast once per optimizer step); the gradient's in the
+  // backward arena. Made once per (lin, tensor); `ready` says whether a kernel already writes it.
+  struct Fp8Operand {
+    int row = -1, col = -1, scale_inv = -1;
+    bool ready = false;
+  };
+  Fp8Operand& fp8_operand(int lin, const std::string& tensor);
   int rng_state();  // the call's Philox state (Program::rng), created on first use
 
   // Forward: saved context (op, name) written into the saved block by a kernel or a GEMM epilogue.
@@ -56,6 +69,11 @@ class Builder {
   void kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
               const std::string& what);
 
+  // The number of steps of the current direction so far, and marking steps [from, end) as weight casts
+  // (skipped by a call whose weights did not change).
+  size_t steps() const { return (forward_ ? p_.forward : p_.backward).size(); }
+  void mark_weight_casts(size_t from);
+
   // Cache metadata of a kernel that runs ops [b, group end).
   nlohmann::json kernel_meta(int b, const char* pass) const;
   const fuser::Group& group() const { return g_; }
@@ -75,7 +93,9 @@ class Builder {
   int group_ = -1;
   fuser::Group g_;
   std::vector<int> act_, grad_;
-  std::map<std::pair<int, std::string>, int> params_, grads_, state_, saved_, extra_;
+  std::map<std::pair<int, std::string>, int> params_, grads_, saved_, extra_;
+  std::map<std::pair<int, std::string>, Fp8Operand> fp8_;
+  std::map<std::tuple<int, std::string, std::string>, int> state_;
 };
 
 }  // namespace jitfuse::exec

@@ -77,11 +77,21 @@ void bind_params(const Program& p, const ParamMap& params, const GradMap* grads,
   }
 }
 
-void bind_recipe_state(const Program& p, const std::map<int, Fp8State>& fp8, std::vector<void*>& ptr) {
+void bind_recipe_state(const Program& p, const Fp8StateMap& fp8, const PersistentMap& persistent,
+                       std::vector<void*>& ptr) {
   for (const auto& b : p.buffers) {
+    if (b.storage == Storage::persistent) {
+      auto it = persistent.find({b.op, b.key});
+      if (it == persistent.end() || !it->second)
+        fail(Status::internal, "{}: no persistent buffer '{}'", p.ops.at(static_cast<size_t>(b.op)).label(), b.key);
+      ptr[static_cast<size_t>(b.id)] = it->second;
+      continue;
+    }
     if (b.role != BufferRole::recipe_state) continue;
-    auto it = fp8.find(b.op);
-    if (it == fp8.end()) fail(Status::internal, "{}: no FP8 recipe state", p.ops.at(static_cast<size_t>(b.op)).label());
+    auto it = fp8.find({b.op, b.tensor});
+    if (it == fp8.end())
+      fail(Status::internal, "{}: no FP8 recipe state{}", p.ops.at(static_cast<size_t>(b.op)).label(),
+           b.tensor.empty() ? "" : " for its " + b.tensor);
     ptr[static_cast<size_t>(b.id)] = b.key == "scale" ? static_cast<void*>(it->second.scale)
                                      : b.key == "scale_inv" ? static_cast<void*>(it->second.scale_inv)
                                                             : static_cast<void*>(it->second.history);
@@ -121,6 +131,10 @@ void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUs
   c.bias = at(g.bias);
   c.aux = at(g.aux);
   c.workspace = at(g.workspace);
+  if (c.fp8) {
+    c.fp8->a_scale_inv = static_cast<const float*>(at(g.a_scale_inv));
+    c.fp8->b_scale_inv = static_cast<const float*>(at(g.b_scale_inv));
+  }
   if (!g.use_fallback) return rt.blas->gemm(c, stream);
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);
@@ -272,7 +286,8 @@ class GemmTuner {
   bool bind(const Program& p, const GemmStep& g, cuda::GemmCall& call) {
     if (!enabled_) return false;
     auto bytes = [&](int id) { return id >= 0 ? round256(p.buffer(id).bytes) : 0; };
-    const size_t need = bytes(g.a) + bytes(g.b) + bytes(g.c) + bytes(g.d) + bytes(g.bias) + bytes(g.aux) +
+    const size_t scales = call.fp8 ? 512 : 0;  // FP8: the operands' scale_inv (zeros, fine for timing)
+    const size_t need = bytes(g.a) + bytes(g.b) + bytes(g.c) + bytes(g.d) + bytes(g.bias) + bytes(g.aux) + scales +
                         cuda::kGemmWorkspace;
     if (need > max_bytes_) return false;
     const auto& d = cuda::driver();
@@ -298,6 +313,11 @@ class GemmTuner {
     call.d = take(g.d);
     call.bias = take(g.bias);
     call.aux = take(g.aux);
+    if (call.fp8) {
+      call.fp8->a_scale_inv = reinterpret_cast<const float*>(block_ + at);
+      call.fp8->b_scale_inv = reinterpret_cast<const float*>(block_ + at + 256);
+      at += scales;
+    }
     call.workspace = reinterpret_cast<void*>(block_ + at);
     return true;
   }
@@ -323,11 +343,13 @@ void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
 }
 
 void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
-               CUstream stream, const GroupHook& hook) {
+               CUstream stream, const GroupHook& hook, bool skip_weight_casts) {
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
     if (hook && (i == 0 || steps[i - 1].group != s.group)) hook(s.group, true);
-    if (s.kind == Step::Kind::gemm)
+    if (s.weight_cast && skip_weight_casts) {
+      // the persistent FP8 copy of an unchanged weight is still valid
+    } else if (s.kind == Step::Kind::gemm)
       run_gemm(rt, s.gemm, ptr, stream);
     else
       run_kernel(pp, rt, *s.kernel, ptr, stream);
@@ -364,6 +386,9 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
       if (g.c >= 0) call.c = aligned;
       if (g.bias >= 0) call.bias = aligned;
       if (g.aux >= 0) call.aux = aligned;
+      if (call.fp8) {
+        call.fp8->a_scale_inv = call.fp8->b_scale_inv = static_cast<const float*>(aligned);
+      }
       if (tuner.bind(*program, g, call) ? rt.blas->prepare(call, tuner.stream()) : rt.blas->prepare(call)) continue;
       if (!g.bias_grad_fallback)
         fail(Status::unsupported, "cuBLASLt has no algorithm for {} ({}x{}x{}, {})", s.what, g.call.m, g.call.n,
@@ -401,7 +426,7 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
   bind_list(p.extra_in, fa.extra_in, ptr);
   bind_list(p.extra_out, fa.extra_out, ptr);
   bind_params(p, fa.params, nullptr, ptr);
-  bind_recipe_state(p, fa.fp8, ptr);
+  bind_recipe_state(p, fa.fp8, fa.persistent, ptr);
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(fa.workspace);
   if (!arena_base && p.fwd_arena) arena_base = arena.emplace(rt.allocator, fa.stream, p.fwd_arena).get();
@@ -428,7 +453,7 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
       else
         shadow->forward_group(g, ptr, fa.stream);
     };
-  run_steps(*pp, rt, p.forward, ptr, fa.stream, hook);
+  run_steps(*pp, rt, p.forward, ptr, fa.stream, hook, fa.weights_unchanged);
   if (block) {
     result.saved = block->release();
     result.saved_bytes = p.saved_bytes;
@@ -445,7 +470,7 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
   ptr[static_cast<size_t>(p.output)] = const_cast<void*>(ba.output);
   bind_list(p.extra_in, ba.extra_in, ptr);
   bind_list(p.extra_out, ba.extra_out, ptr);
-  bind_recipe_state(p, ba.fp8, ptr);
+  bind_recipe_state(p, ba.fp8, ba.persistent, ptr);
   place(p, Storage::saved, static_cast<char*>(const_cast<void*>(ba.saved)), ptr);
   ptr[static_cast<size_t>(p.grad_output)] = const_cast<void*>(ba.grad_output);
   ptr[static_cast<size_t>(p.grad_input)] = ba.grad_input;

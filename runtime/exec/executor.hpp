@@ -30,13 +30,17 @@ using Key = std::pair<int, std::string>;  // (op index, name)
 using ParamMap = std::map<Key, const void*>;
 using GradMap = std::map<Key, void*>;
 
-// The device buffers of a quantize op's FP8 recipe state (owned by the sequence, kept across calls).
+// The device buffers of one FP8 recipe state (owned by the sequence, kept across calls): a quantize op's
+// (key (op, "")) or one operand of an FP8 linear's GEMMs (key (op, "input" | "weight" | "grad_output")).
 struct Fp8State {
   float* scale = nullptr;      // [1] the factor applied before the cast
-  float* scale_inv = nullptr;  // [1] dequantizes the last forward's output
+  float* scale_inv = nullptr;  // [1] dequantizes the last cast (an operand's GEMM reads its copy's own)
   float* history = nullptr;    // [len] amax history, newest first (fp8_current: len 1, this call's amax)
   int len = 0;
 };
+using Fp8StateMap = std::map<Key, Fp8State>;
+// Storage::persistent buffers by (op, key): the FP8 weight copies a sequence keeps across calls.
+using PersistentMap = std::map<Key, void*>;
 
 // A program ready to run on one device: the kernel variants its plan launches loaded (all of them with
 // Variants::all), launch shapes from real occupancy.
@@ -75,7 +79,12 @@ struct ForwardArgs {
   void* saved = nullptr;    // the host's saved block (training), or null: allocated (ForwardResult)
   void* workspace = nullptr;  // the host's arena, or null: allocated and freed stream-ordered
   CUstream stream = nullptr;
-  std::map<int, Fp8State> fp8;  // by quantize op index (FP8 recipes)
+  Fp8StateMap fp8;  // FP8 recipes: every recipe state of the sequence
+  PersistentMap persistent;
+  // FP8 recipes: the weights are the ones of the last forward that cast them (no optimizer step since):
+  // their casts are skipped and the persistent FP8 copies reused. The host's promise; the sequence turns
+  // it off by itself while a copy was never written or a weight pointer moved.
+  bool weights_unchanged = false;
 };
 
 // The backward of a forward: that forward's tensors and saved block (everything it left lives there or
@@ -94,7 +103,8 @@ struct BackwardArgs {
   std::vector<void*> grad_extra_in;
   void* workspace = nullptr;
   CUstream stream = nullptr;
-  std::map<int, Fp8State> fp8;
+  Fp8StateMap fp8;
+  PersistentMap persistent;
 };
 
 // A saved block the forward allocated through the allocator (the host frees it with free_block).
@@ -115,9 +125,9 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& args, Sha
 void free_block(const Allocator& a, CUstream stream, void* p, size_t bytes);
 
 // Runs `steps` with buffer pointers `ptr`; `hook(g, true)` (if given) before the first step of each group g
-// and `hook(g, false)` after its last.
+// and `hook(g, false)` after its last. skip_weight_casts: leave out the steps that cast weights to FP8.
 using GroupHook = std::function<void(int group, bool before)>;
 void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
-               CUstream stream, const GroupHook& hook = {});
+               CUstream stream, const GroupHook& hook = {}, bool skip_weight_casts = false);
 
 }  // namespace jitfuse::exec

@@ -139,6 +139,11 @@ void lower_chain(Builder& b, int kb, int e, const ChainOptions& opt0, int64_t ro
   nlohmann::json meta = b.kernel_meta(kb, fwd ? "forward" : "backward");
   const std::string what = (b.group().rule.empty() ? std::string("(unfused)") : b.group().rule) + ": generated " +
                            codegen::skeleton_name(spec.skeleton);
+  lower_spec(b, spec, meta, in, out, rows, what);
+}
+
+void lower_spec(Builder& b, const KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
+                const std::string& what) {
   if (spec.fp8 && !spec.fp8->delayed) {
     // Current scaling needs amax(output) before the first byte is cast: a first pass reduces it and
     // saves nothing (the cast pass saves the group's context).
@@ -150,22 +155,102 @@ void lower_chain(Builder& b, int kb, int e, const ChainOptions& opt0, int64_t ro
       for (auto& st : *stages) st.save_input = st.save_output = st.dropout_save_mask = false;
     amax.label += "_amax";
     nlohmann::json m = meta;
-    m["pass"] = "forward (amax)";
+    m["pass"] = meta.value("pass", std::string()) + " (amax)";
     b.kernel(amax, m, in, out, rows, what + " (amax pass)");
   }
   b.kernel(spec, meta, in, out, rows, what);
 }
 
+namespace {
+
+// An FP8 GEMM step's operand formats and accumulation (TransformerEngine: fast accumulation in the
+// forward, full fp32 accumulation in dgrad and wgrad).
+cuda::Fp8Gemm fp8_gemm(ops::DType a, ops::DType bt, bool fast) {
+  cuda::Fp8Gemm f;
+  f.a = a;
+  f.b = bt;
+  f.fast_accum = fast;
+  return f;
+}
+
+}  // namespace
+
 GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
   GemmStep g = b.linear_gemm(lin, cuda::GemmKind::fwd);
-  g.a = x;
-  g.b = b.param(lin, "weight");
   g.d = y;
   g.call.epilogue = epi;
+  if (b.recipe().is_fp8()) {
+    check_fp8_linear(b, lin);
+    if (epi != cuda::Epilogue::none && epi != cuda::Epilogue::bias)
+      fail(Status::internal, "{}: FP8 GEMMs take the BIAS epilogue only, not {}", b.ops()[lin].label(),
+           cuda::epilogue_name(epi));
+    if (!b.fp8_operand(lin, "input").ready) fp8_cast_operand(b, lin, "input", x, lin, lin);
+    if (!b.fp8_operand(lin, "weight").ready) fp8_cast_operand(b, lin, "weight", b.param(lin, "weight"), lin, lin);
+    const auto& xin = b.fp8_operand(lin, "input");
+    const auto& w = b.fp8_operand(lin, "weight");
+    g.call.fp8 = fp8_gemm(ops::DType::e4m3, ops::DType::e4m3, true);
+    g.a = xin.row;
+    g.b = w.row;
+    g.a_scale_inv = xin.scale_inv;
+    g.b_scale_inv = w.scale_inv;
+    return g;
+  }
+  g.a = x;
+  g.b = b.param(lin, "weight");
   return g;
 }
 
+namespace {
+
+// The FP8 backward of linear `lin`: dy cast to E5M2 (row-major and transposed; unless a kernel of the
+// group already wrote it, e.g. with dbias and an activation's backward), then dgrad and wgrad as the TN
+// primitive over the FP8 copies.
+void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
+  const auto& op = b.ops()[lin];
+  check_fp8_linear(b, lin);
+  if (lb.dgrad_epilogue != cuda::Epilogue::none || lb.bias_grad_op >= 0 || lb.input >= 0)
+    fail(Status::internal, "{}: FP8 dgrad/wgrad take no epilogue", op.label());
+  if (!b.fp8_operand(lin, "grad_output").ready) fp8_cast_operand(b, lin, "grad_output", lb.dy, lin + 1, lin + 1);
+  const auto& dy = b.fp8_operand(lin, "grad_output");
+  const auto& w = b.fp8_operand(lin, "weight");
+  const auto& x = b.fp8_operand(lin, "input");
+  const int64_t m = ops::rows_of(op.in), k = ops::cols_of(op.in), n = ops::cols_of(op.out);
+  const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
+  GemmStep dg = b.linear_gemm(lin, cuda::GemmKind::fwd);  // dx[m,k] = dy[m,n] . (W^T[k,n])^T
+  dg.call.m = m;
+  dg.call.n = k;
+  dg.call.k = n;
+  dg.call.alpha = lb.alpha;
+  dg.call.fp8 = fp8_gemm(ops::DType::e5m2, ops::DType::e4m3, false);
+  dg.a = dy.row;
+  dg.b = w.col;
+  dg.a_scale_inv = dy.scale_inv;
+  dg.b_scale_inv = w.scale_inv;
+  dg.d = lb.dx;
+  if (lb.accumulate >= 0) {
+    dg.call.beta = 1.f;
+    dg.c = lb.accumulate;
+  }
+  b.gemm(dg, who + ": FP8 dgrad " + op.label() + " (E5M2 dy x E4M3 W^T)");
+  GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::fwd);  // dW[n,k] = dy^T[n,m] . (x^T[k,m])^T
+  wg.call.m = n;
+  wg.call.n = k;
+  wg.call.k = m;
+  wg.call.alpha = lb.alpha;
+  wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
+  wg.call.fp8 = fp8_gemm(ops::DType::e5m2, ops::DType::e4m3, false);
+  wg.a = dy.col;
+  wg.b = x.col;
+  wg.a_scale_inv = dy.scale_inv;
+  wg.b_scale_inv = x.scale_inv;
+  wg.d = b.grad(lin, "weight");
+  b.gemm(wg, who + ": FP8 wgrad " + op.label() + " (E5M2 dy^T x E4M3 x^T)");
+}
+
+}  // namespace
+
 void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
+  if (b.recipe().is_fp8()) return linear_backward_fp8(b, lin, lb);
   const auto& op = b.ops()[lin];
   const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
   GemmStep dg = b.linear_gemm(lin, cuda::GemmKind::dgrad);

@@ -31,6 +31,7 @@ std::string role_name(BufferRole r) {
     case BufferRole::activation: return "activation";
     case BufferRole::gradient: return "gradient";
     case BufferRole::saved: return "saved";
+    case BufferRole::fp8: return "fp8";
     case BufferRole::temp: return "temp";
   }
   return "?";
@@ -42,6 +43,7 @@ std::string storage_name(Storage s) {
     case Storage::saved: return "saved";
     case Storage::fwd_arena: return "fwd arena";
     case Storage::bwd_arena: return "bwd arena";
+    case Storage::persistent: return "persistent";
   }
   return "?";
 }
@@ -56,7 +58,7 @@ std::vector<int> Program::saved() const {
       if (id >= 0) bwd[static_cast<size_t>(id)] = true;
     };
     if (s.kind == Step::Kind::gemm) {
-      for (int id : {s.gemm.a, s.gemm.b, s.gemm.c, s.gemm.aux}) mark(id);
+      for (int id : {s.gemm.a, s.gemm.b, s.gemm.c, s.gemm.aux, s.gemm.a_scale_inv, s.gemm.b_scale_inv}) mark(id);
     } else {
       for (const auto& a : s.kernel->args) mark(a.buffer);
     }

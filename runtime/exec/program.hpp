@@ -33,6 +33,7 @@ enum class Storage {
   saved,      // the saved-for-backward block: written by the forward, read by the backward, freed on release
   fwd_arena,  // the forward call's arena, packed by lifetime
   bwd_arena,  // the backward call's arena, packed by lifetime
+  persistent, // owned by the sequence, kept across calls (FP8 copies of the weights, cast once per step)
 };
 
 enum class BufferRole {
@@ -44,6 +45,8 @@ enum class BufferRole {
   activation,                                               // a value between two forward groups
   gradient,                                                 // a gradient between two backward groups
   saved,                                                    // (op, name) context a forward kernel or GEMM writes
+  fp8,                                                      // (linear, "input.row" | "input.col" | "input.scale_inv" ...)
+                                                            // an FP8 copy of a GEMM operand, or its scale_inv
   temp,                                                     // scratch: partial sums, recomputed values, masks
 };
 std::string role_name(BufferRole r);
@@ -57,6 +60,7 @@ struct Buffer {
   int op = -1;              // the op it belongs to (params, grads, saved, extras), else -1
   std::string key;          // params, grads, saved, recipe state: the name within the op ("bias", "mean", "scale")
   int slot = -1;            // extra_in / extra_out / grad_extra_* index
+  std::string tensor;       // recipe state: "" (a quantize op's) or the FP8 linear operand it scales
   ops::DType dtype = ops::DType::f32;
   int64_t rows = 0, cols = 0;  // elements = rows * cols (bit masks and byte blobs use dtype u8)
   size_t bytes = 0;
@@ -117,6 +121,7 @@ struct KernelStep {
 struct GemmStep {
   cuda::GemmCall call;  // dims, kind, epilogue, alpha/beta, dtype; pointers are bound per call from:
   int a = -1, b = -1, c = -1, d = -1, bias = -1, aux = -1;
+  int a_scale_inv = -1, b_scale_inv = -1;  // FP8 operands (call.fp8 set): their scale_inv buffers
   int workspace = -1;  // the cuBLASLt workspace: scratch of the call's arena, live for this step only
   // BGRADB may have no cuBLASLt algorithm for a problem: then the plain wgrad and db = ones^T dy.
   int ones = -1;
@@ -131,6 +136,9 @@ struct Step {
   std::string what;            // "linear_bias_gelu: cublaslt GELU_AUX_BIAS" (explain only; never dispatched on)
   GemmStep gemm;
   std::shared_ptr<KernelStep> kernel;
+  // Casts a weight into its persistent FP8 copies: skipped by a call that says the weights did not change
+  // since the last cast (ForwardArgs::weights_unchanged).
+  bool weight_cast = false;
 };
 
 struct Program {

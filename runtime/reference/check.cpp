@@ -27,6 +27,52 @@ Vec random_vec(std::mt19937_64& rng, int64_t n, double lo, double hi, const std:
   return v;
 }
 
+// DESIGN's FP8 tolerance (TransformerEngine's): against the exact float64 reference.
+constexpr double kFp8Rtol = 0.125, kFp8Atol = 0.0675;
+
+// The recipe state and casts of the GPU's FP8 GEMM operands, in float as the kernels compute them:
+// scale = fp8_max / amax / 2^margin (1 while amax is 0), codes = RNE + saturation of (float)x * scale,
+// the GEMM reading code * (1 / scale). fp8_current: amax of this tensor; fp8_delayed: the stored scale,
+// then the history rolls (newest first) and the next scale comes from its maximum.
+class Fp8Reference {
+ public:
+  explicit Fp8Reference(const ops::Recipe& r)
+      : delayed_(r.kind == ops::RecipeKind::fp8_delayed), len_(std::max(1, r.amax_history)),
+        margin_(std::ldexp(1.0f, r.margin)) {}
+  void operator()(int op, const std::string& tensor, Vec& v) {
+    const bool e5m2 = tensor == "grad_output";
+    const float fmax = e5m2 ? 57344.f : 448.f;
+    auto& st = state_[{op, tensor}];
+    if (st.hist.empty()) st.hist.assign(static_cast<size_t>(len_), 0.f);
+    float amax = 0.f;
+    for (double x : v) amax = std::max(amax, std::fabs(static_cast<float>(x)));
+    const float scale = delayed_ ? st.scale : scale_of(amax, fmax);
+    const float scale_inv = 1.f / scale;
+    for (double& x : v) {
+      const double c = static_cast<double>(static_cast<float>(x) * scale);
+      x = (e5m2 ? e5m2_value(e5m2_bits(c)) : e4m3_value(e4m3_bits(c))) * static_cast<double>(scale_inv);
+    }
+    if (delayed_) {
+      for (size_t i = st.hist.size() - 1; i > 0; --i) st.hist[i] = st.hist[i - 1];
+      st.hist[0] = amax;
+      st.scale = scale_of(*std::max_element(st.hist.begin(), st.hist.end()), fmax);
+    }
+  }
+
+ private:
+  float scale_of(float amax, float fmax) const {
+    return amax > 0.f && amax < 3.0e38f ? fmax / amax / margin_ : 1.f;
+  }
+  struct State {
+    float scale = 1.f;
+    std::vector<float> hist;
+  };
+  bool delayed_;
+  int len_;
+  float margin_;
+  std::map<std::pair<int, std::string>, State> state_;
+};
+
 TensorCheck compare(const std::string& name, const Vec& got, const Vec& ref, double atol, double rtol) {
   TensorCheck c;
   c.name = name;
@@ -87,7 +133,10 @@ std::string CheckReport::table() const {
 
 CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const std::string& json,
                            const CheckOptions& opt) {
-  const std::string& rc = opt.recipe;
+  // FP8 recipes keep bf16 tensors (the FP8 copies are the program's own).
+  const ops::Recipe recipe = ops::parse_recipe(opt.recipe);
+  const bool fp8 = recipe.is_fp8();
+  const std::string rc = fp8 ? std::string("bf16") : opt.recipe;
   cuda::current_device();  // a current context before any allocation (the primary one if none)
   auto def = ops::parse_sequence(json, "<check>", registry);
   auto ops = ops::infer(def, opt.shape);
@@ -96,7 +145,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   for (auto& op : ops) has_gemm |= op.family == ops::Family::linear;
 
   jf_sequence seq = nullptr;
-  ok(jf_sequence_create(ctx, json.c_str(), rc.c_str(), &seq), "jf_sequence_create");
+  ok(jf_sequence_create(ctx, json.c_str(), opt.recipe.c_str(), &seq), "jf_sequence_create");
   struct SeqGuard {
     jf_sequence s;
     ~SeqGuard() { jf_sequence_destroy(s); }
@@ -218,6 +267,61 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     fa.workspace = raw(info.forward_workspace_bytes);
     fa.workspace_bytes = info.forward_workspace_bytes;
   }
+  // FP8: the reference quantises every GEMM operand as the GPU's casts do, with its own copy of the recipe
+  // state; calls before the compared one advance both states (the delayed amax history rolls).
+  Fp8Reference q8(recipe);
+  if (fp8) in.quantize = [&q8](int op, const std::string& t, Vec& v) { q8(op, t, v); };
+  Vec gy;
+  if (opt.backward) gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
+  for (int call = 1; call < opt.calls; ++call) {
+    jf_saved early = nullptr;
+    ok(jf_forward(seq, &fa, &early, js), "jf_forward");
+    SeqForward rf = sequence_forward(ops, in);
+    if (opt.backward) {
+      DeviceTensor* gyt = dev(ops.back().out);
+      gyt->upload_values(gy);
+      DeviceTensor* gxt = dev(opt.shape);
+      std::vector<const DLTensor*> geout_t;
+      std::vector<DLTensor*> gein_t;
+      for (auto* t : geout) geout_t.push_back(t->dl());
+      for (auto* t : gein) gein_t.push_back(t->dl());
+      jf_backward_args ba{};
+      ba.input = x->dl();
+      ba.extra_inputs = ein_t.data();
+      ba.n_extra_inputs = fa.n_extra_inputs;
+      ba.output = y->dl();
+      ba.extra_outputs = const_cast<const DLTensor* const*>(eout_t.data());
+      ba.n_extra_outputs = fa.n_extra_outputs;
+      ba.params = params.data();
+      ba.n_params = fa.n_params;
+      ba.grads = grad_params.data();
+      ba.n_grads = static_cast<int>(grad_params.size());
+      if (fa.saved) {
+        ba.saved = fa.saved;
+        ba.saved_bytes = fa.saved_bytes;
+      } else {
+        void* b = nullptr;
+        ok(jf_saved_buffer(early, &b, &ba.saved_bytes), "jf_saved_buffer");
+        ba.saved = b;
+      }
+      ba.grad_output = gyt->dl();
+      ba.grad_extra_outputs = geout_t.data();
+      ba.n_grad_extra_outputs = static_cast<int>(geout_t.size());
+      ba.grad_input = gxt->dl();
+      ba.grad_extra_inputs = gein_t.data();
+      ba.n_grad_extra_inputs = static_cast<int>(gein_t.size());
+      if (opt.host_memory) {
+        ba.workspace = raw(info.backward_workspace_bytes);
+        ba.workspace_bytes = info.backward_workspace_bytes;
+      }
+      ok(jf_backward(seq, &ba, js), "jf_backward");
+      sequence_backward(ops, in, rf, gy, gext_out);
+    }
+    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(earlier call)");
+    if (early) ok(jf_saved_release(early, js), "jf_saved_release");
+    y->poison();
+    for (auto* t : eout) t->poison();
+  }
   jf_saved saved = nullptr;
   ok(jf_forward(seq, &fa, &saved, js), "jf_forward");
   struct SavedGuard {
@@ -231,10 +335,8 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   tolerance(rc, has_gemm, ops.size(), &atol, &rtol);
   CheckReport rep;
   // The backward on a random dy with every gradient buffer poisoned first.
-  Vec gy;
   DeviceTensor* gx = nullptr;
   auto run_backward = [&] {
-    gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
     DeviceTensor* gyt = dev(ops.back().out);
     gyt->upload_values(gy);
     gx = dev(opt.shape);
@@ -289,20 +391,41 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     }
     rep.tensors.push_back(compare(name, got, self ? mine : *ref, atol, rtol));
   };
-  SeqForward ref;
+  // FP8: every tensor also against the exact (unquantised) float64 reference, at DESIGN's FP8 tolerance.
+  SeqInputs exact_in = in;
+  exact_in.quantize = nullptr;
+  auto check_exact = [&](const std::string& name, const Vec& got, const Vec& ref) {
+    if (fp8) rep.tensors.push_back(compare(name + " vs exact", got, ref, kFp8Atol, kFp8Rtol));
+  };
+  SeqForward ref, exact;
   if (!self) ref = sequence_forward(ops, in);
-  check("output", y->download_values(), &ref.output);
-  for (size_t i = 0; i < eout.size(); ++i)
-    check(fmt::format("extra_output[{}]", i), eout[i]->download_values(), self ? nullptr : &ref.extra_out[i]);
+  if (fp8) exact = sequence_forward(ops, exact_in);
+  const Vec y_got = y->download_values();
+  check("output", y_got, &ref.output);
+  check_exact("output", y_got, exact.output);
+  for (size_t i = 0; i < eout.size(); ++i) {
+    const Vec got = eout[i]->download_values();
+    check(fmt::format("extra_output[{}]", i), got, self ? nullptr : &ref.extra_out[i]);
+    if (fp8) check_exact(fmt::format("extra_output[{}]", i), got, exact.extra_out[i]);
+  }
   if (!opt.backward) return rep;
   run_backward();
-  SeqGrads rg;
+  SeqGrads rg, eg;
   if (!self) rg = sequence_backward(ops, in, ref, gy, gext_out);
-  check("grad_input", gx->download_values(), &rg.grad_input);
-  for (size_t i = 0; i < gein.size(); ++i)
-    check(fmt::format("grad_extra_input[{}]", i), gein[i]->download_values(), self ? nullptr : &rg.grad_extra_in[i]);
-  for (auto& [k, t] : grads)
-    check(fmt::format("grad op{}.{}", k.first, k.second), t->download_values(), self ? nullptr : &rg.grad_params.at(k));
+  if (fp8) eg = sequence_backward(ops, exact_in, exact, gy, gext_out);
+  const Vec gx_got = gx->download_values();
+  check("grad_input", gx_got, &rg.grad_input);
+  if (fp8) check_exact("grad_input", gx_got, eg.grad_input);
+  for (size_t i = 0; i < gein.size(); ++i) {
+    const Vec got = gein[i]->download_values();
+    check(fmt::format("grad_extra_input[{}]", i), got, self ? nullptr : &rg.grad_extra_in[i]);
+    if (fp8) check_exact(fmt::format("grad_extra_input[{}]", i), got, eg.grad_extra_in[i]);
+  }
+  for (auto& [k, t] : grads) {
+    const Vec got = t->download_values();
+    check(fmt::format("grad op{}.{}", k.first, k.second), got, self ? nullptr : &rg.grad_params.at(k));
+    if (fp8) check_exact(fmt::format("grad op{}.{}", k.first, k.second), got, eg.grad_params.at(k));
+  }
   return rep;
 }
 

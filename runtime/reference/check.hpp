@@ -25,6 +25,8 @@ struct CheckOptions {
   // No float64 reference (user-declared ops): only check that every output was written; the numerics are
   // compared with the unfused run by JITFUSE_VERIFY instead.
   bool no_reference = false;
+  // Forward (+ backward) calls before the compared one, same inputs (FP8: the recipe state advances).
+  int calls = 1;
 };
 
 struct TensorCheck {

@@ -35,7 +35,15 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
     const int64_t rows = ops::rows_of(op.in), cols = ops::cols_of(op.in);
     switch (op.family) {
       case Family::linear:
-        v = linear_fwd(v, param(in, op, "weight"), rows, ops::cols_of(op.out), cols);
+        if (in.quantize) {
+          Vec& xq = f.quantized[{op.index, "input"}] = v;
+          Vec& wq = f.quantized[{op.index, "weight"}] = param(in, op, "weight");
+          in.quantize(op.index, "input", xq);
+          in.quantize(op.index, "weight", wq);
+          v = linear_fwd(xq, wq, rows, ops::cols_of(op.out), cols);
+        } else {
+          v = linear_fwd(v, param(in, op, "weight"), rows, ops::cols_of(op.out), cols);
+        }
         break;
       case Family::bias: v = bias_fwd(v, param(in, op, "bias"), rows, cols); break;
       case Family::pointwise:
@@ -93,6 +101,12 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
     switch (op.family) {
       case Family::linear: {
         const int64_t n = ops::cols_of(op.out);
+        if (in.quantize) {
+          in.quantize(i, "grad_output", dy);
+          g.grad_params[{i, "weight"}] = linear_wgrad(dy, fwd.quantized.at({i, "input"}), rows, n, cols);
+          dy = linear_dgrad(dy, fwd.quantized.at({i, "weight"}), rows, n, cols);
+          break;
+        }
         Vec dw = linear_wgrad(dy, x, rows, n, cols);
         g.grad_params[{i, "weight"}] = dw;
         dy = linear_dgrad(dy, param(in, op, "weight"), rows, n, cols);

@@ -1,6 +1,7 @@
 // Float64 reference of a whole shape-inferred sequence, forward and backward, built from the per-op
 // references. It is what every GPU check and `jitfuse check` compare against.
 #pragma once
+#include <functional>
 #include <map>
 #include <utility>
 
@@ -17,12 +18,16 @@ struct SeqInputs {
   std::map<ParamKey, Vec> params;
   uint64_t rng_offset = 0;
   uint64_t rng_seed = 0;  // the call's Philox seed: a dropout's key is its seed attribute XOR this
+  // FP8 recipes: replaces a linear's GEMM operand by its quantised value (op, "input" | "weight" |
+  // "grad_output"), as the GPU's cast does; called once per operand per pass. Unset: exact GEMMs.
+  std::function<void(int op, const std::string& tensor, Vec& v)> quantize;
 };
 
 struct SeqForward {
   Vec output;
   std::vector<Vec> extra_out;
   std::vector<Vec> values;  // values[i] = input of op i; values[n] = output
+  std::map<ParamKey, Vec> quantized;  // SeqInputs::quantize: (linear, "input" | "weight") as the GEMMs read them
 };
 
 struct SeqGrads {

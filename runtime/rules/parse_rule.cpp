@@ -307,10 +307,11 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
   if (kind == "generated") {
     check_keys(v, p, {"kind", "skeleton"}, "generated impl");
     impl.kind = Impl::Kind::generated;
-    impl.skeleton = need_string(v, "skeleton", p, "\"elementwise\", \"gated\" or \"rownorm\"");
-    if (impl.skeleton != "elementwise" && impl.skeleton != "gated" && impl.skeleton != "rownorm")
-      invalid(p + "/skeleton", fmt::format("unknown skeleton {}; use \"elementwise\", \"gated\" or \"rownorm\"",
-                                           show(impl.skeleton)));
+    impl.skeleton = need_string(v, "skeleton", p, "\"elementwise\", \"gated\", \"rownorm\" or \"fp8_cast\"");
+    if (impl.skeleton != "elementwise" && impl.skeleton != "gated" && impl.skeleton != "rownorm" &&
+        impl.skeleton != "fp8_cast")
+      invalid(p + "/skeleton", fmt::format("unknown skeleton {}; use \"elementwise\", \"gated\", \"rownorm\" or "
+                                           "\"fp8_cast\"", show(impl.skeleton)));
   } else if (kind == "cublaslt") {
     check_keys(v, p, {"kind", "epilogue", "epilogue_ops", "tail"}, "cublaslt impl");
     impl.kind = Impl::Kind::cublaslt;

@@ -159,6 +159,11 @@ typedef struct jf_forward_args {
    * call. NULL: taken from the allocator and given back stream-ordered. */
   void* workspace;
   size_t workspace_bytes;
+  /* FP8 recipes with linear ops: 1 if the weights are the same as in the last forward (no optimizer step
+   * since, e.g. the next microbatch of a step): their FP8 casts are skipped and the copies the sequence
+   * keeps are reused. jitfuse casts anyway when it never cast them or a weight pointer changed. 0 (the
+   * zero-initialised default): cast them. */
+  int fp8_weights_unchanged;
 } jf_forward_args;
 
 /* Runs the forward. saved_out: set (training without a host saved buffer) to a handle owning the saved
@@ -207,6 +212,10 @@ typedef struct jf_fp8_state {
   int64_t history_len;
 } jf_fp8_state;
 JF_API jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out);
+/* The recipe state of one FP8 GEMM operand of a linear op: tensor "input" and "weight" (E4M3) or
+ * "grad_output" (E5M2, written by jf_backward). scale_inv here is the last cast's; the GEMMs read the copy
+ * each cast writes beside its FP8 tensor. */
+JF_API jf_status jf_sequence_fp8_operand_state(jf_sequence seq, int op_index, const char* tensor, jf_fp8_state* out);
 
 /* Frees the saved buffer a jf_forward allocated (stream-ordered on `stream`). */
 JF_API jf_status jf_saved_release(jf_saved saved, jf_stream stream);

@@ -151,6 +151,7 @@ class jf_forward_args(Structure):
         ("saved_bytes", c_size_t),
         ("workspace", c_void_p),
         ("workspace_bytes", c_size_t),
+        ("fp8_weights_unchanged", c_int),
     ]
 
 
@@ -212,6 +213,7 @@ FUNCTIONS: List[Tuple[str, object, list]] = [
     ("jf_backward", _st, [jf_sequence, POINTER(jf_backward_args), jf_stream]),
     ("jf_saved_buffer", _st, [jf_saved, POINTER(c_void_p), POINTER(c_size_t)]),
     ("jf_sequence_fp8_state", _st, [jf_sequence, c_int, POINTER(jf_fp8_state)]),
+    ("jf_sequence_fp8_operand_state", _st, [jf_sequence, c_int, c_char_p, POINTER(jf_fp8_state)]),
     ("jf_saved_release", _st, [jf_saved, jf_stream]),
     ("jf_sequence_explain", _st, [jf_sequence, POINTER(c_int64), c_int, c_int, c_int, POINTER(c_char_p)]),
 ]

@@ -38,10 +38,17 @@ TEST_CASE("C ABI errors: status codes and messages naming the problem", "[api]")
   CHECK(has("<sequence>:1:"));
   CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"bias\"}]}", "fp64", &seq) == JF_ERR_INVALID_ARGUMENT);
   CHECK(has("unknown recipe 'fp64'"));
-  // FP8 recipes: pointwise/norm sequences ending in quantize; no FP8 GEMMs; quantize only last.
-  CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"linear\", \"in_features\": 8, \"out_features\": 8}, "
-                                "{\"op\": \"quantize\"}]}", "fp8_delayed", &seq) == JF_ERR_UNSUPPORTED);
-  CHECK(has("op 0 (linear) under recipe fp8_delayed: FP8 GEMMs are not implemented"));
+  // FP8 recipes: quantize only last; a linear's FP8 GEMMs need multiples of 16 (refused when planned).
+  REQUIRE(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"linear\", \"in_features\": 8, \"out_features\": 8}, "
+                                  "{\"op\": \"quantize\"}]}", "fp8_delayed", &seq) == JF_OK);
+  {
+    const int64_t shape[] = {32, 8};
+    const char* js = nullptr;
+    CHECK(jf_sequence_explain(seq, shape, 2, 1, 90, &js) == JF_ERR_UNSUPPORTED);
+    CHECK(has("op 0 (linear) under recipe fp8_delayed: FP8 GEMMs need in_features to be a multiple of 16"));
+    jf_sequence_destroy(seq);
+    seq = nullptr;
+  }
   CHECK(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"quantize\"}, {\"op\": \"gelu\"}]}", "fp8_current", &seq) ==
         JF_ERR_INVALID_ARGUMENT);
   CHECK(has("op 0 (quantize) under recipe fp8_current must be the last op"));

@@ -35,6 +35,9 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"gated_quantize", Pass::forward},       {"linear_gelu", Pass::forward},
       {"linear_relu", Pass::forward},         {"gated_pointwise_bwd", Pass::backward},
       {"pointwise_chain_bwd", Pass::backward},
+      {"fp8_norm_linear", Pass::forward},     {"fp8_act_linear", Pass::forward},
+      {"fp8_linear_bias", Pass::forward},     {"fp8_linear_act_bwd", Pass::backward},
+      {"fp8_linear_bias_bwd", Pass::backward},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;

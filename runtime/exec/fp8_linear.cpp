@@ -1,0 +1,84 @@
+// FP8 linear: the casts that make a linear's GEMM operands FP8 (E4M3 activations and weights, E5M2
+// gradients; TransformerEngine's HYBRID format) and the three FP8 GEMMs. cuBLASLt takes FP8 operands in
+// the "TN" layout only (cuda::Fp8Gemm), so every operand a GEMM contracts along its other dimension is
+// read from a transposed FP8 copy, written by the same cast kernel as the row-major one:
+//
+//   forward  y  = x W^T   A = x  row-major  [m, k]   B = W  row-major  [n, k]   fast accumulation
+//   dgrad    dx = dy W    A = dy row-major  [m, n]   B = W^T (W col)   [k, n]   fp32 accumulation
+//   wgrad    dW = dy^T x  A = dy^T (dy col) [n, m]   B = x^T (x col)   [k, m]   fp32 accumulation
+#include "common/error.hpp"
+#include "exec/lowering.hpp"
+
+namespace jitfuse::exec {
+
+using codegen::KernelSpec;
+
+void check_fp8_linear(const Builder& b, int lin) {
+  const auto& o = b.ops().at(static_cast<size_t>(lin));
+  const int64_t m = ops::rows_of(o.in), k = ops::cols_of(o.in), n = ops::cols_of(o.out);
+  auto need16 = [&](int64_t v, const char* what) {
+    if (v % 16 != 0)
+      fail(Status::unsupported, "{} under recipe {}: FP8 GEMMs need {} to be a multiple of 16 (got {}; the "
+           "operands are {}x{} and {}x{}): pad it, or run this sequence under bf16", o.label(),
+           ops::recipe_name(b.recipe().kind), what, v, m, k, n, k);
+  };
+  need16(k, "in_features");
+  need16(n, "out_features");
+  if (b.training()) need16(m, "the number of rows (the wgrad GEMM contracts over them)");
+}
+
+void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, int bgn, int e) {
+  const auto& ops = b.ops();
+  auto& dst = b.fp8_operand(lin, tensor);
+  const bool weight = tensor == "weight";
+  const auto& o = ops.at(static_cast<size_t>(lin));
+  const int64_t rows = weight ? ops::cols_of(o.out) : tensor == "input" ? ops::rows_of(o.in) : ops::rows_of(o.out);
+  const int64_t cols = weight ? ops::cols_of(o.in) : tensor == "input" ? ops::cols_of(o.in) : ops::cols_of(o.out);
+  ChainOptions opt = chain_options(b);
+  codegen::Fp8Spec q;
+  q.op = lin;
+  q.tensor = tensor;
+  q.e5m2 = tensor == "grad_output";
+  q.delayed = b.recipe().kind == ops::RecipeKind::fp8_delayed;
+  q.margin = b.recipe().margin;
+  opt.fp8.reset();  // chain_spec's quantize hand-off is not this
+  KernelSpec spec;
+  if (bgn < e) {
+    opt.vec = chain_vectorizable(ops, bgn, e);
+    spec = chain_spec(ops, bgn, e, opt);
+  } else {
+    spec.dir = opt.dir;
+    spec.dtype = opt.dtype;
+    spec.rule = opt.rule;
+    spec.cols = cols;
+    spec.label = "cast";
+  }
+  spec.vec = (bgn < e ? opt.vec : true) && cols % 8 == 0;
+  spec.fp8 = q;
+  const bool norm = spec.skeleton == codegen::Skeleton::rownorm;
+  if (norm && b.training()) {
+    // A norm kernel writes one row at a time: it cannot write the transposed copy. It writes its bf16
+    // output, and a cast + transpose kernel makes both FP8 copies from it.
+    spec.fp8.reset();
+    const int mid = b.act(e);
+    lower_spec(b, spec, b.kernel_meta(bgn, "forward"), src, mid, rows, b.group().rule + ": generated rownorm");
+    fp8_cast_operand(b, lin, tensor, mid, e, e);
+    return;
+  }
+  if (b.training() || !b.forward()) {
+    spec.skeleton = codegen::Skeleton::cast_transpose;
+    spec.label += "_transpose";
+  }
+  spec.label += q.e5m2 ? "_e5m2" : "_e4m3";
+  const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
+  nlohmann::json meta = b.kernel_meta(bgn < e ? bgn : lin, b.forward() ? "forward" : "backward");
+  meta["fp8_operand"] = tensor;
+  const size_t first = b.steps();
+  lower_spec(b, spec, meta, src, dst.row, rows,
+             fmt::format("{}: generated {} -> {} {} of {}", who, codegen::skeleton_name(spec.skeleton),
+                         q.e5m2 ? "E5M2" : "E4M3", tensor, o.label()));
+  if (weight) b.mark_weight_casts(first);
+  dst.ready = true;
+}
+
+}  // namespace jitfuse::exec
