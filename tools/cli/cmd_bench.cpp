@@ -117,7 +117,8 @@ struct SeqBench {
            const char* recipe = "bf16") {
     std::string j = R"({"format": "jitfuse.sequence/1", "name": "bench", "ops": )" + ops_json + "}";
     ok(jf_sequence_create(ctx, j.c_str(), recipe, &seq), "jf_sequence_create");
-    const bool fp8_out = std::string(recipe).rfind("fp8", 0) == 0;
+    // FP8 recipes write E4M3 only where the sequence ends in quantize (a GEMM's output stays bf16).
+    const bool fp8_out = std::string(recipe).rfind("fp8", 0) == 0 && ops_json.find("\"quantize\"") != std::string::npos;
     uint64_t seed = 1;
     for (auto& [op, name, shape] : ps) {
       names.push_back(name);
@@ -165,8 +166,10 @@ struct SeqBench {
     return a;
   }
   // saved: a training forward (the saved block is allocated and handed out); NULL: inference.
-  void forward(CUstream s, jf_saved* saved) {
+  // weights_unchanged: FP8 recipes reuse the FP8 weight copies of the last forward (a later microbatch).
+  void forward(CUstream s, jf_saved* saved, bool weights_unchanged = false) {
     auto a = forward_args(saved != nullptr);
+    a.fp8_weights_unchanged = weights_unchanged ? 1 : 0;
     ok(jf_forward(seq, &a, saved, reinterpret_cast<jf_stream>(s)), "jf_forward");
   }
   void backward(CUstream s, jf_saved saved) {
@@ -208,7 +211,8 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
   std::vector<Row> rows;
   // decode runs only when asked for: its rows measure call overhead, not kernels.
   auto want = [&](const char* n) {
-    return o.only == n || (o.only.empty() && std::string(n) != "decode" && std::string(n) != "gemm_fp8");
+    return o.only == n || (o.only.empty() && std::string(n) != "decode" && std::string(n) != "gemm_fp8" &&
+                           std::string(n) != "mlp_fp8");
   };
   const double e = 2;  // bf16 bytes
   if (want("bias_gelu")) {
@@ -328,6 +332,60 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
       }
     }, o);
     rows.push_back(r);
+  }
+  if (want("mlp_fp8")) {
+    // The MLP fwd+bwd under bf16, fp8_delayed and fp8_current in one run. FP8: every GEMM on E4M3 / E5M2
+    // operands; the input cast stands alone, bias+gelu writes the second GEMM's E4M3 input, dbias (and
+    // dgelu + dbias) write the E5M2 gradients. "cast W" rows cast the weights every step (one microbatch
+    // per optimizer step); the others reuse the copies (a later microbatch). Bare: the six FP8 GEMMs alone
+    // (forward with fast accumulation, dgrad/wgrad without, as the program runs them).
+    const int64_t H = 4096, F = 16384;
+    const char* mlp = R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"},
+                         {"op": "linear", "in_features": 16384, "out_features": 4096}, {"op": "bias"}])";
+    double bf16_ms = 0;
+    for (const char* recipe : {"bf16", "fp8_delayed", "fp8_current"}) {
+      SeqBench b(ctx, mlp, {R, H}, {R, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}},
+                 0, 0, recipe);
+      const bool fp8 = std::string(recipe) != "bf16";
+      for (bool unchanged : fp8 ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+        Row r{fmt::format("mlp {} fwd+bwd{}", recipe, fp8 ? (unchanged ? "" : " (cast W)") : ""), "8192: 4096->16384->4096",
+              0, 0, 3 * 2 * (2.0 * R * H * F)};
+        r.ms = median_ms(s, [&] {
+          jf_saved saved = nullptr;
+          b.forward(s, &saved, unchanged);
+          b.backward(s, saved);
+          jf_saved_release(saved, reinterpret_cast<jf_stream>(s));
+        }, o);
+        if (!fp8) bf16_ms = r.ms;
+        if (fp8 && bf16_ms > 0) r.speedup = bf16_ms / r.ms;
+        if (fp8 && unchanged) {
+          // Bare cuBLASLt FP8: the six TN GEMMs of the program, scales 1, operands of the right sizes.
+          cuda::Blas blas;
+          DeviceTensor a8({F * R}, "e4m3"), b8({F * R}, "e4m3"), d16({F * R}, "bf16"), ones({8}, "fp32"),
+              ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
+          a8.upload(random_operand_bytes(static_cast<size_t>(F * R), true, 13));
+          b8.upload(random_operand_bytes(static_cast<size_t>(F * R), true, 14));
+          ones.upload_values({1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0});
+          const auto sp = reinterpret_cast<const float*>(ones.ptr());
+          auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
+          struct G { int64_t m, n, k; bool fast; };
+          const G gs[] = {{R, F, H, true}, {R, H, F, true}, {R, F, H, false}, {H, F, R, false}, {R, H, F, false}, {F, H, R, false}};
+          std::vector<cuda::GemmCall> calls;
+          for (const auto& g : gs) {
+            cuda::GemmCall c;
+            c.m = g.m; c.n = g.n; c.k = g.k; c.dtype = ops::DType::bf16;
+            c.a = P(a8); c.b = P(b8); c.d = P(d16); c.workspace = P(ws);
+            c.fp8 = cuda::Fp8Gemm{ops::DType::e4m3, ops::DType::e4m3, ops::DType::bf16, sp, sp + 4, nullptr, nullptr, g.fast};
+            blas.prepare(c, s);
+            calls.push_back(c);
+          }
+          r.baseline_ms = median_ms(s, [&] {
+            for (auto& c : calls) blas.gemm(c, s);
+          }, o);
+        }
+        rows.push_back(r);
+      }
+    }
   }
   if (want("mlp_relu")) {
     // The relu MLP runs as one joint group: RELU_AUX_BIAS saves cuBLASLt's ReLU bit-mask, DRELU_BGRAD
@@ -511,7 +569,7 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--case", o->only,
                   "Run one case: bias_gelu, dgelu_dbias, layernorm, rmsnorm, layernorm_fp8_current, "
                   "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp, mlp_relu, decode (MLP inference "
-                  "at M = 1, 16, 128: eager and as a replayed CUDA graph; not in the default set), gemm_fp8 (the MLP's six GEMMs "
+                  "at M = 1, 16, 128: eager and as a replayed CUDA graph; not in the default set), mlp_fp8 (the MLP fwd+bwd under bf16, fp8_delayed and fp8_current, against the bare FP8 GEMMs; not in the default set), gemm_fp8 (the MLP's six GEMMs "
                   "as TN problems in bf16 and FP8 E4M3, TFLOP/s and the FP8 speed-up; not in the default set)");
   cmd->callback([o] { run_bench(*o); });
 }
