@@ -137,16 +137,7 @@ Generated generate_elementwise(const KernelSpec& spec) {
   w.line("const int c0 = (blockIdx.x * {} + threadIdx.x) * 8;", bx);
   w.line("const bool active = c0 < {};", cols);
   w.line("const int n = active ? min(8, {} - c0) : 0;", cols);
-  {
-    // Indent the setup block to the kernel body level.
-    std::string pre = setup.pre_loop.str();
-    size_t start = 0;
-    while (start < pre.size()) {
-      size_t end = pre.find('\n', start);
-      w.line("{}", pre.substr(start, end - start));
-      start = end + 1;
-    }
-  }
+  emit_pre_loop(w, setup);
   w.raw(fp8_setup.str());
   w.line("if (active) {{");
   w.open();

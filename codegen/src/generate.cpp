@@ -9,6 +9,7 @@ namespace jitfuse::codegen::detail {
 
 Generated generate_rownorm(const KernelSpec& spec);
 Generated generate_elementwise(const KernelSpec& spec);
+Generated generate_cast_transpose(const KernelSpec& spec);
 
 namespace {
 
@@ -40,9 +41,17 @@ namespace jitfuse::codegen {
 Generated generate(const KernelSpec& spec) {
   if (spec.skeleton == Skeleton::rownorm && !spec.norm) throw std::invalid_argument("codegen: rownorm spec without a norm");
   if (spec.skeleton == Skeleton::gated && !spec.gated) throw std::invalid_argument("codegen: gated spec without a gate");
+  if (spec.skeleton == Skeleton::cast_transpose) {
+    if (!spec.fp8) throw std::invalid_argument("codegen: cast_transpose spec without an FP8 cast (KernelSpec::fp8)");
+    if (spec.norm || spec.gated)
+      throw std::invalid_argument("codegen: a cast_transpose spec has no norm or gated anchor (its stages are all pre stages)");
+    if (!spec.post.empty()) throw std::invalid_argument("codegen: a cast_transpose spec has no post stages (no anchor)");
+  }
   std::vector<int> seq;
   const KernelSpec local = detail::by_position(spec, seq);
-  Generated g = spec.skeleton == Skeleton::rownorm ? detail::generate_rownorm(local) : detail::generate_elementwise(local);
+  Generated g = spec.skeleton == Skeleton::rownorm          ? detail::generate_rownorm(local)
+                : spec.skeleton == Skeleton::cast_transpose ? detail::generate_cast_transpose(local)
+                                                            : detail::generate_elementwise(local);
   // Back to sequence indices: what the Builder binds each argument and each finalize kernel's gradient to.
   auto to_sequence = [&](int& op) {
     if (op >= 0) op = seq.at(static_cast<size_t>(op));

@@ -88,6 +88,16 @@ std::string declare_accumulator(Args& args, Setup& setup, int op, const std::str
   return var;
 }
 
+void emit_pre_loop(Writer& w, const Setup& setup) {
+  const std::string& pre = setup.pre_loop.str();
+  size_t start = 0;
+  while (start < pre.size()) {
+    size_t end = pre.find('\n', start);
+    w.line("{}", pre.substr(start, end - start));
+    start = end + 1;
+  }
+}
+
 void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c) {
   const std::string& v = c.var;
   comment(w, s, "forward");
@@ -194,15 +204,64 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
 
 std::string out_type(const KernelSpec& spec) { return spec.fp8 ? "unsigned char" : "ST"; }
 
-void emit_out_store(Writer& w, const KernelSpec& spec, const std::string& index, const std::string& var) {
+namespace {
+
+// The quantize op's E4M3 cast keeps the text it has always had (jf_store8_e4m3, jf_fp8_scale, argument
+// names "scale" / "amax" / "scale_inv"), so its kernels' sources and cache keys do not change; every
+// other cast (an FP8 GEMM operand, E5M2) uses the format-generic functions of ops/fp8_operand.cuh.
+bool quantize_e4m3(const Fp8Spec& q) { return q.tensor.empty() && !q.e5m2; }
+
+const char* format_name(const Fp8Spec& q) { return q.e5m2 ? "E5M2" : "E4M3"; }
+const char* e5m2_arg(const Fp8Spec& q) { return q.e5m2 ? "true" : "false"; }
+
+// Arg::name of a recipe-state argument: "scale" for a quantize op, "scale_input" for a linear's input.
+std::string state_name(const Fp8Spec& q, const std::string& what) {
+  return q.tensor.empty() ? what : what + "_" + q.tensor;
+}
+
+// "jf_fp8_scale(amax, 2^margin)" with the format's max.
+std::string scale_call(const Fp8Spec& q, const std::string& amax) {
+  const std::string m = num(std::ldexp(1.0, static_cast<int>(q.margin)));
+  if (quantize_e4m3(q)) return fmt::format("jf_fp8_scale({}, {})", amax, m);
+  return fmt::format("jf_fp8_scale_of<{}>({}, {})", e5m2_arg(q), amax, m);
+}
+
+}  // namespace
+
+bool fp8_generic(const KernelSpec& spec) {
+  return spec.fp8 && (!quantize_e4m3(*spec.fp8) || spec.skeleton == Skeleton::cast_transpose);
+}
+
+std::string fp8_colwise_arg(Args& args, const KernelSpec& spec) {
+  const auto& q = *spec.fp8;
+  std::string name = fmt::format("q{}_colwise", q.op);
+  args.ptr(Arg::Role::fp8_colwise, q.op, state_name(q, "colwise"), name, "unsigned char", true);
+  return name;
+}
+
+void emit_out_store(Writer& w, const KernelSpec& spec, const std::string& index, const std::string& var,
+                    const std::string& codes) {
   if (!spec.fp8) {
     w.line("jf_store8<DT, JF_VEC>(out + {}, {}, n);", index, var);
     return;
   }
   const auto& q = *spec.fp8;
-  w.line("// op {} quantize: {}", q.op, q.amax_only ? "amax of the output (the cast pass follows)" : "E4M3 cast of x * scale");
+  if (quantize_e4m3(q) && codes.empty()) {
+    w.line("// op {} quantize: {}", q.op, q.amax_only ? "amax of the output (the cast pass follows)" : "E4M3 cast of x * scale");
+  } else {
+    w.line("// op {} {}: {}", q.op, q.tensor.empty() ? "quantize" : "cast of the FP8 GEMM " + q.tensor,
+           q.amax_only ? "amax of the output (the cast pass follows)" : fmt::format("{} codes of x * scale", format_name(q)));
+  }
   if (q.amax_only || q.delayed) w.line("jf_amax8(jf_am, {}, n);", var);
-  if (!q.amax_only) w.line("jf_store8_e4m3<JF_VEC>(out + {}, {}, jf_scale, n);", index, var);
+  if (q.amax_only) return;
+  if (!codes.empty()) {
+    w.line("jf_cvt8_fp8<{}>({}, jf_scale, {});", e5m2_arg(q), var, codes);
+    w.line("jf_store8_codes<JF_VEC>(out + {}, {}, n);", index, codes);
+  } else if (quantize_e4m3(q)) {
+    w.line("jf_store8_e4m3<JF_VEC>(out + {}, {}, jf_scale, n);", index, var);
+  } else {
+    w.line("jf_store8_fp8<{}, JF_VEC>(out + {}, {}, jf_scale, n);", e5m2_arg(q), index, var);
+  }
 }
 
 void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec) {
@@ -210,22 +269,30 @@ void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec) {
   const auto& q = *spec.fp8;
   const std::string sc = fmt::format("q{}_scale", q.op), si = fmt::format("q{}_scale_inv", q.op),
                     am = fmt::format("q{}_amax", q.op);
+  const std::string sc_name = state_name(q, "scale"), si_name = state_name(q, "scale_inv"),
+                    am_name = state_name(q, "amax");
   if (q.amax_only) {
-    args.ptr(Arg::Role::fp8_amax, q.op, "amax", am, "float", true);
+    args.ptr(Arg::Role::fp8_amax, q.op, am_name, am, "float", true);
     w.line("float jf_am = 0.f;");
     return;
   }
   if (q.delayed) {
-    args.ptr(Arg::Role::fp8_scale, q.op, "scale", sc, "float", false);
-    args.ptr(Arg::Role::fp8_amax, q.op, "amax", am, "float", true);
+    args.ptr(Arg::Role::fp8_scale, q.op, sc_name, sc, "float", false);
+    args.ptr(Arg::Role::fp8_amax, q.op, am_name, am, "float", true);
     w.line("float jf_am = 0.f;");
     w.line("const float jf_scale = {}[0];", sc);
+    if (!q.tensor.empty()) {
+      // An operand's scale_inv belongs to its FP8 tensor (saved with it), so the cast writes the one it used
+      // here; the update kernel after it changes only the recipe state (scale, amax_history).
+      args.ptr(Arg::Role::fp8_scale_inv, q.op, si_name, si, "float", true);
+      w.line("if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {}[0] = 1.f / jf_scale;", si);
+    }
     return;
   }
-  args.ptr(Arg::Role::fp8_amax, q.op, "amax", am, "float", false);
-  args.ptr(Arg::Role::fp8_scale, q.op, "scale", sc, "float", true);
-  args.ptr(Arg::Role::fp8_scale_inv, q.op, "scale_inv", si, "float", true);
-  w.line("const float jf_scale = jf_fp8_scale({}[0], {});", am, num(std::ldexp(1.0, static_cast<int>(q.margin))));
+  args.ptr(Arg::Role::fp8_amax, q.op, am_name, am, "float", false);
+  args.ptr(Arg::Role::fp8_scale, q.op, sc_name, sc, "float", true);
+  args.ptr(Arg::Role::fp8_scale_inv, q.op, si_name, si, "float", true);
+  w.line("const float jf_scale = {};", scale_call(q, am + "[0]"));
   w.line("if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {{ {}[0] = jf_scale; {}[0] = 1.f / jf_scale; }}",
          sc, si);
 }
@@ -250,10 +317,21 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
     w.line("}}");
     return;
   }
-  w.line("// fp8_delayed: roll the amax history, record this call's amax, scale_inv = 1 / the scale used,");
-  w.line("// scale = 448 / max(history) / 2^margin for the next call. One thread per history entry (len <= 1024).");
+  // A quantize op's state holds scale_inv, written here; an operand's scale_inv is its tensor's own,
+  // written by the cast kernel, so its update kernel takes no scale_inv argument.
+  const bool state_scale_inv = q.tensor.empty();
+  if (quantize_e4m3(q)) {
+    w.line("// fp8_delayed: roll the amax history, record this call's amax, scale_inv = 1 / the scale used,");
+    w.line("// scale = 448 / max(history) / 2^margin for the next call. One thread per history entry (len <= 1024).");
+  } else {
+    w.line("// fp8_delayed ({}{}): roll the amax history, record this call's amax,{}", format_name(q),
+           q.tensor.empty() ? "" : ", the FP8 GEMM " + q.tensor, state_scale_inv ? " scale_inv = 1 / the scale used," : "");
+    w.line("// scale = {} / max(history) / 2^margin for the next call{}. One thread per history entry (len <= 1024).",
+           q.e5m2 ? 57344 : 448, state_scale_inv ? "" : " (the cast kernel wrote the scale_inv it used)");
+  }
   w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const float* __restrict__ part, int count, "
-         "float* __restrict__ hist, int len, float* __restrict__ scale, float* __restrict__ scale_inv) {{", kernel);
+         "float* __restrict__ hist, int len, float* __restrict__ scale{}) {{", kernel,
+         state_scale_inv ? ", float* __restrict__ scale_inv" : "");
   w.open();
   w.line("__shared__ float jf_sm[32];");
   w.line("const float a = jf_amax_reduce(part, count);  // thread 0");
@@ -270,8 +348,8 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
   w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
   w.line("m = fmaxf(m, a);");
   w.line("hist[0] = a;");
-  w.line("scale_inv[0] = 1.f / scale[0];");
-  w.line("scale[0] = jf_fp8_scale(m, {});", num(std::ldexp(1.0, static_cast<int>(q.margin))));
+  if (state_scale_inv) w.line("scale_inv[0] = 1.f / scale[0];");
+  w.line("scale[0] = {};", scale_call(q, "m"));
   w.close();
   w.line("}}");
   w.close();

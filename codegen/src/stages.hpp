@@ -1,5 +1,5 @@
 // Emission of op stages (forward and backward) over one 8-element chunk held in registers; shared by
-// the elementwise, gated and rownorm skeletons.
+// the elementwise, gated, rownorm and cast_transpose skeletons.
 #pragma once
 #include <map>
 
@@ -37,14 +37,21 @@ struct Setup {
   std::vector<Finalize> finalize;
 };
 
+// Writes setup.pre_loop at w's indentation (the kernel body's, before the row loop).
+void emit_pre_loop(Writer& w, const Setup& setup);
 void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 // Sums each accumulator over the block's threadIdx.y rows into one partial row (columns < cols).
 void emit_accumulator_flush(Writer& w, const Setup& setup, int bx, int by, int64_t cols, const std::string& part_index);
-// The kernel's output: a store of `var` at out + index, or, with an FP8 cast, its amax and/or E4M3 bytes.
-void emit_out_store(Writer& w, const KernelSpec& spec, const std::string& index, const std::string& var);
+// The kernel's output: a store of `var` at out + index, or, with an FP8 cast, its amax and/or FP8 codes.
+// `codes` (a jf_u32[2]; FP8 casts only): the codes are converted into it first, for the skeleton to reuse
+// (cast_transpose stages them for the transposed store).
+void emit_out_store(Writer& w, const KernelSpec& spec, const std::string& index, const std::string& var,
+                    const std::string& codes = "");
 // FP8: the output pointer type, the scale/amax arguments and per-thread state (before the row loop).
 std::string out_type(const KernelSpec& spec);
+// FP8 cast_transpose: declares the Role::fp8_colwise argument (the transposed codes); returns its C name.
+std::string fp8_colwise_arg(Args& args, const KernelSpec& spec);
 void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec);
 // FP8: folds the per-thread amax into the amax argument (after the row loop; every thread).
 void emit_fp8_epilogue(Writer& w, const KernelSpec& spec);

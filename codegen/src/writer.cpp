@@ -94,6 +94,8 @@ std::vector<std::string> headers_for(const KernelSpec& spec) {
   for (auto& s : stages)
     if (s.kind == Stage::Kind::dropout) add("ops/dropout.cuh");
   if (spec.fp8) add("ops/fp8.cuh");
+  if (fp8_generic(spec)) add("ops/fp8_operand.cuh");
+  if (spec.skeleton == Skeleton::cast_transpose) add("skeletons/cast_transpose.cuh");
   return out;
 }
 

@@ -120,7 +120,8 @@ struct Arg {
 
 struct Launch {
   // elementwise/gated: block (bx, by), grid.x fixed, grid.y chosen at run time; threads loop over
-  // rows. rownorm: block (bx), grid.x = rows or fewer (grid-stride).
+  // rows. cast_transpose: the same, block (8, 32), grid.x = column tiles of 64, by * rows_per_thread_iter =
+  // 64 rows per block iteration. rownorm: block (bx), grid.x = rows or fewer (grid-stride).
   int bx = 256, by = 1;
   int64_t grid_x = 1;
   int rows_per_thread_iter = 1;  // unroll over rows
@@ -165,7 +166,8 @@ struct Generated {
   std::vector<Finalize> finalize;  // same module
   // One block of 1024 threads after a kernel that wrote per-block amax partials. fp8_current's amax pass:
   // (partials, count, history) sets history[0]. fp8_delayed: (partials, count, history, len, scale,
-  // scale_inv) rolls the history, records amax, writes scale_inv = 1 / the scale used and the next scale.
+  // scale_inv) rolls the history, records amax, writes scale_inv = 1 / the scale used and the next scale; an
+  // operand cast's (Fp8Spec::tensor) is (partials, count, history, len, scale): its cast wrote the scale_inv.
   std::string fp8_update;
   std::vector<std::string> headers;  // template files included, in order
 };
