@@ -150,7 +150,10 @@ bool Sequence::weights_unchanged(const exec::Program& p, const exec::ParamMap& p
     auto it = pers.cast_from.find(b.op);
     if (!pers.written.count({b.op, b.key}) || it == pers.cast_from.end() || it->second != src) ok = false;
   }
-  if (ok) return true;
+  if (ok) {
+    log().debug("sequence '{}': weights unchanged: the FP8 weight casts are skipped", def.name);
+    return true;
+  }
   for (const auto& b : p.buffers)
     if (b.storage == exec::Storage::persistent) pers.written.insert({b.op, b.key});
   for (const auto& [op, src] : from) {

@@ -333,7 +333,7 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   s.gemm = g;
   // The workspace lives for this step only: the packer lays every GEMM's workspace over the same bytes.
   s.gemm.workspace = temp("cublaslt workspace", ops::DType::f32, -1, 0, cuda::kGemmWorkspace);
-  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones, s.gemm.workspace}) touch(id);
+  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones, g.a_scale_inv, g.b_scale_inv, s.gemm.workspace}) touch(id);
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
 
@@ -422,7 +422,8 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
     const int q = spec.fp8->op;
     // The update kernel's scale_inv: the state's (an operand's GEMMs read the copy's own, written by the cast).
     ks->fp8_scale = fp8_state(q, fp8_tensor, "scale");
-    ks->fp8_scale_inv = fp8_state(q, fp8_tensor, "scale_inv");
+    // An operand's update kernel takes no scale_inv (the cast wrote the copy's own); a quantize op's does.
+    ks->fp8_scale_inv = fp8_tensor.empty() ? fp8_state(q, "", "scale_inv") : -1;
     ks->fp8_history = fp8_state(q, fp8_tensor, "amax_history");
     ks->fp8_len = std::max(1, p_.recipe.amax_history);
   }

@@ -249,7 +249,7 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std:
     int parts = static_cast<int>(L.gx * L.gy);
     void* hist = ptr[static_cast<size_t>(k.fp8_history)];
     void* scale = ptr[static_cast<size_t>(k.fp8_scale)];
-    void* scale_inv = ptr[static_cast<size_t>(k.fp8_scale_inv)];
+    void* scale_inv = k.fp8_scale_inv >= 0 ? ptr[static_cast<size_t>(k.fp8_scale_inv)] : nullptr;
     int len = k.fp8_len;
     void* up[] = {&part, &parts, &hist, &len, &scale, &scale_inv};
     cuda::check(d.cuLaunchKernel(v.kernel->fp8_update, 1, 1, 1, 1024, 1, 1, 0, stream, up, nullptr),

@@ -68,6 +68,7 @@ void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, i
   if (b.training() || !b.forward()) {
     spec.skeleton = codegen::Skeleton::cast_transpose;
     spec.label += "_transpose";
+    spec.vec = spec.vec && rows % 16 == 0;  // the transposed 16-byte stores: 16 rows of one column
   }
   spec.label += q.e5m2 ? "_e5m2" : "_e4m3";
   const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;

@@ -77,6 +77,12 @@ json step_json(const Program& p, const Step& s, double bw) {
               {"operands", {{"a", name(g.a)}, {"b", name(g.b)}, {"c", name(g.c)}, {"d", name(g.d)},
                             {"bias", name(g.bias)}, {"aux", name(g.aux)}}}});
     if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
+    if (g.call.fp8) {
+      j["operands"]["a_scale_inv"] = name(g.a_scale_inv);
+      j["operands"]["b_scale_inv"] = name(g.b_scale_inv);
+      j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
+                  {"fast_accum", g.call.fp8->fast_accum}};
+    }
   } else {
     const auto& k = *s.kernel;
     r = k.bytes_read;
@@ -163,6 +169,9 @@ std::string program_text(const Program& p, double bw) {
         line = fmt::format("gemm {:<5} m={} n={} k={} {} {} {}", s["gemm"].get<std::string>(), s["m"].get<int64_t>(),
                            s["n"].get<int64_t>(), s["k"].get<int64_t>(), s["layout"].get<std::string>(),
                            s["dtype"].get<std::string>(), s["epilogue"].get<std::string>());
+        if (s.contains("fp8"))
+          line += fmt::format(" ({} x {}{})", s["fp8"]["a"].get<std::string>(), s["fp8"]["b"].get<std::string>(),
+                              s["fp8"]["fast_accum"].get<bool>() ? ", fast accumulation" : "");
         if (s["alpha"].get<double>() != 1.0) line += fmt::format(" alpha={}", s["alpha"].get<double>());
         if (s["beta"].get<double>() != 0.0) line += fmt::format(" beta={}", s["beta"].get<double>());
         line += fmt::format(", {:.1f} GFLOP", s["flops"].get<double>() / 1e9);
