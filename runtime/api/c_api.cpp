@@ -209,7 +209,7 @@ static jf_status make_sequence(jf_context ctx, const std::string& text, const st
       std::lock_guard<std::mutex> lock(ctx->impl.mutex());
       return jitfuse::ops::parse_sequence(text, where, ctx->impl.registry());
     }();
-    jitfuse::ops::check_recipe_support(def, r);
+    jitfuse::ops::apply_recipe(def, r);
     auto* s = new jf_sequence_s();
     s->impl = std::make_unique<jitfuse::api::Sequence>(ctx->impl, std::move(def), r);
     *out = s;

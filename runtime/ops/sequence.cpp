@@ -28,6 +28,21 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   if (def.name.size() > kMaxNameBytes)
     fail(Status::parse_error, "{}: \"name\" '{}' is longer than {} bytes", at("/name"), jitfuse::text::shorten(def.name),
          kMaxNameBytes);
+  if (j.contains("fp8")) {
+    const auto& f = j["fp8"];
+    if (!f.is_object()) fail(Status::parse_error, "{}: \"fp8\" must be an object like {{\"amax_history_len\": 16, \"margin\": 0}}", at("/fp8"));
+    for (const auto& [k, v] : f.items()) {
+      const bool hist = k == "amax_history_len";
+      if (!hist && k != "margin")
+        fail(Status::parse_error, "{}: unknown key '{}' in \"fp8\"; known: amax_history_len, margin", at("/fp8"),
+             jitfuse::text::shorten(k));
+      const int lo = hist ? 1 : 0, hi = hist ? kMaxAmaxHistory : kMaxFp8Margin;
+      if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > hi)
+        fail(Status::parse_error, "{}: \"{}\" must be an integer from {} to {}, not {}", at("/fp8/" + k), k, lo, hi,
+             jitfuse::text::shorten(v.dump()));
+      (hist ? def.fp8_amax_history : def.fp8_margin) = static_cast<int>(v.get<int64_t>());
+    }
+  }
   nlohmann::json canon = nlohmann::json::array();
   for (size_t i = 0; i < j["ops"].size(); ++i) {
     const auto& o = j["ops"][i];
@@ -103,8 +118,11 @@ std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
   return ops;
 }
 
-void check_recipe_support(const SequenceDef& def, const Recipe& recipe) {
+void apply_recipe(const SequenceDef& def, Recipe& recipe) {
   if (!recipe.is_fp8()) return;
+  // fp8_current keeps a history of one entry (this call's amax); the length applies to fp8_delayed.
+  if (def.fp8_amax_history > 0 && recipe.kind == RecipeKind::fp8_delayed) recipe.amax_history = def.fp8_amax_history;
+  if (def.fp8_margin >= 0) recipe.margin = def.fp8_margin;
   const std::string rn = recipe_name(recipe.kind);
   for (const auto& op : def.ops) {
     if (op.kind == "quantize" && op.index + 1 != static_cast<int>(def.ops.size()))

@@ -21,7 +21,12 @@ struct SequenceDef {
   std::vector<OpDef> ops;
   int extra_inputs = 0, extra_outputs = 0;
   std::string canonical;  // canonical JSON of the ops: part of plan cache keys
+  // "fp8": {"amax_history_len": N, "margin": M} (FP8 recipes; 0 / -1: the recipe's defaults, 1024 and 0).
+  int fp8_amax_history = 0;
+  int fp8_margin = -1;
 };
+inline constexpr int kMaxAmaxHistory = 1024;  // one thread per entry in the update kernel
+inline constexpr int kMaxFp8Margin = 32;
 
 // Ops per sequence: a real model's longest sequence is a few hundred ops.
 inline constexpr size_t kMaxOps = 100000;
@@ -29,9 +34,10 @@ inline constexpr size_t kMaxNameBytes = 256;  // the sequence's "name"
 SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry);
 SequenceDef parse_sequence_file(const std::string& path, const Registry& registry);
 
-// What a recipe can run: under the FP8 recipes a sequence holds no linear (FP8 GEMMs are not
-// implemented) and quantize, the FP8 cast, only as its last op (the E4M3 output is the sequence's).
-void check_recipe_support(const SequenceDef& def, const Recipe& recipe);
+// The recipe a sequence runs: `recipe` with the sequence's FP8 settings applied (its "fp8" object:
+// amax history length and margin, used by the FP8 recipes and ignored by the others), after checking
+// what the recipe can run (under the FP8 recipes quantize, the FP8 cast, only as the last op).
+void apply_recipe(const SequenceDef& def, Recipe& recipe);
 
 // Shapes through the whole sequence; an error names the op where they stop fitting.
 std::vector<Op> infer(const SequenceDef& def, const Shape& input);

@@ -164,11 +164,12 @@ std::string CheckReport::table() const {
 CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const std::string& json,
                            const CheckOptions& opt) {
   // FP8 recipes keep bf16 tensors (the FP8 copies are the program's own).
-  const ops::Recipe recipe = ops::parse_recipe(opt.recipe);
+  ops::Recipe recipe = ops::parse_recipe(opt.recipe);
   const bool fp8 = recipe.is_fp8();
   const std::string rc = fp8 ? std::string("bf16") : opt.recipe;
   cuda::current_device();  // a current context before any allocation (the primary one if none)
   auto def = ops::parse_sequence(json, "<check>", registry);
+  ops::apply_recipe(def, recipe);  // the sequence's FP8 settings (amax history length, margin)
   auto ops = ops::infer(def, opt.shape);
   std::mt19937_64 rng(opt.seed);
   bool has_gemm = false;

@@ -155,3 +155,69 @@ TEST_CASE("FP8 linear refuses sizes FP8 GEMMs cannot take, naming the op", "[fp8
   CHECK(err.find("multiple of 16") != std::string::npos);
   jf_sequence_destroy(seq);
 }
+
+TEST_CASE("FP8 per-sequence settings: a short amax history and a margin, over more calls than the history",
+          "[fp8_linear]") {
+  const std::string json = R"({"format": "jitfuse.sequence/1", "name": "short_history",
+    "fp8": {"amax_history_len": 3, "margin": 1}, "ops": )" + std::string(kMlp) + "}";
+  reference::CheckOptions o;
+  o.recipe = "fp8_delayed";
+  o.shape = {64, 256};
+  o.calls = 5;  // the history wraps: the scale of call 5 comes from calls 2-4 only
+  o.seed = 51;
+  auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
+  INFO(rep.table());
+  CHECK(rep.pass());
+  // The state the sequence keeps has the configured length.
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(test::shared_context(), json.c_str(), "fp8_delayed", &seq) == JF_OK);
+  jf_fp8_state st{};
+  REQUIRE(jf_sequence_fp8_operand_state(seq, 1, "input", &st) == JF_OK);
+  CHECK(st.history_len == 3);
+  CHECK(jf_sequence_fp8_operand_state(seq, 0, "input", &st) == JF_ERR_INVALID_ARGUMENT);  // op 0: layernorm
+  CHECK(jf_sequence_fp8_operand_state(seq, 1, "bias", &st) == JF_ERR_INVALID_ARGUMENT);
+  jf_sequence_destroy(seq);
+}
+
+TEST_CASE("FP8 wgrad with accumulate_grad adds to the gradient buffer", "[fp8_linear]") {
+  cuda::current_device();
+  // fp8_current: the scales come from this call's tensors, so two sequences give the same dW bit for bit.
+  const std::string plain = test::seq_json(R"([{"op": "linear", "in_features": 64, "out_features": 32}])");
+  const std::string acc =
+      test::seq_json(R"([{"op": "linear", "in_features": 64, "out_features": 32, "accumulate_grad": true}])");
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<double> u(-1, 1);
+  auto rnd = [&](size_t n) {
+    std::vector<double> v(n);
+    for (auto& e : v) e = reference::round_to("bf16", u(rng));
+    return v;
+  };
+  reference::DeviceTensor x({48, 64}, "bf16"), w({32, 64}, "bf16"), y({48, 32}, "bf16"), dy({48, 32}, "bf16"),
+      dx({48, 64}, "bf16"), dw({32, 64}, "bf16");
+  x.upload_values(rnd(48 * 64));
+  w.upload_values(rnd(32 * 64));
+  dy.upload_values(rnd(48 * 32));
+  std::vector<jf_param> params{{0, "weight", w.dl()}}, grads{{0, "weight", dw.dl()}};
+  auto grad = [&](const std::string& json, const std::vector<double>& start) {
+    jf_sequence seq = nullptr;
+    REQUIRE(jf_sequence_create(test::shared_context(), json.c_str(), "fp8_current", &seq) == JF_OK);
+    dw.upload_values(start);
+    jf_saved saved = nullptr;
+    REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), params, true, &saved) == JF_OK);
+    REQUIRE(test::backward_simple(seq, saved, x.dl(), y.dl(), dy.dl(), dx.dl(), params, grads) == JF_OK);
+    REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
+    jf_sequence_destroy(seq);
+    return dw.download_values();
+  };
+  const auto g0 = rnd(32 * 64);
+  const auto d = grad(plain, g0);  // overwritten: g0 is gone
+  const auto sum = grad(acc, g0);  // g0 + the same dW (beta = 1 in the FP8 wgrad GEMM)
+  double worst = 0;
+  for (size_t i = 0; i < d.size(); ++i)
+    worst = std::max(worst, std::fabs(sum[i] - (g0[i] + d[i])) / (1e-2 + 1.6e-2 * std::fabs(g0[i] + d[i])));
+  INFO("worst err/tol " << worst);
+  CHECK(worst <= 1.0);
+  double moved = 0;  // and g0 really was added (not a plain overwrite)
+  for (size_t i = 0; i < d.size(); ++i) moved = std::max(moved, std::fabs(sum[i] - d[i]));
+  CHECK(moved > 0.1);
+}

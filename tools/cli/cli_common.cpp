@@ -44,7 +44,7 @@ Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::
   Planned p;
   p.def = ops::parse_sequence_file(file, rs.registry());
   p.recipe = ops::parse_recipe(recipe);
-  ops::check_recipe_support(p.def, p.recipe);
+  ops::apply_recipe(p.def, p.recipe);
   p.ops = ops::infer(p.def, ops::parse_shape(shape));
   exec::PlanOptions o;
   o.arch = arch;
