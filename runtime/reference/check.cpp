@@ -304,48 +304,51 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   if (fp8) in.quantize = [&q8](int op, const std::string& t, Vec& v) { q8(op, t, v); };
   Vec gy;
   if (opt.backward) gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
+  // One backward of the forward that left `sv` (or the host's saved buffer), dy = gy, dx into `gxt`.
+  auto backward_call = [&](jf_saved sv, DeviceTensor* gxt) {
+    DeviceTensor* gyt = dev(ops.back().out);
+    gyt->upload_values(gy);
+    std::vector<const DLTensor*> geout_t;
+    std::vector<DLTensor*> gein_t;
+    for (auto* t : geout) geout_t.push_back(t->dl());
+    for (auto* t : gein) gein_t.push_back(t->dl());
+    jf_backward_args ba{};
+    ba.input = x->dl();
+    ba.extra_inputs = ein_t.data();
+    ba.n_extra_inputs = fa.n_extra_inputs;
+    ba.output = y->dl();
+    ba.extra_outputs = const_cast<const DLTensor* const*>(eout_t.data());
+    ba.n_extra_outputs = fa.n_extra_outputs;
+    ba.params = params.data();
+    ba.n_params = fa.n_params;
+    ba.grads = grad_params.data();
+    ba.n_grads = static_cast<int>(grad_params.size());
+    if (fa.saved) {
+      ba.saved = fa.saved;
+      ba.saved_bytes = fa.saved_bytes;
+    } else {
+      void* b = nullptr;
+      ok(jf_saved_buffer(sv, &b, &ba.saved_bytes), "jf_saved_buffer");
+      ba.saved = b;
+    }
+    ba.grad_output = gyt->dl();
+    ba.grad_extra_outputs = geout_t.data();
+    ba.n_grad_extra_outputs = static_cast<int>(geout_t.size());
+    ba.grad_input = gxt->dl();
+    ba.grad_extra_inputs = gein_t.data();
+    ba.n_grad_extra_inputs = static_cast<int>(gein_t.size());
+    if (opt.host_memory) {
+      ba.workspace = raw(info.backward_workspace_bytes);
+      ba.workspace_bytes = info.backward_workspace_bytes;
+    }
+    ok(jf_backward(seq, &ba, js), "jf_backward");
+  };
   for (int call = 1; call < opt.calls; ++call) {
     jf_saved early = nullptr;
     ok(jf_forward(seq, &fa, &early, js), "jf_forward");
     SeqForward rf = sequence_forward(ops, in);
     if (opt.backward) {
-      DeviceTensor* gyt = dev(ops.back().out);
-      gyt->upload_values(gy);
-      DeviceTensor* gxt = dev(opt.shape);
-      std::vector<const DLTensor*> geout_t;
-      std::vector<DLTensor*> gein_t;
-      for (auto* t : geout) geout_t.push_back(t->dl());
-      for (auto* t : gein) gein_t.push_back(t->dl());
-      jf_backward_args ba{};
-      ba.input = x->dl();
-      ba.extra_inputs = ein_t.data();
-      ba.n_extra_inputs = fa.n_extra_inputs;
-      ba.output = y->dl();
-      ba.extra_outputs = const_cast<const DLTensor* const*>(eout_t.data());
-      ba.n_extra_outputs = fa.n_extra_outputs;
-      ba.params = params.data();
-      ba.n_params = fa.n_params;
-      ba.grads = grad_params.data();
-      ba.n_grads = static_cast<int>(grad_params.size());
-      if (fa.saved) {
-        ba.saved = fa.saved;
-        ba.saved_bytes = fa.saved_bytes;
-      } else {
-        void* b = nullptr;
-        ok(jf_saved_buffer(early, &b, &ba.saved_bytes), "jf_saved_buffer");
-        ba.saved = b;
-      }
-      ba.grad_output = gyt->dl();
-      ba.grad_extra_outputs = geout_t.data();
-      ba.n_grad_extra_outputs = static_cast<int>(geout_t.size());
-      ba.grad_input = gxt->dl();
-      ba.grad_extra_inputs = gein_t.data();
-      ba.n_grad_extra_inputs = static_cast<int>(gein_t.size());
-      if (opt.host_memory) {
-        ba.workspace = raw(info.backward_workspace_bytes);
-        ba.workspace_bytes = info.backward_workspace_bytes;
-      }
-      ok(jf_backward(seq, &ba, js), "jf_backward");
+      backward_call(early, dev(opt.shape));
       sequence_backward(ops, in, rf, gy, gext_out);
     }
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(earlier call)");
@@ -372,46 +375,11 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   // The backward on a random dy with every gradient buffer poisoned first.
   DeviceTensor* gx = nullptr;
   auto run_backward = [&] {
-    DeviceTensor* gyt = dev(ops.back().out);
-    gyt->upload_values(gy);
     gx = dev(opt.shape);
     gx->poison();
     for (auto* t : gein) t->poison();
     for (auto& [k, t] : grads) t->poison();
-    std::vector<const DLTensor*> geout_t;
-    std::vector<DLTensor*> gein_t;
-    for (auto* t : geout) geout_t.push_back(t->dl());
-    for (auto* t : gein) gein_t.push_back(t->dl());
-    jf_backward_args ba{};
-    ba.input = x->dl();
-    ba.extra_inputs = ein_t.data();
-    ba.n_extra_inputs = fa.n_extra_inputs;
-    ba.output = y->dl();
-    ba.extra_outputs = const_cast<const DLTensor* const*>(eout_t.data());
-    ba.n_extra_outputs = fa.n_extra_outputs;
-    ba.params = params.data();
-    ba.n_params = fa.n_params;
-    ba.grads = grad_params.data();
-    ba.n_grads = static_cast<int>(grad_params.size());
-    if (fa.saved) {
-      ba.saved = fa.saved;
-      ba.saved_bytes = fa.saved_bytes;
-    } else {
-      void* b = nullptr;
-      ok(jf_saved_buffer(saved, &b, &ba.saved_bytes), "jf_saved_buffer");
-      ba.saved = b;
-    }
-    ba.grad_output = gyt->dl();
-    ba.grad_extra_outputs = geout_t.data();
-    ba.n_grad_extra_outputs = static_cast<int>(geout_t.size());
-    ba.grad_input = gx->dl();
-    ba.grad_extra_inputs = gein_t.data();
-    ba.n_grad_extra_inputs = static_cast<int>(gein_t.size());
-    if (opt.host_memory) {
-      ba.workspace = raw(info.backward_workspace_bytes);
-      ba.workspace_bytes = info.backward_workspace_bytes;
-    }
-    ok(jf_backward(seq, &ba, js), "jf_backward");
+    backward_call(saved, gx);
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
   };
   // Every tensor against its reference; without one (user-declared ops), against itself, which counts
