@@ -305,6 +305,46 @@ void emit_fp8_epilogue(Writer& w, const KernelSpec& spec) {
 namespace {
 
 // The one-block kernel after an FP8 kernel that reduced amax into per-block partials.
+// fp8_delayed, FP8 GEMM operands: one launch per pass updates every operand state the pass cast (one
+// block each, up to kFp8Batch), after the pass's last step: a cast uses the stored scale, so the update
+// can wait, and the recipe state costs one small kernel per pass instead of one per tensor. The
+// descriptors travel by value (JfFp8Batch, 456 bytes of kernel parameters).
+void emit_fp8_update_batch(Writer& w, const std::string& kernel, const Fp8Spec& q) {
+  w.line("// fp8_delayed ({}): for each operand state b of this pass (block b): roll its amax history, record",
+         format_name(q));
+  w.line("// the pass's amax, scale = {} / max(history) / 2^margin for the next call (the cast kernels wrote",
+         q.e5m2 ? 57344 : 448);
+  w.line("// the scale_inv they used). One thread per history entry (len <= 1024).");
+  w.line("struct JfFp8Batch {{ const float* part[{0}]; float* hist[{0}]; float* scale[{0}]; int count[{0}]; int n; int len; }};",
+         kFp8Batch);
+  w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const JfFp8Batch b) {{", kernel);
+  w.open();
+  w.line("__shared__ float jf_sm[32];");
+  w.line("const int t = blockIdx.x;");
+  w.line("if (t >= b.n) return;");
+  w.line("float* __restrict__ hist = b.hist[t];");
+  w.line("const int len = b.len;");
+  w.line("const float a = jf_amax_reduce(b.part[t], b.count[t]);  // thread 0");
+  w.line("const int i = threadIdx.x;");
+  w.line("const float keep = i + 1 < len ? hist[i] : 0.f;");
+  w.line("float m = keep;");
+  w.line("__syncthreads();");
+  w.line("if (i + 1 < len) hist[i + 1] = keep;");
+  w.line("for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));");
+  w.line("if ((threadIdx.x & 31) == 0) jf_sm[threadIdx.x >> 5] = m;");
+  w.line("__syncthreads();");
+  w.line("if (threadIdx.x == 0) {{");
+  w.open();
+  w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
+  w.line("m = fmaxf(m, a);");
+  w.line("hist[0] = a;");
+  w.line("b.scale[t][0] = {};", scale_call(q, "m"));
+  w.close();
+  w.line("}}");
+  w.close();
+  w.line("}}");
+}
+
 void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
   if (q.amax_only) {
     w.line("// fp8_current: amax_history[0] = max over the blocks' partial amax (the cast pass reads it)");
@@ -320,6 +360,7 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
   // A quantize op's state holds scale_inv, written here; an operand's scale_inv is its tensor's own,
   // written by the cast kernel, so its update kernel takes no scale_inv argument.
   const bool state_scale_inv = q.tensor.empty();
+  if (!state_scale_inv) return emit_fp8_update_batch(w, kernel, q);
   if (quantize_e4m3(q)) {
     w.line("// fp8_delayed: roll the amax history, record this call's amax, scale_inv = 1 / the scale used,");
     w.line("// scale = 448 / max(history) / 2^margin for the next call. One thread per history entry (len <= 1024).");
@@ -364,6 +405,7 @@ void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const Kerne
   emit_variants(w, spec, g.kernel, g.scalar_kernel);
   if (spec.fp8 && (spec.fp8->delayed || spec.fp8->amax_only)) {
     g.fp8_update = g.kernel + "_fp8_update";
+    g.fp8_batched = spec.fp8->delayed && !spec.fp8->amax_only && !spec.fp8->tensor.empty();
     w.line("");
     emit_fp8_update(w, g.fp8_update, *spec.fp8);
   }

@@ -337,6 +337,15 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
 
+void Builder::end_pass() {
+  const int last = static_cast<int>(steps()) - 1;
+  for (int id : batched_partials_) {
+    auto& b = p_.buffers.at(static_cast<size_t>(id));
+    b.last = std::max(b.last, last);
+  }
+  batched_partials_.clear();
+}
+
 void Builder::mark_weight_casts(size_t from) {
   auto& steps = forward_ ? p_.forward : p_.backward;
   for (size_t i = from; i < steps.size(); ++i) steps[i].weight_cast = true;
@@ -426,6 +435,7 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
     ks->fp8_scale_inv = fp8_tensor.empty() ? fp8_state(q, "", "scale_inv") : -1;
     ks->fp8_history = fp8_state(q, fp8_tensor, "amax_history");
     ks->fp8_len = std::max(1, p_.recipe.amax_history);
+    if (ks->gen.fp8_batched) batched_partials_.push_back(ks->amax_partials);
   }
   for (const auto& k : ks->args)
     if (k.kind == KArg::Kind::buffer) touch(k.buffer);

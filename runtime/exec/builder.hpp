@@ -72,6 +72,9 @@ class Builder {
   // The number of steps of the current direction so far, and marking steps [from, end) as weight casts
   // (skipped by a call whose weights did not change).
   size_t steps() const { return (forward_ ? p_.forward : p_.backward).size(); }
+  // After the last group of a pass: the amax partials of the pass's batched FP8 updates (fp8_delayed
+  // operand casts) stay alive to its end, where the executor launches the one update kernel.
+  void end_pass();
   void mark_weight_casts(size_t from);
 
   // Cache metadata of a kernel that runs ops [b, group end).
@@ -95,6 +98,7 @@ class Builder {
   std::vector<int> act_, grad_;
   std::map<std::pair<int, std::string>, int> params_, grads_, saved_, extra_;
   std::map<std::pair<int, std::string>, Fp8Operand> fp8_;
+  std::vector<int> batched_partials_;
   std::map<std::tuple<int, std::string, std::string>, int> state_;
 };
 

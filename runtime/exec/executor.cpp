@@ -8,6 +8,7 @@
 #include <optional>
 #include <cstring>
 #include <thread>
+#include <tuple>
 
 #include "cache/disk_store.hpp"
 #include "common/env.hpp"
@@ -207,8 +208,31 @@ const KernelStep::Variant& scalar_variant(const Prepared& pp, Runtime& rt, const
   });
 }
 
+// The per-pass FP8 update (codegen::Generated::fp8_batched): what the pass's casts left to it, launched
+// once after the pass, kFp8Batch states per launch. Mirrors the kernel's JfFp8Batch.
+struct Fp8Batch {
+  using Params = codegen::Fp8BatchParams;
+  CUfunction fn = nullptr;  // any cast's batch kernel of the pass (one format and margin per pass)
+  std::vector<std::tuple<const float*, float*, float*, int>> entries;
+  int len = 0;
+
+  void launch(CUstream stream) {
+    const auto& d = cuda::driver();
+    for (size_t at = 0; at < entries.size(); at += codegen::kFp8Batch) {
+      Params p{};
+      p.len = len;
+      for (size_t i = at; i < entries.size() && i < at + codegen::kFp8Batch; ++i, ++p.n)
+        std::tie(p.part[p.n], p.hist[p.n], p.scale[p.n], p.count[p.n]) = entries[i];
+      void* args[] = {&p};
+      cuda::check(d.cuLaunchKernel(fn, static_cast<unsigned>(p.n), 1, 1, 1024, 1, 1, 0, stream, args, nullptr),
+                  "cuLaunchKernel(fp8 batch update)");
+    }
+    entries.clear();
+  }
+};
+
 void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std::vector<void*>& ptr,
-                CUstream stream) {
+                CUstream stream, Fp8Batch& batch) {
   const auto& d = cuda::driver();
   bool vec = k.spec.vec;
   for (int id : k.align_buffers) vec = vec && aligned16(ptr[static_cast<size_t>(id)]);
@@ -242,7 +266,14 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std:
     cuda::check(d.cuLaunchKernel(v.kernel->finalize.at(f.key), grid, 1, 1, F::kThreads, 1, 1, 0, stream, fp, nullptr),
                 "cuLaunchKernel(finalize)");
   }
-  if (v.kernel->fp8_update) {
+  if (v.kernel->fp8_update && k.gen.fp8_batched) {
+    batch.fn = v.kernel->fp8_update;
+    batch.len = k.fp8_len;
+    batch.entries.emplace_back(static_cast<const float*>(ptr[static_cast<size_t>(k.amax_partials)]),
+                               static_cast<float*>(ptr[static_cast<size_t>(k.fp8_history)]),
+                               static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale)]),
+                               static_cast<int>(L.gx * L.gy));
+  } else if (v.kernel->fp8_update) {
     // Reduce the per-block amax partials: into amax_history[0] (current scaling's amax pass), or into the
     // history with the scale update (delayed scaling).
     void* part = ptr[static_cast<size_t>(k.amax_partials)];
@@ -344,6 +375,7 @@ void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
 
 void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
                CUstream stream, const GroupHook& hook, bool skip_weight_casts) {
+  Fp8Batch batch;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
     if (hook && (i == 0 || steps[i - 1].group != s.group)) hook(s.group, true);
@@ -352,9 +384,10 @@ void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, 
     } else if (s.kind == Step::Kind::gemm)
       run_gemm(rt, s.gemm, ptr, stream);
     else
-      run_kernel(pp, rt, *s.kernel, ptr, stream);
+      run_kernel(pp, rt, *s.kernel, ptr, stream, batch);
     if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);
   }
+  batch.launch(stream);
 }
 
 std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program, Runtime& rt) {

@@ -104,6 +104,7 @@ std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan
     b.begin_group(true, static_cast<int>(gi), g);
     implementation_for(g.impl).lower(b, g.impl);
   }
+  b.end_pass();
   b.act(n);
   if (training) {
     b.begin_group(false, -1, fuser::Group{});
@@ -113,6 +114,7 @@ std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan
       b.begin_group(false, static_cast<int>(gi), g);
       implementation_for(g.impl).lower(b, g.impl);
     }
+    b.end_pass();
     b.grad_of(0);
   }
   layout_program(*p, dev);

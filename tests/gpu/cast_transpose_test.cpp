@@ -171,7 +171,17 @@ void run_case(const CtCase& c, int64_t rows, bool vector, int gy_cap, uint64_t s
                                        1, 1, F::kThreads, 1, 1, 0, nullptr, fp, nullptr),
                   "cuLaunchKernel(finalize)");
     }
-    if (lk.fp8_update) {
+    if (lk.fp8_update && g.fp8_batched) {  // the per-pass batch update, with this one state
+      codegen::Fp8BatchParams b{};
+      b.part[0] = static_cast<const float*>(reinterpret_cast<void*>(amax_part.p));
+      b.hist[0] = static_cast<float*>(reinterpret_cast<void*>(hist.p));
+      b.scale[0] = static_cast<float*>(reinterpret_cast<void*>(scale.p));
+      b.count[0] = static_cast<int>(gx * gy);
+      b.n = 1;
+      b.len = 4;
+      void* up[] = {&b};
+      cuda::check(drv().cuLaunchKernel(lk.fp8_update, 1, 1, 1, 1024, 1, 1, 0, nullptr, up, nullptr), "cuLaunchKernel(update)");
+    } else if (lk.fp8_update) {
       int count = static_cast<int>(gx * gy), len = 4;
       void* up[] = {&amax_part.p, &count, &hist.p, &len, &scale.p};
       cuda::check(drv().cuLaunchKernel(lk.fp8_update, 1, 1, 1, 1024, 1, 1, 0, nullptr, up, nullptr), "cuLaunchKernel(update)");

@@ -623,11 +623,17 @@ extern "C" __global__ void __launch_bounds__(256) jf_bias_gelu_cast_transpose_bw
 #undef JF_VEC
 #endif
 
-// fp8_delayed (E5M2, the FP8 GEMM grad_output): roll the amax history, record this call's amax,
-// scale = 57344 / max(history) / 2^margin for the next call (the cast kernel wrote the scale_inv it used). One thread per history entry (len <= 1024).
-extern "C" __global__ void __launch_bounds__(1024) jf_bias_gelu_cast_transpose_bwd_fp8_update(const float* __restrict__ part, int count, float* __restrict__ hist, int len, float* __restrict__ scale) {
+// fp8_delayed (E5M2): for each operand state b of this pass (block b): roll its amax history, record
+// the pass's amax, scale = 57344 / max(history) / 2^margin for the next call (the cast kernels wrote
+// the scale_inv they used). One thread per history entry (len <= 1024).
+struct JfFp8Batch { const float* part[16]; float* hist[16]; float* scale[16]; int count[16]; int n; int len; };
+extern "C" __global__ void __launch_bounds__(1024) jf_bias_gelu_cast_transpose_bwd_fp8_update(const JfFp8Batch b) {
   __shared__ float jf_sm[32];
-  const float a = jf_amax_reduce(part, count);  // thread 0
+  const int t = blockIdx.x;
+  if (t >= b.n) return;
+  float* __restrict__ hist = b.hist[t];
+  const int len = b.len;
+  const float a = jf_amax_reduce(b.part[t], b.count[t]);  // thread 0
   const int i = threadIdx.x;
   const float keep = i + 1 < len ? hist[i] : 0.f;
   float m = keep;
@@ -640,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(1024) jf_bias_gelu_cast_transpose_b
     for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);
     m = fmaxf(m, a);
     hist[0] = a;
-    scale[0] = jf_fp8_scale_of<true>(m, 1.0f);
+    b.scale[t][0] = jf_fp8_scale_of<true>(m, 1.0f);
   }
 }
 

@@ -90,10 +90,10 @@ TEST_CASE("cast_transpose: forward, no stages (a bf16 tensor cast for an FP8 GEM
   CHECK(has(s, "jf_ct_store16<JF_VEC>(q0_colwise + (jf_i64)col * rows + r"));
   CHECK(has(s, "q0_scale_inv[0] = 1.f / jf_scale;"));  // the scale_inv this cast used, by one thread
   CHECK(has(s, "jf_amax_flush<JF_VEC>(jf_am, q0_amax);"));
-  // The update kernel changes only the recipe state: no scale_inv argument, E4M3's max.
-  CHECK(has(s, "jf_cast_transpose_fwd_fp8_update(const float* __restrict__ part, int count, float* __restrict__ hist, "
-               "int len, float* __restrict__ scale) {"));
-  CHECK(has(s, "scale[0] = jf_fp8_scale_of<false>(m, 1.0f);"));
+  // The update kernel is the per-pass batch (one block per operand state), changes only the recipe state:
+  // no scale_inv argument, E4M3's max.
+  CHECK(has(s, "jf_cast_transpose_fwd_fp8_update(const JfFp8Batch b) {"));
+  CHECK(has(s, "b.scale[t][0] = jf_fp8_scale_of<false>(m, 1.0f);"));
   CHECK_FALSE(has(s, "scale_inv[0] = 1.f / scale[0];"));
   // Both variants, one source; deterministic.
   CHECK(has(s, "#ifndef JF_SCALAR"));
@@ -144,7 +144,7 @@ TEST_CASE("cast_transpose: backward dgelu + dbias, E5M2 gradients", "[codegen][c
   CHECK(has(s, "gr[e] = jf_op_gelu_tanh::bwd(s[e], gr[e]);"));
   CHECK(has(s, "part0_bias[(jf_i64)(blockIdx.y) * 4096 + 0 + c] = t;"));
   CHECK(has(s, "jf_cvt8_fp8<true>(gr, jf_scale, jf_q[u]);"));
-  CHECK(has(s, "scale[0] = jf_fp8_scale_of<true>(m, 1.0f);"));
+  CHECK(has(s, "b.scale[t][0] = jf_fp8_scale_of<true>(m, 1.0f);"));
   CHECK(has(s, "// op 2 cast of the FP8 GEMM grad_output: E5M2 codes of x * scale"));
 }
 

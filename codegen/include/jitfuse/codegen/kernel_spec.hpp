@@ -169,7 +169,23 @@ struct Generated {
   // scale_inv) rolls the history, records amax, writes scale_inv = 1 / the scale used and the next scale; an
   // operand cast's (Fp8Spec::tensor) is (partials, count, history, len, scale): its cast wrote the scale_inv.
   std::string fp8_update;
+  // fp8_delayed casts of FP8 GEMM operands (Fp8Spec::tensor set): fp8_update is instead the per-pass
+  // batch update, (JfFp8Batch by value: part[], hist[], scale[], count[] for kFp8Batch states, n, len), one
+  // block per state; the executor launches it once after the pass for every such cast that ran.
+  bool fp8_batched = false;
   std::vector<std::string> headers;  // template files included, in order
+};
+
+// The most operand states one batch update launch takes, and the host's mirror of the kernel's
+// JfFp8Batch parameter (same members, same order).
+inline constexpr int kFp8Batch = 16;
+struct Fp8BatchParams {
+  const float* part[kFp8Batch];  // per state: the cast's per-block amax partials
+  float* hist[kFp8Batch];        // its amax history [len]
+  float* scale[kFp8Batch];       // its scale (written for the next call)
+  int count[kFp8Batch];          // its number of partials
+  int n;                         // states in this launch (grid.x)
+  int len;                       // history length (the same for every state of a sequence)
 };
 
 // Emits the kernel for `spec`. Deterministic: the same spec gives byte-identical source.
