@@ -99,7 +99,9 @@ json step_json(const Program& p, const Step& s, double bw) {
               {"rows", k.rows},
               {"args", args},
               {"finalize_kernels", k.finalize.size()},
-              {"fp8_update", !k.gen.fp8_update.empty()}});
+              {"fp8_update", k.gen.fp8_update.empty() ? json("none")
+                                                      : json(k.gen.fp8_batched ? "batched (after the pass)"
+                                                                               : "after the kernel")}});
   }
   j["bytes_read"] = r;
   j["bytes_written"] = w;
@@ -120,8 +122,14 @@ json program_json(const Program& p, double bw) {
   for (const auto& [key, steps] : {std::pair<const char*, const std::vector<Step>*>{"forward", &p.forward},
                                    {"backward", &p.backward}}) {
     json list = json::array();
-    for (const auto& s : *steps) list.push_back(step_json(p, s, bw));
+    int batched = 0;
+    for (const auto& s : *steps) {
+      list.push_back(step_json(p, s, bw));
+      if (s.kind == Step::Kind::kernel && s.kernel->gen.fp8_batched) ++batched;
+    }
     out[key] = list;
+    // fp8_delayed operand casts: their recipe states are updated by one kernel after the pass.
+    out[std::string(key) + "_fp8_batched_updates"] = batched;
   }
   json buffers = json::array();
   for (const auto& b : p.buffers)
@@ -193,6 +201,8 @@ std::string program_text(const Program& p, double bw) {
                          bytes_text(s["bytes_read"].get<double>()), bytes_text(s["bytes_written"].get<double>()),
                          s.value("napkin_us", 0.0));
     }
+    if (const int n = j[std::string(pass) + "_fp8_batched_updates"].get<int>())
+      out += fmt::format("  then  one FP8 recipe-state update kernel for the {} fp8_delayed operand cast(s) of the pass\n", n);
   }
   out += "\nbuffers:\n";
   out += fmt::format("  {:>3}  {:<26} {:<14} {:<9} {:<5} {:>14} {:>11} {:>11}  steps\n", "id", "name", "role",

@@ -116,7 +116,15 @@ TEST_CASE("planning commands refuse what an FP8 recipe cannot run; bench refuses
     {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "quantize"}]})J");
   auto r = run_cli("explain '" + seq + "' --recipe fp8_current --shape 8x64");
   CHECK(r.status != 0);
-  CHECK_THAT(r.out, Catch::Contains("op 0 (linear) under recipe fp8_current: FP8 GEMMs are not implemented"));
+  // 8 rows: the FP8 wgrad contracts over them, and FP8 GEMMs need multiples of 16.
+  CHECK_THAT(r.out, Catch::Contains("op 0 (linear) under recipe fp8_current: FP8 GEMMs need the number of rows"));
+  CHECK_THAT(r.out, Catch::Contains("multiple of 16 (got 8"));
+  r = run_cli("explain '" + seq + "' --recipe fp8_current --shape 16x64");  // 16 rows: planned
+  CHECK(r.status == 0);
+  r = run_cli("explain '" + seq + "' --recipe fp8_current --shape 16x64 --program");
+  CHECK(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains("(e4m3 x e4m3, fast accumulation)"));  // the forward GEMM on FP8 operands
+  CHECK_THAT(r.out, Catch::Contains("op0.weight.col"));                     // the transposed weight for dgrad
   std::string ok = dir.write("ok.json", R"J({"format": "jitfuse.sequence/1", "name": "ok", "ops": [
     {"op": "layernorm"}, {"op": "quantize"}]})J");
   r = run_cli("explain '" + ok + "' --recipe fp8_delayed --shape 8x64");
