@@ -304,7 +304,32 @@ void emit_fp8_epilogue(Writer& w, const KernelSpec& spec) {
 
 namespace {
 
-// The one-block kernel after an FP8 kernel that reduced amax into per-block partials.
+// The body of a delayed-scaling update (every thread of a 1024-thread block, `hist` and `len` in scope):
+// reduce the partials into this call's amax, roll the history one entry (newest first), record the amax,
+// and from the history's maximum set the next scale (`scale`; `scale_inv[0] = 1 / the scale used` first
+// when the state holds one).
+void emit_history_roll(Writer& w, const std::string& part, const std::string& count, bool scale_inv,
+                       const std::string& scale, const Fp8Spec& q) {
+  w.line("const float a = jf_amax_reduce({}, {});  // thread 0", part, count);
+  w.line("const int i = threadIdx.x;");
+  w.line("const float keep = i + 1 < len ? hist[i] : 0.f;");
+  w.line("float m = keep;");
+  w.line("__syncthreads();");
+  w.line("if (i + 1 < len) hist[i + 1] = keep;");
+  w.line("for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));");
+  w.line("if ((threadIdx.x & 31) == 0) jf_sm[threadIdx.x >> 5] = m;");
+  w.line("__syncthreads();");
+  w.line("if (threadIdx.x == 0) {{");
+  w.open();
+  w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
+  w.line("m = fmaxf(m, a);");
+  w.line("hist[0] = a;");
+  if (scale_inv) w.line("scale_inv[0] = 1.f / scale[0];");
+  w.line("{} = {};", scale, scale_call(q, "m"));
+  w.close();
+  w.line("}}");
+}
+
 // fp8_delayed, FP8 GEMM operands: one launch per pass updates every operand state the pass cast (one
 // block each, up to kFp8Batch), after the pass's last step: a cast uses the stored scale, so the update
 // can wait, and the recipe state costs one small kernel per pass instead of one per tensor. The
@@ -324,27 +349,12 @@ void emit_fp8_update_batch(Writer& w, const std::string& kernel, const Fp8Spec& 
   w.line("if (t >= b.n) return;");
   w.line("float* __restrict__ hist = b.hist[t];");
   w.line("const int len = b.len;");
-  w.line("const float a = jf_amax_reduce(b.part[t], b.count[t]);  // thread 0");
-  w.line("const int i = threadIdx.x;");
-  w.line("const float keep = i + 1 < len ? hist[i] : 0.f;");
-  w.line("float m = keep;");
-  w.line("__syncthreads();");
-  w.line("if (i + 1 < len) hist[i + 1] = keep;");
-  w.line("for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));");
-  w.line("if ((threadIdx.x & 31) == 0) jf_sm[threadIdx.x >> 5] = m;");
-  w.line("__syncthreads();");
-  w.line("if (threadIdx.x == 0) {{");
-  w.open();
-  w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
-  w.line("m = fmaxf(m, a);");
-  w.line("hist[0] = a;");
-  w.line("b.scale[t][0] = {};", scale_call(q, "m"));
-  w.close();
-  w.line("}}");
+  emit_history_roll(w, "b.part[t]", "b.count[t]", false, "b.scale[t][0]", q);
   w.close();
   w.line("}}");
 }
 
+// The one-block kernel after an FP8 kernel that reduced amax into per-block partials.
 void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
   if (q.amax_only) {
     w.line("// fp8_current: amax_history[0] = max over the blocks' partial amax (the cast pass reads it)");
@@ -375,24 +385,7 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
          state_scale_inv ? ", float* __restrict__ scale_inv" : "");
   w.open();
   w.line("__shared__ float jf_sm[32];");
-  w.line("const float a = jf_amax_reduce(part, count);  // thread 0");
-  w.line("const int i = threadIdx.x;");
-  w.line("const float keep = i + 1 < len ? hist[i] : 0.f;");
-  w.line("float m = keep;");
-  w.line("__syncthreads();");
-  w.line("if (i + 1 < len) hist[i + 1] = keep;");
-  w.line("for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));");
-  w.line("if ((threadIdx.x & 31) == 0) jf_sm[threadIdx.x >> 5] = m;");
-  w.line("__syncthreads();");
-  w.line("if (threadIdx.x == 0) {{");
-  w.open();
-  w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
-  w.line("m = fmaxf(m, a);");
-  w.line("hist[0] = a;");
-  if (state_scale_inv) w.line("scale_inv[0] = 1.f / scale[0];");
-  w.line("scale[0] = {};", scale_call(q, "m"));
-  w.close();
-  w.line("}}");
+  emit_history_roll(w, "part", "count", state_scale_inv, "scale[0]", q);
   w.close();
   w.line("}}");
 }
