@@ -396,7 +396,7 @@ jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* sav
     fa.rng.offset = a.rng_offset;
     if (s.recipe.is_fp8()) {
       fa.fp8 = s.fp8_state();
-      fa.persistent = s.persistent_for(prog);
+      fa.persistent = s.persistent();
       fa.weights_unchanged = s.weights_unchanged(prog, fa.params, a.fp8_weights_unchanged != 0);
     }
     auto owned = train && !a.saved ? std::make_unique<jf_saved_s>() : nullptr;
@@ -469,7 +469,7 @@ jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream s
     ba.workspace = a.workspace;
     if (s.recipe.is_fp8()) {
       ba.fp8 = s.fp8_state();
-      ba.persistent = s.persistent_for(prog);
+      ba.persistent = s.persistent();
     }
     auto shadow = s.take_shadow(a.saved);
     jitfuse::exec::run_backward(*pp, s.ctx.runtime(), ba, shadow.get());

@@ -137,37 +137,33 @@ const exec::PersistentMap& Sequence::persistent_for(const exec::Program& p) {
   return pers.buffers;
 }
 
+const exec::PersistentMap& Sequence::persistent() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return persistent_[cuda::current_ordinal()].buffers;
+}
+
 bool Sequence::weights_unchanged(const exec::Program& p, const exec::ParamMap& params, bool host_says) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& pers = persistent_[cuda::current_ordinal()];
-  bool ok = host_says;
-  std::map<int, const void*> from;
-  for (const auto& b : p.buffers) {
-    if (b.storage != exec::Storage::persistent) continue;
+  auto& cast_from = persistent_[cuda::current_ordinal()].cast_from;
+  auto source = [&](const exec::Buffer& b) {
     auto w = params.find({b.op, "weight"});
-    const void* src = w == params.end() ? nullptr : w->second;
-    from[b.op] = src;
-    auto it = pers.cast_from.find(b.op);
-    if (!pers.written.count({b.op, b.key}) || it == pers.cast_from.end() || it->second != src) ok = false;
+    return w == params.end() ? nullptr : w->second;
+  };
+  // Skipped only if every copy this program reads was cast, by an earlier forward, from the same pointer
+  // (a copy never written has no entry).
+  bool ok = host_says;
+  for (const auto& b : p.buffers) {
+    if (!ok) break;
+    if (b.storage != exec::Storage::persistent) continue;
+    auto it = cast_from.find({b.op, b.key});
+    ok = it != cast_from.end() && it->second == source(b);
   }
   if (ok) {
     log().debug("sequence '{}': weights unchanged: the FP8 weight casts are skipped", def.name);
     return true;
   }
-  for (const auto& b : p.buffers)
-    if (b.storage == exec::Storage::persistent) pers.written.insert({b.op, b.key});
-  for (const auto& [op, src] : from) {
-    // A copy cast from another pointer than the one recorded for its op: the op's other copies are stale.
-    auto it = pers.cast_from.find(op);
-    if (it != pers.cast_from.end() && it->second != src)
-      for (auto k = pers.written.begin(); k != pers.written.end();)
-        k = k->first == op && !std::any_of(p.buffers.begin(), p.buffers.end(), [&](const exec::Buffer& b) {
-              return b.storage == exec::Storage::persistent && b.op == op && b.key == k->second;
-            })
-                ? pers.written.erase(k)
-                : std::next(k);
-    pers.cast_from[op] = src;
-  }
+  for (const auto& b : p.buffers)  // this forward casts: its copies now come from these pointers
+    if (b.storage == exec::Storage::persistent) cast_from[{b.op, b.key}] = source(b);
   return false;
 }
 

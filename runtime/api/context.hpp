@@ -3,7 +3,6 @@
 #pragma once
 #include <deque>
 #include <map>
-#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -82,8 +81,10 @@ class Sequence {
   // op, (op, "input" | "weight" | "grad_output") of each linear's GEMM operands.
   const exec::Fp8StateMap& fp8_state();
   // FP8 recipes: the sequence's persistent buffers a program binds (the FP8 copies of the weights),
-  // allocated on the current device when prepare first sees them.
+  // allocated on the current device when prepare first sees them (prepared_for calls it).
   const exec::PersistentMap& persistent_for(const exec::Program& p);
+  // The persistent buffers on the current device, as prepare allocated them (what a call binds).
+  const exec::PersistentMap& persistent();
   // Whether a forward of `p` may skip its weight casts: the host says the weights did not change AND
   // every persistent copy `p` reads was written by an earlier forward from the same weight pointers.
   // When it may not, records that this forward (which casts) writes them from `params`.
@@ -98,8 +99,7 @@ class Sequence {
   struct Persistent {
     exec::PersistentMap buffers;
     std::map<exec::Key, size_t> bytes;
-    std::set<exec::Key> written;               // keys a forward's weight casts wrote
-    std::map<int, const void*> cast_from;      // linear op -> the weight pointer its copies were cast from
+    std::map<exec::Key, const void*> cast_from;  // copy -> the weight pointer a forward last cast it from
   };
   std::map<int, Persistent> persistent_;  // device ordinal -> persistent buffers
   std::mutex mu_;

@@ -211,6 +211,8 @@ Builder::Fp8Operand& Builder::fp8_operand(int lin, const std::string& tensor) {
     return add(b);
   };
   Fp8Operand f;
+  f.rows = rows;
+  f.cols = cols;
   f.row = make("row", row_at, rows, cols, dt);
   if (p_.training) f.col = make("col", col_at, cols, rows, dt);
   f.scale_inv = make("scale_inv", p_.training ? col_at : row_at, 1, 1, ops::DType::f32);
@@ -429,7 +431,6 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   }
   if (!ks->gen.fp8_update.empty()) {
     const int q = spec.fp8->op;
-    // The update kernel's scale_inv: the state's (an operand's GEMMs read the copy's own, written by the cast).
     ks->fp8_scale = fp8_state(q, fp8_tensor, "scale");
     // An operand's update kernel takes no scale_inv (the cast wrote the copy's own); a quantize op's does.
     ks->fp8_scale_inv = fp8_tensor.empty() ? fp8_state(q, "", "scale_inv") : -1;

@@ -42,6 +42,7 @@ class Builder {
   // backward arena. Made once per (lin, tensor); `ready` says whether a kernel already writes it.
   struct Fp8Operand {
     int row = -1, col = -1, scale_inv = -1;
+    int64_t rows = 0, cols = 0;  // the row-major copy's shape (the transposed one is [cols, rows])
     bool ready = false;
   };
   Fp8Operand& fp8_operand(int lin, const std::string& tensor);

@@ -32,8 +32,7 @@ void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, i
   auto& dst = b.fp8_operand(lin, tensor);
   const bool weight = tensor == "weight";
   const auto& o = ops.at(static_cast<size_t>(lin));
-  const int64_t rows = weight ? ops::cols_of(o.out) : tensor == "input" ? ops::rows_of(o.in) : ops::rows_of(o.out);
-  const int64_t cols = weight ? ops::cols_of(o.in) : tensor == "input" ? ops::cols_of(o.in) : ops::cols_of(o.out);
+  const int64_t rows = dst.rows, cols = dst.cols;
   ChainOptions opt = chain_options(b);
   codegen::Fp8Spec q;
   q.op = lin;

@@ -216,34 +216,30 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
   const auto& x = b.fp8_operand(lin, "input");
   const int64_t m = ops::rows_of(op.in), k = ops::cols_of(op.in), n = ops::cols_of(op.out);
   const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
-  GemmStep dg = b.linear_gemm(lin, cuda::GemmKind::fwd);  // dx[m,k] = dy[m,n] . (W^T[k,n])^T
-  dg.call.m = m;
-  dg.call.n = k;
-  dg.call.k = n;
-  dg.call.alpha = lb.alpha;
-  dg.call.fp8 = fp8_gemm(ops::DType::e5m2, ops::DType::e4m3, false);
-  dg.a = dy.row;
-  dg.b = w.col;
-  dg.a_scale_inv = dy.scale_inv;
-  dg.b_scale_inv = w.scale_inv;
-  dg.d = lb.dx;
+  // Both as the TN primitive D[rows, cols] = (A[rows, inner] . B[cols, inner]^T) on E5M2 dy x E4M3.
+  auto tn = [&](int64_t rows, int64_t cols, int64_t inner, int a, int a_si, int bt, int b_si, int d) {
+    GemmStep g = b.linear_gemm(lin, cuda::GemmKind::fwd);
+    g.call.m = rows;
+    g.call.n = cols;
+    g.call.k = inner;
+    g.call.alpha = lb.alpha;
+    g.call.fp8 = fp8_gemm(ops::DType::e5m2, ops::DType::e4m3, false);
+    g.a = a;
+    g.a_scale_inv = a_si;
+    g.b = bt;
+    g.b_scale_inv = b_si;
+    g.d = d;
+    return g;
+  };
+  GemmStep dg = tn(m, k, n, dy.row, dy.scale_inv, w.col, w.scale_inv, lb.dx);  // dx[m,k] = dy[m,n] . (W^T[k,n])^T
   if (lb.accumulate >= 0) {
     dg.call.beta = 1.f;
     dg.c = lb.accumulate;
   }
   b.gemm(dg, who + ": FP8 dgrad " + op.label() + " (E5M2 dy x E4M3 W^T)");
-  GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::fwd);  // dW[n,k] = dy^T[n,m] . (x^T[k,m])^T
-  wg.call.m = n;
-  wg.call.n = k;
-  wg.call.k = m;
-  wg.call.alpha = lb.alpha;
+  // dW[n,k] = dy^T[n,m] . (x^T[k,m])^T
+  GemmStep wg = tn(n, k, m, dy.col, dy.scale_inv, x.col, x.scale_inv, b.grad(lin, "weight"));
   wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
-  wg.call.fp8 = fp8_gemm(ops::DType::e5m2, ops::DType::e4m3, false);
-  wg.a = dy.col;
-  wg.b = x.col;
-  wg.a_scale_inv = dy.scale_inv;
-  wg.b_scale_inv = x.scale_inv;
-  wg.d = b.grad(lin, "weight");
   b.gemm(wg, who + ": FP8 wgrad " + op.label() + " (E5M2 dy^T x E4M3 x^T)");
 }
 
