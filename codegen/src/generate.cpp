@@ -46,6 +46,10 @@ Generated generate(const KernelSpec& spec) {
     if (spec.norm || spec.gated)
       throw std::invalid_argument("codegen: a cast_transpose spec has no norm or gated anchor (its stages are all pre stages)");
     if (!spec.post.empty()) throw std::invalid_argument("codegen: a cast_transpose spec has no post stages (no anchor)");
+    if (spec.fp8->codes_in && (!spec.pre.empty() || spec.fp8->amax_only))
+      throw std::invalid_argument("codegen: a cast_transpose spec over codes (Fp8Spec::codes_in) has no stages and no amax pass");
+  } else if (spec.fp8 && spec.fp8->codes_in) {
+    throw std::invalid_argument("codegen: Fp8Spec::codes_in belongs to the cast_transpose skeleton");
   }
   std::vector<int> seq;
   const KernelSpec local = detail::by_position(spec, seq);

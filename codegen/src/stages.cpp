@@ -396,7 +396,7 @@ void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const Kerne
   g.scalar_kernel = g.kernel + "_scalar";
   g.vec = spec.vec;
   emit_variants(w, spec, g.kernel, g.scalar_kernel);
-  if (spec.fp8 && (spec.fp8->delayed || spec.fp8->amax_only)) {
+  if (spec.fp8 && !spec.fp8->codes_in && (spec.fp8->delayed || spec.fp8->amax_only)) {
     g.fp8_update = g.kernel + "_fp8_update";
     g.fp8_batched = spec.fp8->delayed && !spec.fp8->amax_only && !spec.fp8->tensor.empty();
     w.line("");

@@ -54,17 +54,11 @@ void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, i
   }
   spec.vec = (bgn < e ? opt.vec : true) && cols % 8 == 0;
   spec.fp8 = q;
+  // A norm kernel writes one row at a time, so it writes the row-major codes only; in training the
+  // transposed copy is a transpose of those codes (1 byte read per element, not the 2-byte activation).
   const bool norm = spec.skeleton == codegen::Skeleton::rownorm;
-  if (norm && b.training()) {
-    // A norm kernel writes one row at a time: it cannot write the transposed copy. It writes its bf16
-    // output, and a cast + transpose kernel makes both FP8 copies from it.
-    spec.fp8.reset();
-    const int mid = b.act(e);
-    lower_spec(b, spec, b.kernel_meta(bgn, "forward"), src, mid, rows, b.group().rule + ": generated rownorm");
-    fp8_cast_operand(b, lin, tensor, mid, e, e);
-    return;
-  }
-  if (b.training() || !b.forward()) {
+  const bool codes_transpose = norm && b.training();
+  if ((b.training() || !b.forward()) && !norm) {
     spec.skeleton = codegen::Skeleton::cast_transpose;
     spec.label += "_transpose";
     spec.vec = spec.vec && rows % 16 == 0;  // the transposed 16-byte stores: 16 rows of one column
@@ -77,6 +71,21 @@ void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, i
   lower_spec(b, spec, meta, src, dst.row, rows,
              fmt::format("{}: generated {} -> {} {} of {}", who, codegen::skeleton_name(spec.skeleton),
                          q.e5m2 ? "E5M2" : "E4M3", tensor, o.label()));
+  if (codes_transpose) {
+    codegen::KernelSpec t;
+    t.skeleton = codegen::Skeleton::cast_transpose;
+    t.dir = spec.dir;
+    t.dtype = spec.dtype;
+    t.rule = spec.rule;
+    t.cols = cols;
+    t.vec = cols % 8 == 0 && rows % 16 == 0;
+    t.fp8 = q;
+    t.fp8->codes_in = true;
+    t.label = std::string("transpose_") + (q.e5m2 ? "e5m2" : "e4m3");
+    b.kernel(t, meta, dst.row, dst.col, rows,
+             fmt::format("{}: generated transpose of the {} {} codes of {}", who, q.e5m2 ? "E5M2" : "E4M3", tensor,
+                         o.label()));
+  }
   if (weight) b.mark_weight_casts(first);
   dst.ready = true;
 }

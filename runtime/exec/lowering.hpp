@@ -12,10 +12,11 @@
 
 namespace jitfuse::exec {
 
-// The fuser's legality predicate: the implementation a rule names, asked about the window.
-fuser::LegalityFn legality();
+// The fuser's legality predicate: the implementation a rule names, asked about the window; under an FP8
+// recipe (`fp8`), also whether it runs the window's linear on FP8 GEMMs (Implementation::check_fp8).
+fuser::LegalityFn legality(bool fp8 = false);
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
-                                       rules::Pass pass);
+                                       rules::Pass pass, bool fp8 = false);
 
 struct ChainOptions {
   codegen::Direction dir = codegen::Direction::forward;

@@ -85,7 +85,7 @@ fuser::Plan make_plan(const std::vector<ops::Op>& ops, const ops::Recipe& recipe
   in.arch = o.arch;
   in.training = o.training;
   in.disable_fusion = o.disable_fusion;
-  return fuser::plan(ops, in, rs, legality());
+  return fuser::plan(ops, in, rs, legality(recipe.is_fp8()));
 }
 
 std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan, const ops::Recipe& recipe,

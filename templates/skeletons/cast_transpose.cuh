@@ -35,3 +35,18 @@ __device__ __forceinline__ void jf_ct_store16(unsigned char* __restrict__ p, con
       if (i < n) p[i] = (unsigned char)(w[i >> 2] >> (8 * (i & 3)));
   }
 }
+
+// Loads the 8 codes p[0 .. 7] into q (element e in byte e % 4 of word e / 4, as jf_ct_stage takes them).
+// VEC: p is 8-byte aligned and the 8 codes exist; else byte by byte, the first n (the rest stay 0).
+template <bool VEC>
+__device__ __forceinline__ void jf_ct_load8(const unsigned char* __restrict__ p, jf_u32 (&q)[2], int n = 8) {
+  if (VEC) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    q[0] = v.x;
+    q[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (i < n) q[i >> 2] |= (jf_u32)p[i] << (8 * (i & 3));
+  }
+}

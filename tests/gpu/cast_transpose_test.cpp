@@ -1,7 +1,8 @@
-// The cast_transpose skeleton on the GPU, launched directly (no lowering produces it yet): row-major and
-// transposed FP8 codes against the float64 reference encoders, amax partials and the update kernels, the
-// operand's scale_inv, the stages' saved input and dbias; E4M3 / E5M2, delayed / current scaling, forward /
-// backward, vector / scalar variants, partial row and column tiles, blocks looping over several tiles.
+// The cast_transpose skeleton on the GPU, launched directly: row-major and transposed FP8 codes against the
+// float64 reference encoders, amax partials and the update kernels, the operand's scale_inv, the stages'
+// saved input and dbias; E4M3 / E5M2, delayed / current scaling, forward / backward, vector / scalar
+// variants, partial row and column tiles, blocks looping over several tiles; and the transpose of codes a
+// norm wrote (Fp8Spec::codes_in), exact.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -243,6 +244,48 @@ void run_case(const CtCase& c, int64_t rows, bool vector, int gy_cap, uint64_t s
   }
 }
 
+// Fp8Spec::codes_in: random codes (every byte value) in, exactly their transpose out, and nothing written
+// past the [cols, rows] tensor (poisoned guard bytes after it stay as they were).
+void run_codes_case(bool e5m2, int64_t rows, int64_t cols, bool vector, uint64_t seed) {
+  INFO("codes transpose " << (e5m2 ? "E5M2" : "E4M3") << " " << rows << "x" << cols << (vector ? " vector" : " scalar"));
+  const CtCase c{codegen::Direction::forward, CtChain::codes, CtScaling::delayed, e5m2, "bf16", cols};
+  const size_t n = static_cast<size_t>(rows * cols), guard = 64;
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> codes(n);
+  for (auto& b : codes) b = static_cast<uint8_t>(rng());
+  exec::TemplateStore templates;
+  cache::KernelCache cache(cache::Config{});
+  exec::KernelLibrary lib(cache, templates);
+  const codegen::KernelSpec spec = test::cast_transpose_spec(c);
+  const codegen::Generated g = codegen::generate(spec);
+  const exec::LoadedKernel& lk = lib.load(g, spec, exec::target_for_arch(cuda::current_device().arch()), {}, vector && spec.vec);
+  DevBuf in(n), colwise(n + guard);  // colwise poisoned with 0xCD
+  in.put(codes);
+  int64_t rows_arg = rows;
+  std::vector<void*> params;
+  for (const auto& a : g.args) {
+    using R = codegen::Arg::Role;
+    switch (a.role) {
+      case R::in: params.push_back(&in.p); break;
+      case R::fp8_colwise: params.push_back(&colwise.p); break;
+      case R::rows: params.push_back(&rows_arg); break;
+      default: FAIL("unexpected argument " << a.name);
+    }
+  }
+  const int64_t slab = int64_t{g.launch.by} * g.launch.rows_per_thread_iter;
+  cuda::check(drv().cuLaunchKernel(lk.fn, static_cast<unsigned>(g.launch.grid_x), static_cast<unsigned>((rows + slab - 1) / slab),
+                                   1, g.launch.bx, g.launch.by, 1, 0, nullptr, params.data(), nullptr),
+              "cuLaunchKernel");
+  const auto t = colwise.get<uint8_t>(n + guard);
+  size_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) bad += t[static_cast<size_t>(j * rows + r)] != codes[static_cast<size_t>(r * cols + j)];
+  CHECK(bad == 0);
+  size_t overrun = 0;
+  for (size_t i = n; i < n + guard; ++i) overrun += t[i] != 0xCD;
+  CHECK(overrun == 0);
+}
+
 }  // namespace
 
 TEST_CASE("cast_transpose kernels on the GPU against the reference", "[fp8][cast_transpose]") {
@@ -262,6 +305,12 @@ TEST_CASE("cast_transpose kernels on the GPU against the reference", "[fp8][cast
             const CtCase odd{dir, chain, scaling, e5m2, dtype, 66};
             run_case(odd, 37, false, 1 << 30, seed++, integer_path);
           }
+  for (bool e5m2 : {false, true}) {
+    run_codes_case(e5m2, 208, 328, true, seed++);   // full and partial tiles both ways, vector
+    run_codes_case(e5m2, 208, 328, false, seed++);
+    run_codes_case(e5m2, 37, 66, false, seed++);    // any shape: scalar
+    run_codes_case(e5m2, 1024, 4096, true, seed++);
+  }
 }
 
 // By hand (hidden tag): time the vector kernels at a GEMM-sized shape against a device-to-device copy.

@@ -1,5 +1,5 @@
-// KernelSpecs of the cast_transpose skeleton built by hand (no built-in rule lowers to it yet), shared by the
-// unit tier (argument lists, golden source) and the nvrtc tier (every variant compiles).
+// KernelSpecs of the cast_transpose skeleton built by hand, shared by the unit tier (argument lists, golden
+// source), the nvrtc tier (every variant compiles) and the gpu tier (every variant against the reference).
 #pragma once
 #include <string>
 #include <vector>
@@ -11,6 +11,7 @@ namespace jitfuse::test {
 enum class CtChain {
   none,       // a plain cast + transpose + amax (forward: an input; backward: a gradient)
   bias_gelu,  // forward: bias, gelu(tanh) saving its input; backward: dgelu, then dbias (column sums)
+  codes,      // Fp8Spec::codes_in: the transpose of codes a norm kernel wrote (no stages, scale or amax)
 };
 enum class CtScaling { delayed, current, amax_only };  // amax_only: fp8_current's first pass
 
@@ -23,7 +24,7 @@ struct CtCase {
   int64_t cols = 64;
   std::string name() const {
     return std::string(dir == codegen::Direction::forward ? "fwd" : "bwd") +
-           (chain == CtChain::none ? " plain" : " bias_gelu") +
+           (chain == CtChain::none ? " plain" : chain == CtChain::bias_gelu ? " bias_gelu" : " codes") +
            (scaling == CtScaling::delayed ? " delayed" : scaling == CtScaling::current ? " current" : " amax_only") +
            (e5m2 ? " e5m2 " : " e4m3 ") + dtype + " cols " + std::to_string(cols);
   }
@@ -62,8 +63,11 @@ inline codegen::KernelSpec cast_transpose_spec(const CtCase& c) {
   q.e5m2 = c.e5m2;
   q.delayed = c.scaling == CtScaling::delayed;
   q.amax_only = c.scaling == CtScaling::amax_only;
+  q.codes_in = c.chain == CtChain::codes;
   s.fp8 = q;
-  s.label = (c.chain == CtChain::none ? std::string("cast_transpose") : std::string("bias_gelu_cast_transpose")) +
+  s.label = (c.chain == CtChain::none        ? std::string("cast_transpose")
+             : c.chain == CtChain::bias_gelu ? std::string("bias_gelu_cast_transpose")
+                                             : std::string("transpose")) +
             (q.amax_only ? "_amax" : "");
   s.rule = "test";
   return s;
@@ -79,6 +83,9 @@ inline std::vector<CtCase> cast_transpose_cases() {
         for (bool e5m2 : {false, true})
           for (const char* dtype : {"bf16", "fp16"})
             for (int64_t cols : {4096, 66}) out.push_back({dir, chain, scaling, e5m2, dtype, cols});
+  for (bool e5m2 : {false, true})  // the codes' transpose: no scaling, the storage dtype unused
+    for (int64_t cols : {4096, 66})
+      out.push_back({codegen::Direction::forward, CtChain::codes, CtScaling::delayed, e5m2, "bf16", cols});
   return out;
 }
 

@@ -8,6 +8,9 @@ namespace {
 class Bias final : public CublasEpilogue {
  public:
   std::string name() const override { return "BIAS"; }
+  std::optional<std::string> check_fp8(const std::vector<OpUse>&, const rules::Impl&, rules::Pass) const override {
+    return std::nullopt;  // linear_forward with the BIAS epilogue, which FP8 GEMMs take
+  }
 
  protected:
   rules::Pass pass() const override { return rules::Pass::forward; }

@@ -5,8 +5,8 @@
 //                                         (training), then y = x W^T (+ b in the GEMM's BIAS epilogue)
 //   backward [linear, chain...]          the chain's backward kernel (dbias, dact, ...) writes dy as
 //                                         E5M2, row-major + transposed, then dgrad and wgrad
-// The chain is any generated chain (elementwise; a norm forward, which writes row-major codes only, so in
-// training a cast + transpose of its bf16 output follows); empty, the cast stands alone.
+// The chain is any generated chain (elementwise; a norm forward, which writes the row-major codes only, so
+// in training a transpose of its codes follows); empty, the cast stands alone.
 #include "common/error.hpp"
 #include "exec/impl/generated_chain.hpp"
 #include "exec/impl/registrar.hpp"
@@ -47,6 +47,9 @@ class GeneratedFp8Cast final : public Implementation {
     if (chain.empty()) return std::nullopt;
     if (auto p = chain_problem(chain, 0, &sk)) return p;
     if (sk != codegen::Skeleton::elementwise) return "in the backward, fp8_cast's chain must be elementwise";
+    return std::nullopt;
+  }
+  std::optional<std::string> check_fp8(const std::vector<OpUse>&, const rules::Impl&, rules::Pass) const override {
     return std::nullopt;
   }
   void lower(Builder& b, const rules::Impl&) const override {

@@ -35,6 +35,11 @@ class Implementation {
   // The one legality predicate: nullopt when it can run `window` in `pass` as `impl` says, else why not.
   virtual std::optional<std::string> check(const std::vector<OpUse>& window, const rules::Impl& impl,
                                            rules::Pass pass) const = 0;
+  // Under an FP8 recipe, for a window with a linear that check() accepted: nullopt when lower() runs the
+  // linear on FP8 GEMMs (its GEMM steps come from linear_forward / linear_backward with no epilogue but
+  // BIAS), else why not. Default: not (the planner then gives the window to another rule or unfused).
+  virtual std::optional<std::string> check_fp8(const std::vector<OpUse>& window, const rules::Impl& impl,
+                                               rules::Pass pass) const;
   // Appends the steps of the builder's current group (direction: b.forward()).
   virtual void lower(Builder& b, const rules::Impl& impl) const = 0;
 };

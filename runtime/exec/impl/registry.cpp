@@ -49,16 +49,29 @@ std::vector<const Implementation*> implementations() {
 }
 
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
-                                       rules::Pass pass) {
+                                       rules::Pass pass, bool fp8) {
   const Implementation* impl = find_implementation(rule.impl);
   if (!impl) return "no implementation named by the rule";
-  return impl->check(window_of(ops, b, e), rule.impl, pass);
+  const auto window = window_of(ops, b, e);
+  if (auto why = impl->check(window, rule.impl, pass)) return why;
+  const bool linear = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::linear; });
+  if (!fp8 || !linear) return std::nullopt;
+  return impl->check_fp8(window, rule.impl, pass);
 }
 
-fuser::LegalityFn legality() {
-  return [](const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e, rules::Pass pass) {
-    return check_legal(rule, ops, b, e, pass);
+fuser::LegalityFn legality(bool fp8) {
+  return [fp8](const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e, rules::Pass pass) {
+    return check_legal(rule, ops, b, e, pass, fp8);
   };
+}
+
+std::optional<std::string> Implementation::check_fp8(const std::vector<OpUse>&, const rules::Impl& impl,
+                                                     rules::Pass) const {
+  const char* what = impl.kind == rules::Impl::Kind::cublaslt ? "cuBLASLt epilogue"
+                     : impl.kind == rules::Impl::Kind::joint  ? "joint strategy"
+                                                              : "skeleton";
+  return fmt::format("under an FP8 recipe a linear runs on FP8 GEMMs (E4M3/E5M2 operands, a BIAS epilogue at most), "
+                     "which {} {} does not lower to; the fp8 rules or the unfused linear take it", what, name());
 }
 
 }  // namespace jitfuse::exec

@@ -14,6 +14,9 @@ class Unfused final : public Implementation {
     if (w.size() != 1) return "an unfused group holds one op";
     return std::nullopt;
   }
+  std::optional<std::string> check_fp8(const std::vector<OpUse>&, const rules::Impl&, rules::Pass) const override {
+    return std::nullopt;  // linear_forward / linear_backward: FP8 GEMMs with standalone casts
+  }
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
     if (b.ops()[g.begin].family != ops::Family::linear) return lower_generated_group(b, chain_options(b));

@@ -213,6 +213,44 @@ TEST_CASE("cast_transpose: source independent of the ops' positions in the seque
   CHECK(gb.finalize[0].op == 40);
 }
 
+TEST_CASE("cast_transpose over codes: the transpose of a norm's FP8 output, nothing else", "[codegen][cast_transpose]") {
+  const CtCase c{Direction::forward, CtChain::codes, CtScaling::delayed, false, "bf16", 4096};
+  const auto spec = test::cast_transpose_spec(c);
+  const auto g = codegen::generate(spec);
+  CHECK(g.kernel == "jf_transpose_fwd");
+  // The codes in, their transpose out; no recipe state (the norm kernel scaled, cast and reduced amax).
+  check_args(g, {{Role::in, -1, "in", false}, {Role::fp8_colwise, 5, "colwise_input", true}, {Role::rows, -1, "rows", false}});
+  CHECK(g.launch.bx == 8);
+  CHECK(g.launch.by == 32);
+  CHECK(g.launch.grid_x == 64);
+  CHECK(g.launch.rows_per_thread_iter == 2);
+  CHECK_FALSE(g.launch.persistent);
+  CHECK(g.fp8_update.empty());
+  CHECK_FALSE(g.fp8_batched);
+  CHECK(g.finalize.empty());
+  const std::string& s = g.source;
+  CHECK(has(s, "const unsigned char* __restrict__ in, unsigned char* __restrict__ q0_colwise, jf_i64 rows"));
+  CHECK(has(s, "jf_ct_load8<JF_VEC>(in + r * 4096 + c0, jf_q[u], n);"));
+  CHECK(has(s, "jf_ct_store16<JF_VEC>(q0_colwise + (jf_i64)col * rows + r"));
+  CHECK_FALSE(has(s, "jf_scale"));
+  CHECK_FALSE(has(s, "jf_amax"));
+  CHECK(has(s, "#ifndef JF_SCALAR"));
+  // 66 columns: the scalar variant only.
+  const auto odd = codegen::generate(test::cast_transpose_spec({Direction::forward, CtChain::codes, CtScaling::delayed, true, "bf16", 66}));
+  CHECK_FALSE(has(odd.source, "#ifndef JF_SCALAR"));
+  CHECK(odd.launch.grid_x == 2);
+  // Refused: stages, an amax pass, or codes_in in another skeleton.
+  auto staged = spec;
+  staged.pre = test::cast_transpose_spec({Direction::forward, CtChain::bias_gelu, CtScaling::delayed, false, "bf16", 4096}).pre;
+  CHECK_THROWS_AS(codegen::generate(staged), std::invalid_argument);
+  auto amax = spec;
+  amax.fp8->amax_only = true;
+  CHECK_THROWS_AS(codegen::generate(amax), std::invalid_argument);
+  auto elementwise = spec;
+  elementwise.skeleton = codegen::Skeleton::elementwise;
+  CHECK_THROWS_AS(codegen::generate(elementwise), std::invalid_argument);
+}
+
 TEST_CASE("cast_transpose: specs it cannot take are refused", "[codegen][cast_transpose]") {
   const CtCase c{Direction::forward, CtChain::bias_gelu, CtScaling::delayed, false, "bf16", 4096};
   auto no_fp8 = test::cast_transpose_spec(c);

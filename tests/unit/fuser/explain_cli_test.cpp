@@ -134,3 +134,48 @@ TEST_CASE("planning commands refuse what an FP8 recipe cannot run; bench refuses
   CHECK(r.status != 0);
   CHECK_THAT(r.out, Catch::Contains("--iters"));
 }
+
+TEST_CASE("under an FP8 recipe a user rule whose GEMM epilogue FP8 GEMMs cannot take is not taken, with why",
+          "[fuser][cli]") {
+  jf_test::TempDir dir;
+  // A user's rule enabling cuBLASLt's GELU_AUX_BIAS under the FP8 recipes (the built-in one is bf16-only).
+  std::string rules = dir.write("fp8_gelu.json", R"J({"format": "jitfuse.rules/1", "rules": [
+    {"name": "my_linear_bias_gelu", "math": "y = gelu(x W^T + b)", "pass": "forward", "priority": 90, "pattern": ["linear", "bias", {"op": "gelu", "attrs": {"approximate": "tanh"}}],
+     "conditions": {"recipes": ["fp8_delayed", "fp8_current"]},
+     "impl": {"kind": "cublaslt", "epilogue": "GELU_AUX_BIAS", "epilogue_ops": 3}},
+    {"name": "my_linear_bias_bwd", "math": "dx = dy W; dW = dy^T x; db = sum_rows dy", "pass": "backward", "priority": 90, "pattern": ["linear", "bias"],
+     "conditions": {"recipes": ["fp8_delayed", "fp8_current"]},
+     "impl": {"kind": "cublaslt", "epilogue": "BGRADB", "epilogue_ops": 2}}]})J");
+  for (const char* recipe : {"fp8_delayed", "fp8_current"}) {
+    INFO(recipe);
+    auto r = run_cli("explain '" + src("tools/examples/mlp.json") + "' --recipe " + recipe +
+                     " --shape 256x4096 --program --rules '" + rules + "'");
+    INFO(r.out);
+    REQUIRE(r.status == 0);  // planned and lowered: the windows go to the fp8 rules instead
+    CHECK_THAT(r.out, Catch::Contains("36 rules loaded\n"));
+    CHECK_THAT(r.out, Catch::Contains("my_linear_bias_gelu      priority 90   not taken: under an FP8 recipe a linear "
+                                      "runs on FP8 GEMMs (E4M3/E5M2 operands, a BIAS epilogue at most), which cuBLASLt "
+                                      "epilogue GELU_AUX_BIAS does not lower to"));
+    CHECK_THAT(r.out, Catch::Contains("my_linear_bias_bwd       priority 90   not taken: under an FP8 recipe"));
+    CHECK_THAT(r.out, Catch::Contains("[1, 4)     linear bias gelu                   fp8_linear_act_bwd: generated fp8_cast"));
+    CHECK_THAT(r.out, Catch::Contains("(e4m3 x e4m3, fast accumulation)"));
+    // The same rules under bf16 are taken (the refusal is the recipe's, not the rule's).
+    auto b = run_cli("explain '" + src("tools/examples/mlp.json") + "' --recipe bf16 --shape 256x4096 --rules '" + rules + "'");
+    CHECK(b.status == 0);
+    CHECK_THAT(b.out, Catch::Contains("my_linear_bias_gelu      priority 90   not taken: condition recipe"));
+  }
+}
+
+TEST_CASE("FP8 training: a norm before a linear writes the E4M3 codes, a transpose of the codes follows",
+          "[fuser][cli]") {
+  for (const char* recipe : {"fp8_delayed", "fp8_current"}) {
+    INFO(recipe);
+    auto r = run_cli("explain '" + src("tools/examples/mlp.json") + "' --recipe " + recipe + " --shape 256x4096 --program");
+    INFO(r.out);
+    REQUIRE(r.status == 0);
+    CHECK_THAT(r.out, Catch::Contains("kernel jf_layernorm_e4m3_fwd"));
+    CHECK_THAT(r.out, Catch::Contains("args: op1.input.row op1.input.col\n"));
+    CHECK_THAT(r.out, Catch::Contains("fp8_norm_linear: generated transpose of the E4M3 input codes of op 1 (linear)"));
+    CHECK_THAT(r.out, Catch::Contains("op0.mean op0.rstd"));  // the norm still saves its statistics
+  }
+}

@@ -123,7 +123,7 @@ TEST_CASE("every built-in rule's canonical window passes its conditions and the 
         !r.conditions.recipes.empty())
       in.recipe = r.conditions.recipes.front();
     in.arch = 90;
-    auto plan = jitfuse::fuser::plan(ops, in, rs, jitfuse::exec::legality());
+    auto plan = jitfuse::fuser::plan(ops, in, rs, jitfuse::exec::legality(in.recipe.rfind("fp8", 0) == 0));
     bool seen = false;
     for (const auto& d : plan.decisions) {
       if (d.rule != r.name || d.begin != 0 || d.end != static_cast<int>(ops.size())) continue;

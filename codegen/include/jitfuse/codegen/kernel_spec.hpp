@@ -65,6 +65,10 @@ struct Fp8Spec {
   bool e5m2 = false;       // E5M2 (gradients; max 57344) instead of E4M3 (max 448)
   bool delayed = false;    // fp8_delayed: cast with the stored scale, fold amax into the history after
   bool amax_only = false;  // fp8_current, first pass: reduce amax(output), store nothing
+  // cast_transpose only: `in` already holds this tensor's row-major codes (a norm kernel wrote them with
+  // this scale); the kernel writes their transpose to the fp8_colwise argument and nothing else (no
+  // stages, no scale, no amax: the kernel that wrote the codes did those).
+  bool codes_in = false;
   double margin = 0;       // scale = fp8_max / amax / 2^margin
 };
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the
