@@ -340,8 +340,9 @@ TEST_CASE("cast_transpose bandwidth", "[.][cast_transpose_bench]") {
   const double copy_ms = time_ms([&] { drv().cuMemcpyDtoDAsync(copy.p, in.p, static_cast<size_t>(n) * 2, nullptr); });
   const double copy_gbs = 2.0 * n * 2 / copy_ms / 1e6;
   std::printf("%s: copy %.3f ms (%.0f GB/s read + written)\n", dev.name.c_str(), copy_ms, copy_gbs);
-  for (auto chain : {CtChain::none, CtChain::bias_gelu})
+  for (auto chain : {CtChain::none, CtChain::bias_gelu, CtChain::codes})
     for (auto dir : {codegen::Direction::forward, codegen::Direction::backward}) {
+      if (chain == CtChain::codes && dir == codegen::Direction::backward) continue;
       const CtCase c{dir, chain, CtScaling::delayed, dir == codegen::Direction::backward, "bf16", cols};
       const auto spec = test::cast_transpose_spec(c);
       const auto g = codegen::generate(spec);
@@ -370,8 +371,9 @@ TEST_CASE("cast_transpose bandwidth", "[.][cast_transpose_bench]") {
       const double ms = time_ms([&] {
         drv().cuLaunchKernel(lk.fn, gx, gy, 1, g.launch.bx, g.launch.by, 1, 0, nullptr, params.data(), nullptr);
       });
-      // bytes: the input (and gelu's saved input: written forward, read backward) at 2 B, the codes twice at 1 B
-      const double bytes = n * (2.0 + 2.0 + (chain == CtChain::bias_gelu ? 2.0 : 0.0));
+      // bytes: the input (and gelu's saved input: written forward, read backward) at 2 B, the codes twice at 1 B;
+      // the transpose of codes: 1 B read, 1 B written
+      const double bytes = chain == CtChain::codes ? n * 2.0 : n * (2.0 + 2.0 + (chain == CtChain::bias_gelu ? 2.0 : 0.0));
       std::printf("%-40s %.3f ms  %.0f GB/s  %.0f %% of copy  (grid %u x %u, %d blocks/SM)\n", c.name().c_str(), ms,
                   bytes / ms / 1e6, 100 * bytes / ms / 1e6 / copy_gbs, gx, gy, lk.blocks_per_sm);
     }
