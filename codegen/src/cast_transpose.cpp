@@ -36,58 +36,12 @@ void emit_transposed_store(Writer& w, int64_t cols, const std::string& colwise) 
 }  // namespace
 
 // Fp8Spec::codes_in: `in` holds the row-major codes another kernel wrote (a norm casts as it normalises,
-// one row per block, and cannot write a column); this kernel writes their transpose and nothing else,
+// one row per block, and cannot write a column); the kernel writes their transpose and nothing else,
 // reading 1 byte per element instead of a 2-byte activation (TransformerEngine's FP8 transpose).
-Generated generate_codes_transpose(const KernelSpec& spec) {
-  const int64_t cols = spec.cols;
-  Generated g;
-  g.kernel = kernel_name(spec);
-  g.headers = headers_for(spec);
-  g.launch = {kBx, kBy, (cols + kTileCols - 1) / kTileCols, kRowsPerThread};
-  Args args;
-  Setup setup;
-  args.ptr(Arg::Role::in, -1, "in", "in", "unsigned char", false);
-  const std::string colwise = fp8_colwise_arg(args, spec);
-  args.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
-
-  Writer w;
-  emit_prelude(w, spec, g.headers);
-  w.line("// op {}: the transpose of the {} codes of the FP8 GEMM {} (written by the kernel before, with its scale)",
-         spec.fp8->op, spec.fp8->e5m2 ? "E5M2" : "E4M3", spec.fp8->tensor);
-  w.line("// launch: block ({}, {}), grid.x = ceil(cols / {}), blocks loop over tiles of {} rows (grid.y)", kBx, kBy,
-         kTileCols, kTileRows);
-  w.line("// vector variant: cols % 8 == 0 and rows % 16 == 0 (8-byte loads, 16-byte transposed stores)");
-  w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", kBx * kBy, g.kernel, args.decl());
-  w.open();
-  w.line("const int c0 = (blockIdx.x * {} + threadIdx.x) * 8;", kBx);
-  w.line("const bool active = c0 < {};", cols);
-  w.line("const int n = active ? min(8, {} - c0) : 0;", cols);
-  w.line("__shared__ __align__(16) unsigned char jf_tile[2][{}];", kTileCols * kTileRows);
-  w.line("int jf_buf = 0;");
-  w.line("for (jf_i64 r0 = (jf_i64)blockIdx.y * {0}; r0 < rows; r0 += (jf_i64)gridDim.y * {0}) {{", kTileRows);
-  w.open();
-  w.line("jf_u32 jf_q[{}][2] = {{{{0u, 0u}}, {{0u, 0u}}}};  // the codes of the thread's rows", kRowsPerThread);
-  w.line("#pragma unroll");
-  w.line("for (int u = 0; u < {}; ++u) {{", kRowsPerThread);
-  w.open();
-  w.line("const jf_i64 r = r0 + threadIdx.y * {} + u;", kRowsPerThread);
-  w.line("if (active && r < rows) jf_ct_load8<JF_VEC>(in + r * {} + c0, jf_q[u], n);", cols);
-  w.close();
-  w.line("}}");
-  emit_transposed_store(w, cols, colwise);
-  w.close();
-  w.line("}}");
-  w.close();
-  w.line("}}");
-  finish(w, setup, args, g, spec);
-  return g;
-}
-
 Generated generate_cast_transpose(const KernelSpec& spec) {
-  const auto& q = *spec.fp8;  // generate() checked the spec
-  if (q.codes_in) return generate_codes_transpose(spec);
+  const auto& q = *spec.fp8;  // generate() checked the spec (codes_in: no stages, no amax pass)
   const bool fwd = spec.dir == Direction::forward;
-  const bool cast = !q.amax_only;
+  const bool cast = !q.amax_only, codes = q.codes_in;
   const int64_t cols = spec.cols;
 
   Generated g;
@@ -97,13 +51,13 @@ Generated generate_cast_transpose(const KernelSpec& spec) {
 
   Args args;
   Setup setup;
-  args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
-  args.ptr(Arg::Role::out, -1, "out", "out", out_type(spec), true);
+  args.ptr(Arg::Role::in, -1, "in", "in", codes ? "unsigned char" : "ST", false);
+  if (!codes) args.ptr(Arg::Role::out, -1, "out", "out", out_type(spec), true);
   const std::string colwise = cast ? fp8_colwise_arg(args, spec) : "";
   args.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
   Writer fp8_setup;  // before the stages: the recipe-state arguments come right after rows
   fp8_setup.open();
-  emit_fp8_prologue(fp8_setup, args, spec);
+  if (!codes) emit_fp8_prologue(fp8_setup, args, spec);
 
   // Stages in execution order. The amax pass of a backward leaves out the bias stages: they do not change
   // the gradient, and their column sums belong to the cast pass.
@@ -134,10 +88,13 @@ Generated generate_cast_transpose(const KernelSpec& spec) {
     else
       emit_stage_bwd(body, args, setup, s, c);
   }
-  emit_out_store(body, spec, c.base, c.var, cast ? "jf_q[u]" : "");
+  if (!codes) emit_out_store(body, spec, c.base, c.var, cast ? "jf_q[u]" : "");
 
   Writer w;
   emit_prelude(w, spec, g.headers);
+  if (codes)
+    w.line("// op {}: the transpose of the {} codes of the FP8 GEMM {} (written by the kernel before, with its scale)",
+           q.op, q.e5m2 ? "E5M2" : "E4M3", q.tensor);
   w.line("// launch: block ({}, {}), grid.x = ceil(cols / {}), blocks loop over tiles of {} rows (grid.y)", kBx, kBy,
          kTileCols, kTileRows);
   if (cast) w.line("// vector variant: cols % 8 == 0 and rows % 16 == 0 (16-byte transposed stores)");
@@ -156,35 +113,45 @@ Generated generate_cast_transpose(const KernelSpec& spec) {
   w.line("for (jf_i64 r0 = (jf_i64)blockIdx.y * {0}; r0 < rows; r0 += (jf_i64)gridDim.y * {0}) {{", kTileRows);
   w.open();
   if (cast) w.line("jf_u32 jf_q[{}][2] = {{{{0u, 0u}}, {{0u, 0u}}}};  // the codes of the thread's rows", kRowsPerThread);
-  w.line("if (active) {{");
-  w.open();
-  w.line("float x[{}][8];", kRowsPerThread);
-  for (size_t i = 0; i < reads.size(); ++i) w.line("float pl{}[{}][8];", i, kRowsPerThread);
-  for (int pass = 0; pass < 2; ++pass) {  // the loads of both rows, then the work on them
+  if (codes) {
     w.line("#pragma unroll");
     w.line("for (int u = 0; u < {}; ++u) {{", kRowsPerThread);
     w.open();
     w.line("const jf_i64 r = r0 + threadIdx.y * {} + u;", kRowsPerThread);
-    w.line("if (r < rows) {{");
-    if (pass == 0) {
-      w.open();
-      w.line("jf_load8<DT, JF_VEC>(in + r * {} + c0, x[u], n);", cols);
-      for (size_t i = 0; i < reads.size(); ++i)
-        w.line("jf_load8<DT, JF_VEC>({} + r * {} + c0, pl{}[u], n);", reads[i], cols, i);
-      w.close();
-    } else {
-      w.raw(body.str());
-    }
+    w.line("if (active && r < rows) jf_ct_load8<JF_VEC>(in + r * {} + c0, jf_q[u], n);", cols);
+    w.close();
     w.line("}}");
+  } else {
+    w.line("if (active) {{");
+    w.open();
+    w.line("float x[{}][8];", kRowsPerThread);
+    for (size_t i = 0; i < reads.size(); ++i) w.line("float pl{}[{}][8];", i, kRowsPerThread);
+    for (int pass = 0; pass < 2; ++pass) {  // the loads of both rows, then the work on them
+      w.line("#pragma unroll");
+      w.line("for (int u = 0; u < {}; ++u) {{", kRowsPerThread);
+      w.open();
+      w.line("const jf_i64 r = r0 + threadIdx.y * {} + u;", kRowsPerThread);
+      w.line("if (r < rows) {{");
+      if (pass == 0) {
+        w.open();
+        w.line("jf_load8<DT, JF_VEC>(in + r * {} + c0, x[u], n);", cols);
+        for (size_t i = 0; i < reads.size(); ++i)
+          w.line("jf_load8<DT, JF_VEC>({} + r * {} + c0, pl{}[u], n);", reads[i], cols, i);
+        w.close();
+      } else {
+        w.raw(body.str());
+      }
+      w.line("}}");
+      w.close();
+      w.line("}}");
+    }
     w.close();
     w.line("}}");
   }
-  w.close();
-  w.line("}}");
   if (cast) emit_transposed_store(w, cols, colwise);
   w.close();
   w.line("}}");
-  emit_fp8_epilogue(w, spec);
+  if (!codes) emit_fp8_epilogue(w, spec);
   emit_accumulator_flush(w, setup, kBx, kBy, cols, "blockIdx.y");
   w.close();
   w.line("}}");
