@@ -13,14 +13,21 @@
 
 namespace jitfuse::api {
 
-void check_name(const char* s, const char* what) {
-  if (!s) fail(Status::invalid_argument, "{} is NULL", what);
+void check_name(const char* s, const Name& what) {
+  if (!s) fail(Status::invalid_argument, "{} is NULL", what.str());
   size_t n = ::strnlen(s, kMaxNameBytes + 1);
   std::string_view v(s, n);
   if (n > kMaxNameBytes)
-    fail(Status::invalid_argument, "{} '{}' is longer than {} bytes", what, text::shorten(v), kMaxNameBytes);
+    fail(Status::invalid_argument, "{} '{}' is longer than {} bytes", what.str(), text::shorten(v), kMaxNameBytes);
   if (!text::valid_utf8(v))
-    fail(Status::invalid_argument, "{} '{}' is not valid UTF-8 (names must be UTF-8 text)", what, text::shorten(v));
+    fail(Status::invalid_argument, "{} '{}' is not valid UTF-8 (names must be UTF-8 text)", what.str(),
+         text::shorten(v));
+}
+
+std::string SpanName::str() const {
+  if (op && param) return fmt::format("{} {} '{}'", kind, op->label(), param);
+  if (op) return fmt::format("{} {} (op {})", kind, slot, op->index);
+  return kind;
 }
 
 std::string dl_dtype_name(DLDataType t) {
@@ -48,23 +55,22 @@ bool dtype_matches(DLDataType t, ops::DType d) {
   return false;
 }
 
-Span span_of(const DLTensor* t, std::string name, bool written) {
+Span span_of(const DLTensor* t, SpanName name, bool written) {
   int64_t n = 1;
   for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
   const auto begin = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
-  return {std::move(name), begin, begin + static_cast<uintptr_t>(n) * ((t->dtype.bits * t->dtype.lanes + 7u) / 8u),
-          written};
+  return {name, begin, begin + static_cast<uintptr_t>(n) * ((t->dtype.bits * t->dtype.lanes + 7u) / 8u), written};
 }
 
-void check_no_overlap(std::vector<Span> spans) {
+void check_no_overlap(std::vector<Span>& spans) {
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
   for (size_t i = 0; i < spans.size(); ++i)
     for (size_t j = i + 1; j < spans.size() && spans[j].begin < spans[i].end; ++j) {
       const Span &a = spans[i], &b = spans[j];
       if (a.begin == a.end || b.begin == b.end || (!a.written && !b.written)) continue;
       fail(Status::invalid_argument, "tensor '{}' (bytes 0x{:x}..0x{:x}) overlaps tensor '{}' (bytes 0x{:x}..0x{:x}) "
-           "and {} written by this call: pass separate memory", a.name, a.begin, a.end, b.name, b.begin, b.end,
-           a.written && b.written ? "both are" : a.written ? "the first is" : "the second is");
+           "and {} written by this call: pass separate memory", a.name.str(), a.begin, a.end, b.name.str(), b.begin,
+           b.end, a.written && b.written ? "both are" : a.written ? "the first is" : "the second is");
     }
 }
 
@@ -78,34 +84,37 @@ DLDataType dl_dtype(ops::DType d) {
   }
 }
 
-void check_dltensor(const DLTensor* t, const std::string& name) {
-  if (!t) fail(Status::invalid_argument, "tensor '{}' is NULL", name);
+void check_dltensor(const DLTensor* t, const Name& name) {
+  // Every message formats the name itself (name.str()): nothing is formatted while the checks pass.
+  if (!t) fail(Status::invalid_argument, "tensor '{}' is NULL", name.str());
   if (t->ndim < 1 || t->ndim > static_cast<int>(ops::kMaxDims))
-    fail(Status::invalid_argument, "tensor '{}' has ndim {}; jitfuse takes 1 to {} dims", name, t->ndim,
+    fail(Status::invalid_argument, "tensor '{}' has ndim {}; jitfuse takes 1 to {} dims", name.str(), t->ndim,
          ops::kMaxDims);
-  if (!t->shape) fail(Status::invalid_argument, "tensor '{}' has ndim {} but its shape pointer is NULL", name, t->ndim);
-  ops::Shape shape(t->shape, t->shape + t->ndim);
+  if (!t->shape)
+    fail(Status::invalid_argument, "tensor '{}' has ndim {} but its shape pointer is NULL", name.str(), t->ndim);
+  const int64_t* shape = t->shape;
+  const int64_t* shape_end = t->shape + t->ndim;
   for (int i = 0; i < t->ndim; ++i)
     if (shape[i] <= 0)
-      fail(Status::invalid_argument, "tensor '{}': dim {} of shape ({}) is {}; every dim must be positive", name, i,
-           fmt::join(shape, ","), shape[i]);
+      fail(Status::invalid_argument, "tensor '{}': dim {} of shape ({}) is {}; every dim must be positive",
+           name.str(), i, fmt::join(shape, shape_end, ","), shape[i]);
   int64_t n = 1;
-  for (auto d : shape)
-    if (__builtin_mul_overflow(n, d, &n))
-      fail(Status::invalid_argument, "tensor '{}': shape ({}) has more elements than int64 can count", name,
-           fmt::join(shape, ","));
+  for (int i = 0; i < t->ndim; ++i)
+    if (__builtin_mul_overflow(n, shape[i], &n))
+      fail(Status::invalid_argument, "tensor '{}': shape ({}) has more elements than int64 can count", name.str(),
+           fmt::join(shape, shape_end, ","));
   if (t->dtype.lanes != 1 || (t->dtype.bits != 8 && t->dtype.bits != 16 && t->dtype.bits != 32 && t->dtype.bits != 64))
     fail(Status::invalid_argument, "tensor '{}': dtype {} (code {}, {} bits, {} lanes) is not a scalar type jitfuse "
-         "reads", name, dl_dtype_name(t->dtype), t->dtype.code, t->dtype.bits, t->dtype.lanes);
+         "reads", name.str(), dl_dtype_name(t->dtype), t->dtype.code, t->dtype.bits, t->dtype.lanes);
   int64_t bytes = 0;
   if (__builtin_mul_overflow(n, int64_t(t->dtype.bits / 8), &bytes))
-    fail(Status::invalid_argument, "tensor '{}': shape ({}) of {} is more bytes than int64 can count", name,
-         fmt::join(shape, ","), dl_dtype_name(t->dtype));
+    fail(Status::invalid_argument, "tensor '{}': shape ({}) of {} is more bytes than int64 can count", name.str(),
+         fmt::join(shape, shape_end, ","), dl_dtype_name(t->dtype));
   if (t->strides)
     for (int i = 0; i < t->ndim; ++i)
       if (t->strides[i] < 0)
-        fail(Status::invalid_argument, "tensor '{}': stride {} is {}; negative strides are not supported", name, i,
-             t->strides[i]);
+        fail(Status::invalid_argument, "tensor '{}': stride {} is {}; negative strides are not supported", name.str(),
+             i, t->strides[i]);
   // Read as the int a C host stored: a value outside the enum's range is the host's to pass, and loading
   // it as a DLDeviceType would be undefined behaviour (found by fuzz_args).
   int device_type = 0;
@@ -113,18 +122,18 @@ void check_dltensor(const DLTensor* t, const std::string& name) {
   std::memcpy(&device_type, &t->device.device_type, sizeof device_type);
   if (device_type != kDLCUDA && device_type != kDLCUDAManaged)
     fail(Status::invalid_argument, "tensor '{}' must be in CUDA device memory (DLPack device type {}), got type {}",
-         name, static_cast<int>(kDLCUDA), device_type);
+         name.str(), static_cast<int>(kDLCUDA), device_type);
   if (t->device.device_id < 0)
-    fail(Status::invalid_argument, "tensor '{}': device id {} is negative", name, t->device.device_id);
-  if (!t->data) fail(Status::invalid_argument, "tensor '{}': data is NULL", name);
+    fail(Status::invalid_argument, "tensor '{}': device id {} is negative", name.str(), t->device.device_id);
+  if (!t->data) fail(Status::invalid_argument, "tensor '{}': data is NULL", name.str());
   if (t->byte_offset > uint64_t(INT64_MAX) - uint64_t(bytes))
-    fail(Status::invalid_argument, "tensor '{}': byte_offset {} is out of range", name, t->byte_offset);
+    fail(Status::invalid_argument, "tensor '{}': byte_offset {} is out of range", name.str(), t->byte_offset);
 }
 
 void check_dltensor_array(const DLTensor* const* arr, int n, int expected, const char* what) {
   if (n != expected) fail(Status::invalid_argument, "expected {} {}(s), got {}", expected, what, n);
   if (n > 0 && !arr) fail(Status::invalid_argument, "the {} array is NULL but {} {}(s) were announced", what, n, what);
-  for (int i = 0; i < n; ++i) check_dltensor(arr[i], fmt::format("{} {}", what, i));
+  for (int i = 0; i < n; ++i) check_dltensor(arr[i], [&] { return fmt::format("{} {}", what, i); });
 }
 
 ops::Shape checked_shape(const int64_t* shape, int ndim, const char* what) {
@@ -142,9 +151,9 @@ ops::Shape checked_shape(const int64_t* shape, int ndim, const char* what) {
 
 namespace {
 
-void check_dtype(const DLTensor* t, const std::string& name, ops::DType want) {
+void check_dtype(const DLTensor* t, const Name& name, ops::DType want) {
   if (!dtype_matches(t->dtype, want))
-    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name,
+    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name.str(),
          ops::dtype_name(want), dl_dtype_name(t->dtype));
 }
 

@@ -4,6 +4,7 @@
 #include <dlpack/dlpack.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops/op.hpp"
@@ -14,13 +15,32 @@ namespace jitfuse::api {
 // Longest C string argument (names, recipes, op kinds) we accept; a JSON text has its own limit.
 inline constexpr size_t kMaxNameBytes = 4096;
 
+// What an argument is called in an error message, made only when a message needs it: a call whose
+// arguments pass every check formats no string and allocates nothing for names (issue 12: jf_forward
+// and jf_backward run per training step). Refers to a C string, a std::string or a callable returning
+// one, which must outlive the Name (pass lambdas as temporaries to a call).
+class Name {
+ public:
+  Name(const char* s) : obj_(s), fn_(&from_cstr) {}         // NOLINT(google-explicit-constructor)
+  Name(const std::string& s) : obj_(&s), fn_(&from_str) {}  // NOLINT(google-explicit-constructor)
+  template <class F, class = std::enable_if_t<std::is_invocable_r_v<std::string, const F&>>>
+  Name(const F& f) : obj_(&f), fn_([](const void* o) { return std::string((*static_cast<const F*>(o))()); }) {}  // NOLINT
+  std::string str() const { return fn_(obj_); }
+
+ private:
+  static std::string from_cstr(const void* o) { return static_cast<const char*>(o); }
+  static std::string from_str(const void* o) { return *static_cast<const std::string*>(o); }
+  const void* obj_;
+  std::string (*fn_)(const void*);
+};
+
 // Non-NULL, at most kMaxNameBytes, valid UTF-8. Throws Error(invalid_argument) naming `what`.
-void check_name(const char* s, const char* what);
+void check_name(const char* s, const Name& what);
 
 // The DLTensor struct itself: not NULL, 1..kMaxDims dims, shape not NULL, dims positive, element and
 // byte counts within int64, strides (if given) not negative, one lane of 8/16/32/64 bits, CUDA device
 // memory, data not NULL. Throws Error(invalid_argument) naming `name`. Reads nothing through `data`.
-void check_dltensor(const DLTensor* t, const std::string& name);
+void check_dltensor(const DLTensor* t, const Name& name);
 
 // `n` tensors in `arr` (`what` 0 .. n-1); arr may be NULL only when n == 0.
 void check_dltensor_array(const DLTensor* const* arr, int n, int expected, const char* what);
@@ -38,16 +58,27 @@ void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTe
                          int n_grad_extra_outputs, const DLTensor* grad_input, const DLTensor* const* grad_extra_inputs,
                          int n_grad_extra_inputs);
 
+// The name of a Span, kept as parts (no string per call): `kind` alone ("input", "saved buffer"),
+// "<kind> <slot> (op <index>)" (extra inputs and outputs) or "<kind> <op label> '<param>'" (parameters
+// and gradients). `op` and `param` point into the sequence's ops, alive for the call.
+struct SpanName {
+  const char* kind = "";
+  int slot = -1;
+  const ops::Op* op = nullptr;
+  const char* param = nullptr;
+  std::string str() const;
+};
+
 // Device memory a call reads or writes, for the overlap check.
 struct Span {
-  std::string name;
+  SpanName name;
   uintptr_t begin = 0, end = 0;  // [begin, end)
   bool written = false;
 };
-Span span_of(const DLTensor* t, std::string name, bool written);  // t already passed check_dltensor
+Span span_of(const DLTensor* t, SpanName name, bool written);  // t already passed check_dltensor
 // Two spans that overlap, one of them written, are refused naming both: a captured graph (or the
-// kernels' __restrict__ pointers) would silently compute garbage.
-void check_no_overlap(std::vector<Span> spans);
+// kernels' __restrict__ pointers) would silently compute garbage. Sorts `spans` by address.
+void check_no_overlap(std::vector<Span>& spans);
 
 // Whether a DLPack dtype is the bytes of `d` (E4M3: DLPack 1.0's code 10, or uint8 storage).
 bool dtype_matches(DLDataType t, ops::DType d);

@@ -68,11 +68,15 @@ using jitfuse::api::dtype_matches;
 
 jitfuse::ops::Shape shape_of(const DLTensor* t) { return jitfuse::ops::Shape(t->shape, t->shape + t->ndim); }
 
-// Checks device, dtype, contiguity and (if given) shape; returns the data pointer.
-void* check_tensor(const DLTensor* t, const char* name, jitfuse::ops::DType dtype, const jitfuse::ops::Shape* want) {
+using jitfuse::api::Name;
+using jitfuse::api::SpanName;
+
+// Checks device, dtype, contiguity and (if given) shape; returns the data pointer. Formats and allocates
+// nothing unless a check fails (the name is made then).
+void* check_tensor(const DLTensor* t, const Name& name, jitfuse::ops::DType dtype, const jitfuse::ops::Shape* want) {
   jitfuse::api::check_dltensor(t, name);  // the struct: dims, sizes, device, data
   if (!dtype_matches(t->dtype, dtype))
-    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name,
+    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name.str(),
          jitfuse::ops::dtype_name(dtype), dl_dtype_name(t->dtype));
   if (t->strides) {
     int64_t expect = 1;
@@ -80,20 +84,20 @@ void* check_tensor(const DLTensor* t, const char* name, jitfuse::ops::DType dtyp
       if (t->shape[i] != 1 && t->strides[i] != expect) {
         std::string s;
         for (int j = 0; j < t->ndim; ++j) s += (j ? "," : "") + std::to_string(t->strides[j]);
-        fail(Status::invalid_argument, "tensor '{}' is not contiguous row-major: strides ({}) for shape {}", name, s,
-             jitfuse::ops::shape_str(shape_of(t)));
+        fail(Status::invalid_argument, "tensor '{}' is not contiguous row-major: strides ({}) for shape {}", name.str(),
+             s, jitfuse::ops::shape_str(shape_of(t)));
       }
       expect *= t->shape[i];
     }
   }
-  if (want && jitfuse::ops::numel(shape_of(t)) != jitfuse::ops::numel(*want)) {
-    fail(Status::invalid_argument, "tensor '{}': expected shape {}, got {}", name, jitfuse::ops::shape_str(*want),
-         jitfuse::ops::shape_str(shape_of(t)));
+  if (want) {
+    int64_t n = 1;  // check_dltensor checked that this product does not overflow
+    for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+    if (n != jitfuse::ops::numel(*want) || t->shape[t->ndim - 1] != jitfuse::ops::cols_of(*want))
+      fail(Status::invalid_argument, "tensor '{}': expected shape {}, got {}", name.str(),
+           jitfuse::ops::shape_str(*want), jitfuse::ops::shape_str(shape_of(t)));
   }
-  if (want && jitfuse::ops::cols_of(shape_of(t)) != jitfuse::ops::cols_of(*want))
-    fail(Status::invalid_argument, "tensor '{}': expected shape {}, got {}", name, jitfuse::ops::shape_str(*want),
-         jitfuse::ops::shape_str(shape_of(t)));
-  need(t->data, name);
+  if (!t->data) fail(Status::invalid_argument, "{} is NULL", name.str());
   return static_cast<char*>(t->data) + t->byte_offset;
 }
 
@@ -108,31 +112,35 @@ Map collect_params(const jitfuse::api::Sequence& s, const std::vector<jitfuse::o
   Map out;
   for (int i = 0; i < n; ++i) {
     const jf_param& e = arr[i];
-    jitfuse::api::check_name(e.name, fmt::format("{}[{}].name", what, i).c_str());
+    jitfuse::api::check_name(e.name, [&] { return fmt::format("{}[{}].name", what, i); });
     if (e.op_index < 0 || e.op_index >= static_cast<int>(ops.size()))
       fail(Status::invalid_argument, "{}[{}]: op index {} out of range: sequence '{}' has {} ops", what, i, e.op_index,
            s.def.name, ops.size());
     const auto& op = ops[static_cast<size_t>(e.op_index)];
     const jitfuse::ops::Param* decl = nullptr;
-    std::string names;
-    for (const auto& prm : op.params) {
-      names += (names.empty() ? "" : ", ") + prm.name;
+    for (const auto& prm : op.params)
       if (prm.name == e.name) decl = &prm;
-    }
-    if (!decl)
+    if (!decl) {
+      std::string names;
+      for (const auto& prm : op.params) names += (names.empty() ? "" : ", ") + prm.name;
       fail(Status::invalid_argument, "{}[{}]: {} has no parameter '{}' ({})", what, i, op.label(), shorten(e.name),
            names.empty() ? "it has no parameters" : "its parameters: " + names);
-    std::string label = fmt::format("{} {} '{}'", what, op.label(), decl->name);
-    void* p = check_tensor(e.tensor, label.c_str(), s.recipe.dtype, &decl->shape);
+    }
+    const SpanName label{what, -1, &op, decl->name.c_str()};
+    void* p = check_tensor(e.tensor, [&] { return label.str(); }, s.recipe.dtype, &decl->shape);
     if (!out.emplace(std::make_pair(e.op_index, decl->name), p).second)
       fail(Status::invalid_argument, "{}[{}]: {} '{}' is passed twice", what, i, op.label(), decl->name);
     if (spans) spans->push_back(jitfuse::api::span_of(e.tensor, label, written));
   }
-  for (const auto& op : ops)
-    for (const auto& prm : op.params)
-      if (!out.count({op.index, prm.name}))
-        fail(Status::invalid_argument, "{}: {} '{}' ({}) is missing: pass every parameter with each call", what,
-             op.label(), prm.name, jitfuse::ops::shape_str(prm.shape));
+  // Every entry is a declared parameter passed once (checked above): all are there iff the counts match.
+  size_t declared = 0;
+  for (const auto& op : ops) declared += op.params.size();
+  if (out.size() != declared)
+    for (const auto& op : ops)
+      for (const auto& prm : op.params)
+        if (!out.count({op.index, prm.name}))
+          fail(Status::invalid_argument, "{}: {} '{}' ({}) is missing: pass every parameter with each call", what,
+               op.label(), prm.name, jitfuse::ops::shape_str(prm.shape));
   return out;
 }
 
@@ -145,7 +153,7 @@ void check_buffer(const void* p, size_t bytes, size_t want, const char* what, st
   if (reinterpret_cast<uintptr_t>(p) % jitfuse::exec::kArenaAlignment)
     fail(Status::invalid_argument, "{} at {} is not {}-byte aligned", what, p, jitfuse::exec::kArenaAlignment);
   const auto b = reinterpret_cast<uintptr_t>(p);
-  spans.push_back({what, b, b + want, written});
+  spans.push_back({SpanName{what}, b, b + want, written});
 }
 
 CUstream as_stream(jf_stream s) { return reinterpret_cast<CUstream>(s); }
@@ -366,29 +374,32 @@ jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* sav
     jitfuse::exec::ForwardArgs fa;
     fa.stream = as_stream(stream);
     fa.training = train;
+    spans.reserve(static_cast<size_t>(4 + a.n_extra_inputs + a.n_extra_outputs + std::max(a.n_params, 0)));
     fa.input = check_tensor(a.input, "input", s.recipe.dtype, &in_shape);
     fa.output = check_tensor(a.output, "output", s.output_dtype(), &ops.back().out);
-    spans.push_back(jitfuse::api::span_of(a.input, "input", false));
-    spans.push_back(jitfuse::api::span_of(a.output, "output", true));
+    spans.push_back(jitfuse::api::span_of(a.input, SpanName{"input"}, false));
+    spans.push_back(jitfuse::api::span_of(a.output, SpanName{"output"}, true));
     for (const auto& op : ops) {
       if (op.family == jitfuse::ops::Family::add_extra_input) {
-        auto name = fmt::format("extra input {} (op {})", op.extra_slot, op.index);
-        fa.extra_in.push_back(check_tensor(a.extra_inputs[op.extra_slot], name.c_str(), s.recipe.dtype, &op.in));
+        const SpanName name{"extra input", op.extra_slot, &op};
+        fa.extra_in.push_back(check_tensor(a.extra_inputs[op.extra_slot], [&] { return name.str(); }, s.recipe.dtype,
+                                           &op.in));
         spans.push_back(jitfuse::api::span_of(a.extra_inputs[op.extra_slot], name, false));
       }
       if (op.family == jitfuse::ops::Family::make_extra_output) {
-        auto name = fmt::format("extra output {} (op {})", op.extra_slot, op.index);
-        fa.extra_out.push_back(check_tensor(a.extra_outputs[op.extra_slot], name.c_str(), s.recipe.dtype, &op.in));
+        const SpanName name{"extra output", op.extra_slot, &op};
+        fa.extra_out.push_back(check_tensor(a.extra_outputs[op.extra_slot], [&] { return name.str(); },
+                                            s.recipe.dtype, &op.in));
         spans.push_back(jitfuse::api::span_of(a.extra_outputs[op.extra_slot], name, true));
       }
     }
     fa.params = collect_params<jitfuse::exec::ParamMap>(s, ops, a.params, a.n_params, "params", &spans, false);
-    jitfuse::api::check_no_overlap(spans);
+    jitfuse::api::check_no_overlap(spans);  // before prepare: a bad call never compiles anything
     auto pp = s.prepared_for(in_shape, train, as_stream(stream));
     const auto& prog = *pp->program;
     if (train) check_buffer(a.saved, a.saved_bytes, prog.saved_bytes, "saved buffer", spans, true);
     check_buffer(a.workspace, a.workspace_bytes, prog.fwd_arena, "workspace", spans, true);
-    jitfuse::api::check_no_overlap(std::move(spans));
+    jitfuse::api::check_no_overlap(spans);
     fa.saved = train ? a.saved : nullptr;
     fa.workspace = a.workspace;
     fa.rng.state = a.rng_state;
@@ -429,31 +440,32 @@ jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream s
     std::vector<jitfuse::api::Span> spans;
     jitfuse::exec::BackwardArgs ba;
     ba.stream = as_stream(stream);
-    auto tensor = [&](const DLTensor* t, const std::string& name, jitfuse::ops::DType dt, const jitfuse::ops::Shape& want,
+    spans.reserve(static_cast<size_t>(6 + 2 * (a.n_extra_inputs + a.n_extra_outputs) + std::max(a.n_params, 0) +
+                                      std::max(a.n_grads, 0)));
+    auto tensor = [&](const DLTensor* t, const SpanName& name, jitfuse::ops::DType dt, const jitfuse::ops::Shape& want,
                       bool written) {
-      void* p = check_tensor(t, name.c_str(), dt, &want);
+      void* p = check_tensor(t, [&] { return name.str(); }, dt, &want);
       spans.push_back(jitfuse::api::span_of(t, name, written));
       return p;
     };
-    ba.input = tensor(a.input, "input", s.recipe.dtype, in_shape, false);
-    ba.output = tensor(a.output, "output", s.output_dtype(), ops.back().out, false);
-    ba.grad_output = tensor(a.grad_output, "grad_output", s.recipe.dtype, ops.back().out, false);
-    ba.grad_input = tensor(a.grad_input, "grad_input", s.recipe.dtype, ops.front().in, true);
+    ba.input = tensor(a.input, SpanName{"input"}, s.recipe.dtype, in_shape, false);
+    ba.output = tensor(a.output, SpanName{"output"}, s.output_dtype(), ops.back().out, false);
+    ba.grad_output = tensor(a.grad_output, SpanName{"grad_output"}, s.recipe.dtype, ops.back().out, false);
+    ba.grad_input = tensor(a.grad_input, SpanName{"grad_input"}, s.recipe.dtype, ops.front().in, true);
     for (const auto& op : ops) {
       const auto slot = static_cast<size_t>(op.extra_slot);
       if (op.family == jitfuse::ops::Family::add_extra_input) {
-        ba.extra_in.push_back(tensor(a.extra_inputs[slot], fmt::format("extra input {} (op {})", slot, op.index),
+        ba.extra_in.push_back(tensor(a.extra_inputs[slot], SpanName{"extra input", op.extra_slot, &op},
                                      s.recipe.dtype, op.in, false));
-        ba.grad_extra_in.push_back(tensor(a.grad_extra_inputs[slot],
-                                          fmt::format("grad extra input {} (op {})", slot, op.index), s.recipe.dtype,
-                                          op.in, true));
+        ba.grad_extra_in.push_back(tensor(a.grad_extra_inputs[slot], SpanName{"grad extra input", op.extra_slot, &op},
+                                          s.recipe.dtype, op.in, true));
       }
       if (op.family == jitfuse::ops::Family::make_extra_output) {
-        ba.extra_out.push_back(tensor(a.extra_outputs[slot], fmt::format("extra output {} (op {})", slot, op.index),
+        ba.extra_out.push_back(tensor(a.extra_outputs[slot], SpanName{"extra output", op.extra_slot, &op},
                                       s.recipe.dtype, op.in, false));
         ba.grad_extra_out.push_back(tensor(a.grad_extra_outputs[slot],
-                                           fmt::format("grad extra output {} (op {})", slot, op.index),
-                                           s.recipe.dtype, op.in, false));
+                                           SpanName{"grad extra output", op.extra_slot, &op}, s.recipe.dtype, op.in,
+                                           false));
       }
     }
     ba.params = collect_params<jitfuse::exec::ParamMap>(s, ops, a.params, a.n_params, "params", &spans, false);
@@ -464,7 +476,7 @@ jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream s
     if (prog.saved_bytes) need(a.saved, "saved (the forward's saved buffer)");
     check_buffer(a.saved, a.saved_bytes, prog.saved_bytes, "saved buffer", spans, false);
     check_buffer(a.workspace, a.workspace_bytes, prog.bwd_arena, "workspace", spans, true);
-    jitfuse::api::check_no_overlap(std::move(spans));
+    jitfuse::api::check_no_overlap(spans);
     ba.saved = a.saved;
     ba.workspace = a.workspace;
     if (s.recipe.is_fp8()) {

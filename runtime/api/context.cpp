@@ -261,8 +261,7 @@ fuser::Plan Sequence::plan_only(const std::vector<ops::Op>& ops, bool training, 
 
 std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& input, bool training, CUstream stream) {
   // Programs hold loaded kernels, which belong to the device of the current context.
-  std::string key = fmt::format("{}|{}|{}|{}|dev{}", ops::shape_str(input), training, ctx.rules_generation(),
-                                env::flag("JITFUSE_DISABLE_FUSION"), cuda::current_ordinal());
+  ProgramKey key{input, training, ctx.rules_generation(), env::flag("JITFUSE_DISABLE_FUSION"), cuda::current_ordinal()};
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = programs_.find(key);

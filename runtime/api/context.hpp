@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 
 #include "cache/kernel_cache.hpp"
 #include "exec/executor.hpp"
@@ -103,7 +104,20 @@ class Sequence {
   };
   std::map<int, Persistent> persistent_;  // device ordinal -> persistent buffers
   std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const exec::Prepared>> programs_;
+  // What a prepared program is for: input shape, training, rule-set generation, the fusion kill switch,
+  // device ordinal (a struct, not a formatted string: looked up on every call).
+  struct ProgramKey {
+    ops::Shape shape;
+    bool training = false;
+    uint64_t generation = 0;
+    bool fusion_disabled = false;
+    int device = 0;
+    bool operator<(const ProgramKey& o) const {
+      return std::tie(shape, training, generation, fusion_disabled, device) <
+             std::tie(o.shape, o.training, o.generation, o.fusion_disabled, o.device);
+    }
+  };
+  std::map<ProgramKey, std::shared_ptr<const exec::Prepared>> programs_;
   std::map<const exec::Prepared*, std::unique_ptr<ProgramInfo>> infos_;
   std::map<const void*, std::shared_ptr<exec::Shadow>> shadows_;
   std::map<ops::Shape, std::shared_ptr<const std::vector<ops::Op>>> ops_;

@@ -33,6 +33,8 @@ def _check_dtype_change(module: nn.Module, fn: Any, current: torch.dtype, recipe
     if new == current:
         return
     if recipe in rt.FP8_RECIPES:
+        if new == torch.bfloat16:  # e.g. Sequential(Linear(...), recipe="fp8_delayed", dtype=torch.bfloat16)
+            return
         raise TypeError(f"{type(module).__name__}: recipe {recipe} keeps bf16 parameters; cannot convert to {new}")
     if new not in SUPPORTED_DTYPES:
         raise TypeError(f"{type(module).__name__}: jitfuse runs float32, float16 and bfloat16 (recipes fp32, fp16, "
@@ -343,12 +345,23 @@ class Sequential(nn.Module):
     ``te.ops.Sequential``).
 
     - The recipe follows the input dtype (float32 -> fp32, float16 -> fp16, bfloat16 -> bf16);
-      parameters must have the input's dtype. ``recipe="fp8_current"`` / ``"fp8_delayed"``: bf16
-      activations and a trailing :class:`Quantize` writing E4M3 (forward only; the FP8 recipe state
-      belongs to this module).
+      parameters must have the input's dtype.
+    - ``recipe="fp8_current"`` / ``"fp8_delayed"``: training and inference under FP8. Parameters,
+      activations, outputs and gradients stay bf16; every Linear runs on FP8 GEMMs (E4M3 input and
+      weight, E5M2 output gradient, per-tensor scales from this tensor's amax or from an amax history),
+      and a trailing :class:`Quantize` writes E4M3 (its backward is straight through). The recipe state
+      (amax histories, scales) and the weights' FP8 copies belong to this module.
+    - FP8 weight casts: a forward re-casts the weights to FP8 only when they may have changed. It reuses
+      the FP8 copies (``jf_forward_args.fp8_weights_unchanged = 1``) when every parameter has the
+      ``data_ptr()`` and version counter (``tensor._version``, bumped by every in-place write: optimizer
+      steps, ``copy_``, ``load_state_dict``) it had at the last forward that cast them; never inside a
+      CUDA-graph capture (a replayed graph re-casts every replay, so an optimizer step between replays is
+      seen). :meth:`recast_fp8_weights` forces the next forward to cast (writes through ``.data`` or
+      DLPack, which the version counter does not see).
     - Forward and backward are the ``jitfuse::forward`` / ``jitfuse::backward`` custom ops, so
       ``torch.compile(fullgraph=True)`` traces them and CUDA graphs capture them (after one eager call
-      or :meth:`prepare` per shape).
+      or :meth:`prepare` per shape). An eager call (not traced, no dispatch mode or profiler active, plain
+      tensors) runs the same program without the dispatcher's hops.
     - Dropout masks come from a Philox state {seed, offset} in a device buffer: seed drawn from torch's
       default generator at construction (so ``torch.manual_seed`` reproduces it), offset advanced by
       an in-place add after every training forward (so each replay of a captured graph draws new masks).
@@ -377,6 +390,7 @@ class Sequential(nn.Module):
         self._n_extra_inputs = sum(o.n_extra_inputs for o in ops)
         self._n_extra_outputs = sum(o.n_extra_outputs for o in ops)
         self._param_index = [(i, n) for i, op in enumerate(ops) for n, _ in op.jf_params()]
+        self._jf_param_refs: Optional[List[Tuple[BasicOp, str]]] = None  # set after .to() below
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
         seed = int(torch.randint(0, 2 ** 62, (1,)).item())
@@ -384,9 +398,23 @@ class Sequential(nn.Module):
         self.register_buffer("_jf_rng_state", torch.tensor([seed, 0], dtype=torch.int64, device=dev), persistent=False)
         self.register_buffer("_jf_rng_step", torch.tensor([0, 1], dtype=torch.int64, device=dev), persistent=False)
         self._jf_uses_rng = {t: any(isinstance(o, Dropout) and o.active(t) for o in ops) for t in (True, False)}
+        self._jf_param_refs = self._param_refs()
         self._jf_define()
 
     # -- definitions -------------------------------------------------------------------------------
+
+    def _param_refs(self) -> Optional[List[Tuple[BasicOp, str]]]:
+        """(op, attribute name in op._parameters) of each parameter, so that a call reads them with dict
+        lookups instead of calling every op's jf_params(); None when an op's parameters are not all
+        registered attributes (a subclass computing them): then jf_params() is called per call."""
+        refs = []
+        for op in self._ops:
+            for _, p in op.jf_params():
+                name = next((n for n, q in op._parameters.items() if q is p), None)
+                if name is None:
+                    return None
+                refs.append((op, name))
+        return refs
 
     def _param_device(self) -> Any:
         for op in self._ops:
@@ -411,9 +439,54 @@ class Sequential(nn.Module):
     # -- running -----------------------------------------------------------------------------------
 
     def _params(self) -> List[Tensor]:
+        """Every op's parameters in the sequence's order, read live (an op's parameter may be replaced)."""
+        refs = self._jf_param_refs
+        if refs is not None:
+            try:
+                return [op._parameters[n] for op, n in refs]
+            except KeyError:
+                pass
         return [p for op in self._ops for _, p in op.jf_params()]
 
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
+        if torch.compiler.is_compiling():
+            return self._forward_op(input, extra_inputs)
+        # Eager: the program is called directly (no dispatcher hop; under autograd, one autograd node around
+        # it). Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler)
+        # takes the custom op, which also raises the errors.
+        training = self.training
+        key = self._jf_keys[training].get(input.dtype)
+        if key is None or len(extra_inputs) != self._n_extra_inputs or not input.is_cuda:
+            return self._forward_op(input, extra_inputs)
+        params = self._params()
+        dt, di = input.dtype, input.get_device()
+        for t in params:
+            if t.dtype is not dt or t.get_device() != di:
+                return self._forward_op(input, extra_inputs)
+        for t in extra_inputs:
+            if t.dtype is not dt or t.get_device() != di:
+                return self._forward_op(input, extra_inputs)
+        if not rt.eager_direct_ok([input, *extra_inputs, *params]):
+            return self._forward_op(input, extra_inputs)
+        x = input if input.is_contiguous() else input.contiguous()
+        extras = [e if e.is_contiguous() else e.contiguous() for e in extra_inputs] if extra_inputs else []
+        uses_rng = self._jf_uses_rng[training]
+        rng = self._jf_rng_state if uses_rng else None
+        prog = rt._programs.get((key, di)) or rt.program(key, di)
+        if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params)
+                                        or any(e.requires_grad for e in extra_inputs)):
+            outs = rt.autograd_forward(prog, key, x, extras, params, rng)
+        else:
+            outs = prog.forward(x, extras, params, rng, False, with_saved=False, cache_workspace=True)
+        if uses_rng:
+            self._jf_rng_state.add_(self._jf_rng_step)
+        if self._n_extra_outputs:
+            return tuple(outs)
+        return outs[0]
+
+    def _forward_op(self, input: Tensor, extra_inputs: Tuple[Tensor, ...]) -> Union[Tensor, Tuple[Tensor, ...]]:
+        """The forward through the ``jitfuse::forward`` op: what torch.compile traces, and the eager fallback
+        (with every argument check)."""
         if len(extra_inputs) != self._n_extra_inputs:
             raise TypeError(f"{self.name}: expected {self._n_extra_inputs} extra input(s) (one per AddExtraInput), "
                             f"got {len(extra_inputs)}")
@@ -434,23 +507,25 @@ class Sequential(nn.Module):
                 raise TypeError(f"{self.name}: extra inputs must match the input ({input.dtype} on {input.device})")
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or any(p.requires_grad for p in params) or any(e.requires_grad for e in extra_inputs))
-        if needs_grad and self.recipe is not None:
-            raise RuntimeError(f"{self.name}: recipe {self.recipe} runs forward only in jitfuse.torch "
-                               f"(use torch.no_grad() or detached inputs)")
         uses_rng = self._jf_uses_rng[training]
         rng = self._jf_rng_state if uses_rng else None
-        if not needs_grad and not torch.compiler.is_compiling():
-            # Eager with no gradient: the op's CUDA kernel directly, without the dispatcher's two hops
-            # (Autograd, then CUDA) and without the empty saved buffer the op's schema returns.
-            outs = rt.forward_direct(key, input.contiguous(), [e.contiguous() for e in extra_inputs], params, rng)
-        else:
-            outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs],
-                                                     params, rng, needs_grad)
+        outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs],
+                                                 params, rng, needs_grad)
         if uses_rng:
             self._jf_rng_state.add_(self._jf_rng_step)
         if self._n_extra_outputs:
             return (outs[0], *outs[1:-1])
         return outs[0]
+
+    def recast_fp8_weights(self) -> None:
+        """FP8 recipes: makes the next forward cast the weights to FP8 again. Only needed after a write to a
+        parameter that PyTorch's version counter does not see (through ``.data``, DLPack or a raw pointer):
+        every in-place write through PyTorch (optimizer steps, ``copy_``, ``load_state_dict``) is noticed
+        by itself. A no-op under the other recipes."""
+        for keys in self._jf_keys.values():
+            for key in keys.values():
+                for p in rt.existing_programs(key):
+                    p.fp8_recast()
 
     def prepare(self, shape: Iterable[int], training: bool = True, dtype: Optional[torch.dtype] = None,
                 device: Any = None) -> None:

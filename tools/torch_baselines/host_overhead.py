@@ -1,0 +1,294 @@
+"""Where the host time of a jitfuse.torch call goes (issue 12): each piece of a call timed alone.
+
+Small M (the GPU work is a few microseconds, so the host is the bottleneck); every number is host
+microseconds per call, the median of 5 batches of N calls each (synchronised before and after a batch,
+never inside it). Pieces: PyTorch primitives a call uses (torch.empty, data_ptr, the current stream),
+jf_forward / jf_backward through ctypes alone (arguments built once, pointers fixed), the package's
+kernel (Program.forward), the module call with and without autograd, the training step, and PyTorch
+eager / a trivial Python autograd.Function for scale. Then a cProfile of training steps.
+
+Run on the GPU machine, with the package to measure on PYTHONPATH:
+  python3 tools/torch_baselines/host_overhead.py [--calls 2000] [--profile] [--json out.json]
+"""
+import argparse
+import cProfile
+import ctypes
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import jitfuse._abi as abi
+import jitfuse.torch as jt
+from jitfuse.torch import _runtime as rt
+
+DEV = "cuda"
+DT = torch.bfloat16
+
+
+def per_call_us(fn, calls, batches=5, warmup=50):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    n = max(1, calls // batches)
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        res.append((time.perf_counter_ns() - t) / n / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(res)
+
+
+class Raw:
+    """jf_forward / jf_backward arguments built once from torch tensors (no jitfuse.torch code per call)."""
+
+    def __init__(self, model, x, extras):
+        self.keep = []
+        key = model._jf_keys[True][x.dtype]
+        self.prog = rt.program(key, torch.cuda.current_device())
+        self.handle = self.prog.sequence.handle
+        self.cdll = self.prog.sequence.lib.cdll
+        info = self.prog.info(tuple(x.shape), True)
+        self.info = info
+        fws_bytes = max(info.forward_workspace_bytes, self.prog.info(tuple(x.shape), False).forward_workspace_bytes)
+        params = [p.detach() for p in model._params()]
+        names = [(i, n.encode()) for i, n in self.prog.definition.params]
+        out = torch.empty(info.outputs[0].shape, dtype=rt.torch_dtype(info.outputs[0].dl_dtype), device=DEV)
+        eouts = [torch.empty(o.shape, dtype=DT, device=DEV) for o in info.outputs[1:]]
+        saved = torch.empty(max(info.saved_bytes, 1), dtype=torch.uint8, device=DEV)
+        fws = torch.empty(max(fws_bytes, 1), dtype=torch.uint8, device=DEV)
+        bws = torch.empty(max(info.backward_workspace_bytes, 1), dtype=torch.uint8, device=DEV)
+        gx = torch.empty_like(x)
+        gextras = [torch.empty_like(e) for e in extras]
+        grads = [torch.zeros_like(p) for p in params]
+        dy = torch.randn_like(out, dtype=DT)
+        deo = [torch.randn_like(o) for o in eouts]
+        self.keep += [x, extras, params, out, eouts, saved, fws, bws, gx, gextras, grads, dy, deo]
+        f = self.fa = abi.jf_forward_args()
+        f.input = self.dl(x)
+        f.extra_inputs = self.arr(extras)
+        f.n_extra_inputs = len(extras)
+        f.output = self.dl(out)
+        f.extra_outputs = self.arr(eouts)
+        f.n_extra_outputs = len(eouts)
+        f.params = self.parr(names, params)
+        f.n_params = len(params)
+        f.training = 1
+        f.saved = saved.data_ptr() if info.saved_bytes else None
+        f.saved_bytes = info.saved_bytes
+        f.workspace = fws.data_ptr() if fws_bytes else None
+        f.workspace_bytes = fws_bytes
+        b = self.ba = abi.jf_backward_args()
+        b.input, b.extra_inputs, b.n_extra_inputs = f.input, f.extra_inputs, f.n_extra_inputs
+        b.output, b.extra_outputs, b.n_extra_outputs = f.output, f.extra_outputs, f.n_extra_outputs
+        b.params, b.n_params = f.params, f.n_params
+        b.saved, b.saved_bytes = f.saved, f.saved_bytes
+        b.grad_output = self.dl(dy)
+        b.grad_extra_outputs = self.arr(deo)
+        b.n_grad_extra_outputs = len(deo)
+        b.grad_input = self.dl(gx)
+        b.grad_extra_inputs = self.arr(gextras)
+        b.n_grad_extra_inputs = len(gextras)
+        b.grads = self.parr(names, grads)
+        b.n_grads = len(grads)
+        b.workspace = bws.data_ptr() if info.backward_workspace_bytes else None
+        b.workspace_bytes = info.backward_workspace_bytes
+        self.stream = torch.cuda.current_stream().cuda_stream
+        self.saved_h = abi.jf_saved()
+
+    def dl(self, t):
+        shape = (ctypes.c_int64 * t.dim())(*t.shape)
+        d = abi.DLTensor()
+        d.data = t.data_ptr()
+        d.device = abi.DLDevice(abi.kDLCUDA, t.device.index or 0)
+        d.ndim = t.dim()
+        code, bits = rt._TORCH_TO_DL[t.dtype]
+        d.dtype = abi.DLDataType(code, bits, 1)
+        d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+        self.keep += [shape, d]
+        return ctypes.pointer(d)
+
+    def arr(self, ts):
+        a = (ctypes.POINTER(abi.DLTensor) * max(len(ts), 1))()
+        for i, t in enumerate(ts):
+            a[i] = self.dl(t)
+        self.keep.append(a)
+        return ctypes.cast(a, ctypes.POINTER(ctypes.POINTER(abi.DLTensor)))
+
+    def parr(self, names, ts):
+        a = (abi.jf_param * max(len(ts), 1))()
+        for i, ((op, n), t) in enumerate(zip(names, ts)):
+            a[i].op_index, a[i].name, a[i].tensor = op, n, self.dl(t)
+        self.keep.append(a)
+        return ctypes.cast(a, ctypes.POINTER(abi.jf_param))
+
+    def forward(self):
+        st = self.cdll.jf_forward(self.handle, ctypes.byref(self.fa), ctypes.byref(self.saved_h), self.stream)
+        assert st == 0, self.prog.sequence.lib.last_error()
+
+    def backward(self):
+        st = self.cdll.jf_backward(self.handle, ctypes.byref(self.ba), self.stream)
+        assert st == 0, self.prog.sequence.lib.last_error()
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def models(h):
+    bg = jt.Sequential(jt.Bias(h), jt.GELU(), device=DEV, dtype=DT, name="bias_gelu")
+    mlp = jt.Sequential(jt.LayerNorm(h), jt.Linear(h, 4 * h), jt.Bias(4 * h), jt.GELU(), jt.Linear(4 * h, h),
+                        jt.Bias(h), jt.AddExtraInput(), device=DEV, dtype=DT, name="mlp")
+    return {"bias+gelu": (bg, 0), "mlp": (mlp, 1)}
+
+
+class Results(dict):
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        print(f"  {k:55s} {v:8.2f}" if isinstance(v, float) else f"  {k:55s} {v}", flush=True)
+
+
+def measure(calls, m, h):
+    r = Results()
+    x = torch.randn(m, h, device=DEV, dtype=DT)
+    big = torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
+    dev = torch.device(DEV, torch.cuda.current_device())
+    # PyTorch primitives
+    r["torch.empty(shape, dtype, device)"] = per_call_us(lambda: torch.empty((m, h), dtype=DT, device=dev), calls)
+    r["torch.empty_like(x)"] = per_call_us(lambda: torch.empty_like(x), calls)
+    r["x.new_empty(shape)"] = per_call_us(lambda: x.new_empty((m, h)), calls)
+    r["torch.empty(n, uint8)"] = per_call_us(lambda: torch.empty((4096,), dtype=torch.uint8, device=dev), calls)
+    r["big[a:b].view(bf16).view(shape)"] = per_call_us(lambda: big[0:m * h * 2].view(DT).view(m, h), calls)
+    r["x.data_ptr()"] = per_call_us(lambda: x.data_ptr(), calls)
+    r["x.device"] = per_call_us(lambda: x.device, calls)
+    r["x._version"] = per_call_us(lambda: x._version, calls)
+    r["tuple(x.shape)"] = per_call_us(lambda: tuple(x.shape), calls)
+    r["torch.cuda.current_device()"] = per_call_us(torch.cuda.current_device, calls)
+    r["_cuda_getCurrentRawStream"] = per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0), calls)
+    r["torch.cuda.is_current_stream_capturing()"] = per_call_us(torch.cuda.is_current_stream_capturing, calls)
+    r["torch.compiler.is_compiling()"] = per_call_us(torch.compiler.is_compiling, calls)
+    cdll = rt.context(torch.cuda.current_device()).lib.cdll
+    r["ctypes jf_abi_version()"] = per_call_us(cdll.jf_abi_version, calls)
+    # PyTorch eager for scale
+    b = torch.zeros(h, device=DEV, dtype=DT, requires_grad=True)
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        r["eager bias+gelu, no grad"] = per_call_us(lambda: F.gelu(x + b, approximate="tanh"), calls)
+
+    def eager_step():
+        y = F.gelu(xg + b, approximate="tanh")
+        torch.autograd.backward([y], [torch.ones_like(y)])
+    r["eager bias+gelu fwd+bwd step"] = per_call_us(eager_step, calls)
+
+    def twice_step():
+        y = _Twice.apply(xg)
+        torch.autograd.backward([y], [torch.ones_like(y)])
+    r["python autograd.Function (x*2) fwd+bwd step"] = per_call_us(twice_step, calls)
+    # jitfuse
+    for name, (model, ne) in models(h).items():
+        extras = [torch.randn(m, h, device=DEV, dtype=DT) for _ in range(ne)]
+        xg = x.clone().requires_grad_()
+        model(xg, *extras).sum().backward()  # prepares training
+        with torch.no_grad():
+            model(x, *extras)
+        torch.cuda.synchronize()
+        raw = Raw(model, x, extras)
+        r[f"{name}: info"] = {"saved_bytes": raw.info.saved_bytes, "fwd_ws": raw.info.forward_workspace_bytes,
+                              "bwd_ws": raw.info.backward_workspace_bytes, "params": len(raw.prog.definition.params)}
+        r[f"{name}: ctypes jf_forward (training) alone"] = per_call_us(raw.forward, calls)
+        raw.fa.training = 0
+        r[f"{name}: ctypes jf_forward (inference) alone"] = per_call_us(raw.forward, calls)
+        raw.fa.training = 1
+        raw.forward()
+        r[f"{name}: ctypes jf_backward alone"] = per_call_us(raw.backward, calls)
+        prog = raw.prog
+        params = [p.detach() for p in model._params()]
+        r[f"{name}: Program.forward (inference)"] = per_call_us(
+            lambda: prog.forward(x, extras, params, None, False), calls)
+        r[f"{name}: Program.forward (training)"] = per_call_us(
+            lambda: prog.forward(x, extras, params, None, True), calls)
+        outs = prog.forward(x, extras, params, None, True)
+        dy = torch.ones_like(outs[0])
+        r[f"{name}: Program.backward"] = per_call_us(
+            lambda: prog.backward(x, extras, outs[0], list(outs[1:-1]), params, outs[-1], dy, []), calls)
+        with torch.no_grad():
+            r[f"{name}: module(x) no grad"] = per_call_us(lambda: model(x, *extras), calls)
+        r[f"{name}: op via dispatcher, no grad"] = per_call_us(
+            lambda: torch.ops.jitfuse.forward.default(raw.prog.definition.key, x, extras, params, None, False), calls)
+        r[f"{name}: module(x) with grad (forward only)"] = per_call_us(lambda: model(xg, *extras), calls)
+        ys = model(xg, *extras)
+
+        def step():
+            y = model(xg, *extras)
+            torch.autograd.backward([y], [torch.ones_like(y)])
+        r[f"{name}: module fwd+bwd step"] = per_call_us(step, calls)
+
+        def bwd_only():
+            y = model(xg, *extras)
+            torch.autograd.backward([y], [dy])
+        r[f"{name}: module fwd+bwd step (dy given)"] = per_call_us(bwd_only, calls)
+        del ys
+    return r
+
+
+def profile_step(steps, m, h):
+    model, _ = models(h)["bias+gelu"]
+    x = torch.randn(m, h, device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.ones(m, h, device=DEV, dtype=DT)
+
+    def step():
+        y = model(x)
+        torch.autograd.backward([y], [dy])
+    for _ in range(50):
+        step()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    out = s.getvalue()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+    out += "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--m", type=int, default=16)
+    ap.add_argument("--h", type=int, default=1024)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, M={a.m}, cols={a.h}")
+    r = measure(a.calls, a.m, a.h)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+    if a.profile:
+        print(profile_step(500, a.m, a.h))
+
+
+if __name__ == "__main__":
+    main()
