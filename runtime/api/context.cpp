@@ -137,7 +137,7 @@ const exec::PersistentMap& Sequence::persistent_for(const exec::Program& p) {
   return pers.buffers;
 }
 
-const exec::PersistentMap& Sequence::persistent() {
+exec::PersistentMap Sequence::persistent() {
   std::lock_guard<std::mutex> lock(mu_);
   return persistent_[cuda::current_ordinal()].buffers;
 }

@@ -84,8 +84,10 @@ class Sequence {
   // FP8 recipes: the sequence's persistent buffers a program binds (the FP8 copies of the weights),
   // allocated on the current device when prepare first sees them (prepared_for calls it).
   const exec::PersistentMap& persistent_for(const exec::Program& p);
-  // The persistent buffers on the current device, as prepare allocated them (what a call binds).
-  const exec::PersistentMap& persistent();
+  // The persistent buffers on the current device, as prepare allocated them (what a call binds): a copy
+  // made under the lock, because another thread's prepare (of a program that reads more copies, e.g.
+  // training after inference) may add entries while this call binds them.
+  exec::PersistentMap persistent();
   // Whether a forward of `p` may skip its weight casts: the host says the weights did not change AND
   // every persistent copy `p` reads was written by an earlier forward from the same weight pointers.
   // When it may not, records that this forward (which casts) writes them from `params`.
