@@ -116,7 +116,7 @@ const exec::Fp8StateMap& Sequence::fp8_state() {
   return states;
 }
 
-const exec::PersistentMap& Sequence::persistent_for(const exec::Program& p) {
+void Sequence::persistent_for(const exec::Program& p) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& pers = persistent_[cuda::current_ordinal()];
   const auto& d = cuda::driver();
@@ -134,7 +134,6 @@ const exec::PersistentMap& Sequence::persistent_for(const exec::Program& p) {
     pers.buffers[key] = reinterpret_cast<void*>(ptr);
     pers.bytes[key] = b.bytes;
   }
-  return pers.buffers;
 }
 
 exec::PersistentMap Sequence::persistent() {

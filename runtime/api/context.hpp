@@ -81,9 +81,9 @@ class Sequence {
   // FP8 recipes: every recipe state on the current device (allocated by prepare): (op, "") of each quantize
   // op, (op, "input" | "weight" | "grad_output") of each linear's GEMM operands.
   const exec::Fp8StateMap& fp8_state();
-  // FP8 recipes: the sequence's persistent buffers a program binds (the FP8 copies of the weights),
-  // allocated on the current device when prepare first sees them (prepared_for calls it).
-  const exec::PersistentMap& persistent_for(const exec::Program& p);
+  // FP8 recipes: allocates, on the current device, the persistent buffers `p` binds (the FP8 copies of
+  // the weights) that no earlier program allocated (prepared_for calls it; calls bind persistent()).
+  void persistent_for(const exec::Program& p);
   // The persistent buffers on the current device, as prepare allocated them (what a call binds): a copy
   // made under the lock, because another thread's prepare (of a program that reads more copies, e.g.
   // training after inference) may add entries while this call binds them.

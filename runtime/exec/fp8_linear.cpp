@@ -41,16 +41,22 @@ void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, i
   q.delayed = b.recipe().kind == ops::RecipeKind::fp8_delayed;
   q.margin = b.recipe().margin;
   opt.fp8.reset();  // chain_spec's quantize hand-off is not this
+  const char* format = q.e5m2 ? "e5m2" : "e4m3";
+  auto stageless = [&](const std::string& label) {  // a kernel over the operand itself, no ops' stages
+    KernelSpec s;
+    s.dir = opt.dir;
+    s.dtype = opt.dtype;
+    s.rule = opt.rule;
+    s.cols = cols;
+    s.label = label;
+    return s;
+  };
   KernelSpec spec;
   if (bgn < e) {
     opt.vec = chain_vectorizable(ops, bgn, e);
     spec = chain_spec(ops, bgn, e, opt);
   } else {
-    spec.dir = opt.dir;
-    spec.dtype = opt.dtype;
-    spec.rule = opt.rule;
-    spec.cols = cols;
-    spec.label = "cast";
+    spec = stageless("cast");
   }
   spec.vec = (bgn < e ? opt.vec : true) && cols % 8 == 0;
   spec.fp8 = q;
@@ -63,7 +69,7 @@ void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, i
     spec.label += "_transpose";
     spec.vec = spec.vec && rows % 16 == 0;  // the transposed 16-byte stores: 16 rows of one column
   }
-  spec.label += q.e5m2 ? "_e5m2" : "_e4m3";
+  spec.label += std::string("_") + format;
   const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
   nlohmann::json meta = b.kernel_meta(bgn < e ? bgn : lin, b.forward() ? "forward" : "backward");
   meta["fp8_operand"] = tensor;
@@ -72,16 +78,11 @@ void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, i
              fmt::format("{}: generated {} -> {} {} of {}", who, codegen::skeleton_name(spec.skeleton),
                          q.e5m2 ? "E5M2" : "E4M3", tensor, o.label()));
   if (codes_transpose) {
-    codegen::KernelSpec t;
+    KernelSpec t = stageless(std::string("transpose_") + format);
     t.skeleton = codegen::Skeleton::cast_transpose;
-    t.dir = spec.dir;
-    t.dtype = spec.dtype;
-    t.rule = spec.rule;
-    t.cols = cols;
     t.vec = cols % 8 == 0 && rows % 16 == 0;
     t.fp8 = q;
     t.fp8->codes_in = true;
-    t.label = std::string("transpose_") + (q.e5m2 ? "e5m2" : "e4m3");
     b.kernel(t, meta, dst.row, dst.col, rows,
              fmt::format("{}: generated transpose of the {} {} codes of {}", who, q.e5m2 ? "E5M2" : "E4M3", tensor,
                          o.label()));
