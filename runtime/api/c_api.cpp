@@ -101,14 +101,16 @@ void* check_tensor(const DLTensor* t, const Name& name, jitfuse::ops::DType dtyp
 }
 
 // A call's (op index, name, tensor) array against the parameters the program's ops declare (the op
-// registry's names): every one passed exactly once, with the op's shape and the recipe's dtype.
-template <class Map>
-Map collect_params(const jitfuse::api::Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_param* arr,
-                   int n, const char* what, std::vector<jitfuse::api::Span>* spans, bool written) {
+// registry's names): every one passed exactly once, with the op's shape and the recipe's dtype. Returns
+// the pointers by slot (exec::param_slot: the ops' parameters in declaration order).
+template <class T>
+std::vector<T> collect_params(const jitfuse::api::Sequence& s, const std::vector<jitfuse::ops::Op>& ops,
+                              const jf_param* arr, int n, const char* what, std::vector<jitfuse::api::Span>* spans,
+                              bool written) {
   using jitfuse::text::shorten;
   if (n < 0 || n > 1000000) fail(Status::invalid_argument, "n_{} is {}", what, n);
   if (n > 0) need(arr, what);
-  Map out;
+  std::vector<T> out(jitfuse::exec::param_slot_count(ops), nullptr);
   for (int i = 0; i < n; ++i) {
     const jf_param& e = arr[i];
     jitfuse::api::check_name(e.name, [&] { return fmt::format("{}[{}].name", what, i); });
@@ -116,9 +118,15 @@ Map collect_params(const jitfuse::api::Sequence& s, const std::vector<jitfuse::o
       fail(Status::invalid_argument, "{}[{}]: op index {} out of range: sequence '{}' has {} ops", what, i, e.op_index,
            s.def.name, ops.size());
     const auto& op = ops[static_cast<size_t>(e.op_index)];
+    size_t slot = 0, j_decl = 0;
+    for (int o = 0; o < e.op_index; ++o) slot += ops[static_cast<size_t>(o)].params.size();
     const jitfuse::ops::Param* decl = nullptr;
-    for (const auto& prm : op.params)
-      if (prm.name == e.name) decl = &prm;
+    for (size_t j = 0; j < op.params.size(); ++j)
+      if (op.params[j].name == e.name) {
+        decl = &op.params[j];
+        j_decl = j;
+      }
+    slot += j_decl;
     if (!decl) {
       std::string names;
       for (const auto& prm : op.params) names += (names.empty() ? "" : ", ") + prm.name;
@@ -127,19 +135,18 @@ Map collect_params(const jitfuse::api::Sequence& s, const std::vector<jitfuse::o
     }
     const SpanName label{what, -1, &op, decl->name.c_str()};
     void* p = check_tensor(e.tensor, [&] { return label.str(); }, s.recipe.dtype, &decl->shape);
-    if (!out.emplace(std::make_pair(e.op_index, decl->name), p).second)
+    if (out[slot])
       fail(Status::invalid_argument, "{}[{}]: {} '{}' is passed twice", what, i, op.label(), decl->name);
+    out[slot] = p;  // not null: check_tensor checked
     if (spans) spans->push_back(jitfuse::api::span_of(e.tensor, label, written));
   }
-  // Every entry is a declared parameter passed once (checked above): all are there iff the counts match.
-  size_t declared = 0;
-  for (const auto& op : ops) declared += op.params.size();
-  if (out.size() != declared)
-    for (const auto& op : ops)
-      for (const auto& prm : op.params)
-        if (!out.count({op.index, prm.name}))
-          fail(Status::invalid_argument, "{}: {} '{}' ({}) is missing: pass every parameter with each call", what,
-               op.label(), prm.name, jitfuse::ops::shape_str(prm.shape));
+  // Every entry is a declared parameter passed once (checked above): all are there iff none is null.
+  size_t slot = 0;
+  for (const auto& op : ops)
+    for (const auto& prm : op.params)
+      if (!out[slot++])
+        fail(Status::invalid_argument, "{}: {} '{}' ({}) is missing: pass every parameter with each call", what,
+             op.label(), prm.name, jitfuse::ops::shape_str(prm.shape));
   return out;
 }
 
@@ -392,7 +399,7 @@ jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* sav
         spans.push_back(jitfuse::api::span_of(a.extra_outputs[op.extra_slot], name, true));
       }
     }
-    fa.params = collect_params<jitfuse::exec::ParamMap>(s, ops, a.params, a.n_params, "params", &spans, false);
+    fa.params = collect_params<const void*>(s, ops, a.params, a.n_params, "params", &spans, false);
     jitfuse::api::check_no_overlap(spans);  // before prepare: a bad call never compiles anything
     auto pp = s.prepared_for(in_shape, train, as_stream(stream));
     const auto& prog = *pp->program;
@@ -404,11 +411,7 @@ jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* sav
     fa.rng.state = a.rng_state;
     fa.rng.seed = a.rng_seed;
     fa.rng.offset = a.rng_offset;
-    if (s.recipe.is_fp8()) {
-      fa.fp8 = s.fp8_state();
-      fa.persistent = s.persistent();
-      fa.weights_unchanged = s.weights_unchanged(prog, fa.params, a.fp8_weights_unchanged != 0);
-    }
+    if (s.recipe.is_fp8()) fa.weights_unchanged = s.weights_unchanged(prog, fa.params, a.fp8_weights_unchanged != 0);
     auto owned = train && !a.saved ? std::make_unique<jf_saved_s>() : nullptr;
     auto& rt = s.ctx.runtime();
     auto res = jitfuse::exec::run_forward(pp, rt, fa);
@@ -467,8 +470,8 @@ jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream s
                                            false));
       }
     }
-    ba.params = collect_params<jitfuse::exec::ParamMap>(s, ops, a.params, a.n_params, "params", &spans, false);
-    ba.grads = collect_params<jitfuse::exec::GradMap>(s, ops, a.grads, a.n_grads, "grads", &spans, true);
+    ba.params = collect_params<const void*>(s, ops, a.params, a.n_params, "params", &spans, false);
+    ba.grads = collect_params<void*>(s, ops, a.grads, a.n_grads, "grads", &spans, true);
     jitfuse::api::check_no_overlap(spans);
     auto pp = s.prepared_for(in_shape, true, as_stream(stream));
     const auto& prog = *pp->program;
@@ -478,10 +481,6 @@ jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream s
     jitfuse::api::check_no_overlap(spans);
     ba.saved = a.saved;
     ba.workspace = a.workspace;
-    if (s.recipe.is_fp8()) {
-      ba.fp8 = s.fp8_state();
-      ba.persistent = s.persistent();
-    }
     auto shadow = s.take_shadow(a.saved);
     jitfuse::exec::run_backward(*pp, s.ctx.runtime(), ba, shadow.get());
   });

@@ -141,12 +141,12 @@ exec::PersistentMap Sequence::persistent() {
   return persistent_[cuda::current_ordinal()].buffers;
 }
 
-bool Sequence::weights_unchanged(const exec::Program& p, const exec::ParamMap& params, bool host_says) {
+bool Sequence::weights_unchanged(const exec::Program& p, const std::vector<const void*>& params, bool host_says) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& cast_from = persistent_[cuda::current_ordinal()].cast_from;
-  auto source = [&](const exec::Buffer& b) {
-    auto w = params.find({b.op, "weight"});
-    return w == params.end() ? nullptr : w->second;
+  auto source = [&](const exec::Buffer& b) -> const void* {
+    const int slot = exec::param_slot(p.ops, b.op, "weight");
+    return slot >= 0 && static_cast<size_t>(slot) < params.size() ? params[static_cast<size_t>(slot)] : nullptr;
   };
   // Skipped only if every copy this program reads was cast, by an earlier forward, from the same pointer
   // (a copy never written has no entry).
@@ -302,7 +302,12 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
       exec::make_program(std::move(ops), std::move(plan), recipe, training, def.name, model), rt);
   auto pp = std::const_pointer_cast<exec::Prepared>(prepared);
   pp->reference = reference;
-  if (recipe.is_fp8()) persistent_for(*pp->program);  // the FP8 weight copies, allocated here too
+  if (recipe.is_fp8()) {
+    persistent_for(*pp->program);  // the FP8 weight copies, allocated here too
+    exec::bind_sequence_state(*pp, fp8_state(), persistent());
+  } else {
+    exec::bind_sequence_state(*pp, {}, {});
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto [it, inserted] = programs_.emplace(key, pp);  // another thread may have prepared it meanwhile
   return it->second;

@@ -84,14 +84,15 @@ class Sequence {
   // FP8 recipes: allocates, on the current device, the persistent buffers `p` binds (the FP8 copies of
   // the weights) that no earlier program allocated (prepared_for calls it; calls bind persistent()).
   void persistent_for(const exec::Program& p);
-  // The persistent buffers on the current device, as prepare allocated them (what a call binds): a copy
-  // made under the lock, because another thread's prepare (of a program that reads more copies, e.g.
-  // training after inference) may add entries while this call binds them.
+  // The persistent buffers on the current device, as prepare allocated them: a copy made under the lock,
+  // because another thread's prepare (of a program that reads more copies, e.g. training after inference)
+  // may add entries meanwhile. prepared_for binds them into the program (calls look nothing up).
   exec::PersistentMap persistent();
   // Whether a forward of `p` may skip its weight casts: the host says the weights did not change AND
   // every persistent copy `p` reads was written by an earlier forward from the same weight pointers.
   // When it may not, records that this forward (which casts) writes them from `params`.
-  bool weights_unchanged(const exec::Program& p, const exec::ParamMap& params, bool host_says);
+  // `params`: the call's, by slot (exec::param_slot).
+  bool weights_unchanged(const exec::Program& p, const std::vector<const void*>& params, bool host_says);
 
   // JITFUSE_VERIFY: a training forward's shadow run, kept (by its saved block) for the backward.
   void keep_shadow(const void* saved, std::shared_ptr<exec::Shadow> shadow);

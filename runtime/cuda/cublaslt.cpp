@@ -1,11 +1,13 @@
 // Row-major linear on column-major cuBLASLt: every product is computed transposed (D^T = op(A) op(B)),
-// so row-major buffers are passed as they are. RAII holders own every descriptor.
+// so row-major buffers are passed as they are. The descriptor and layouts of a call are initialised in
+// its own (stack) storage; only the algorithm is cached, per problem (GemmKey).
 #include "cuda/cublaslt.hpp"
 
 #include <cublasLt.h>
 
 #include <algorithm>
-#include <unordered_map>
+#include <map>
+#include <tuple>
 
 #include "common/error.hpp"
 #include "cuda/driver.hpp"
@@ -43,14 +45,6 @@ void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const
 
 const char* kind_name(GemmKind k) { return k == GemmKind::fwd ? "forward" : k == GemmKind::dgrad ? "dgrad" : "wgrad"; }
 
-struct MatmulDesc {
-  cublasLtMatmulDesc_t d = nullptr;
-  ~MatmulDesc() { if (d) cublasLtMatmulDescDestroy(d); }
-};
-struct Layout {
-  cublasLtMatrixLayout_t l = nullptr;
-  ~Layout() { if (l) cublasLtMatrixLayoutDestroy(l); }
-};
 struct Pref {
   cublasLtMatmulPreference_t p = nullptr;
   ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
@@ -150,10 +144,175 @@ void check_gemm_call(const GemmCall& call) {
   if (call.fp8) check_fp8(call, true);
 }
 
+// The cache key: everything the heuristic's answer depends on (what the formatted string key of earlier
+// versions held, field for field), compared as a struct.
+struct GemmKey {
+  int kind = 0;
+  int64_t m = 0, n = 0, k = 0;
+  int dt = 0, epi = 0;
+  bool beta = false;
+  uint32_t al_a = 0, al_b = 0, al_c = 0, al_d = 0, al_aux = 0;
+  bool fp8 = false;  // plain keys leave the FP8 fields below at their defaults
+  int at = 0, bt = 0, bias_dt = -1;
+  bool fast_accum = false, amax = false;
+  auto tie() const {
+    return std::tie(kind, m, n, k, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, fp8, at, bt, bias_dt, fast_accum,
+                    amax);
+  }
+  bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
+  bool operator==(const GemmKey& o) const { return tie() == o.tie(); }
+};
+
+struct GemmPlan {
+  GemmKey key;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+namespace {
+
+// A call in cuBLASLt's column-major terms (see file comment): what the descriptor and layouts are made of.
+struct Problem {
+  uint64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldd = 0;
+  uint64_t a_rows = 0, a_cols = 0, b_rows = 0, b_cols = 0;
+  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  const void* A = nullptr;
+  const void* B = nullptr;
+  const void* C = nullptr;
+  cudaDataType_t dt{}, at{}, bt{}, ct{};
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+};
+
+Problem problem_of(const GemmCall& g) {
+  Problem p;
+  switch (g.kind) {
+    case GemmKind::fwd:  // y^T[n,m] = W(kxn col-major)^T * x^T(kxm)
+      p.m = g.n; p.n = g.m; p.k = g.k;
+      p.A = g.b; p.ta = CUBLAS_OP_T; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
+      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.k; p.b_cols = g.m; p.ldb = g.k;
+      p.ldd = g.n;
+      break;
+    case GemmKind::dgrad:  // dx^T[k,m] = W^T(kxn) * dy^T(nxm)
+      p.m = g.k; p.n = g.m; p.k = g.n;
+      p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
+      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.n; p.b_cols = g.m; p.ldb = g.n;
+      p.ldd = g.k;
+      break;
+    case GemmKind::wgrad:  // dW^T[k,n] = x^T(kxm) * dy(mxn)
+      p.m = g.k; p.n = g.n; p.k = g.m;
+      p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.m; p.lda = g.k;
+      p.B = g.a; p.tb = CUBLAS_OP_T; p.b_rows = g.n; p.b_cols = g.m; p.ldb = g.n;
+      p.ldd = g.k;
+      break;
+  }
+  // Plain GEMMs: every matrix has g.dtype. FP8: cuBLASLt's A is our B (W) and its B our A (x); C has D's
+  // type, bf16 when D is FP8 (cuBLASLt's table; C is never read then, beta being 0).
+  p.dt = g.fp8 ? fp8_data_type(g.dtype) : data_type(g.dtype);
+  p.at = g.fp8 ? fp8_data_type(g.fp8->b) : p.dt;
+  p.bt = g.fp8 ? fp8_data_type(g.fp8->a) : p.dt;
+  p.ct = g.fp8 && ops::is_fp8(g.dtype) ? CUDA_R_16BF : p.dt;
+  switch (g.epilogue) {
+    case Epilogue::none: break;
+    case Epilogue::bias: p.epi = CUBLASLT_EPILOGUE_BIAS; break;
+    case Epilogue::gelu_bias: p.epi = CUBLASLT_EPILOGUE_GELU_BIAS; break;
+    case Epilogue::gelu_aux_bias: p.epi = CUBLASLT_EPILOGUE_GELU_AUX_BIAS; break;
+    case Epilogue::gelu: p.epi = CUBLASLT_EPILOGUE_GELU; break;
+    case Epilogue::gelu_aux: p.epi = CUBLASLT_EPILOGUE_GELU_AUX; break;
+    case Epilogue::relu: p.epi = CUBLASLT_EPILOGUE_RELU; break;
+    case Epilogue::relu_bias: p.epi = CUBLASLT_EPILOGUE_RELU_BIAS; break;
+    // dgrad's D is dx^T [k, m]: DGELU_BGRAD's bias gradient has one entry per row of D (k features).
+    case Epilogue::dgelu_bgrad: p.epi = CUBLASLT_EPILOGUE_DGELU_BGRAD; break;
+    case Epilogue::relu_aux_bias: p.epi = CUBLASLT_EPILOGUE_RELU_AUX_BIAS; break;
+    case Epilogue::drelu_bgrad: p.epi = CUBLASLT_EPILOGUE_DRELU_BGRAD; break;
+    // wgrad's B is dy (m x n after the transpose): BGRADB sums it over GEMM-k (the m tokens), n entries.
+    case Epilogue::bgradb: p.epi = CUBLASLT_EPILOGUE_BGRADB; break;
+  }
+  const GemmKind epi_kind = g.epilogue == Epilogue::dgelu_bgrad || g.epilogue == Epilogue::drelu_bgrad ? GemmKind::dgrad
+                            : g.epilogue == Epilogue::bgradb    ? GemmKind::wgrad
+                                                                : GemmKind::fwd;
+  if (g.epilogue != Epilogue::none && g.kind != epi_kind)
+    fail(Status::internal, "cuBLASLt epilogue {} requested on the wrong GEMM", epilogue_name(g.epilogue));
+  // C = D when beta is 0 (nothing is read), except for FP8 output: C's layout is bf16 there, and cuBLASLt
+  // refuses an in-place call whose C and D layouts differ (INVALID_VALUE, H100 run #14), so C is null.
+  p.C = g.beta != 0.f ? (g.c ? g.c : g.d) : (g.fp8 && ops::is_fp8(g.dtype) ? nullptr : g.d);
+  return p;
+}
+
+GemmKey key_of(const GemmCall& g, const Problem& p) {
+  GemmKey k;
+  k.kind = static_cast<int>(g.kind);
+  k.m = g.m;
+  k.n = g.n;
+  k.k = g.k;
+  k.dt = static_cast<int>(p.dt);
+  k.epi = static_cast<int>(p.epi);
+  k.beta = g.beta != 0.f;
+  k.al_a = alignment(p.A);
+  k.al_b = alignment(p.B);
+  k.al_c = alignment(p.C);
+  k.al_d = alignment(g.d);
+  k.al_aux = g.aux ? alignment(g.aux) : 0;
+  if (g.fp8) {
+    k.fp8 = true;
+    k.at = static_cast<int>(p.at);
+    k.bt = static_cast<int>(p.bt);
+    k.bias_dt = g.epilogue == Epilogue::bias ? static_cast<int>(data_type(g.fp8->bias)) : -1;
+    k.fast_accum = g.fp8->fast_accum;
+    k.amax = g.fp8->d_amax != nullptr;
+  }
+  return k;
+}
+
+// The call's descriptor and layouts, initialised in the caller's storage (cublasLt*Init: no allocation,
+// nothing to destroy): per call, so that the pointer attributes of concurrent calls never share one.
+struct Descriptors {
+  cublasLtMatmulDescOpaque_t op_storage;
+  cublasLtMatrixLayoutOpaque_t la_storage, lb_storage, lc_storage, ld_storage;
+  cublasLtMatmulDesc_t op = &op_storage;
+  cublasLtMatrixLayout_t la = &la_storage, lb = &lb_storage, lc = &lc_storage, ld = &ld_storage;
+
+  Descriptors(const GemmCall& g, const Problem& p) {
+    check_blas(cublasLtMatmulDescInit(op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescInit");
+    set_attr(op, CUBLASLT_MATMUL_DESC_TRANSA, p.ta, "set TRANSA");
+    set_attr(op, CUBLASLT_MATMUL_DESC_TRANSB, p.tb, "set TRANSB");
+    set_attr(op, CUBLASLT_MATMUL_DESC_EPILOGUE, p.epi, "set EPILOGUE");
+    if (g.bias) set_attr(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias, "set BIAS_POINTER");
+    if (g.fp8) {
+      const Fp8Gemm& f = *g.fp8;
+      set_attr(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.b_scale_inv, "set A_SCALE_POINTER");
+      set_attr(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.a_scale_inv, "set B_SCALE_POINTER");
+      if (ops::is_fp8(g.dtype)) {
+        set_attr(op, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, f.d_scale, "set D_SCALE_POINTER");
+        if (f.d_amax) set_attr(op, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, f.d_amax, "set AMAX_D_POINTER");
+      }
+      set_attr(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(f.fast_accum ? 1 : 0), "set FAST_ACCUM");
+      if (g.epilogue == Epilogue::bias)
+        set_attr(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, data_type(f.bias), "set BIAS_DATA_TYPE");
+    }
+    const bool relu_mask = g.epilogue == Epilogue::relu_aux_bias || g.epilogue == Epilogue::drelu_bgrad;
+    if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::gelu_aux ||
+        g.epilogue == Epilogue::dgelu_bgrad || relu_mask) {
+      set_attr(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux, "set EPILOGUE_AUX_POINTER");
+      // The pre-activation has D's layout; the ReLU mask is one bit per value, ld in bits.
+      int64_t aux_ld = relu_mask ? relu_mask_ld(static_cast<int64_t>(p.m)) : static_cast<int64_t>(p.ldd);
+      set_attr(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, aux_ld, "set EPILOGUE_AUX_LD");
+    }
+    check_blas(cublasLtMatrixLayoutInit(la, p.at, p.a_rows, p.a_cols, static_cast<int64_t>(p.lda)),
+               "cublasLtMatrixLayoutInit(A)");
+    check_blas(cublasLtMatrixLayoutInit(lb, p.bt, p.b_rows, p.b_cols, static_cast<int64_t>(p.ldb)),
+               "cublasLtMatrixLayoutInit(B)");
+    check_blas(cublasLtMatrixLayoutInit(lc, p.ct, p.m, p.n, static_cast<int64_t>(p.ldd)), "cublasLtMatrixLayoutInit(C)");
+    check_blas(cublasLtMatrixLayoutInit(ld, p.dt, p.m, p.n, static_cast<int64_t>(p.ldd)), "cublasLtMatrixLayoutInit(D)");
+  }
+  Descriptors(const Descriptors&) = delete;
+  Descriptors& operator=(const Descriptors&) = delete;
+};
+
+}  // namespace
+
 struct Blas::Impl {
   cublasLtHandle_t handle = nullptr;
   mutable std::mutex mu;
-  std::unordered_map<std::string, cublasLtMatmulAlgo_t> algos;
+  std::map<GemmKey, std::shared_ptr<const GemmPlan>> algos;
 };
 
 Blas::Blas() : impl_(std::make_unique<Impl>()) { check_blas(cublasLtCreate(&impl_->handle), "cublasLtCreate"); }
@@ -170,144 +329,50 @@ size_t Blas::heuristic_cache_size() const {
   return impl_->algos.size();
 }
 
-bool Blas::prepare(const GemmCall& call, CUstream tune_stream) {
+bool Blas::prepare(const GemmCall& call, CUstream tune_stream) { return plan(call, tune_stream) != nullptr; }
+
+std::shared_ptr<const GemmPlan> Blas::plan(const GemmCall& call, CUstream tune_stream) {
   try {
-    run(call, tune_stream, false, tune_stream != nullptr);
-    return true;
+    std::shared_ptr<const GemmPlan> found;
+    run(call, tune_stream, false, tune_stream != nullptr, nullptr, &found);
+    return found;
   } catch (const Error& e) {
     if (e.status() != Status::unsupported) throw;
-    return false;
+    return nullptr;
   }
 }
 
-void Blas::gemm(const GemmCall& g, CUstream stream) {
+void Blas::gemm(const GemmCall& g, CUstream stream, const GemmPlan* plan) {
   if (!g.workspace) fail(Status::internal, "cuBLASLt GEMM without a workspace");
-  run(g, stream, true, false);
+  run(g, stream, true, false, plan, nullptr);
 }
 
-void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
+const GemmPlan* Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune, const GemmPlan* hint,
+                          std::shared_ptr<const GemmPlan>* found) {
   if (g.fp8) check_fp8(g, launch || tune);
-  // Column-major view of the transposed product (see file comment).
-  uint64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldd = 0;
-  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
-  uint64_t a_rows = 0, a_cols = 0, b_rows = 0, b_cols = 0;
-  const void* A = nullptr;
-  const void* B = nullptr;
-  switch (g.kind) {
-    case GemmKind::fwd:  // y^T[n,m] = W(kxn col-major)^T * x^T(kxm)
-      m = g.n; n = g.m; k = g.k;
-      A = g.b; ta = CUBLAS_OP_T; a_rows = g.k; a_cols = g.n; lda = g.k;
-      B = g.a; tb = CUBLAS_OP_N; b_rows = g.k; b_cols = g.m; ldb = g.k;
-      ldd = g.n;
-      break;
-    case GemmKind::dgrad:  // dx^T[k,m] = W^T(kxn) * dy^T(nxm)
-      m = g.k; n = g.m; k = g.n;
-      A = g.b; ta = CUBLAS_OP_N; a_rows = g.k; a_cols = g.n; lda = g.k;
-      B = g.a; tb = CUBLAS_OP_N; b_rows = g.n; b_cols = g.m; ldb = g.n;
-      ldd = g.k;
-      break;
-    case GemmKind::wgrad:  // dW^T[k,n] = x^T(kxm) * dy(mxn)
-      m = g.k; n = g.n; k = g.m;
-      A = g.b; ta = CUBLAS_OP_N; a_rows = g.k; a_cols = g.m; lda = g.k;
-      B = g.a; tb = CUBLAS_OP_T; b_rows = g.n; b_cols = g.m; ldb = g.n;
-      ldd = g.k;
-      break;
-  }
-  // Plain GEMMs: every matrix has g.dtype. FP8: cuBLASLt's A is our B (W) and its B our A (x); C has D's
-  // type, bf16 when D is FP8 (cuBLASLt's table; C is never read then, beta being 0).
-  const cudaDataType_t dt = g.fp8 ? fp8_data_type(g.dtype) : data_type(g.dtype);
-  const cudaDataType_t at = g.fp8 ? fp8_data_type(g.fp8->b) : dt, bt = g.fp8 ? fp8_data_type(g.fp8->a) : dt;
-  const cudaDataType_t ct = g.fp8 && ops::is_fp8(g.dtype) ? CUDA_R_16BF : dt;
-  MatmulDesc op;
-  check_blas(cublasLtMatmulDescCreate(&op.d, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-  check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "set TRANSA");
-  check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "set TRANSB");
-  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
-  switch (g.epilogue) {
-    case Epilogue::none: break;
-    case Epilogue::bias: epi = CUBLASLT_EPILOGUE_BIAS; break;
-    case Epilogue::gelu_bias: epi = CUBLASLT_EPILOGUE_GELU_BIAS; break;
-    case Epilogue::gelu_aux_bias: epi = CUBLASLT_EPILOGUE_GELU_AUX_BIAS; break;
-    case Epilogue::gelu: epi = CUBLASLT_EPILOGUE_GELU; break;
-    case Epilogue::gelu_aux: epi = CUBLASLT_EPILOGUE_GELU_AUX; break;
-    case Epilogue::relu: epi = CUBLASLT_EPILOGUE_RELU; break;
-    case Epilogue::relu_bias: epi = CUBLASLT_EPILOGUE_RELU_BIAS; break;
-    // dgrad's D is dx^T [k, m]: DGELU_BGRAD's bias gradient has one entry per row of D (k features).
-    case Epilogue::dgelu_bgrad: epi = CUBLASLT_EPILOGUE_DGELU_BGRAD; break;
-    case Epilogue::relu_aux_bias: epi = CUBLASLT_EPILOGUE_RELU_AUX_BIAS; break;
-    case Epilogue::drelu_bgrad: epi = CUBLASLT_EPILOGUE_DRELU_BGRAD; break;
-    // wgrad's B is dy (m x n after the transpose): BGRADB sums it over GEMM-k (the m tokens), n entries.
-    case Epilogue::bgradb: epi = CUBLASLT_EPILOGUE_BGRADB; break;
-  }
-  const GemmKind epi_kind = g.epilogue == Epilogue::dgelu_bgrad || g.epilogue == Epilogue::drelu_bgrad ? GemmKind::dgrad
-                            : g.epilogue == Epilogue::bgradb    ? GemmKind::wgrad
-                                                                : GemmKind::fwd;
-  if (g.epilogue != Epilogue::none && g.kind != epi_kind)
-    fail(Status::internal, "cuBLASLt epilogue {} requested on the wrong GEMM", epilogue_name(g.epilogue));
-  check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), "set EPILOGUE");
-  if (g.bias)
-    check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)),
-               "set BIAS_POINTER");
-  if (g.fp8) {
-    const Fp8Gemm& f = *g.fp8;
-    set_attr(op.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, f.b_scale_inv, "set A_SCALE_POINTER");
-    set_attr(op.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, f.a_scale_inv, "set B_SCALE_POINTER");
-    if (ops::is_fp8(g.dtype)) {
-      set_attr(op.d, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, f.d_scale, "set D_SCALE_POINTER");
-      if (f.d_amax) set_attr(op.d, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, f.d_amax, "set AMAX_D_POINTER");
-    }
-    set_attr(op.d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(f.fast_accum ? 1 : 0), "set FAST_ACCUM");
-    if (g.epilogue == Epilogue::bias)
-      set_attr(op.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, data_type(f.bias), "set BIAS_DATA_TYPE");
-  }
-  const bool relu_mask = g.epilogue == Epilogue::relu_aux_bias || g.epilogue == Epilogue::drelu_bgrad;
-  if (g.epilogue == Epilogue::gelu_aux_bias || g.epilogue == Epilogue::gelu_aux || g.epilogue == Epilogue::dgelu_bgrad ||
-      relu_mask) {
-    check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)),
-               "set EPILOGUE_AUX_POINTER");
-    // The pre-activation has D's layout; the ReLU mask is one bit per value, ld in bits.
-    int64_t ld = relu_mask ? relu_mask_ld(static_cast<int64_t>(m)) : static_cast<int64_t>(ldd);
-    check_blas(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)),
-               "set EPILOGUE_AUX_LD");
-  }
-  Layout la, lb, lc, ld;
-  check_blas(cublasLtMatrixLayoutCreate(&la.l, at, a_rows, a_cols, lda), "cublasLtMatrixLayoutCreate(A)");
-  check_blas(cublasLtMatrixLayoutCreate(&lb.l, bt, b_rows, b_cols, ldb), "cublasLtMatrixLayoutCreate(B)");
-  check_blas(cublasLtMatrixLayoutCreate(&lc.l, ct, m, n, ldd), "cublasLtMatrixLayoutCreate(C)");
-  check_blas(cublasLtMatrixLayoutCreate(&ld.l, dt, m, n, ldd), "cublasLtMatrixLayoutCreate(D)");
-
-  // C = D when beta is 0 (nothing is read), except for FP8 output: C's layout is bf16 there, and cuBLASLt
-  // refuses an in-place call whose C and D layouts differ (INVALID_VALUE, H100 run #14), so C is null.
-  const void* C = g.beta != 0.f ? (g.c ? g.c : g.d) : (g.fp8 && ops::is_fp8(g.dtype) ? nullptr : g.d);
-  uint32_t al_a = alignment(A), al_b = alignment(B), al_c = alignment(C), al_d = alignment(g.d);
-  std::string key = fmt::format("{}:{}x{}x{}:{}:{}:{}:{}:{}:{}:{}:{}", static_cast<int>(g.kind), g.m, g.n, g.k,
-                                static_cast<int>(dt), static_cast<int>(epi), g.beta != 0.f, al_a, al_b, al_c, al_d,
-                                g.aux ? alignment(g.aux) : 0);
-  if (g.fp8)  // plain keys stay as they were
-    key += fmt::format(":fp8:{}:{}:{}:{}:{}", static_cast<int>(at), static_cast<int>(bt),
-                       g.epilogue == Epilogue::bias ? static_cast<int>(data_type(g.fp8->bias)) : -1,
-                       g.fp8->fast_accum, g.fp8->d_amax != nullptr);
-
-  cublasLtMatmulAlgo_t algo;
-  {
+  const Problem p = problem_of(g);
+  const GemmKey key = key_of(g, p);
+  const GemmPlan* plan = hint && hint->key == key ? hint : nullptr;
+  if (!plan) {
     std::lock_guard<std::mutex> lock(impl_->mu);
     auto it = impl_->algos.find(key);
     if (it == impl_->algos.end()) {
+      Descriptors ds(g, p);
       Pref pref;
       check_blas(cublasLtMatmulPreferenceCreate(&pref.p), "cublasLtMatmulPreferenceCreate");
       size_t wsz = kGemmWorkspace;
       cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz));
-      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
-      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
-      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
-      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.al_a, sizeof(key.al_a));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.al_b, sizeof(key.al_b));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.al_c, sizeof(key.al_c));
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.al_d, sizeof(key.al_d));
       constexpr int kCandidates = 8;
       cublasLtMatmulHeuristicResult_t res[kCandidates] = {};
-      int found = 0;
-      check_blas(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op.d, la.l, lb.l, lc.l, ld.l, pref.p,
-                                                tune ? kCandidates : 1, res, &found),
+      int n_found = 0;
+      check_blas(cublasLtMatmulAlgoGetHeuristic(impl_->handle, ds.op, ds.la, ds.lb, ds.lc, ds.ld, pref.p,
+                                                tune ? kCandidates : 1, res, &n_found),
                  "cublasLtMatmulAlgoGetHeuristic");
-      if (found == 0)
+      if (n_found == 0)
         fail(Status::unsupported, "cuBLASLt has no algorithm for {} GEMM m={} n={} k={} dtype {}{} epilogue {}",
              kind_name(g.kind), g.m, g.n, g.k, ops::dtype_name(g.dtype),
              g.fp8 ? fmt::format(" (FP8 {} x {}, fast accumulation {})", ops::dtype_name(g.fp8->a),
@@ -315,7 +380,7 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
                    : std::string(),
              epilogue_name(g.epilogue));
       int best = 0;
-      if (tune && found > 1) {
+      if (tune && n_found > 1) {
         // Prepare-time tuning on the caller's scratch operands: the heuristic's first choice is not always
         // the fastest (small-M problems especially); each candidate is timed, the median of a few runs.
         const auto& d = driver();
@@ -323,12 +388,12 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
         check(d.cuEventCreate(&e0, CU_EVENT_DEFAULT), "cuEventCreate");
         check(d.cuEventCreate(&e1, CU_EVENT_DEFAULT), "cuEventCreate");
         float best_ms = 3.0e38f;  // a candidate that fails to run is never chosen
-        for (int i = 0; i < found; ++i) {
+        for (int i = 0; i < n_found; ++i) {
           float t[3];
           bool ok = true;
           for (int r = 0; r < 4 && ok; ++r) {
             check(d.cuEventRecord(e0, stream), "cuEventRecord");
-            ok = cublasLtMatmul(impl_->handle, op.d, &g.alpha, A, la.l, B, lb.l, &g.beta, C, lc.l, g.d, ld.l,
+            ok = cublasLtMatmul(impl_->handle, ds.op, &g.alpha, p.A, ds.la, p.B, ds.lb, &g.beta, p.C, ds.lc, g.d, ds.ld,
                                 &res[i].algo, g.workspace, kGemmWorkspace,
                                 reinterpret_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
             check(d.cuEventRecord(e1, stream), "cuEventRecord");
@@ -345,14 +410,20 @@ void Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune) {
         d.cuEventDestroy(e0);
         d.cuEventDestroy(e1);
       }
-      it = impl_->algos.emplace(key, res[best].algo).first;
+      auto made = std::make_shared<GemmPlan>();
+      made->key = key;
+      made->algo = res[best].algo;
+      it = impl_->algos.emplace(key, std::move(made)).first;
     }
-    algo = it->second;
+    if (found) *found = it->second;
+    plan = it->second.get();  // entries are never removed: the plan outlives the lock
   }
-  if (!launch) return;
-  check_blas(cublasLtMatmul(impl_->handle, op.d, &g.alpha, A, la.l, B, lb.l, &g.beta, C, lc.l, g.d, ld.l, &algo,
-                            g.workspace, kGemmWorkspace, reinterpret_cast<cudaStream_t>(stream)),
+  if (!launch) return plan;
+  Descriptors ds(g, p);
+  check_blas(cublasLtMatmul(impl_->handle, ds.op, &g.alpha, p.A, ds.la, p.B, ds.lb, &g.beta, p.C, ds.lc, g.d, ds.ld,
+                            &plan->algo, g.workspace, kGemmWorkspace, reinterpret_cast<cudaStream_t>(stream)),
              "cublasLtMatmul");
+  return plan;
 }
 
 int64_t relu_mask_ld(int64_t features) { return (features + 127) / 128 * 128; }

@@ -86,18 +86,28 @@ void check_gemm_call(const GemmCall& call);
 // The cuBLASLt workspace every GEMM call gets (what cuBLAS recommends for Hopper).
 constexpr size_t kGemmWorkspace = 32u << 20;
 
+// What Blas caches per problem (dims, dtypes, epilogue, beta != 0, the operands' alignments, the FP8
+// options): the chosen algorithm. Immutable once made, so any number of threads may use one; a GemmStep
+// keeps the one prepare made (Blas::plan), and a call whose problem is another (a less aligned tensor)
+// looks its own up.
+struct GemmPlan;
+
 class Blas {
  public:
   Blas();
   ~Blas();
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
-  void gemm(const GemmCall& call, CUstream stream);
+  // `plan` (optional): what plan() returned for this step; used when the call's problem is that plan's
+  // (a comparison of a small struct), else the cache is searched as without it.
+  void gemm(const GemmCall& call, CUstream stream, const GemmPlan* plan = nullptr);
   // Looks up (and caches) the algorithm for `call`; false if cuBLASLt has none for the problem. Without a
   // stream nothing runs and the pointers only say which operands exist and how they are aligned. With
   // one, they are scratch operands of the call's sizes and the workspace: the heuristic's top candidates
   // are timed there (synchronising that stream) and the fastest is kept.
   bool prepare(const GemmCall& call, CUstream tune_stream = nullptr);
+  // prepare, returning the cached entry (null where prepare returns false).
+  std::shared_ptr<const GemmPlan> plan(const GemmCall& call, CUstream tune_stream = nullptr);
   // out[n] = sum over the m rows of x [m, n] (row-major), given a column of m ones: the wgrad GEMM of a
   // linear with one input feature (dW^T [1, n] = ones^T [1, m] x [m, n]). The fallback when BGRADB has no
   // algorithm for a problem.
@@ -107,8 +117,10 @@ class Blas {
   static std::string version();
 
  private:
-  // launch false: only the algorithm lookup (timing candidates on `stream` when tune is set).
-  void run(const GemmCall& call, CUstream stream, bool launch, bool tune);
+  // launch false: only the algorithm lookup (timing candidates on `stream` when tune is set). Returns the
+  // plan the call used (`hint` when it matched, else the cache's entry).
+  const GemmPlan* run(const GemmCall& call, CUstream stream, bool launch, bool tune, const GemmPlan* hint,
+                      std::shared_ptr<const GemmPlan>* found);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -60,43 +60,27 @@ void place(const Program& p, Storage storage, char* base, std::vector<void*>& pt
     if (b.storage == storage && b.first >= 0) ptr[static_cast<size_t>(b.id)] = base + b.offset;
 }
 
-void bind_params(const Program& p, const ParamMap& params, const GradMap* grads, std::vector<void*>& ptr) {
-  for (const auto& b : p.buffers) {
-    if (b.role == BufferRole::param) {
-      auto it = params.find({b.op, b.key});
-      if (it == params.end() || !it->second)
-        fail(Status::invalid_argument, "{}: parameter '{}' was not passed", p.ops.at(static_cast<size_t>(b.op)).label(),
-             b.key);
-      ptr[static_cast<size_t>(b.id)] = const_cast<void*>(it->second);
-    } else if (b.role == BufferRole::grad && grads) {
-      auto it = grads->find({b.op, b.key});
-      if (it == grads->end() || !it->second)
+// The call's parameters (and gradients) into their buffers, by the slots prepare resolved.
+template <class T>
+void bind_slots(const Program& p, const std::vector<Prepared::SlotBind>& binds, const std::vector<T>& given,
+                std::vector<void*>& ptr, bool grads) {
+  for (const auto& sb : binds) {
+    const void* v = sb.slot >= 0 && static_cast<size_t>(sb.slot) < given.size() ? given[static_cast<size_t>(sb.slot)]
+                                                                                 : nullptr;
+    if (!v) {
+      const Buffer& b = p.buffer(sb.buffer);
+      if (grads)
         fail(Status::invalid_argument, "{}: no buffer for the gradient of '{}' was passed",
              p.ops.at(static_cast<size_t>(b.op)).label(), b.key);
-      ptr[static_cast<size_t>(b.id)] = it->second;
+      fail(Status::invalid_argument, "{}: parameter '{}' was not passed", p.ops.at(static_cast<size_t>(b.op)).label(),
+           b.key);
     }
+    ptr[static_cast<size_t>(sb.buffer)] = const_cast<void*>(v);
   }
 }
 
-void bind_recipe_state(const Program& p, const Fp8StateMap& fp8, const PersistentMap& persistent,
-                       std::vector<void*>& ptr) {
-  for (const auto& b : p.buffers) {
-    if (b.storage == Storage::persistent) {
-      auto it = persistent.find({b.op, b.key});
-      if (it == persistent.end() || !it->second)
-        fail(Status::internal, "{}: no persistent buffer '{}'", p.ops.at(static_cast<size_t>(b.op)).label(), b.key);
-      ptr[static_cast<size_t>(b.id)] = it->second;
-      continue;
-    }
-    if (b.role != BufferRole::recipe_state) continue;
-    auto it = fp8.find({b.op, b.tensor});
-    if (it == fp8.end())
-      fail(Status::internal, "{}: no FP8 recipe state{}", p.ops.at(static_cast<size_t>(b.op)).label(),
-           b.tensor.empty() ? "" : " for its " + b.tensor);
-    ptr[static_cast<size_t>(b.id)] = b.key == "scale" ? static_cast<void*>(it->second.scale)
-                                     : b.key == "scale_inv" ? static_cast<void*>(it->second.scale_inv)
-                                                            : static_cast<void*>(it->second.history);
-  }
+void bind_state(const Prepared& pp, std::vector<void*>& ptr) {
+  for (const auto& [id, v] : pp.sequence_state) ptr[static_cast<size_t>(id)] = v;
 }
 
 // The forward's first step: the call's Philox state into the program's copy (which the backward reads),
@@ -136,7 +120,7 @@ void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUs
     c.fp8->a_scale_inv = static_cast<const float*>(at(g.a_scale_inv));
     c.fp8->b_scale_inv = static_cast<const float*>(at(g.b_scale_inv));
   }
-  if (!g.use_fallback) return rt.blas->gemm(c, stream);
+  if (!g.use_fallback) return rt.blas->gemm(c, stream, g.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);
   c.epilogue = cuda::Epilogue::none;
@@ -239,22 +223,38 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std:
   const KernelStep::Variant& v = vec ? k.vec : scalar_variant(pp, rt, k, ptr, stream);
   if (!v.kernel) fail(Status::internal, "kernel {} was not prepared", k.gen.kernel);
   const KernelLaunch& L = v.launch;
+  // The argument values and cuLaunchKernel's pointers to them: on the stack (this call's own, so concurrent
+  // calls share nothing), on the heap only for a kernel of more than kInline arguments.
+  union Slot {
+    void* p;
+    uint64_t u64;
+    int64_t i64;
+    int i;
+  };
+  constexpr size_t kInline = 64;
   const size_t n = k.args.size();
-  std::vector<void*> vals(n, nullptr);
-  std::vector<uint64_t> u64s(n);
-  std::vector<int64_t> i64s(n);
-  std::vector<int> ints(n);
-  std::vector<void*> kparams(n);
+  Slot inline_vals[kInline];
+  void* inline_params[kInline];
+  std::unique_ptr<Slot[]> heap_vals;
+  std::unique_ptr<void*[]> heap_params;
+  Slot* vals = inline_vals;
+  void** kparams = inline_params;
+  if (n > kInline) {
+    heap_vals.reset(new Slot[n]);
+    heap_params.reset(new void*[n]);
+    vals = heap_vals.get();
+    kparams = heap_params.get();
+  }
   for (size_t i = 0; i < n; ++i) {
     const KArg& a = k.args[i];
     switch (a.kind) {
-      case KArg::Kind::buffer: vals[i] = ptr[static_cast<size_t>(a.buffer)]; kparams[i] = &vals[i]; break;
-      case KArg::Kind::rows: i64s[i] = k.rows; kparams[i] = &i64s[i]; break;
-      case KArg::Kind::u64_const: u64s[i] = a.value; kparams[i] = &u64s[i]; break;
-      case KArg::Kind::int_const: ints[i] = L.parts; kparams[i] = &ints[i]; break;
+      case KArg::Kind::buffer: vals[i].p = ptr[static_cast<size_t>(a.buffer)]; kparams[i] = &vals[i].p; break;
+      case KArg::Kind::rows: vals[i].i64 = k.rows; kparams[i] = &vals[i].i64; break;
+      case KArg::Kind::u64_const: vals[i].u64 = a.value; kparams[i] = &vals[i].u64; break;
+      case KArg::Kind::int_const: vals[i].i = L.parts; kparams[i] = &vals[i].i; break;
     }
   }
-  cuda::check(d.cuLaunchKernel(v.kernel->fn, L.gx, L.gy, 1, L.bx, L.by, 1, 0, stream, kparams.data(), nullptr),
+  cuda::check(d.cuLaunchKernel(v.kernel->fn, L.gx, L.gy, 1, L.bx, L.by, 1, 0, stream, n ? kparams : nullptr, nullptr),
               "cuLaunchKernel");
   for (const auto& f : k.finalize) {
     void* part = ptr[static_cast<size_t>(f.partials)];
@@ -422,7 +422,8 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
       if (call.fp8) {
         call.fp8->a_scale_inv = call.fp8->b_scale_inv = static_cast<const float*>(aligned);
       }
-      if (tuner.bind(*program, g, call) ? rt.blas->prepare(call, tuner.stream()) : rt.blas->prepare(call)) continue;
+      g.plan = tuner.bind(*program, g, call) ? rt.blas->plan(call, tuner.stream()) : rt.blas->plan(call);
+      if (g.plan) continue;
       if (!g.bias_grad_fallback)
         fail(Status::unsupported, "cuBLASLt has no algorithm for {} ({}x{}x{}, {})", s.what, g.call.m, g.call.n,
              g.call.k, cuda::epilogue_name(g.call.epilogue));
@@ -446,8 +447,51 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
   dev.sm_count = pp->device.sm_count;
   dev.estimated = false;
   layout_program(*program, dev);
+  // Each parameter and gradient buffer's slot in a call's arrays, resolved once.
+  for (const auto& b : program->buffers) {
+    if (b.role != BufferRole::param && b.role != BufferRole::grad) continue;
+    (b.role == BufferRole::param ? pp->params : pp->grads).push_back({b.id, param_slot(program->ops, b.op, b.key)});
+  }
   pp->program = std::move(program);
   return pp;
+}
+
+int param_slot(const std::vector<ops::Op>& ops, int op, const std::string& name) {
+  if (op < 0 || static_cast<size_t>(op) >= ops.size()) return -1;
+  int base = 0;
+  for (int o = 0; o < op; ++o) base += static_cast<int>(ops[static_cast<size_t>(o)].params.size());
+  const auto& params = ops[static_cast<size_t>(op)].params;
+  for (size_t j = 0; j < params.size(); ++j)
+    if (params[j].name == name) return base + static_cast<int>(j);
+  return -1;
+}
+
+size_t param_slot_count(const std::vector<ops::Op>& ops) {
+  size_t n = 0;
+  for (const auto& op : ops) n += op.params.size();
+  return n;
+}
+
+void bind_sequence_state(Prepared& pp, const Fp8StateMap& fp8, const PersistentMap& persistent) {
+  const Program& p = *pp.program;
+  pp.sequence_state.clear();
+  for (const auto& b : p.buffers) {
+    if (b.storage == Storage::persistent) {
+      auto it = persistent.find({b.op, b.key});
+      if (it == persistent.end() || !it->second)
+        fail(Status::internal, "{}: no persistent buffer '{}'", p.ops.at(static_cast<size_t>(b.op)).label(), b.key);
+      pp.sequence_state.emplace_back(b.id, it->second);
+      continue;
+    }
+    if (b.role != BufferRole::recipe_state) continue;
+    auto it = fp8.find({b.op, b.tensor});
+    if (it == fp8.end())
+      fail(Status::internal, "{}: no FP8 recipe state{}", p.ops.at(static_cast<size_t>(b.op)).label(),
+           b.tensor.empty() ? "" : " for its " + b.tensor);
+    pp.sequence_state.emplace_back(b.id, b.key == "scale"       ? static_cast<void*>(it->second.scale)
+                                         : b.key == "scale_inv" ? static_cast<void*>(it->second.scale_inv)
+                                                                : static_cast<void*>(it->second.history));
+  }
 }
 
 ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& fa) {
@@ -458,8 +502,8 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
   ptr[static_cast<size_t>(p.output)] = fa.output;
   bind_list(p.extra_in, fa.extra_in, ptr);
   bind_list(p.extra_out, fa.extra_out, ptr);
-  bind_params(p, fa.params, nullptr, ptr);
-  bind_recipe_state(p, fa.fp8, fa.persistent, ptr);
+  bind_slots(p, pp->params, fa.params, ptr, false);
+  bind_state(*pp, ptr);
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(fa.workspace);
   if (!arena_base && p.fwd_arena) arena_base = arena.emplace(rt.allocator, fa.stream, p.fwd_arena).get();
@@ -503,13 +547,14 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
   ptr[static_cast<size_t>(p.output)] = const_cast<void*>(ba.output);
   bind_list(p.extra_in, ba.extra_in, ptr);
   bind_list(p.extra_out, ba.extra_out, ptr);
-  bind_recipe_state(p, ba.fp8, ba.persistent, ptr);
+  bind_state(pp, ptr);
   place(p, Storage::saved, static_cast<char*>(const_cast<void*>(ba.saved)), ptr);
   ptr[static_cast<size_t>(p.grad_output)] = const_cast<void*>(ba.grad_output);
   ptr[static_cast<size_t>(p.grad_input)] = ba.grad_input;
   bind_list(p.grad_extra_out, ba.grad_extra_out, ptr);
   bind_list(p.grad_extra_in, ba.grad_extra_in, ptr);
-  bind_params(p, ba.params, &ba.grads, ptr);
+  bind_slots(p, pp.params, ba.params, ptr, false);
+  bind_slots(p, pp.grads, ba.grads, ptr, true);
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(ba.workspace);
   if (!arena_base && p.bwd_arena) arena_base = arena.emplace(rt.allocator, ba.stream, p.bwd_arena).get();

@@ -27,8 +27,12 @@ struct Allocator {
 };
 
 using Key = std::pair<int, std::string>;  // (op index, name)
-using ParamMap = std::map<Key, const void*>;
-using GradMap = std::map<Key, void*>;
+
+// A call's parameters (and their gradients) are passed by slot: op o's j-th parameter (its ops::Op::params
+// order) is at slot param_slot(ops, o, name) = (parameters of the ops before o) + j. A flat array built per
+// call by the C ABI, read by the prepared program's bindings (Prepared::params).
+int param_slot(const std::vector<ops::Op>& ops, int op, const std::string& name);  // -1: no such parameter
+size_t param_slot_count(const std::vector<ops::Op>& ops);
 
 // The device buffers of one FP8 recipe state (owned by the sequence, kept across calls): a quantize op's
 // (key (op, "")) or one operand of an FP8 linear's GEMMs (key (op, "input" | "weight" | "grad_output")).
@@ -49,7 +53,19 @@ struct Prepared {
   cuda::DeviceInfo device;
   Target target;
   std::shared_ptr<const Prepared> reference;  // JITFUSE_VERIFY: the unfused program of the same ops
+  // What a call binds without looking anything up (prepare_program, bind_sequence_state):
+  struct SlotBind {
+    int buffer = -1;
+    int slot = -1;  // -1: the program's parameter is none the ops declare (a call then fails, naming it)
+  };
+  std::vector<SlotBind> params, grads;  // param / grad buffers <- the call's parameter slots
+  // FP8 recipe state and persistent buffers: fixed per (sequence, device), so bound once.
+  std::vector<std::pair<int, void*>> sequence_state;
 };
+
+// Resolves the program's recipe-state and persistent buffers against the sequence's (throws internal if
+// one is missing): what every call of `pp` then binds. Before `pp` is handed to any call.
+void bind_sequence_state(Prepared& pp, const Fp8StateMap& fp8, const PersistentMap& persistent);
 
 struct Runtime {  // what a context lends to programs
   KernelLibrary* kernels = nullptr;
@@ -73,14 +89,12 @@ struct ForwardArgs {
   std::vector<const void*> extra_in;
   void* output = nullptr;
   std::vector<void*> extra_out;
-  ParamMap params;
+  std::vector<const void*> params;  // by slot (param_slot)
   RngSource rng;
   bool training = false;    // write the saved block
   void* saved = nullptr;    // the host's saved block (training), or null: allocated (ForwardResult)
   void* workspace = nullptr;  // the host's arena, or null: allocated and freed stream-ordered
   CUstream stream = nullptr;
-  Fp8StateMap fp8;  // FP8 recipes: every recipe state of the sequence
-  PersistentMap persistent;
   // FP8 recipes: the weights are the ones of the last forward that cast them (no optimizer step since):
   // their casts are skipped and the persistent FP8 copies reused. The host's promise; the sequence turns
   // it off by itself while a copy was never written or a weight pointer moved.
@@ -94,8 +108,8 @@ struct BackwardArgs {
   std::vector<const void*> extra_in;
   const void* output = nullptr;
   std::vector<const void*> extra_out;
-  ParamMap params;
-  GradMap grads;
+  std::vector<const void*> params;  // by slot (param_slot)
+  std::vector<void*> grads;         // by the slot of their parameter
   const void* saved = nullptr;
   const void* grad_output = nullptr;
   std::vector<const void*> grad_extra_out;
@@ -103,8 +117,6 @@ struct BackwardArgs {
   std::vector<void*> grad_extra_in;
   void* workspace = nullptr;
   CUstream stream = nullptr;
-  Fp8StateMap fp8;
-  PersistentMap persistent;
 };
 
 // A saved block the forward allocated through the allocator (the host frees it with free_block).

@@ -127,6 +127,9 @@ struct GemmStep {
   int ones = -1;
   bool bias_grad_fallback = false;  // the fallback is possible (ones is allocated)
   bool use_fallback = false;        // prepare found no BGRADB algorithm: take it
+  // prepare_program: cuBLASLt's cached algorithm for this problem with 256-byte aligned operands, handed to
+  // every call (which looks up another only for a less aligned tensor): no lookup, no lock per call.
+  std::shared_ptr<const cuda::GemmPlan> plan;
   int64_t flops() const { return 2 * call.m * call.n * call.k; }
 };
 

@@ -46,6 +46,23 @@ def per_call_us(fn, calls, batches=5, warmup=50):
     return statistics.median(res)
 
 
+def host_us(fn, calls, batch=8, warmup=50):
+    """Host time alone: batches of `batch` calls (few enough launches that the launch queue never fills and
+    the GPU is never what a call waits for), timed from the first call's start to the last call's return,
+    synchronised outside the timing. The median over batches, per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(max(1, calls // batch)):
+        t = time.perf_counter_ns()
+        for _ in range(batch):
+            fn()
+        res.append((time.perf_counter_ns() - t) / batch / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(res)
+
+
 class Raw:
     """jf_forward / jf_backward arguments built once from torch tensors (no jitfuse.torch code per call)."""
 
@@ -148,17 +165,49 @@ class _Twice(torch.autograd.Function):
         return g * 2
 
 
-def models(h):
+def models(h, fp8=False):
     bg = jt.Sequential(jt.Bias(h), jt.GELU(), device=DEV, dtype=DT, name="bias_gelu")
     mlp = jt.Sequential(jt.LayerNorm(h), jt.Linear(h, 4 * h), jt.Bias(4 * h), jt.GELU(), jt.Linear(4 * h, h),
                         jt.Bias(h), jt.AddExtraInput(), device=DEV, dtype=DT, name="mlp")
-    return {"bias+gelu": (bg, 0), "mlp": (mlp, 1)}
+    out = {"bias+gelu": (bg, 0), "mlp": (mlp, 1)}
+    if fp8:
+        out["mlp fp8_delayed"] = (jt.Sequential(jt.LayerNorm(h), jt.Linear(h, 4 * h), jt.Bias(4 * h), jt.GELU(),
+                                                jt.Linear(4 * h, h), jt.Bias(h), jt.AddExtraInput(), recipe="fp8_delayed",
+                                                device=DEV, dtype=DT, name="mlp_fp8"), 1)
+    return out
 
 
 class Results(dict):
     def __setitem__(self, k, v):
         super().__setitem__(k, v)
         print(f"  {k:55s} {v:8.2f}" if isinstance(v, float) else f"  {k:55s} {v}", flush=True)
+
+
+def measure_raw(calls, m, h):
+    """jf_forward / jf_backward through ctypes alone: host time (host_us) and throughput (per_call_us)."""
+    r = Results()
+    x = torch.randn(m, h, device=DEV, dtype=DT)
+    for name, (model, ne) in models(h, fp8=True).items():
+        extras = [torch.randn(m, h, device=DEV, dtype=DT) for _ in range(ne)]
+        xg = x.clone().requires_grad_()
+        try:
+            model(xg, *extras).sum().backward()  # prepares training
+            with torch.no_grad():
+                model(x, *extras)
+            torch.cuda.synchronize()
+            raw = Raw(model, x, extras)
+        except Exception as e:  # noqa: BLE001 (a case that cannot run is reported, the others still run)
+            r[f"{name}: skipped"] = f"{type(e).__name__}: {e}"
+            continue
+        r[f"{name}: jf_forward (training), host"] = host_us(raw.forward, calls)
+        raw.fa.training = 0
+        r[f"{name}: jf_forward (inference), host"] = host_us(raw.forward, calls)
+        raw.fa.training = 1
+        raw.forward()
+        r[f"{name}: jf_backward, host"] = host_us(raw.backward, calls)
+        r[f"{name}: jf_forward (training), throughput"] = per_call_us(raw.forward, calls)
+        r[f"{name}: jf_backward, throughput"] = per_call_us(raw.backward, calls)
+    return r
 
 
 def measure(calls, m, h):
@@ -280,9 +329,11 @@ def main():
     ap.add_argument("--h", type=int, default=1024)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--raw-only", action="store_true",
+                    help="only jf_forward / jf_backward through ctypes (host time and throughput), with an FP8 MLP")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, M={a.m}, cols={a.h}")
-    r = measure(a.calls, a.m, a.h)
+    r = measure_raw(a.calls, a.m, a.h) if a.raw_only else measure(a.calls, a.m, a.h)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)
