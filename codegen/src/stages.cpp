@@ -306,9 +306,9 @@ namespace {
 
 // The body of a delayed-scaling update (every thread of a 1024-thread block, `hist` and `len` in scope):
 // reduce the partials into this call's amax, roll the history one entry (newest first), record the amax,
-// and from the history's maximum set the next scale (`scale`; `scale_inv[0] = 1 / the scale used` first
-// when the state holds one).
-void emit_history_roll(Writer& w, const std::string& part, const std::string& count, bool scale_inv,
+// and from the history's maximum set the next scale (`scale`; first `scale_inv`, the statement that records
+// 1 / the scale used, when the state holds one).
+void emit_history_roll(Writer& w, const std::string& part, const std::string& count, const std::string& scale_inv,
                        const std::string& scale, const Fp8Spec& q) {
   w.line("const float a = jf_amax_reduce({}, {});  // thread 0", part, count);
   w.line("const int i = threadIdx.x;");
@@ -324,23 +324,27 @@ void emit_history_roll(Writer& w, const std::string& part, const std::string& co
   w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
   w.line("m = fmaxf(m, a);");
   w.line("hist[0] = a;");
-  if (scale_inv) w.line("scale_inv[0] = 1.f / scale[0];");
+  if (!scale_inv.empty()) w.line("{}", scale_inv);
   w.line("{} = {};", scale, scale_call(q, "m"));
   w.close();
   w.line("}}");
 }
 
-// fp8_delayed, FP8 GEMM operands: one launch per pass updates every operand state the pass cast (one
-// block each, up to kFp8Batch), after the pass's last step: a cast uses the stored scale, so the update
-// can wait, and the recipe state costs one small kernel per pass instead of one per tensor. The
-// descriptors travel by value (JfFp8Batch, 456 bytes of kernel parameters).
+// fp8_delayed, FP8 GEMM operands and FP8 GEMM outputs: one launch per pass updates every state the pass
+// quantised into (one block each, up to kFp8Batch), after the pass's last step: a cast or a GEMM uses the
+// stored scale, so the update can wait, and the recipe state costs one small kernel per pass instead of
+// one per tensor. A cast wrote the scale_inv it used with its codes; a GEMM that writes FP8 (a quantize
+// op's state) cannot, so its entry carries the state's scale_inv, written here before the scale moves
+// (null for casts). The descriptors travel by value (JfFp8Batch, 584 bytes of kernel parameters).
 void emit_fp8_update_batch(Writer& w, const std::string& kernel, const Fp8Spec& q) {
-  w.line("// fp8_delayed ({}): for each operand state b of this pass (block b): roll its amax history, record",
+  w.line("// fp8_delayed ({}): for each state b of this pass (block b): roll its amax history, record the",
          format_name(q));
-  w.line("// the pass's amax, scale = {} / max(history) / 2^margin for the next call (the cast kernels wrote",
+  w.line("// pass's amax, scale = {} / max(history) / 2^margin for the next call (the cast kernels wrote the",
          q.e5m2 ? 57344 : 448);
-  w.line("// the scale_inv they used). One thread per history entry (len <= 1024).");
-  w.line("struct JfFp8Batch {{ const float* part[{0}]; float* hist[{0}]; float* scale[{0}]; int count[{0}]; int n; int len; }};",
+  w.line("// scale_inv they used; an FP8 GEMM output's scale_inv is written here). One thread per history entry");
+  w.line("// (len <= 1024).");
+  w.line("struct JfFp8Batch {{ const float* part[{0}]; float* hist[{0}]; float* scale[{0}]; float* scale_inv[{0}]; "
+         "int count[{0}]; int n; int len; }};",
          kFp8Batch);
   w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const JfFp8Batch b) {{", kernel);
   w.open();
@@ -349,7 +353,8 @@ void emit_fp8_update_batch(Writer& w, const std::string& kernel, const Fp8Spec& 
   w.line("if (t >= b.n) return;");
   w.line("float* __restrict__ hist = b.hist[t];");
   w.line("const int len = b.len;");
-  emit_history_roll(w, "b.part[t]", "b.count[t]", false, "b.scale[t][0]", q);
+  emit_history_roll(w, "b.part[t]", "b.count[t]", "if (b.scale_inv[t]) b.scale_inv[t][0] = 1.f / b.scale[t][0];",
+                    "b.scale[t][0]", q);
   w.close();
   w.line("}}");
 }
@@ -385,7 +390,7 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
          state_scale_inv ? ", float* __restrict__ scale_inv" : "");
   w.open();
   w.line("__shared__ float jf_sm[32];");
-  emit_history_roll(w, "part", "count", state_scale_inv, "scale[0]", q);
+  emit_history_roll(w, "part", "count", state_scale_inv ? "scale_inv[0] = 1.f / scale[0];" : "", "scale[0]", q);
   w.close();
   w.line("}}");
 }

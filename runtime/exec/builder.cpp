@@ -335,7 +335,10 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   s.gemm = g;
   // The workspace lives for this step only: the packer lays every GEMM's workspace over the same bytes.
   s.gemm.workspace = temp("cublaslt workspace", ops::DType::f32, -1, 0, cuda::kGemmWorkspace);
-  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones, g.a_scale_inv, g.b_scale_inv, s.gemm.workspace}) touch(id);
+  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones, g.a_scale_inv, g.b_scale_inv, g.d_scale, g.d_amax,
+                 g.d_history, g.d_scale_inv, s.gemm.workspace})
+    touch(id);
+  if (g.d_amax >= 0) batched_partials_.push_back(g.d_amax);  // read by the update after the pass
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
 

@@ -106,7 +106,34 @@ void bind_list(const std::vector<int>& ids, const std::vector<T>& given, std::ve
     if (ids[k] >= 0) ptr[static_cast<size_t>(ids[k])] = const_cast<void*>(static_cast<const void*>(given[k]));
 }
 
-void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUstream stream) {
+// The per-pass FP8 update (codegen::Generated::fp8_batched): what the pass's casts left to it, launched
+// once after the pass, kFp8Batch states per launch. Mirrors the kernel's JfFp8Batch.
+struct Fp8Batch {
+  using Params = codegen::Fp8BatchParams;
+  CUfunction fn = nullptr;  // any cast's batch kernel of the pass (one format and margin per pass)
+  // (amax partials, history, scale, scale_inv (null for a cast: it wrote its own), partial count)
+  std::vector<std::tuple<const float*, float*, float*, float*, int>> entries;
+  int len = 0;
+
+  void launch(CUstream stream) {
+    if (entries.empty()) return;
+    // An FP8 GEMM output joins the batch of its pass, whose linear's input cast always runs before it.
+    if (!fn) fail(Status::internal, "FP8 recipe-state updates queued in a pass that ran no batched cast");
+    const auto& d = cuda::driver();
+    for (size_t at = 0; at < entries.size(); at += codegen::kFp8Batch) {
+      Params p{};
+      p.len = len;
+      for (size_t i = at; i < entries.size() && i < at + codegen::kFp8Batch; ++i, ++p.n)
+        std::tie(p.part[p.n], p.hist[p.n], p.scale[p.n], p.scale_inv[p.n], p.count[p.n]) = entries[i];
+      void* args[] = {&p};
+      cuda::check(d.cuLaunchKernel(fn, static_cast<unsigned>(p.n), 1, 1, 1024, 1, 1, 0, stream, args, nullptr),
+                  "cuLaunchKernel(fp8 batch update)");
+    }
+    entries.clear();
+  }
+};
+
+void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUstream stream, Fp8Batch& batch) {
   auto at = [&](int id) -> void* { return id >= 0 ? ptr[static_cast<size_t>(id)] : nullptr; };
   cuda::GemmCall c = g.call;
   c.a = at(g.a);
@@ -119,7 +146,12 @@ void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUs
   if (c.fp8) {
     c.fp8->a_scale_inv = static_cast<const float*>(at(g.a_scale_inv));
     c.fp8->b_scale_inv = static_cast<const float*>(at(g.b_scale_inv));
+    c.fp8->d_scale = static_cast<const float*>(at(g.d_scale));
+    c.fp8->d_amax = static_cast<float*>(at(g.d_amax));
   }
+  if (g.d_amax >= 0)  // the FP8 output's state: rolled by the pass's batched update
+    batch.entries.emplace_back(static_cast<const float*>(at(g.d_amax)), static_cast<float*>(at(g.d_history)),
+                               static_cast<float*>(at(g.d_scale)), static_cast<float*>(at(g.d_scale_inv)), 1);
   if (!g.use_fallback) return rt.blas->gemm(c, stream, g.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);
@@ -192,29 +224,6 @@ const KernelStep::Variant& scalar_variant(const Prepared& pp, Runtime& rt, const
   });
 }
 
-// The per-pass FP8 update (codegen::Generated::fp8_batched): what the pass's casts left to it, launched
-// once after the pass, kFp8Batch states per launch. Mirrors the kernel's JfFp8Batch.
-struct Fp8Batch {
-  using Params = codegen::Fp8BatchParams;
-  CUfunction fn = nullptr;  // any cast's batch kernel of the pass (one format and margin per pass)
-  std::vector<std::tuple<const float*, float*, float*, int>> entries;
-  int len = 0;
-
-  void launch(CUstream stream) {
-    const auto& d = cuda::driver();
-    for (size_t at = 0; at < entries.size(); at += codegen::kFp8Batch) {
-      Params p{};
-      p.len = len;
-      for (size_t i = at; i < entries.size() && i < at + codegen::kFp8Batch; ++i, ++p.n)
-        std::tie(p.part[p.n], p.hist[p.n], p.scale[p.n], p.count[p.n]) = entries[i];
-      void* args[] = {&p};
-      cuda::check(d.cuLaunchKernel(fn, static_cast<unsigned>(p.n), 1, 1, 1024, 1, 1, 0, stream, args, nullptr),
-                  "cuLaunchKernel(fp8 batch update)");
-    }
-    entries.clear();
-  }
-};
-
 void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std::vector<void*>& ptr,
                 CUstream stream, Fp8Batch& batch) {
   const auto& d = cuda::driver();
@@ -271,7 +280,7 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std:
     batch.len = k.fp8_len;
     batch.entries.emplace_back(static_cast<const float*>(ptr[static_cast<size_t>(k.amax_partials)]),
                                static_cast<float*>(ptr[static_cast<size_t>(k.fp8_history)]),
-                               static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale)]),
+                               static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale)]), nullptr,
                                static_cast<int>(L.gx * L.gy));
   } else if (v.kernel->fp8_update) {
     // Reduce the per-block amax partials: into amax_history[0] (current scaling's amax pass), or into the
@@ -317,7 +326,8 @@ class GemmTuner {
   bool bind(const Program& p, const GemmStep& g, cuda::GemmCall& call) {
     if (!enabled_) return false;
     auto bytes = [&](int id) { return id >= 0 ? round256(p.buffer(id).bytes) : 0; };
-    const size_t scales = call.fp8 ? 512 : 0;  // FP8: the operands' scale_inv (zeros, fine for timing)
+    // FP8: the operands' scale_inv, and an FP8 output's scale and amax (zeros, fine for timing)
+    const size_t scales = call.fp8 ? 1024 : 0;
     const size_t need = bytes(g.a) + bytes(g.b) + bytes(g.c) + bytes(g.d) + bytes(g.bias) + bytes(g.aux) + scales +
                         cuda::kGemmWorkspace;
     if (need > max_bytes_) return false;
@@ -347,6 +357,8 @@ class GemmTuner {
     if (call.fp8) {
       call.fp8->a_scale_inv = reinterpret_cast<const float*>(block_ + at);
       call.fp8->b_scale_inv = reinterpret_cast<const float*>(block_ + at + 256);
+      if (g.d_scale >= 0) call.fp8->d_scale = reinterpret_cast<const float*>(block_ + at + 512);
+      if (g.d_amax >= 0) call.fp8->d_amax = reinterpret_cast<float*>(block_ + at + 768);
       at += scales;
     }
     call.workspace = reinterpret_cast<void*>(block_ + at);
@@ -382,7 +394,7 @@ void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, 
     if (s.weight_cast && skip_weight_casts) {
       // the persistent FP8 copy of an unchanged weight is still valid
     } else if (s.kind == Step::Kind::gemm)
-      run_gemm(rt, s.gemm, ptr, stream);
+      run_gemm(rt, s.gemm, ptr, stream, batch);
     else
       run_kernel(pp, rt, *s.kernel, ptr, stream, batch);
     if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);
@@ -421,6 +433,8 @@ std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program
       if (g.aux >= 0) call.aux = aligned;
       if (call.fp8) {
         call.fp8->a_scale_inv = call.fp8->b_scale_inv = static_cast<const float*>(aligned);
+        if (g.d_scale >= 0) call.fp8->d_scale = static_cast<const float*>(aligned);
+        if (g.d_amax >= 0) call.fp8->d_amax = static_cast<float*>(aligned);
       }
       g.plan = tuner.bind(*program, g, call) ? rt.blas->plan(call, tuner.stream()) : rt.blas->plan(call);
       if (g.plan) continue;

@@ -122,6 +122,10 @@ struct GemmStep {
   cuda::GemmCall call;  // dims, kind, epilogue, alpha/beta, dtype; pointers are bound per call from:
   int a = -1, b = -1, c = -1, d = -1, bias = -1, aux = -1;
   int a_scale_inv = -1, b_scale_inv = -1;  // FP8 operands (call.fp8 set): their scale_inv buffers
+  // FP8 output (call.dtype E4M3; fp8_delayed): D = fp8(d_scale * result) with the state's stored scale,
+  // max |result| into d_amax (one float, live to the pass's end), and the state's history and scale_inv,
+  // which the pass's batched update rolls and records (codegen::Fp8BatchParams).
+  int d_scale = -1, d_amax = -1, d_history = -1, d_scale_inv = -1;
   int workspace = -1;  // the cuBLASLt workspace: scratch of the call's arena, live for this step only
   // BGRADB may have no cuBLASLt algorithm for a problem: then the plain wgrad and db = ones^T dy.
   int ones = -1;

@@ -80,6 +80,10 @@ json step_json(const Program& p, const Step& s, double bw) {
     if (g.call.fp8) {
       j["operands"]["a_scale_inv"] = name(g.a_scale_inv);
       j["operands"]["b_scale_inv"] = name(g.b_scale_inv);
+      if (g.d_scale >= 0) {  // FP8 output: D's scale and the amax cuBLASLt writes
+        j["operands"]["d_scale"] = name(g.d_scale);
+        j["operands"]["d_amax"] = name(g.d_amax);
+      }
       j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
                   {"fast_accum", g.call.fp8->fast_accum}};
     }
@@ -122,14 +126,17 @@ json program_json(const Program& p, double bw) {
   for (const auto& [key, steps] : {std::pair<const char*, const std::vector<Step>*>{"forward", &p.forward},
                                    {"backward", &p.backward}}) {
     json list = json::array();
-    int batched = 0;
+    int batched = 0, gemm_outputs = 0;
     for (const auto& s : *steps) {
       list.push_back(step_json(p, s, bw));
       if (s.kind == Step::Kind::kernel && s.kernel->gen.fp8_batched) ++batched;
+      if (s.kind == Step::Kind::gemm && s.gemm.d_amax >= 0) ++gemm_outputs;
     }
     out[key] = list;
-    // fp8_delayed operand casts: their recipe states are updated by one kernel after the pass.
+    // fp8_delayed operand casts and FP8 GEMM outputs: their recipe states are updated by one kernel after
+    // the pass.
     out[std::string(key) + "_fp8_batched_updates"] = batched;
+    out[std::string(key) + "_fp8_gemm_outputs"] = gemm_outputs;
   }
   json buffers = json::array();
   for (const auto& b : p.buffers)
@@ -201,8 +208,11 @@ std::string program_text(const Program& p, double bw) {
                          bytes_text(s["bytes_read"].get<double>()), bytes_text(s["bytes_written"].get<double>()),
                          s.value("napkin_us", 0.0));
     }
-    if (const int n = j[std::string(pass) + "_fp8_batched_updates"].get<int>())
-      out += fmt::format("  then  one FP8 recipe-state update kernel for the {} fp8_delayed operand cast(s) of the pass\n", n);
+    const int casts = j[std::string(pass) + "_fp8_batched_updates"].get<int>();
+    const int gemms = j[std::string(pass) + "_fp8_gemm_outputs"].get<int>();
+    if (casts + gemms > 0)
+      out += fmt::format("  then  one FP8 recipe-state update kernel for the {} fp8_delayed operand cast(s){} of the pass\n",
+                         casts, gemms ? fmt::format(" and the {} FP8 GEMM output(s)", gemms) : "");
   }
   out += "\nbuffers:\n";
   out += fmt::format("  {:>3}  {:<26} {:<14} {:<9} {:<5} {:>14} {:>11} {:>11}  steps\n", "id", "name", "role",

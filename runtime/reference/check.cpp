@@ -33,49 +33,6 @@ Vec random_vec(std::mt19937_64& rng, int64_t n, double lo, double hi, const std:
 // reference, 0.125 (DESIGN's FP8 rtol) against the exact one.
 constexpr double kFp8Rtol = 0.5, kFp8Atol = 0.27, kFp8QuantizedBound = 0.0625, kFp8ExactBound = 0.125;
 
-// The recipe state and casts of the GPU's FP8 GEMM operands, in float as the kernels compute them:
-// scale = fp8_max / amax / 2^margin (1 while amax is 0), codes = RNE + saturation of (float)x * scale,
-// the GEMM reading code * (1 / scale). fp8_current: amax of this tensor; fp8_delayed: the stored scale,
-// then the history rolls (newest first) and the next scale comes from its maximum.
-class Fp8Reference {
- public:
-  explicit Fp8Reference(const ops::Recipe& r)
-      : delayed_(r.kind == ops::RecipeKind::fp8_delayed), len_(std::max(1, r.amax_history)),
-        margin_(std::ldexp(1.0f, r.margin)) {}
-  void operator()(int op, const std::string& tensor, Vec& v) {
-    const bool e5m2 = tensor == "grad_output";
-    const float fmax = e5m2 ? 57344.f : 448.f;
-    auto& st = state_[{op, tensor}];
-    if (st.hist.empty()) st.hist.assign(static_cast<size_t>(len_), 0.f);
-    float amax = 0.f;
-    for (double x : v) amax = std::max(amax, std::fabs(static_cast<float>(x)));
-    const float scale = delayed_ ? st.scale : scale_of(amax, fmax);
-    const float scale_inv = 1.f / scale;
-    for (double& x : v) {
-      const double c = static_cast<double>(static_cast<float>(x) * scale);
-      x = (e5m2 ? e5m2_value(e5m2_bits(c)) : e4m3_value(e4m3_bits(c))) * static_cast<double>(scale_inv);
-    }
-    if (delayed_) {
-      for (size_t i = st.hist.size() - 1; i > 0; --i) st.hist[i] = st.hist[i - 1];
-      st.hist[0] = amax;
-      st.scale = scale_of(*std::max_element(st.hist.begin(), st.hist.end()), fmax);
-    }
-  }
-
- private:
-  float scale_of(float amax, float fmax) const {
-    return amax > 0.f && amax < 3.0e38f ? fmax / amax / margin_ : 1.f;
-  }
-  struct State {
-    float scale = 1.f;
-    std::vector<float> hist;
-  };
-  bool delayed_;
-  int len_;
-  float margin_;
-  std::map<std::pair<int, std::string>, State> state_;
-};
-
 TensorCheck compare(const std::string& name, const Vec& got, const Vec& ref, double atol, double rtol) {
   TensorCheck c;
   c.name = name;
@@ -128,6 +85,34 @@ TensorCheck compare_normwise(const std::string& name, const Vec& got, const Vec&
 }
 
 }  // namespace
+
+Fp8Reference::Fp8Reference(const ops::Recipe& r)
+    : delayed_(r.kind == ops::RecipeKind::fp8_delayed), len_(std::max(1, r.amax_history)),
+      margin_(std::ldexp(1.0f, r.margin)) {}
+
+void Fp8Reference::operator()(int op, const std::string& tensor, Vec& v) {
+  const bool e5m2 = tensor == "grad_output";
+  const float fmax = e5m2 ? 57344.f : 448.f;
+  auto& st = state_[{op, tensor}];
+  if (st.hist.empty()) st.hist.assign(static_cast<size_t>(len_), 0.f);
+  float amax = 0.f;
+  for (double x : v) amax = std::max(amax, std::fabs(static_cast<float>(x)));
+  const float scale = delayed_ ? st.scale : scale_of(amax, fmax);
+  const float scale_inv = 1.f / scale;
+  for (double& x : v) {
+    const double c = static_cast<double>(static_cast<float>(x) * scale);
+    x = (e5m2 ? e5m2_value(e5m2_bits(c)) : e4m3_value(e4m3_bits(c))) * static_cast<double>(scale_inv);
+  }
+  if (delayed_) {
+    for (size_t i = st.hist.size() - 1; i > 0; --i) st.hist[i] = st.hist[i - 1];
+    st.hist[0] = amax;
+    st.scale = scale_of(*std::max_element(st.hist.begin(), st.hist.end()), fmax);
+  }
+}
+
+float Fp8Reference::scale_of(float amax, float fmax) const {
+  return amax > 0.f && amax < 3.0e38f ? fmax / amax / margin_ : 1.f;
+}
 
 void tolerance(const std::string& recipe, bool has_gemm, size_t n_ops, double* atol, double* rtol) {
   if (recipe == "fp32" && !has_gemm) {

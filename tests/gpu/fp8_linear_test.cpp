@@ -61,6 +61,38 @@ TEST_CASE("FP8 linear: standalone casts, the three FP8 GEMMs, bias, accumulate_g
     }
 }
 
+TEST_CASE("FP8 backward: the ops after a linear with no bias write its E5M2 gradient (act, residual, quantize)",
+          "[fp8_linear]") {
+  struct Case {
+    const char* ops;
+    ops::Shape shape;
+    const char* rule;  // the backward rule of the linear's group
+  };
+  const Case cases[] = {
+      {R"([{"op": "linear", "in_features": 64, "out_features": 96}, {"op": "gelu"}])", {32, 64}, "fp8_linear_act_bwd"},
+      {R"([{"op": "linear", "in_features": 128, "out_features": 64}, {"op": "add_extra_input"}])", {48, 128},
+       "fp8_linear_pointwise_bwd"},
+      {R"([{"op": "linear", "in_features": 128, "out_features": 64}, {"op": "silu"}, {"op": "scale", "value": 0.5}])",
+       {64, 128}, "fp8_linear_act_bwd"},
+  };
+  for (const char* recipe : {"fp8_current", "fp8_delayed"})
+    for (const auto& c : cases) {
+      const std::string json = test::seq_json(c.ops);
+      jf_sequence seq = nullptr;
+      REQUIRE(jf_sequence_create(test::shared_context(), json.c_str(), recipe, &seq) == JF_OK);
+      CHECK(rules_of(seq, c.shape, true, "backward").front() == c.rule);
+      jf_sequence_destroy(seq);
+      reference::CheckOptions o;
+      o.recipe = recipe;
+      o.shape = c.shape;
+      o.calls = 3;
+      o.seed = 37;
+      auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
+      INFO(c.ops << " " << recipe << "\n" << rep.table());
+      CHECK(rep.pass());
+    }
+}
+
 TEST_CASE("FP8 MLP block: layernorm -> E4M3, bias+gelu -> E4M3, dgelu+dbias -> E5M2; both recipes", "[fp8_linear]") {
   const std::string json = test::seq_json(kMlp, "mlp");
   const ops::Shape shape{128, 256};

@@ -3,9 +3,11 @@
 // fused (norm / bias+act / gated + quantize) and alone; vector and scalar paths; the straight-through
 // backward.
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "gpu/gpu_check.hpp"
+#include "reference/check.hpp"
 #include "reference/device_tensor.hpp"
 #include "ops/sequence.hpp"
 #include "reference/sequence.hpp"
@@ -43,8 +45,10 @@ struct Run {
 };
 
 // One forward of `seq` on fresh random inputs (bf16-exact), output poisoned first.
+// `quantize` (FP8 GEMMs: reference::Fp8Reference) quantises the linears' operands in the reference.
 Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_64& rng, bool train,
-                 std::vector<double>* x_keep = nullptr, std::map<reference::ParamKey, std::vector<double>>* p_keep = nullptr) {
+                 std::vector<double>* x_keep = nullptr, std::map<reference::ParamKey, std::vector<double>>* p_keep = nullptr,
+                 reference::Fp8Reference* quantize = nullptr) {
   std::uniform_real_distribution<double> u(-2, 2);
   auto rnd = [&](int64_t n) {
     std::vector<double> v(static_cast<size_t>(n));
@@ -53,6 +57,7 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
   };
   const int qi = static_cast<int>(ops.size()) - 1;
   reference::SeqInputs in;
+  if (quantize) in.quantize = [quantize](int op, const std::string& t, std::vector<double>& v) { (*quantize)(op, t, v); };
   in.input = x_keep && !x_keep->empty() ? *x_keep : rnd(ops::numel(ops.front().in));
   if (x_keep) *x_keep = in.input;
   std::vector<std::unique_ptr<reference::DeviceTensor>> keep;
@@ -90,8 +95,9 @@ double amax_of(const std::vector<double>& v) {
   return m;
 }
 
-// Every byte written and within one E4M3 step of the float64 value cast with the scale used; most exact.
-void check_cast(const Run& r, float scale) {
+// Every byte written and within `max_steps` E4M3 steps of the float64 value cast with the scale used;
+// at least `min_exact_pct` % exact.
+void check_cast(const Run& r, float scale, double max_steps = 1.0, size_t min_exact_pct = 95) {
   size_t exact = 0, unwritten = 0;
   double worst_steps = 0, worst_tol = 0;
   for (size_t i = 0; i < r.out.size(); ++i) {
@@ -111,9 +117,9 @@ void check_cast(const Run& r, float scale) {
   INFO("exact " << exact << " of " << r.out.size() << ", worst " << worst_steps << " E4M3 steps, worst err/tol "
                 << worst_tol);
   CHECK(unwritten == 0);
-  CHECK(worst_steps <= 1.0);
+  CHECK(worst_steps <= max_steps);
   CHECK(worst_tol <= 1.0);
-  CHECK(exact >= r.out.size() * 95 / 100);  // off by one step only where fp32 and float64 straddle a tie
+  CHECK(exact >= r.out.size() * min_exact_pct / 100);  // off by a step only where fp32 and float64 straddle a tie
 }
 
 }  // namespace
@@ -249,6 +255,78 @@ TEST_CASE("FP8 recipes: the backward passes gradients straight through quantize"
     check("dx", dx.download_values(), g.grad_input, 1e-5 * 16);
     check("dgamma", dw.download_values(), g.grad_params.at({0, "weight"}), 1e-5 * 64 * 16);
     check("dbeta", db.download_values(), g.grad_params.at({0, "bias"}), 1e-5 * 64 * 16);
+    jf_sequence_destroy(seq);
+  }
+}
+
+// fp8_delayed: a linear followed by quantize writes the E4M3 output from its FP8 GEMM (cuBLASLt D scale =
+// the quantize's stored scale, AMAX_D into the pass's batched state update, which also records scale_inv),
+// with no bf16 copy and no quantize kernel. Checked over calls as the quantize kernel's delayed test is:
+// codes against the float64 GEMM of the operands quantised as the casts do (reference::Fp8Reference),
+// the scale used, scale_inv, the amax history (newest first) and the next scale.
+TEST_CASE("fp8_delayed: the FP8 GEMM writes a trailing quantize's E4M3 output, its amax and scale_inv", "[fp8]") {
+  cuda::current_device();
+  struct Case {
+    const char* ops;
+    ops::Shape shape;
+    const char* rule;
+  };
+  const Case cases[] = {
+      {R"([{"op": "linear", "in_features": 128, "out_features": 96}, {"op": "bias"}, {"op": "quantize"}])", {64, 128},
+       "fp8_linear_quantize"},
+      {R"([{"op": "linear", "in_features": 256, "out_features": 64}, {"op": "quantize"}])", {2, 48, 256},
+       "fp8_linear_quantize"},
+      {R"([{"op": "rmsnorm"}, {"op": "linear", "in_features": 128, "out_features": 96}, {"op": "bias"}, {"op": "quantize"}])",
+       {64, 128}, "fp8_norm_linear_quantize"},
+      {R"([{"op": "bias"}, {"op": "gelu"}, {"op": "linear", "in_features": 96, "out_features": 128}, {"op": "bias"}, {"op": "quantize"}])",
+       {80, 96}, "fp8_act_linear_quantize"},
+  };
+  std::mt19937_64 rng(24);
+  for (const auto& c : cases) {
+    INFO(c.ops << " shape " << ops::shape_str(c.shape));
+    const std::string json = test::seq_json(c.ops);
+    jf_sequence seq = nullptr;
+    REQUIRE(jf_sequence_create(test::shared_context(), json.c_str(), "fp8_delayed", &seq) == JF_OK);
+    for (int training : {0, 1}) {
+      const char* js = nullptr;
+      REQUIRE(jf_sequence_explain(seq, c.shape.data(), static_cast<int>(c.shape.size()), training, 90, &js) == JF_OK);
+      const auto plan = nlohmann::json::parse(js);
+      CHECK(plan["forward"][0]["rule"] == c.rule);
+      CHECK(plan["forward"].size() == 1);  // one group: no quantize kernel after the GEMM
+    }
+    auto def = ops::parse_sequence(json, "<test>", test::builtin_registry());
+    auto ops = ops::infer(def, c.shape);
+    reference::Fp8Reference q8(ops::parse_recipe("fp8_delayed"));
+    std::vector<float> amaxes;
+    float expect_scale = 1.f;  // the initial scale
+    for (int call = 0; call < 4; ++call) {
+      INFO("call " << call);
+      Run r = forward_once(seq, ops, rng, call % 2 == 1, nullptr, nullptr, &q8);
+      CHECK(r.scale_used == Approx(expect_scale).epsilon(1e-6));
+      CHECK(r.scale_inv == Approx(1.0 / expect_scale).epsilon(1e-6));  // written by the batched update
+      // GEMM outputs: 99 % of the codes exact, every one within DESIGN's FP8 tolerance of the float64 value.
+      // Not "one E4M3 step": where a dot product cancels to near zero, the fast accumulation's absolute
+      // error (TransformerEngine's forward setting) spans several of that small value's fine steps (H100
+      // run #2: 99.4-99.6 % exact, up to 6 steps at small magnitudes, err/tol <= 0.46). A fused norm or
+      // activation also writes its codes from fp32 where the reference rounds through bf16 first.
+      check_cast(r, r.scale_used, std::numeric_limits<double>::infinity(), 99);
+      double num = 0, den = 0;  // and the tensor's relative error: half an E4M3 step (2^-4)
+      for (size_t i = 0; i < r.out.size(); ++i) {
+        const double d = reference::e4m3_value(r.out[i]) / r.scale_used - r.ref[i];
+        num += d * d;
+        den += r.ref[i] * r.ref[i];
+      }
+      CHECK(std::sqrt(num / den) <= 0.0625);
+      const double amax = amax_of(r.ref);
+      REQUIRE(r.hist.size() == 1024);
+      CHECK(std::fabs(r.hist[0] - amax) <= 1.6e-2 * amax);  // cuBLASLt's AMAX_D of the fp32 result
+      amaxes.insert(amaxes.begin(), r.hist[0]);
+      for (size_t i = 0; i < amaxes.size(); ++i) CHECK(r.hist[i] == amaxes[i]);  // newest first
+      CHECK(r.hist[amaxes.size()] == 0.f);
+      const float hmax = *std::max_element(amaxes.begin(), amaxes.end());
+      CHECK(r.scale_next == Approx(448.0 / hmax).epsilon(1e-6));
+      expect_scale = r.scale_next;
+    }
     jf_sequence_destroy(seq);
   }
 }

@@ -3,6 +3,9 @@
 // it write its FP8 output gradient in their backward, so no bf16 copy of either is written and read back:
 //   forward  [chain..., linear, bias?]   the chain's kernel writes x as E4M3, row-major + transposed
 //                                         (training), then y = x W^T (+ b in the GEMM's BIAS epilogue)
+//            [..., linear, bias?, quantize]  (fp8_delayed) the GEMM writes the quantize's E4M3 output
+//                                         itself: D scale = the quantize's stored scale, its amax from the
+//                                         GEMM (cuBLASLt's AMAX_D), the state rolled by the pass's update
 //   backward [linear, chain...]          the chain's backward kernel (dbias, dact, ...) writes dy as
 //                                         E5M2, row-major + transposed, then dgrad and wgrad
 // The chain is any generated chain (elementwise; a norm forward, which writes the row-major codes only, so
@@ -13,6 +16,17 @@
 
 namespace jitfuse::exec {
 namespace {
+
+// The GEMM writes quantize op `q`'s E4M3 output: D = e4m3(scale * (x W^T + b)) with the state's stored
+// scale, cuBLASLt's amax of the result into a one-float buffer that the pass's batched update reduces
+// into the state (history roll, scale_inv = 1 / the scale used, the next scale).
+void quantize_output(Builder& b, GemmStep& gs, int q) {
+  gs.call.dtype = ops::DType::e4m3;
+  gs.d_scale = b.fp8_state(q, "", "scale");
+  gs.d_scale_inv = b.fp8_state(q, "", "scale_inv");
+  gs.d_history = b.fp8_state(q, "", "amax_history");
+  gs.d_amax = b.temp("amax op" + std::to_string(q) + " (FP8 GEMM output)", ops::DType::f32, 1, 1, sizeof(float));
+}
 
 class GeneratedFp8Cast final : public Implementation {
  public:
@@ -33,9 +47,11 @@ class GeneratedFp8Cast final : public Implementation {
     if (lin < 0) return "fp8_cast needs a linear in the window";
     codegen::Skeleton sk = codegen::Skeleton::elementwise;
     if (pass == rules::Pass::forward) {
-      const size_t after = w.size() - static_cast<size_t>(lin) - 1;
-      if (after > 1 || (after == 1 && w.back().family() != ops::Family::bias))
-        return "in the forward, fp8_cast takes at most a bias after the linear (its GEMM's BIAS epilogue)";
+      size_t after = w.size() - static_cast<size_t>(lin) - 1;
+      if (after > 0 && w.back().name() == "quantize") --after;  // the GEMM writes the E4M3 output
+      if (after > 1 || (after == 1 && w[static_cast<size_t>(lin) + 1].family() != ops::Family::bias))
+        return "in the forward, fp8_cast takes at most a bias after the linear (its GEMM's BIAS epilogue), "
+               "then a quantize (the GEMM's FP8 output)";
       std::vector<OpUse> chain(w.begin(), w.begin() + lin);
       if (chain.empty()) return std::nullopt;
       if (auto p = chain_problem(chain, 0, &sk)) return p;
@@ -61,10 +77,20 @@ class GeneratedFp8Cast final : public Implementation {
     if (b.forward()) {
       check_fp8_linear(b, lin);
       if (g.begin < lin) fp8_cast_operand(b, lin, "input", b.act(g.begin), g.begin, lin);
-      const bool bias = lin + 1 < g.end;
-      GemmStep gs = linear_forward(b, lin, b.act(lin), b.act(g.end), bias ? cuda::Epilogue::bias : cuda::Epilogue::none);
+      const int q = b.ops()[static_cast<size_t>(g.end - 1)].kind == "quantize" ? g.end - 1 : -1;
+      const int gemm_end = q >= 0 ? q : g.end;
+      const bool bias = lin + 1 < gemm_end;
+      // Current scaling needs the output's amax before its cast, which one GEMM cannot give: there the
+      // GEMM writes the recipe's dtype and the quantize runs as its own kernel (the built-in rules that
+      // end in a quantize ask for fp8_delayed; this serves a user rule that names both recipes).
+      const bool gemm_quantizes = q >= 0 && b.recipe().kind == ops::RecipeKind::fp8_delayed;
+      GemmStep gs = linear_forward(b, lin, b.act(lin), b.act(gemm_quantizes ? g.end : gemm_end),
+                                   bias ? cuda::Epilogue::bias : cuda::Epilogue::none);
       if (bias) gs.bias = b.param(lin + 1, "bias");
-      b.gemm(gs, g.rule + ": FP8 GEMM " + b.ops()[lin].label() + (bias ? " + BIAS" : ""));
+      if (gemm_quantizes) quantize_output(b, gs, q);
+      b.gemm(gs, g.rule + ": FP8 GEMM " + b.ops()[lin].label() + (bias ? " + BIAS" : "") +
+                     (gemm_quantizes ? " -> E4M3 output of " + b.ops()[static_cast<size_t>(q)].label() : ""));
+      if (q >= 0 && !gemm_quantizes) lower_chain(b, q, g.end, chain_options(b), ops::rows_of(b.ops()[q].in));
       b.boundary_saves(g.begin, g.end);
     } else {
       check_fp8_linear(b, lin);

@@ -638,10 +638,11 @@ extern "C" __global__ void __launch_bounds__(256) jf_bias_gelu_cast_transpose_bw
 #undef JF_VEC
 #endif
 
-// fp8_delayed (E5M2): for each operand state b of this pass (block b): roll its amax history, record
-// the pass's amax, scale = 57344 / max(history) / 2^margin for the next call (the cast kernels wrote
-// the scale_inv they used). One thread per history entry (len <= 1024).
-struct JfFp8Batch { const float* part[16]; float* hist[16]; float* scale[16]; int count[16]; int n; int len; };
+// fp8_delayed (E5M2): for each state b of this pass (block b): roll its amax history, record the
+// pass's amax, scale = 57344 / max(history) / 2^margin for the next call (the cast kernels wrote the
+// scale_inv they used; an FP8 GEMM output's scale_inv is written here). One thread per history entry
+// (len <= 1024).
+struct JfFp8Batch { const float* part[16]; float* hist[16]; float* scale[16]; float* scale_inv[16]; int count[16]; int n; int len; };
 extern "C" __global__ void __launch_bounds__(1024) jf_bias_gelu_cast_transpose_bwd_fp8_update(const JfFp8Batch b) {
   __shared__ float jf_sm[32];
   const int t = blockIdx.x;
@@ -661,6 +662,7 @@ extern "C" __global__ void __launch_bounds__(1024) jf_bias_gelu_cast_transpose_b
     for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);
     m = fmaxf(m, a);
     hist[0] = a;
+    if (b.scale_inv[t]) b.scale_inv[t][0] = 1.f / b.scale[t][0];
     b.scale[t][0] = jf_fp8_scale_of<true>(m, 1.0f);
   }
 }

@@ -89,7 +89,7 @@ TEST_CASE("explain with a broken rules directory reports the errors and uses the
   auto r = run_cli("explain '" + seq + "' --recipe bf16 --shape 8x64 --rules '" + dir.path() + "/rules'");
   INFO(r.out);
   REQUIRE(r.status == 0);
-  CHECK_THAT(r.out, Catch::Contains("35 rules loaded (1 skipped with errors, listed on stderr)"));
+  CHECK_THAT(r.out, Catch::Contains("39 rules loaded (1 skipped with errors, listed on stderr)"));
   CHECK_THAT(r.out, Catch::Contains("rule skipped: " + jf_test::loc(file, text, "\"gelux\"") + ": "));
   CHECK_THAT(r.out, Catch::Contains("rule 'broken': unknown op 'gelux'"));
   CHECK_THAT(r.out, Catch::Contains("gelu_scale               priority 90   taken"));
@@ -152,7 +152,7 @@ TEST_CASE("under an FP8 recipe a user rule whose GEMM epilogue FP8 GEMMs cannot 
                      " --shape 256x4096 --program --rules '" + rules + "'");
     INFO(r.out);
     REQUIRE(r.status == 0);  // planned and lowered: the windows go to the fp8 rules instead
-    CHECK_THAT(r.out, Catch::Contains("36 rules loaded\n"));
+    CHECK_THAT(r.out, Catch::Contains("40 rules loaded\n"));
     CHECK_THAT(r.out, Catch::Contains("my_linear_bias_gelu      priority 90   not taken: under an FP8 recipe a linear "
                                       "runs on FP8 GEMMs (E4M3/E5M2 operands, a BIAS epilogue at most), which cuBLASLt "
                                       "epilogue GELU_AUX_BIAS does not lower to"));
@@ -178,4 +178,57 @@ TEST_CASE("FP8 training: a norm before a linear writes the E4M3 codes, a transpo
     CHECK_THAT(r.out, Catch::Contains("fp8_norm_linear: generated transpose of the E4M3 input codes of op 1 (linear)"));
     CHECK_THAT(r.out, Catch::Contains("op0.mean op0.rstd"));  // the norm still saves its statistics
   }
+}
+
+TEST_CASE("fp8_delayed: a linear's GEMM writes a trailing quantize's E4M3 output (D scale, AMAX_D, batched update)",
+          "[fuser][cli]") {
+  jf_test::TempDir dir;
+  std::string seq = dir.write("lbq.json", R"J({"format": "jitfuse.sequence/1", "name": "lbq", "ops": [
+    {"op": "layernorm"}, {"op": "linear", "in_features": 128, "out_features": 256}, {"op": "bias"}, {"op": "gelu"},
+    {"op": "linear", "in_features": 256, "out_features": 128}, {"op": "bias"}, {"op": "quantize"}]})J");
+  for (const char* mode : {"", " --inference"}) {
+    INFO(mode);
+    auto r = run_cli("explain '" + seq + "' --recipe fp8_delayed --shape 64x128 --program" + mode);
+    INFO(r.out);
+    REQUIRE(r.status == 0);
+    // The norm keeps its hand-off to the first linear; the activation's to the second, whose GEMM quantizes.
+    CHECK_THAT(r.out, Catch::Contains("[0, 3)     layernorm linear bias              fp8_norm_linear: generated fp8_cast"));
+    CHECK_THAT(r.out, Catch::Contains("[3, 7)     gelu linear bias quantize          fp8_act_linear_quantize: generated fp8_cast"));
+    CHECK_THAT(r.out, Catch::Contains("gemm fwd   m=64 n=128 k=256 TN e4m3 BIAS (e4m3 x e4m3, fast accumulation)"));
+    CHECK_THAT(r.out, Catch::Contains("d=output d_amax=amax op6 (FP8 GEMM output) d_scale=op6.scale"));
+    CHECK_THAT(r.out, Catch::Contains("FP8 GEMM op 4 (linear) + BIAS -> E4M3 output of op 6 (quantize)"));
+    CHECK_THAT(r.out, Catch::Contains("and the 1 FP8 GEMM output(s) of the pass"));
+    CHECK_THAT(r.out, !Catch::Contains("jf_quantize"));  // no quantize kernel, no bf16 copy of the output
+  }
+  // Alone, and after a norm.
+  std::string lq = dir.write("lq.json", R"J({"format": "jitfuse.sequence/1", "name": "lq", "ops": [
+    {"op": "linear", "in_features": 128, "out_features": 96}, {"op": "quantize"}]})J");
+  auto a = run_cli("explain '" + lq + "' --recipe fp8_delayed --shape 64x128 --program");
+  INFO(a.out);
+  CHECK_THAT(a.out, Catch::Contains("[0, 2)     linear quantize                    fp8_linear_quantize: generated fp8_cast"));
+  CHECK_THAT(a.out, Catch::Contains("TN e4m3 DEFAULT (e4m3 x e4m3"));
+  std::string nq = dir.write("nq.json", R"J({"format": "jitfuse.sequence/1", "name": "nq", "ops": [
+    {"op": "rmsnorm"}, {"op": "linear", "in_features": 128, "out_features": 96}, {"op": "bias"}, {"op": "quantize"}]})J");
+  auto n = run_cli("explain '" + nq + "' --recipe fp8_delayed --shape 64x128 --program");
+  INFO(n.out);
+  CHECK_THAT(n.out, Catch::Contains("rmsnorm linear bias quantize       fp8_norm_linear_quantize: generated fp8_cast"));
+  CHECK_THAT(n.out, Catch::Contains("d_scale=op3.scale"));
+  // Current scaling needs the output's amax before the cast: the rules are not taken, the quantize runs as
+  // its own kernel after a bf16 GEMM output; a user rule naming both recipes lowers the same way.
+  std::string rules = dir.write("lq_rules.json", R"J({"format": "jitfuse.rules/1", "rules": [
+    {"name": "my_lq", "math": "y = e4m3(x W^T + b)", "pass": "forward", "priority": 90, "pattern": ["linear", "bias?", "quantize"],
+     "conditions": {"recipes": ["fp8_delayed", "fp8_current"]}, "impl": {"kind": "generated", "skeleton": "fp8_cast"}}]})J");
+  auto c = run_cli("explain '" + seq + "' --recipe fp8_current --shape 64x128 --program");
+  INFO(c.out);
+  REQUIRE(c.status == 0);
+  CHECK_THAT(c.out, Catch::Contains("fp8_act_linear_quantize  priority 44   not taken: condition recipe in [fp8_delayed] failed"));
+  CHECK_THAT(c.out, Catch::Contains("kernel jf_quantize_amax_fwd"));
+  CHECK_THAT(c.out, !Catch::Contains("d_scale="));
+  auto u = run_cli("explain '" + lq + "' --recipe fp8_current --shape 64x128 --program --rules '" + rules + "'");
+  INFO(u.out);
+  REQUIRE(u.status == 0);
+  CHECK_THAT(u.out, Catch::Contains("[0, 2)     linear quantize                    my_lq: generated fp8_cast"));
+  CHECK_THAT(u.out, Catch::Contains("TN bf16 DEFAULT (e4m3 x e4m3"));
+  CHECK_THAT(u.out, Catch::Contains("my_lq: generated elementwise"));
+  CHECK_THAT(u.out, !Catch::Contains("d_scale="));
 }

@@ -37,7 +37,9 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"pointwise_chain_bwd", Pass::backward},
       {"fp8_norm_linear", Pass::forward},     {"fp8_act_linear", Pass::forward},
       {"fp8_linear_bias", Pass::forward},     {"fp8_linear_act_bwd", Pass::backward},
-      {"fp8_linear_bias_bwd", Pass::backward},
+      {"fp8_linear_bias_bwd", Pass::backward}, {"fp8_norm_linear_quantize", Pass::forward},
+      {"fp8_act_linear_quantize", Pass::forward}, {"fp8_linear_quantize", Pass::forward},
+      {"fp8_linear_pointwise_bwd", Pass::backward},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;

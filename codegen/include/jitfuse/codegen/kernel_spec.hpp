@@ -174,8 +174,9 @@ struct Generated {
   // operand cast's (Fp8Spec::tensor) is (partials, count, history, len, scale): its cast wrote the scale_inv.
   std::string fp8_update;
   // fp8_delayed casts of FP8 GEMM operands (Fp8Spec::tensor set): fp8_update is instead the per-pass
-  // batch update, (JfFp8Batch by value: part[], hist[], scale[], count[] for kFp8Batch states, n, len), one
-  // block per state; the executor launches it once after the pass for every such cast that ran.
+  // batch update, (JfFp8Batch by value: part[], hist[], scale[], scale_inv[], count[] for kFp8Batch states,
+  // n, len), one block per state; the executor launches it once after the pass for every such cast that
+  // ran and every FP8 GEMM output (GemmStep::d_amax) of the pass.
   bool fp8_batched = false;
   std::vector<std::string> headers;  // template files included, in order
 };
@@ -187,6 +188,7 @@ struct Fp8BatchParams {
   const float* part[kFp8Batch];  // per state: the cast's per-block amax partials
   float* hist[kFp8Batch];        // its amax history [len]
   float* scale[kFp8Batch];       // its scale (written for the next call)
+  float* scale_inv[kFp8Batch];   // null, or (an FP8 GEMM output's state) 1 / the scale used, written first
   int count[kFp8Batch];          // its number of partials
   int n;                         // states in this launch (grid.x)
   int len;                       // history length (the same for every state of a sequence)
