@@ -95,6 +95,20 @@ double amax_of(const std::vector<double>& v) {
   return m;
 }
 
+// fp8_delayed after call r: this call's amax recorded first in the history (within the fp32-vs-float64
+// tolerance), the earlier ones (`amaxes`, newest first) moved down one entry, the rest zero, and the next
+// scale = 448 / max(history). Records r's amax in `amaxes`.
+void check_history(const Run& r, std::vector<float>& amaxes) {
+  const double amax = amax_of(r.ref);
+  REQUIRE(r.hist.size() == 1024);
+  CHECK(std::fabs(r.hist[0] - amax) <= 1.6e-2 * amax);
+  amaxes.insert(amaxes.begin(), r.hist[0]);
+  for (size_t i = 0; i < amaxes.size(); ++i) CHECK(r.hist[i] == amaxes[i]);  // newest first
+  CHECK(r.hist[amaxes.size()] == 0.f);
+  const float hmax = *std::max_element(amaxes.begin(), amaxes.end());
+  CHECK(r.scale_next == Approx(448.0 / hmax).epsilon(1e-6));
+}
+
 // Every byte written and within `max_steps` E4M3 steps of the float64 value cast with the scale used;
 // at least `min_exact_pct` % exact.
 void check_cast(const Run& r, float scale, double max_steps = 1.0, size_t min_exact_pct = 95) {
@@ -165,14 +179,7 @@ TEST_CASE("fp8_delayed: cast with the stored scale, then roll the amax history a
       CHECK(r.scale_used == Approx(expect_scale).epsilon(1e-6));
       CHECK(r.scale_inv == Approx(1.0 / expect_scale).epsilon(1e-6));
       check_cast(r, r.scale_used);
-      const double amax = amax_of(r.ref);
-      REQUIRE(r.hist.size() == 1024);
-      CHECK(std::fabs(r.hist[0] - amax) <= 1.6e-2 * amax);
-      amaxes.insert(amaxes.begin(), r.hist[0]);
-      for (size_t i = 0; i < amaxes.size(); ++i) CHECK(r.hist[i] == amaxes[i]);  // newest first
-      CHECK(r.hist[amaxes.size()] == 0.f);
-      const float hmax = *std::max_element(amaxes.begin(), amaxes.end());
-      CHECK(r.scale_next == Approx(448.0 / hmax).epsilon(1e-6));
+      check_history(r, amaxes);
       expect_scale = r.scale_next;
     }
     jf_sequence_destroy(seq);
@@ -317,14 +324,7 @@ TEST_CASE("fp8_delayed: the FP8 GEMM writes a trailing quantize's E4M3 output, i
         den += r.ref[i] * r.ref[i];
       }
       CHECK(std::sqrt(num / den) <= 0.0625);
-      const double amax = amax_of(r.ref);
-      REQUIRE(r.hist.size() == 1024);
-      CHECK(std::fabs(r.hist[0] - amax) <= 1.6e-2 * amax);  // cuBLASLt's AMAX_D of the fp32 result
-      amaxes.insert(amaxes.begin(), r.hist[0]);
-      for (size_t i = 0; i < amaxes.size(); ++i) CHECK(r.hist[i] == amaxes[i]);  // newest first
-      CHECK(r.hist[amaxes.size()] == 0.f);
-      const float hmax = *std::max_element(amaxes.begin(), amaxes.end());
-      CHECK(r.scale_next == Approx(448.0 / hmax).epsilon(1e-6));
+      check_history(r, amaxes);  // the amax: cuBLASLt's AMAX_D of the fp32 result
       expect_scale = r.scale_next;
     }
     jf_sequence_destroy(seq);

@@ -4,22 +4,10 @@ linear + bias + tanh-GELU + linear + bias) at M = 1, 16, 128, per call, eager an
 Timing as jitfuse bench does: CUDA events around each call, calls enqueued back to back, 10 warm-up calls,
 the median of 50. Run on the GPU machine: python3 tools/torch_baselines/decode_mlp.py
 """
-import statistics
-
 import torch
 import torch.nn.functional as F
 
-
-def median_ms(fn, warmup=10, iters=50):
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+from _harness import median_ms
 
 
 def main():

@@ -11,7 +11,6 @@ the median of 50. Run on the GPU machine (jitfuse importable, JITFUSE_LIBRARY se
 """
 import json
 import os
-import statistics
 import sys
 import tempfile
 
@@ -33,18 +32,8 @@ if OVERRIDE:
 import torch  # noqa: E402
 
 import jitfuse.torch as jt  # noqa: E402
+from _harness import median_ms  # noqa: E402
 
-
-def median_ms(fn, warmup=10, iters=50):
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 def main():

@@ -18,17 +18,15 @@ import argparse
 import ctypes
 import json
 import statistics
-import time
 
 import torch
 
 import jitfuse._abi as abi
 from jitfuse import lib as jl
+from _harness import ArgBlocks, host_us
 
 DEV = "cuda"
 DT = torch.bfloat16
-_DL = {torch.bfloat16: (abi.kDLBfloat, 16), torch.float16: (abi.kDLFloat, 16), torch.float32: (abi.kDLFloat, 32),
-       torch.uint8: (abi.kDLUInt, 8)}
 _TORCH = {(abi.kDLBfloat, 16, 1): torch.bfloat16, (abi.kDLFloat, 16, 1): torch.float16,
           (abi.kDLFloat, 32, 1): torch.float32}
 
@@ -43,11 +41,11 @@ def cases(h, m=16):
     return out
 
 
-class Case:
+class Case(ArgBlocks):
     """One sequence of one library, prepared for (m, h) in training and inference, arguments built once."""
 
     def __init__(self, library, name, ops, recipe, n_extra, m, h):
-        self.keep = []
+        super().__init__()
         self.ctx = jl.Context(lib=library)
         self.seq = jl.Sequence.from_ops(self.ctx, ops, recipe=recipe, name=name.replace(" ", "_").replace("+", "_"))
         self.cdll = library.cdll
@@ -101,32 +99,6 @@ class Case:
         self.handle = self.seq.handle
         self.out, self.gx, self.grads = out, gx, grads
 
-    def dl(self, t):
-        shape = (ctypes.c_int64 * t.dim())(*t.shape)
-        d = abi.DLTensor()
-        d.data = t.data_ptr()
-        d.device = abi.DLDevice(abi.kDLCUDA, t.device.index or 0)
-        d.ndim = t.dim()
-        code, bits = _DL[t.dtype]
-        d.dtype = abi.DLDataType(code, bits, 1)
-        d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-        self.keep += [shape, d]
-        return ctypes.pointer(d)
-
-    def arr(self, ts):
-        a = (ctypes.POINTER(abi.DLTensor) * max(len(ts), 1))()
-        for i, t in enumerate(ts):
-            a[i] = self.dl(t)
-        self.keep.append(a)
-        return ctypes.cast(a, ctypes.POINTER(ctypes.POINTER(abi.DLTensor)))
-
-    def parr(self, names, ts):
-        a = (abi.jf_param * max(len(ts), 1))()
-        for i, ((op, n), t) in enumerate(zip(names, ts)):
-            a[i].op_index, a[i].name, a[i].tensor = op, n, self.dl(t)
-        self.keep.append(a)
-        return ctypes.cast(a, ctypes.POINTER(abi.jf_param))
-
     def forward(self):
         st = self.cdll.jf_forward(self.handle, ctypes.byref(self.fa), ctypes.byref(self.saved_h), self.stream)
         assert st == 0, self.lib.last_error()
@@ -138,19 +110,6 @@ class Case:
     def set_training(self, on):
         self.fa.training = 1 if on else 0
 
-
-def host_us(fn, batches=60, batch=8, warmup=16):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(batches):
-        t = time.perf_counter_ns()
-        for _ in range(batch):
-            fn()
-        res.append((time.perf_counter_ns() - t) / batch / 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(res)
 
 
 def pieces(c):
@@ -200,7 +159,7 @@ def main():
         for n in cases(a.h, a.m):
             for piece in pieces(built["A"][n]):
                 for k in order:
-                    res.setdefault((n, piece), {}).setdefault(k, []).append(host_us(pieces(built[k][n])[piece]))
+                    res.setdefault((n, piece), {}).setdefault(k, []).append(host_us(pieces(built[k][n])[piece], batches=60))
     out = []
     print(f"\nhost us per call, {a.rounds} rounds (A then B, alternating order):")
     print("| case | call | A median (min) | B median (min) | B/A, median of rounds |")

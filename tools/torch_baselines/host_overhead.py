@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import jitfuse._abi as abi
 import jitfuse.torch as jt
 from jitfuse.torch import _runtime as rt
+from _harness import ArgBlocks, host_us
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -46,28 +47,12 @@ def per_call_us(fn, calls, batches=5, warmup=50):
     return statistics.median(res)
 
 
-def host_us(fn, calls, batch=8, warmup=50):
-    """Host time alone: batches of `batch` calls (few enough launches that the launch queue never fills and
-    the GPU is never what a call waits for), timed from the first call's start to the last call's return,
-    synchronised outside the timing. The median over batches, per call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(max(1, calls // batch)):
-        t = time.perf_counter_ns()
-        for _ in range(batch):
-            fn()
-        res.append((time.perf_counter_ns() - t) / batch / 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(res)
 
-
-class Raw:
+class Raw(ArgBlocks):
     """jf_forward / jf_backward arguments built once from torch tensors (no jitfuse.torch code per call)."""
 
     def __init__(self, model, x, extras):
-        self.keep = []
+        super().__init__()
         key = model._jf_keys[True][x.dtype]
         self.prog = rt.program(key, torch.cuda.current_device())
         self.handle = self.prog.sequence.handle
@@ -119,32 +104,6 @@ class Raw:
         b.workspace_bytes = info.backward_workspace_bytes
         self.stream = torch.cuda.current_stream().cuda_stream
         self.saved_h = abi.jf_saved()
-
-    def dl(self, t):
-        shape = (ctypes.c_int64 * t.dim())(*t.shape)
-        d = abi.DLTensor()
-        d.data = t.data_ptr()
-        d.device = abi.DLDevice(abi.kDLCUDA, t.device.index or 0)
-        d.ndim = t.dim()
-        code, bits = rt._TORCH_TO_DL[t.dtype]
-        d.dtype = abi.DLDataType(code, bits, 1)
-        d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-        self.keep += [shape, d]
-        return ctypes.pointer(d)
-
-    def arr(self, ts):
-        a = (ctypes.POINTER(abi.DLTensor) * max(len(ts), 1))()
-        for i, t in enumerate(ts):
-            a[i] = self.dl(t)
-        self.keep.append(a)
-        return ctypes.cast(a, ctypes.POINTER(ctypes.POINTER(abi.DLTensor)))
-
-    def parr(self, names, ts):
-        a = (abi.jf_param * max(len(ts), 1))()
-        for i, ((op, n), t) in enumerate(zip(names, ts)):
-            a[i].op_index, a[i].name, a[i].tensor = op, n, self.dl(t)
-        self.keep.append(a)
-        return ctypes.cast(a, ctypes.POINTER(abi.jf_param))
 
     def forward(self):
         st = self.cdll.jf_forward(self.handle, ctypes.byref(self.fa), ctypes.byref(self.saved_h), self.stream)
@@ -199,12 +158,12 @@ def measure_raw(calls, m, h):
         except Exception as e:  # noqa: BLE001 (a case that cannot run is reported, the others still run)
             r[f"{name}: skipped"] = f"{type(e).__name__}: {e}"
             continue
-        r[f"{name}: jf_forward (training), host"] = host_us(raw.forward, calls)
+        r[f"{name}: jf_forward (training), host"] = host_us(raw.forward, calls // 8, warmup=50)
         raw.fa.training = 0
-        r[f"{name}: jf_forward (inference), host"] = host_us(raw.forward, calls)
+        r[f"{name}: jf_forward (inference), host"] = host_us(raw.forward, calls // 8, warmup=50)
         raw.fa.training = 1
         raw.forward()
-        r[f"{name}: jf_backward, host"] = host_us(raw.backward, calls)
+        r[f"{name}: jf_backward, host"] = host_us(raw.backward, calls // 8, warmup=50)
         r[f"{name}: jf_forward (training), throughput"] = per_call_us(raw.forward, calls)
         r[f"{name}: jf_backward, throughput"] = per_call_us(raw.backward, calls)
     return r
