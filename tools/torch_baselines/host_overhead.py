@@ -15,6 +15,7 @@ import cProfile
 import ctypes
 import io
 import json
+import os
 import pstats
 import statistics
 import time
@@ -169,6 +170,50 @@ def measure_raw(calls, m, h):
     return r
 
 
+# An empty kernel with jf_forward's kind of arguments (three pointers and a count), loaded from PTX.
+_NOOP_PTX = b""".version 8.0
+.target sm_90
+.address_size 64
+.visible .entry noop(.param .u64 a, .param .u64 b, .param .u64 c, .param .u32 n) { ret; }
+"""
+
+
+def measure_floor(r, calls, x):
+    """The floors a call through ctypes cannot go under: a ctypes call into a C function that returns at
+    once, cuLaunchKernel of an empty kernel through ctypes, the same launch behind a module call and an
+    output allocation, and one PyTorch op (C++ all the way: allocation + launch)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    torch.cuda.synchronize()
+    assert cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_NOOP_PTX)) == 0
+    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"noop") == 0
+    a, b, c, n = ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint32(16)
+    argv = (ctypes.c_void_p * 4)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (a, b, c, n)])
+    stream = torch.cuda.current_stream().cuda_stream
+    launch = cuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                                                                 ctypes.c_void_p]
+    r["ctypes cuLaunchKernel(empty kernel), host"] = host_us(
+        lambda: launch(fn, 1, 1, 1, 32, 1, 1, 0, stream, argv, None), calls // 8)
+    memcmp = ctypes.CDLL(None).memcmp
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    r["ctypes memcmp(p, p, 0) (a C call's floor)"] = per_call_us(lambda: memcmp(fn, fn, 0), calls)
+    _raw = torch._C._cuda_getCurrentRawStream
+
+    class Noop(torch.nn.Module):
+        def forward(self, t):
+            o = torch.empty_like(t)
+            a.value = o.data_ptr()
+            launch(fn, 1, 1, 1, 32, 1, 1, 0, _raw(0), argv, None)
+            return o
+    noop = Noop()
+    with torch.no_grad():
+        r["nn.Module: empty_like + raw stream + ctypes launch, host"] = host_us(lambda: noop(x), calls // 8)
+    torch.cuda.synchronize()
+    r["torch.neg(x) (one PyTorch op), host"] = host_us(lambda: torch.neg(x), calls // 8)
+    r["F.gelu(x, tanh) (one PyTorch op), host"] = host_us(lambda: F.gelu(x, approximate="tanh"), calls // 8)
+
+
 def measure(calls, m, h):
     r = Results()
     x = torch.randn(m, h, device=DEV, dtype=DT)
@@ -190,6 +235,7 @@ def measure(calls, m, h):
     r["torch.compiler.is_compiling()"] = per_call_us(torch.compiler.is_compiling, calls)
     cdll = rt.context(torch.cuda.current_device()).lib.cdll
     r["ctypes jf_abi_version()"] = per_call_us(cdll.jf_abi_version, calls)
+    measure_floor(r, calls, x)
     # PyTorch eager for scale
     b = torch.zeros(h, device=DEV, dtype=DT, requires_grad=True)
     xg = x.clone().requires_grad_()
@@ -219,6 +265,17 @@ def measure(calls, m, h):
         r[f"{name}: ctypes jf_forward (training) alone"] = per_call_us(raw.forward, calls)
         raw.fa.training = 0
         r[f"{name}: ctypes jf_forward (inference) alone"] = per_call_us(raw.forward, calls)
+        r[f"{name}: ctypes jf_forward (inference) alone, host"] = host_us(raw.forward, calls // 8)
+        floor_lib = os.environ.get("HOST_FLOOR_LOOP")  # tools/microbench/host_floor.cpp built as a library
+        if floor_lib and name == "bias+gelu":
+            loop = ctypes.CDLL(floor_lib).host_floor_loop
+            loop.restype = ctypes.c_double
+            loop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            vals = []
+            for _ in range(max(1, calls // 64)):
+                torch.cuda.synchronize()
+                vals.append(loop(raw.handle, ctypes.addressof(raw.fa), raw.stream, 8))
+            r[f"{name}: jf_forward (inference) in a C loop in this process, host"] = statistics.median(vals)
         raw.fa.training = 1
         raw.forward()
         r[f"{name}: ctypes jf_backward alone"] = per_call_us(raw.backward, calls)
@@ -234,6 +291,7 @@ def measure(calls, m, h):
             lambda: prog.backward(x, extras, outs[0], list(outs[1:-1]), params, outs[-1], dy, []), calls)
         with torch.no_grad():
             r[f"{name}: module(x) no grad"] = per_call_us(lambda: model(x, *extras), calls)
+            r[f"{name}: module(x) no grad, host"] = host_us(lambda: model(x, *extras), calls // 8)
         r[f"{name}: op via dispatcher, no grad"] = per_call_us(
             lambda: torch.ops.jitfuse.forward.default(raw.prog.definition.key, x, extras, params, None, False), calls)
         r[f"{name}: module(x) with grad (forward only)"] = per_call_us(lambda: model(xg, *extras), calls)
@@ -290,9 +348,14 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--raw-only", action="store_true",
                     help="only jf_forward / jf_backward through ctypes (host time and throughput), with an FP8 MLP")
+    ap.add_argument("--side-stream", action="store_true", help="run every call on a created stream")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, M={a.m}, cols={a.h}")
-    r = measure_raw(a.calls, a.m, a.h) if a.raw_only else measure(a.calls, a.m, a.h)
+    if a.side_stream:  # everything on a created stream instead of the legacy default stream
+        with torch.cuda.stream(torch.cuda.Stream()):
+            r = measure_raw(a.calls, a.m, a.h) if a.raw_only else measure(a.calls, a.m, a.h)
+    else:
+        r = measure_raw(a.calls, a.m, a.h) if a.raw_only else measure(a.calls, a.m, a.h)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)

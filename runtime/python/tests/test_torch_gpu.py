@@ -421,6 +421,11 @@ def test_opcheck_forward():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     with torch.no_grad():
         torch.library.opcheck(torch.ops.jitfuse.forward.default, _op_args(model, x.detach(), extras, False))
+        # training=False allocates no saved buffer: [output, *extra_outputs]; training=True appends it.
+        n_out = 1 + model._n_extra_outputs
+        assert len(torch.ops.jitfuse.forward.default(*_op_args(model, x.detach(), extras, False))) == n_out
+        outs = torch.ops.jitfuse.forward.default(*_op_args(model, x.detach(), extras, True))
+        assert len(outs) == n_out + 1 and outs[-1].dtype == torch.uint8 and outs[-1].numel() > 0
 
 
 def test_opcheck_backward():

@@ -429,8 +429,8 @@ class Program:
 
     def forward(self, x: Tensor, extras: List[Tensor], params: List[Tensor], rng_state: Optional[Tensor],
                 training: bool, with_saved: bool = True, cache_workspace: bool = False) -> List[Tensor]:
-        """[output, *extra_outputs, saved]; without ``with_saved`` (inference called directly, not as the
-        op) the trailing saved buffer is left out. ``cache_workspace``: the eager direct call may take the
+        """[output, *extra_outputs, saved]; without ``with_saved`` (every inference call, and the eager direct
+        call, which keeps the saved buffer for its own backward) the trailing saved buffer is left out. ``cache_workspace``: the eager direct call may take the
         workspace from the per-stream cache (:func:`_workspace`); the op's kernel never does (CUDA-graph
         trees run it with the allocator routed to a graph pool, where a kept tensor is an error)."""
         dev_i = x.get_device()
@@ -543,33 +543,25 @@ def _concrete(shape: Any) -> Tuple[int, ...]:
 # the call together.
 _LIB = torch.library.Library("jitfuse", "DEF")
 _LIB.define("forward(int key, Tensor input, Tensor[] extra_inputs, Tensor[] params, Tensor? rng_state, "
-            "bool training) -> Tensor[]")
+            "bool training) -> Tensor[]")  # [output, *extra_outputs] + [saved] when training
 _LIB.define("backward(int key, Tensor input, Tensor[] extra_inputs, Tensor output, Tensor[] extra_outputs, "
             "Tensor[] params, Tensor saved, Tensor grad_output, Tensor[] grad_extra_outputs) -> Tensor[]")
 
 
 def forward_op(key: int, input: Tensor, extra_inputs: List[Tensor], params: List[Tensor],
                rng_state: Optional[Tensor], training: bool) -> List[Tensor]:
-    """Runs a jitfuse sequence forward. Returns [output, *extra_outputs, saved] where ``saved`` is the
-    uint8 saved-for-backward buffer (empty unless ``training``). ``rng_state``: int64 CUDA tensor
+    """Runs a jitfuse sequence forward. Returns [output, *extra_outputs, saved] when ``training``, where
+    ``saved`` is the uint8 saved-for-backward buffer, and [output, *extra_outputs] otherwise (an inference
+    call allocates no saved buffer: one allocation less per call). ``rng_state``: int64 CUDA tensor
     {seed, offset} that the dropout ops read (not written)."""
-    return _program_of(key, input).forward(input, list(extra_inputs), list(params), rng_state, training)
-
-
-def forward_direct(key: int, input: Tensor, extra_inputs: List[Tensor], params: List[Tensor],
-                   rng_state: Optional[Tensor]) -> List[Tensor]:
-    """Inference in eager mode without the custom op (no dispatcher, no saved buffer): what
-    ``jitfuse::forward(..., training=False)`` computes, returned as [output, *extra_outputs, <unused>]
-    so callers index it like the op's result."""
-    outs = _program_of(key, input).forward(input, extra_inputs, params, rng_state, False, with_saved=False)
-    outs.append(None)
-    return outs
+    return _program_of(key, input).forward(input, list(extra_inputs), list(params), rng_state, training,
+                                           with_saved=training)
 
 
 def _forward_fake(key, input, extra_inputs, params, rng_state, training):
     info = program(key, _traced_device_index(input)).info(_concrete(input.shape), bool(training))
     outs = [input.new_empty(o.shape, dtype=torch_dtype(o.dl_dtype)) for o in info.outputs]
-    return outs + [input.new_empty((info.saved_bytes if training else 0,), dtype=torch.uint8)]
+    return outs + [input.new_empty((info.saved_bytes,), dtype=torch.uint8)] if training else outs
 
 
 def backward_op(key: int, input: Tensor, extra_inputs: List[Tensor], output: Tensor, extra_outputs: List[Tensor],
@@ -605,7 +597,8 @@ class _Forward(torch.autograd.Function):
             with torch._C._AutoDispatchBelowAutograd():
                 outs = torch.ops.jitfuse.forward.default(key, x, extras, params, rng_state, training)
             returned = outs
-            ctx.mark_non_differentiable(outs[-1])
+            if training:
+                ctx.mark_non_differentiable(outs[-1])
         ctx.key, ctx.training, ctx.ne, ctx.npar, ctx.prog = key, bool(training), ne, npar, prog
         if training:
             # The saved buffer too (an output of the op, an intermediate of the direct call): saved-tensor

@@ -514,7 +514,7 @@ class Sequential(nn.Module):
         if uses_rng:
             self._jf_rng_state.add_(self._jf_rng_step)
         if self._n_extra_outputs:
-            return (outs[0], *outs[1:-1])
+            return (outs[0], *outs[1:1 + self._n_extra_outputs])  # a training call's list ends with the saved buffer
         return outs[0]
 
     def recast_fp8_weights(self) -> None:
