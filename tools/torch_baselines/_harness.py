@@ -14,6 +14,7 @@ DL_DTYPE = {torch.bfloat16: (abi.kDLBfloat, 16), torch.float16: (abi.kDLFloat, 1
             torch.float32: (abi.kDLFloat, 32), torch.uint8: (abi.kDLUInt, 8), torch.int64: (abi.kDLInt, 64)}
 if hasattr(torch, "float8_e4m3fn"):
     DL_DTYPE[torch.float8_e4m3fn] = (abi.kDLFloat8_e4m3fn, 8)
+TORCH_DTYPE = {(code, bits, 1): t for t, (code, bits) in DL_DTYPE.items()}  # a DLPack (code, bits, lanes)
 
 
 def median_ms(fn, warmup=10, iters=50):
@@ -78,3 +79,60 @@ class ArgBlocks:
             a[i].op_index, a[i].name, a[i].tensor = op, n, self.dl(t)
         self.keep.append(a)
         return ctypes.cast(a, ctypes.POINTER(abi.jf_param))
+
+
+class TrainingCall(ArgBlocks):
+    """jf_forward / jf_backward of one prepared training shape, their arguments built once over fresh torch
+    tensors (outputs, saved buffer, workspaces, gradient buffers; dy and the extra outputs' gradients from
+    ``rnd(shape)``), so that a call through ctypes does nothing else. The caller sets ``cdll``, ``lib`` (the
+    jitfuse.lib.Library, for the error text) and ``handle`` (the jf_sequence), then calls :meth:`build`."""
+
+    def build(self, info, fws_bytes, names, x, extras, params, rnd):
+        """info: the training ProgramInfo; fws_bytes: the forward workspace (the larger of training and
+        inference, so that both run with it); names: (op_index, name bytes) of each parameter."""
+        dev = x.device
+        out = torch.empty(info.outputs[0].shape, dtype=TORCH_DTYPE[info.outputs[0].dl_dtype], device=dev)
+        eouts = [torch.empty(o.shape, dtype=x.dtype, device=dev) for o in info.outputs[1:]]
+        saved = torch.empty(max(info.saved_bytes, 1), dtype=torch.uint8, device=dev)
+        fws = torch.empty(max(fws_bytes, 1), dtype=torch.uint8, device=dev)
+        bws = torch.empty(max(info.backward_workspace_bytes, 1), dtype=torch.uint8, device=dev)
+        gx = torch.empty_like(x)
+        gextras = [torch.empty_like(e) for e in extras]
+        grads = [torch.zeros_like(p) for p in params]
+        dy = rnd(out.shape)
+        deo = [rnd(o.shape) for o in eouts]
+        self.keep += [x, extras, params, grads, out, eouts, saved, fws, bws, gx, gextras, dy, deo]
+        f = self.fa = abi.jf_forward_args()
+        f.input = self.dl(x)
+        f.extra_inputs, f.n_extra_inputs = self.arr(extras), len(extras)
+        f.output = self.dl(out)
+        f.extra_outputs, f.n_extra_outputs = self.arr(eouts), len(eouts)
+        f.params, f.n_params = self.parr(names, params), len(params)
+        f.training = 1
+        f.saved = saved.data_ptr() if info.saved_bytes else None
+        f.saved_bytes = info.saved_bytes
+        f.workspace = fws.data_ptr() if fws_bytes else None
+        f.workspace_bytes = fws_bytes
+        b = self.ba = abi.jf_backward_args()
+        b.input, b.extra_inputs, b.n_extra_inputs = f.input, f.extra_inputs, f.n_extra_inputs
+        b.output, b.extra_outputs, b.n_extra_outputs = f.output, f.extra_outputs, f.n_extra_outputs
+        b.params, b.n_params = f.params, f.n_params
+        b.saved, b.saved_bytes = f.saved, f.saved_bytes
+        b.grad_output = self.dl(dy)
+        b.grad_extra_outputs, b.n_grad_extra_outputs = self.arr(deo), len(deo)
+        b.grad_input = self.dl(gx)
+        b.grad_extra_inputs, b.n_grad_extra_inputs = self.arr(gextras), len(gextras)
+        b.grads, b.n_grads = self.parr(names, grads), len(grads)
+        b.workspace = bws.data_ptr() if info.backward_workspace_bytes else None
+        b.workspace_bytes = info.backward_workspace_bytes
+        self.stream = torch.cuda.current_stream().cuda_stream
+        self.saved_h = abi.jf_saved()
+        self.out, self.gx, self.grads = out, gx, grads
+
+    def forward(self):
+        st = self.cdll.jf_forward(self.handle, ctypes.byref(self.fa), ctypes.byref(self.saved_h), self.stream)
+        assert st == 0, self.lib.last_error()
+
+    def backward(self):
+        st = self.cdll.jf_backward(self.handle, ctypes.byref(self.ba), self.stream)
+        assert st == 0, self.lib.last_error()

@@ -15,20 +15,16 @@ waits for); the median over the batches.
   python3 tools/torch_baselines/host_ab.py OLD/libjitfuse.so NEW/libjitfuse.so [--rounds 12] [--json out]
 """
 import argparse
-import ctypes
 import json
 import statistics
 
 import torch
 
-import jitfuse._abi as abi
 from jitfuse import lib as jl
-from _harness import ArgBlocks, host_us
+from _harness import TrainingCall, host_us
 
 DEV = "cuda"
 DT = torch.bfloat16
-_TORCH = {(abi.kDLBfloat, 16, 1): torch.bfloat16, (abi.kDLFloat, 16, 1): torch.float16,
-          (abi.kDLFloat, 32, 1): torch.float32}
 
 
 def cases(h, m=16):
@@ -41,7 +37,7 @@ def cases(h, m=16):
     return out
 
 
-class Case(ArgBlocks):
+class Case(TrainingCall):
     """One sequence of one library, prepared for (m, h) in training and inference, arguments built once."""
 
     def __init__(self, library, name, ops, recipe, n_extra, m, h):
@@ -58,54 +54,9 @@ class Case(ArgBlocks):
         x = rnd(shape)
         extras = [rnd(shape) for _ in range(n_extra)]
         params = [rnd(p.shape) for p in info.params]
-        grads = [torch.zeros_like(p) for p in params]
-        out = torch.empty(info.outputs[0].shape, dtype=_TORCH[info.outputs[0].dl_dtype], device=DEV)
-        eouts = [torch.empty(o.shape, dtype=DT, device=DEV) for o in info.outputs[1:]]
-        fws_bytes = max(info.forward_workspace_bytes, inf.forward_workspace_bytes)
-        saved = torch.empty(max(info.saved_bytes, 1), dtype=torch.uint8, device=DEV)
-        fws = torch.empty(max(fws_bytes, 1), dtype=torch.uint8, device=DEV)
-        bws = torch.empty(max(info.backward_workspace_bytes, 1), dtype=torch.uint8, device=DEV)
-        gx = torch.empty_like(x)
-        gextras = [torch.empty_like(e) for e in extras]
-        dy = rnd(out.shape)
-        deo = [rnd(o.shape) for o in eouts]
-        self.keep += [x, extras, params, grads, out, eouts, saved, fws, bws, gx, gextras, dy, deo]
         names = [(p.op_index, p.name.encode()) for p in info.params]
-        f = self.fa = abi.jf_forward_args()
-        f.input = self.dl(x)
-        f.extra_inputs, f.n_extra_inputs = self.arr(extras), len(extras)
-        f.output = self.dl(out)
-        f.extra_outputs, f.n_extra_outputs = self.arr(eouts), len(eouts)
-        f.params, f.n_params = self.parr(names, params), len(params)
-        f.training = 1
-        f.saved = saved.data_ptr() if info.saved_bytes else None
-        f.saved_bytes = info.saved_bytes
-        f.workspace = fws.data_ptr() if fws_bytes else None
-        f.workspace_bytes = fws_bytes
-        b = self.ba = abi.jf_backward_args()
-        b.input, b.extra_inputs, b.n_extra_inputs = f.input, f.extra_inputs, f.n_extra_inputs
-        b.output, b.extra_outputs, b.n_extra_outputs = f.output, f.extra_outputs, f.n_extra_outputs
-        b.params, b.n_params = f.params, f.n_params
-        b.saved, b.saved_bytes = f.saved, f.saved_bytes
-        b.grad_output = self.dl(dy)
-        b.grad_extra_outputs, b.n_grad_extra_outputs = self.arr(deo), len(deo)
-        b.grad_input = self.dl(gx)
-        b.grad_extra_inputs, b.n_grad_extra_inputs = self.arr(gextras), len(gextras)
-        b.grads, b.n_grads = self.parr(names, grads), len(grads)
-        b.workspace = bws.data_ptr() if info.backward_workspace_bytes else None
-        b.workspace_bytes = info.backward_workspace_bytes
-        self.stream = torch.cuda.current_stream().cuda_stream
-        self.saved_h = abi.jf_saved()
         self.handle = self.seq.handle
-        self.out, self.gx, self.grads = out, gx, grads
-
-    def forward(self):
-        st = self.cdll.jf_forward(self.handle, ctypes.byref(self.fa), ctypes.byref(self.saved_h), self.stream)
-        assert st == 0, self.lib.last_error()
-
-    def backward(self):
-        st = self.cdll.jf_backward(self.handle, ctypes.byref(self.ba), self.stream)
-        assert st == 0, self.lib.last_error()
+        self.build(info, max(info.forward_workspace_bytes, inf.forward_workspace_bytes), names, x, extras, params, rnd)
 
     def set_training(self, on):
         self.fa.training = 1 if on else 0

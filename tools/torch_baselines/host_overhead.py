@@ -23,10 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-import jitfuse._abi as abi
 import jitfuse.torch as jt
 from jitfuse.torch import _runtime as rt
-from _harness import ArgBlocks, host_us
+from _harness import TrainingCall, host_us
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -49,7 +48,7 @@ def per_call_us(fn, calls, batches=5, warmup=50):
 
 
 
-class Raw(ArgBlocks):
+class Raw(TrainingCall):
     """jf_forward / jf_backward arguments built once from torch tensors (no jitfuse.torch code per call)."""
 
     def __init__(self, model, x, extras):
@@ -60,59 +59,11 @@ class Raw(ArgBlocks):
         self.cdll = self.prog.sequence.lib.cdll
         info = self.prog.info(tuple(x.shape), True)
         self.info = info
+        self.lib = self.prog.sequence.lib
         fws_bytes = max(info.forward_workspace_bytes, self.prog.info(tuple(x.shape), False).forward_workspace_bytes)
         params = [p.detach() for p in model._params()]
         names = [(i, n.encode()) for i, n in self.prog.definition.params]
-        out = torch.empty(info.outputs[0].shape, dtype=rt.torch_dtype(info.outputs[0].dl_dtype), device=DEV)
-        eouts = [torch.empty(o.shape, dtype=DT, device=DEV) for o in info.outputs[1:]]
-        saved = torch.empty(max(info.saved_bytes, 1), dtype=torch.uint8, device=DEV)
-        fws = torch.empty(max(fws_bytes, 1), dtype=torch.uint8, device=DEV)
-        bws = torch.empty(max(info.backward_workspace_bytes, 1), dtype=torch.uint8, device=DEV)
-        gx = torch.empty_like(x)
-        gextras = [torch.empty_like(e) for e in extras]
-        grads = [torch.zeros_like(p) for p in params]
-        dy = torch.randn_like(out, dtype=DT)
-        deo = [torch.randn_like(o) for o in eouts]
-        self.keep += [x, extras, params, out, eouts, saved, fws, bws, gx, gextras, grads, dy, deo]
-        f = self.fa = abi.jf_forward_args()
-        f.input = self.dl(x)
-        f.extra_inputs = self.arr(extras)
-        f.n_extra_inputs = len(extras)
-        f.output = self.dl(out)
-        f.extra_outputs = self.arr(eouts)
-        f.n_extra_outputs = len(eouts)
-        f.params = self.parr(names, params)
-        f.n_params = len(params)
-        f.training = 1
-        f.saved = saved.data_ptr() if info.saved_bytes else None
-        f.saved_bytes = info.saved_bytes
-        f.workspace = fws.data_ptr() if fws_bytes else None
-        f.workspace_bytes = fws_bytes
-        b = self.ba = abi.jf_backward_args()
-        b.input, b.extra_inputs, b.n_extra_inputs = f.input, f.extra_inputs, f.n_extra_inputs
-        b.output, b.extra_outputs, b.n_extra_outputs = f.output, f.extra_outputs, f.n_extra_outputs
-        b.params, b.n_params = f.params, f.n_params
-        b.saved, b.saved_bytes = f.saved, f.saved_bytes
-        b.grad_output = self.dl(dy)
-        b.grad_extra_outputs = self.arr(deo)
-        b.n_grad_extra_outputs = len(deo)
-        b.grad_input = self.dl(gx)
-        b.grad_extra_inputs = self.arr(gextras)
-        b.n_grad_extra_inputs = len(gextras)
-        b.grads = self.parr(names, grads)
-        b.n_grads = len(grads)
-        b.workspace = bws.data_ptr() if info.backward_workspace_bytes else None
-        b.workspace_bytes = info.backward_workspace_bytes
-        self.stream = torch.cuda.current_stream().cuda_stream
-        self.saved_h = abi.jf_saved()
-
-    def forward(self):
-        st = self.cdll.jf_forward(self.handle, ctypes.byref(self.fa), ctypes.byref(self.saved_h), self.stream)
-        assert st == 0, self.prog.sequence.lib.last_error()
-
-    def backward(self):
-        st = self.cdll.jf_backward(self.handle, ctypes.byref(self.ba), self.stream)
-        assert st == 0, self.prog.sequence.lib.last_error()
+        self.build(info, fws_bytes, names, x, extras, params, lambda s: torch.randn(s, device=DEV, dtype=DT))
 
 
 class _Twice(torch.autograd.Function):
