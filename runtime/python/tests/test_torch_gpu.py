@@ -441,6 +441,79 @@ def test_opcheck_backward():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+def test_op_without_grad_calls_its_kernel_directly_and_matches_redispatch(monkeypatch):
+    """jitfuse::forward's Autograd kernel calls the CUDA kernel itself for plain tensors without grad; under a
+    TorchDispatchMode (which must see the op) it redispatches. Both give the same bits, poisoned outputs
+    written, against a float64 reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from jitfuse.torch import _runtime as rt
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = mlp(128, 256, torch.bfloat16)
+    randomize(model)
+    x = torch.randn(24, 128, device=DEV, dtype=torch.bfloat16)
+    e = torch.randn_like(x)
+    direct = []
+    real = rt.forward_op
+    monkeypatch.setattr(rt, "forward_op", lambda *a: direct.append(1) or real(*a))
+    args = _op_args(model, x, [e], False)
+    with torch.no_grad():
+        poison = torch.full_like(x, float("nan"))  # freed: the op's output takes this block from the allocator
+        del poison
+        y_direct = torch.ops.jitfuse.forward.default(*args)
+        assert direct == [1] and len(y_direct) == 1
+        seen = Seen()
+        poison = torch.full_like(x, float("nan"))
+        del poison
+        with seen:
+            y_redispatch = torch.ops.jitfuse.forward.default(*args)
+        assert direct == [1], "a call under a TorchDispatchMode must redispatch"
+        assert any("jitfuse.forward" in o for o in seen.ops), seen.ops
+    assert torch.equal(y_direct[0], y_redispatch[0])
+    r_outs, *_ = reference(model, x, [e], torch.zeros_like(x), [])
+    check("output", y_direct[0], r_outs[0], torch.bfloat16, gemm=True)
+
+
+def test_module_hooks_run_as_with_module_call():
+    """Sequential.__call__ skips nn.Module.__call__'s frames only when no hook is set: module and global
+    forward pre-hooks / hooks still run, and change the result as they would."""
+    model = jt.Sequential(jt.Bias(H), jt.GELU(), device=DEV, dtype=torch.float32)
+    randomize(model)
+    x = torch.randn(ROWS, H, device=DEV)
+    with torch.no_grad():
+        plain = model(x).clone()
+        assert torch.equal(torch.nn.Module.__call__(model, x), plain)
+        calls = []
+        h1 = model.register_forward_pre_hook(lambda m, a: (a[0] * 2,))
+        h2 = model.register_forward_hook(lambda m, a, out: calls.append("module") or out + 1)
+        y = model(x)
+        check("hooked", y, gelu_tanh((2 * x).double() + model._ops[0].bias.double()) + 1, torch.float32)
+        h1.remove()
+        h2.remove()
+        g = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: calls.append(type(m).__name__))
+        try:
+            assert torch.equal(model(x), plain)
+        finally:
+            g.remove()
+        assert calls == ["module", "Sequential"]
+        assert torch.equal(model(x), plain) and calls == ["module", "Sequential"]
+    # Module.compile() sets _compiled_call_impl: the call must go through it (Dynamo compiles a graph).
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.compile(fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+
+
 # Not run: opcheck's test_aot_dispatch_* compare two runs' outputs byte for byte, the uint8 saved buffer
 # included, whose alignment padding jitfuse leaves unwritten (zeroing it would cost a memset of the whole
 # buffer per forward). torch.compile against eager is checked on the real outputs by the compile tests.
@@ -696,11 +769,11 @@ def test_fp8_quantize_output_trains_straight_through():
     x = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     y = model(x)
     assert y.dtype == torch.float8_e4m3fn
-    ref = gelu_tanh(x.detach().double() + model[0].bias.double())
+    ref = gelu_tanh(x.detach().double() + model._ops[0].bias.double())
     scale_inv = ref.abs().max().item() / 448
     assert rel_err(y.float() * scale_inv, ref) <= FP8_TOL
     if y.requires_grad:  # PyTorch versions that treat float8 as differentiable
         y.float().sum().backward()
         x64 = x.detach().double().requires_grad_()
-        gelu_tanh(x64 + model[0].bias.double()).sum().backward()
+        gelu_tanh(x64 + model._ops[0].bias.double()).sum().backward()
         assert rel_err(x.grad, x64.grad) <= FP8_TOL

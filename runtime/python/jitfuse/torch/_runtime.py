@@ -19,6 +19,7 @@ import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
+from typing import Sequence as Sequence_
 
 import torch
 from torch import Tensor
@@ -178,17 +179,41 @@ def _workspace(nbytes: int, device_index: int, stream: int, device: torch.device
     return _empty((nbytes,), dtype=_uint8, device=device)
 
 
+def _unobserved() -> bool:
+    """Nothing that must see the op is active: no TorchDispatchMode (FakeTensorMode, make_fx), no
+    profiler, no functorch transform."""
+    return not (_dispatch_modes() or _profiling() or _functorch_active())
+
+
 def eager_direct_ok(tensors: List[Tensor]) -> bool:
     """Whether a call may skip the dispatcher and run the program directly: every tensor a plain
-    torch.Tensor (or Parameter), and nothing that must see the op (no TorchDispatchMode such as
-    FakeTensorMode or make_fx, no profiler, no functorch transform). The caller checks
-    torch.compiler.is_compiling() first (under Dynamo this function is never traced)."""
-    if _dispatch_modes() or _profiling() or _functorch_active():
+    torch.Tensor (or Parameter) and :func:`_unobserved`. The caller checks torch.compiler.is_compiling()
+    first (under Dynamo this function is never traced)."""
+    if not _unobserved():
         return False
     for t in tensors:
         tt = type(t)
         if tt is not Tensor and tt is not _Parameter:
             return False
+    return True
+
+
+def direct_call_ok(x: Tensor, extras: Sequence_[Tensor], params: Sequence_[Tensor]) -> bool:
+    """:func:`eager_direct_ok` for a forward, with the checks the op makes on its arguments folded into the
+    same pass: ``x`` a CUDA tensor, every extra input and parameter of its dtype and on its device."""
+    if not _unobserved():
+        return False
+    tt = type(x)
+    if tt is not Tensor and tt is not _Parameter:
+        return False
+    dt, di = x.dtype, x.get_device()
+    if di < 0:
+        return False
+    for ts in (extras, params):
+        for t in ts:
+            tt = type(t)
+            if (tt is not Tensor and tt is not _Parameter) or t.dtype is not dt or t.get_device() != di:
+                return False
     return True
 
 
@@ -667,6 +692,11 @@ def _forward_autograd(keyset, key, input, extra_inputs, params, rng_state, train
                                     or any(p.requires_grad for p in params)):
         return list(_Forward.apply(key, training, len(extra_inputs), len(params), rng_state, None, input,
                                    *extra_inputs, *params))
+    if direct_call_ok(input, extra_inputs, params):
+        # Below Autograd, plain CUDA tensors with nothing watching reach the CUDA kernel (forward_op) and
+        # nothing else: call it here instead of redispatching (one Python hop and one schema conversion
+        # less per call; what torch.compile's generated code pays per call without CUDA graphs).
+        return forward_op(key, input, extra_inputs, params, rng_state, training)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.jitfuse.forward.default.redispatch(keyset & torch._C._after_autograd_keyset, key, input,
                                                             extra_inputs, params, rng_state, training)

@@ -16,11 +16,30 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _nn_module
 
 from ..lib import Explanation
 from . import _runtime as rt
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# What Sequential.__call__'s fast path reads (see there). The global hook registries of nn.Module are
+# module-level dicts that register_module_*_hook mutate in place; a PyTorch whose layout differs from
+# this one (a name missing) always takes Module.__call__.
+_module_call = nn.Module.__call__
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_tracing_state = getattr(torch._C, "_get_tracing_state", None)
+_HOOK_NAMES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+               "_global_backward_hooks")
+_GLOBAL_HOOKS = tuple(getattr(_nn_module, n, None) for n in _HOOK_NAMES)
+_FAST_CALL = (_tracing_state is not None and all(isinstance(h, dict) for h in _GLOBAL_HOOKS)
+              and hasattr(nn.Module, "_compiled_call_impl"))
+
+
+def _any_global_hook() -> bool:
+    a, b, c, d = _GLOBAL_HOOKS
+    return bool(a or b or c or d)
 _fp8_salt = itertools.count()
 
 
@@ -448,33 +467,37 @@ class Sequential(nn.Module):
                 pass
         return [p for op in self._ops for _, p in op.jf_params()]
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module.__call__ without its two Python frames (_wrapped_call_impl, _call_impl) when they would
+        # only call forward: no hook of this module or global one, no torch.compile'd call, no TorchScript
+        # trace, not traced by Dynamo (which inlines Module.__call__ itself). 1.5-2 us of host time per call
+        # (docs/benchmarks.md, session 24); with anything set, Module.__call__ runs as always.
+        if (kwargs or _is_compiling() or not _FAST_CALL or self._forward_pre_hooks or self._forward_hooks
+                or self._backward_pre_hooks or self._backward_hooks or self._compiled_call_impl is not None
+                or _any_global_hook() or _tracing_state()):
+            return _module_call(self, *args, **kwargs)
+        return self.forward(*args)
+
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return self._forward_op(input, extra_inputs)
         # Eager: the program is called directly (no dispatcher hop; under autograd, one autograd node around
         # it). Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler)
         # takes the custom op, which also raises the errors.
         training = self.training
         key = self._jf_keys[training].get(input.dtype)
-        if key is None or len(extra_inputs) != self._n_extra_inputs or not input.is_cuda:
-            return self._forward_op(input, extra_inputs)
         params = self._params()
-        dt, di = input.dtype, input.get_device()
-        for t in params:
-            if t.dtype is not dt or t.get_device() != di:
-                return self._forward_op(input, extra_inputs)
-        for t in extra_inputs:
-            if t.dtype is not dt or t.get_device() != di:
-                return self._forward_op(input, extra_inputs)
-        if not rt.eager_direct_ok([input, *extra_inputs, *params]):
+        if (key is None or len(extra_inputs) != self._n_extra_inputs
+                or not rt.direct_call_ok(input, extra_inputs, params)):
             return self._forward_op(input, extra_inputs)
         x = input if input.is_contiguous() else input.contiguous()
         extras = [e if e.is_contiguous() else e.contiguous() for e in extra_inputs] if extra_inputs else []
         uses_rng = self._jf_uses_rng[training]
         rng = self._jf_rng_state if uses_rng else None
+        di = x.get_device()
         prog = rt._programs.get((key, di)) or rt.program(key, di)
-        if torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params)
-                                        or any(e.requires_grad for e in extra_inputs)):
+        if _grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params)
+                                or any(e.requires_grad for e in extra_inputs)):
             outs = rt.autograd_forward(prog, key, x, extras, params, rng)
         else:
             outs = prog.forward(x, extras, params, rng, False, with_saved=False, cache_workspace=True)
