@@ -9,6 +9,7 @@ eager / a trivial Python autograd.Function for scale. Then a cProfile of trainin
 
 Run on the GPU machine, with the package to measure on PYTHONPATH:
   python3 tools/torch_baselines/host_overhead.py [--calls 2000] [--profile] [--json out.json]
+  python3 tools/torch_baselines/host_overhead.py --layers 5   # a no-grad call's layers vs the floors, interleaved
 """
 import argparse
 import cProfile
@@ -129,40 +130,90 @@ _NOOP_PTX = b""".version 8.0
 """
 
 
+class EmptyLaunch:
+    """cuLaunchKernel of the empty kernel through ctypes (its first argument set per call), and the
+    least a pure-Python module call can do around it: allocate its output and launch."""
+
+    def __init__(self, x):
+        cuda = ctypes.CDLL("libcuda.so.1")
+        mod, self.fn = ctypes.c_void_p(), ctypes.c_void_p()
+        torch.cuda.synchronize()
+        assert cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_NOOP_PTX)) == 0
+        assert cuda.cuModuleGetFunction(ctypes.byref(self.fn), mod, b"noop") == 0
+        self.a = ctypes.c_uint64(x.data_ptr())
+        self.vals = (self.a, ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint32(16))
+        self.argv = (ctypes.c_void_p * 4)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in self.vals])
+        self.launch = cuda.cuLaunchKernel
+        self.launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p,
+                                                                          ctypes.c_void_p, ctypes.c_void_p]
+        launch, fn, argv, a, raw = self.launch, self.fn, self.argv, self.a, torch._C._cuda_getCurrentRawStream
+        self.call = lambda: launch(fn, 1, 1, 1, 32, 1, 1, 0, raw(0), argv, None)
+
+        class Noop(torch.nn.Module):
+            def forward(self, t):
+                o = torch.empty_like(t)
+                a.value = o.data_ptr()
+                launch(fn, 1, 1, 1, 32, 1, 1, 0, raw(0), argv, None)
+                return o
+        self.module = Noop()
+
+
 def measure_floor(r, calls, x):
     """The floors a call through ctypes cannot go under: a ctypes call into a C function that returns at
     once, cuLaunchKernel of an empty kernel through ctypes, the same launch behind a module call and an
-    output allocation, and one PyTorch op (C++ all the way: allocation + launch)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    torch.cuda.synchronize()
-    assert cuda.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_NOOP_PTX)) == 0
-    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"noop") == 0
-    a, b, c, n = ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint32(16)
-    argv = (ctypes.c_void_p * 4)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (a, b, c, n)])
-    stream = torch.cuda.current_stream().cuda_stream
-    launch = cuda.cuLaunchKernel
-    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-                                                                 ctypes.c_void_p]
-    r["ctypes cuLaunchKernel(empty kernel), host"] = host_us(
-        lambda: launch(fn, 1, 1, 1, 32, 1, 1, 0, stream, argv, None), calls // 8)
+    output allocation, and one PyTorch op (C++ all the way)."""
+    e = EmptyLaunch(x)
+    r["ctypes cuLaunchKernel(empty kernel), host"] = host_us(e.call, calls // 8)
     memcmp = ctypes.CDLL(None).memcmp
     memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    r["ctypes memcmp(p, p, 0) (a C call's floor)"] = per_call_us(lambda: memcmp(fn, fn, 0), calls)
-    _raw = torch._C._cuda_getCurrentRawStream
-
-    class Noop(torch.nn.Module):
-        def forward(self, t):
-            o = torch.empty_like(t)
-            a.value = o.data_ptr()
-            launch(fn, 1, 1, 1, 32, 1, 1, 0, _raw(0), argv, None)
-            return o
-    noop = Noop()
+    r["ctypes memcmp(p, p, 0) (a C call's floor)"] = per_call_us(lambda: memcmp(e.fn, e.fn, 0), calls)
     with torch.no_grad():
-        r["nn.Module: empty_like + raw stream + ctypes launch, host"] = host_us(lambda: noop(x), calls // 8)
+        r["nn.Module: empty_like + raw stream + ctypes launch, host"] = host_us(lambda: e.module(x), calls // 8)
     torch.cuda.synchronize()
     r["torch.neg(x) (one PyTorch op), host"] = host_us(lambda: torch.neg(x), calls // 8)
     r["F.gelu(x, tanh) (one PyTorch op), host"] = host_us(lambda: F.gelu(x, approximate="tanh"), calls // 8)
+
+
+def measure_layers(rounds, m, h):
+    """bias + gelu without grad, each layer of a call against the floors, host time, interleaved: every
+    round times every layer once (host_us, 200 batches of 8), so that a process's speed, which moves by
+    tens of percent between processes on the GPU machines, affects all layers alike; median (min) of rounds."""
+    x = torch.randn(m, h, device=DEV, dtype=DT)
+    model, _ = models(h)["bias+gelu"]
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    key = model._jf_keys[False][x.dtype]
+    prog = rt.program(key, torch.cuda.current_device())
+    params = [p.detach() for p in model._params()]
+    model.train()
+    xg = x.clone().requires_grad_()
+    model(xg).sum().backward()
+    raw = Raw(model, x, [])
+    raw.fa.training = 0
+    model.eval()
+    e = EmptyLaunch(x)
+    layers = {
+        "torch.neg(x) (one PyTorch op)": lambda: torch.neg(x),
+        "torch.empty_like(x)": lambda: torch.empty_like(x),
+        "ctypes launch of the empty kernel": e.call,
+        "floor: nn.Module, empty_like + ctypes launch": lambda: e.module(x),
+        "ctypes jf_forward (arguments built once)": raw.forward,
+        "Program.forward": lambda: prog.forward(x, [], params, None, False, with_saved=False, cache_workspace=True),
+        "module.forward(x)": lambda: model.forward(x),
+        "module(x)": lambda: model(x),
+        "jitfuse::forward op via the dispatcher": lambda: torch.ops.jitfuse.forward.default(key, x, [], params, None,
+                                                                                               False),
+    }
+    res = {k: [] for k in layers}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for k, f in layers.items():
+                res[k].append(host_us(f, 200))
+    r = Results()
+    for k, v in res.items():
+        r[f"{k}, host, median (min) of {rounds} rounds"] = f"{statistics.median(v):8.2f} ({min(v):.2f})"
+    return r
 
 
 def measure(calls, m, h):
@@ -300,9 +351,13 @@ def main():
     ap.add_argument("--raw-only", action="store_true",
                     help="only jf_forward / jf_backward through ctypes (host time and throughput), with an FP8 MLP")
     ap.add_argument("--side-stream", action="store_true", help="run every call on a created stream")
+    ap.add_argument("--layers", type=int, metavar="ROUNDS",
+                    help="only the layers of a no-grad bias + gelu call against the floors, ROUNDS interleaved rounds")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, M={a.m}, cols={a.h}")
-    if a.side_stream:  # everything on a created stream instead of the legacy default stream
+    if a.layers:
+        r = measure_layers(a.layers, a.m, a.h)
+    elif a.side_stream:  # everything on a created stream instead of the legacy default stream
         with torch.cuda.stream(torch.cuda.Stream()):
             r = measure_raw(a.calls, a.m, a.h) if a.raw_only else measure(a.calls, a.m, a.h)
     else:

@@ -179,29 +179,13 @@ def _workspace(nbytes: int, device_index: int, stream: int, device: torch.device
     return _empty((nbytes,), dtype=_uint8, device=device)
 
 
-def _unobserved() -> bool:
-    """Nothing that must see the op is active: no TorchDispatchMode (FakeTensorMode, make_fx), no
-    profiler, no functorch transform."""
-    return not (_dispatch_modes() or _profiling() or _functorch_active())
-
-
-def eager_direct_ok(tensors: List[Tensor]) -> bool:
-    """Whether a call may skip the dispatcher and run the program directly: every tensor a plain
-    torch.Tensor (or Parameter) and :func:`_unobserved`. The caller checks torch.compiler.is_compiling()
-    first (under Dynamo this function is never traced)."""
-    if not _unobserved():
-        return False
-    for t in tensors:
-        tt = type(t)
-        if tt is not Tensor and tt is not _Parameter:
-            return False
-    return True
-
-
 def direct_call_ok(x: Tensor, extras: Sequence_[Tensor], params: Sequence_[Tensor]) -> bool:
-    """:func:`eager_direct_ok` for a forward, with the checks the op makes on its arguments folded into the
-    same pass: ``x`` a CUDA tensor, every extra input and parameter of its dtype and on its device."""
-    if not _unobserved():
+    """Whether a call may skip the dispatcher and run the program directly: nothing that must see the op
+    is active (no TorchDispatchMode such as FakeTensorMode or make_fx, no profiler, no functorch transform),
+    every tensor is a plain torch.Tensor (or Parameter), ``x`` is on a CUDA device, and every other tensor
+    has its dtype and device (the checks the op makes on its arguments, folded into the same pass). The
+    caller checks torch.compiler.is_compiling() first (under Dynamo this function is never traced)."""
+    if _dispatch_modes() or _profiling() or _functorch_active():
         return False
     tt = type(x)
     if tt is not Tensor and tt is not _Parameter:
@@ -659,7 +643,7 @@ class _Forward(torch.autograd.Function):
                     g = g.contiguous()
             gl.append(g)
         prog = ctx.prog
-        if prog is not None and not torch.compiler.is_compiling() and eager_direct_ok(gl):
+        if prog is not None and not torch.compiler.is_compiling() and direct_call_ok(gl[0], gl[1:], ()):
             res = prog.backward(x, extras, output, extra_outputs, params, saved, gl[0], gl[1:], cache_workspace=True)
         else:
             res = torch.ops.jitfuse.backward.default(ctx.key, x, extras, output, extra_outputs, params, saved, gl[0],
@@ -678,7 +662,7 @@ except (AttributeError, KeyError, TypeError):  # pragma: no cover - other PyTorc
 def autograd_forward(prog: Program, key: int, x: Tensor, extras: List[Tensor], params: List[Tensor],
                      rng_state: Optional[Tensor]) -> Tuple[Tensor, ...]:
     """The eager training forward of Sequential: the autograd node around a direct program call (the caller
-    checked :func:`eager_direct_ok`). Returns (output, *extra_outputs)."""
+    checked :func:`direct_call_ok`). Returns (output, *extra_outputs)."""
     if _apply_c is not None and not _functorch_active():
         return _apply_c(key, True, len(extras), len(params), rng_state, prog, x, *extras, *params)
     return _Forward.apply(key, True, len(extras), len(params), rng_state, prog, x, *extras, *params)

@@ -35,11 +35,8 @@ _HOOK_NAMES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_ba
 _GLOBAL_HOOKS = tuple(getattr(_nn_module, n, None) for n in _HOOK_NAMES)
 _FAST_CALL = (_tracing_state is not None and all(isinstance(h, dict) for h in _GLOBAL_HOOKS)
               and hasattr(nn.Module, "_compiled_call_impl"))
+_gfp, _gf, _gbp, _gb = _GLOBAL_HOOKS
 
-
-def _any_global_hook() -> bool:
-    a, b, c, d = _GLOBAL_HOOKS
-    return bool(a or b or c or d)
 _fp8_salt = itertools.count()
 
 
@@ -469,21 +466,24 @@ class Sequential(nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module.__call__ without its two Python frames (_wrapped_call_impl, _call_impl) when they would
-        # only call forward: no hook of this module or global one, no torch.compile'd call, no TorchScript
-        # trace, not traced by Dynamo (which inlines Module.__call__ itself). 1.5-2 us of host time per call
-        # (docs/benchmarks.md, session 24); with anything set, Module.__call__ runs as always.
+        # only call forward: no hook of this module or global one, no Module.compile(), no TorchScript
+        # trace, not traced by Dynamo (which inlines Module.__call__ itself), and forward is this class's.
+        # ~1 us of host time per call (docs/benchmarks.md, session 24); otherwise Module.__call__ runs.
         if (kwargs or _is_compiling() or not _FAST_CALL or self._forward_pre_hooks or self._forward_hooks
                 or self._backward_pre_hooks or self._backward_hooks or self._compiled_call_impl is not None
-                or _any_global_hook() or _tracing_state()):
+                or _gfp or _gf or _gbp or _gb or _tracing_state() or type(self).forward is not Sequential.forward):
             return _module_call(self, *args, **kwargs)
-        return self.forward(*args)
+        return self._eager_forward(*args)
 
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
         if _is_compiling():
             return self._forward_op(input, extra_inputs)
-        # Eager: the program is called directly (no dispatcher hop; under autograd, one autograd node around
-        # it). Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler)
-        # takes the custom op, which also raises the errors.
+        return self._eager_forward(input, *extra_inputs)
+
+    def _eager_forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
+        """forward when not traced by Dynamo. The program is called directly (no dispatcher hop; under
+        autograd, one autograd node around it). Anything unusual (a wrong dtype or device, a tensor
+        subclass, a dispatch mode, the profiler) takes the custom op, which also raises the errors."""
         training = self.training
         key = self._jf_keys[training].get(input.dtype)
         params = self._params()
