@@ -118,16 +118,11 @@ std::vector<T> collect_params(const jitfuse::api::Sequence& s, const std::vector
       fail(Status::invalid_argument, "{}[{}]: op index {} out of range: sequence '{}' has {} ops", what, i, e.op_index,
            s.def.name, ops.size());
     const auto& op = ops[static_cast<size_t>(e.op_index)];
-    size_t slot = 0, j_decl = 0;
-    for (int o = 0; o < e.op_index; ++o) slot += ops[static_cast<size_t>(o)].params.size();
+    const int slot = jitfuse::exec::param_slot(ops, e.op_index, e.name);
     const jitfuse::ops::Param* decl = nullptr;
-    for (size_t j = 0; j < op.params.size(); ++j)
-      if (op.params[j].name == e.name) {
-        decl = &op.params[j];
-        j_decl = j;
-      }
-    slot += j_decl;
-    if (!decl) {
+    for (const auto& prm : op.params)
+      if (prm.name == e.name) decl = &prm;
+    if (slot < 0 || !decl) {
       std::string names;
       for (const auto& prm : op.params) names += (names.empty() ? "" : ", ") + prm.name;
       fail(Status::invalid_argument, "{}[{}]: {} has no parameter '{}' ({})", what, i, op.label(), shorten(e.name),
@@ -135,9 +130,9 @@ std::vector<T> collect_params(const jitfuse::api::Sequence& s, const std::vector
     }
     const SpanName label{what, -1, &op, decl->name.c_str()};
     void* p = check_tensor(e.tensor, [&] { return label.str(); }, s.recipe.dtype, &decl->shape);
-    if (out[slot])
+    if (out[static_cast<size_t>(slot)])
       fail(Status::invalid_argument, "{}[{}]: {} '{}' is passed twice", what, i, op.label(), decl->name);
-    out[slot] = p;  // not null: check_tensor checked
+    out[static_cast<size_t>(slot)] = p;  // not null: check_tensor checked
     if (spans) spans->push_back(jitfuse::api::span_of(e.tensor, label, written));
   }
   // Every entry is a declared parameter passed once (checked above): all are there iff none is null.
