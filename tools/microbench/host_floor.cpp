@@ -6,10 +6,10 @@
 // timed from the first call's start to the last one's return, synchronised outside the timing, median
 // over batches.
 // From the repository root (the program, then the in-process loop host_overhead.py loads through
-// HOST_FLOOR_LOOP=<path of the .so>):
-//   g++ -O2 -std=c++17 tools/microbench/host_floor.cpp -Iruntime/include -I/usr/local/cuda/include \
+// HOST_FLOOR_LOOP=<path of the .so>), one command each, wrapped here:
+//   g++ -O2 -std=c++17 tools/microbench/host_floor.cpp -Iruntime/include -I/usr/local/cuda/include
 //       -L/usr/local/cuda/lib64/stubs -lcuda -Lbuild/runtime -ljitfuse -o host_floor
-//   g++ -O2 -std=c++17 -DHOST_FLOOR_LOOP -shared -fPIC tools/microbench/host_floor.cpp -Iruntime/include \
+//   g++ -O2 -std=c++17 -DHOST_FLOOR_LOOP -shared -fPIC tools/microbench/host_floor.cpp -Iruntime/include
 //       -I/usr/local/cuda/include -Lbuild/runtime -ljitfuse -o host_floor_loop.so
 #include <cuda.h>
 #include <jitfuse/jitfuse.h>
@@ -19,12 +19,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-
-static const char* kPtx = R"(.version 8.0
-.target sm_90
-.address_size 64
-.visible .entry noop(.param .u64 a, .param .u64 b, .param .u64 c, .param .u32 n) { ret; }
-)";
 
 #define CK(x)                                                    \
   do {                                                           \
@@ -36,8 +30,14 @@ static const char* kPtx = R"(.version 8.0
   } while (0)
 
 #ifndef HOST_FLOOR_LOOP
+static const char* kPtx = R"(.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry noop(.param .u64 a, .param .u64 b, .param .u64 c, .param .u32 n) { ret; }
+)";
+
 template <class F>
-static double us_per_call(F f, CUstream sync_on, int batches = 200, int batch = 8) {
+static double us_per_call(F f, int batches = 200, int batch = 8) {
   for (int i = 0; i < 64; ++i) f();
   CK(cuCtxSynchronize());
   std::vector<double> v;
@@ -48,7 +48,6 @@ static double us_per_call(F f, CUstream sync_on, int batches = 200, int batch = 
     v.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / batch);
     CK(cuCtxSynchronize());
   }
-  (void)sync_on;
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
   return v[v.size() / 2];
 }
@@ -82,17 +81,17 @@ int main() {
   for (int round = 0; round < 2; ++round)
     for (auto& s : streams)
       std::printf("cuLaunchKernel(empty kernel), %-28s %6.2f us\n", s.name,
-                  us_per_call([&] { CK(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s.s, args, nullptr)); }, s.s));
+                  us_per_call([&] { CK(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s.s, args, nullptr)); }));
   CUstreamCaptureStatus st;
   std::printf("cuStreamIsCapturing                                        %6.2f us\n",
-              us_per_call([&] { CK(cuStreamIsCapturing(nonblocking, &st)); }, nullptr));
+              us_per_call([&] { CK(cuStreamIsCapturing(nonblocking, &st)); }));
   CUcontext cur;
   std::printf("cuCtxGetCurrent                                            %6.2f us\n",
-              us_per_call([&] { CK(cuCtxGetCurrent(&cur)); }, nullptr));
+              us_per_call([&] { CK(cuCtxGetCurrent(&cur)); }));
   CUevent ev;
   CK(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
   std::printf("cuEventRecord (created stream)                             %6.2f us\n",
-              us_per_call([&] { CK(cuEventRecord(ev, blocking)); }, nullptr));
+              us_per_call([&] { CK(cuEventRecord(ev, blocking)); }));
   // jf_forward of bias + gelu, prepared, on the created stream and on the legacy one.
   jf_context jc;
   jf_sequence seq;
@@ -133,7 +132,7 @@ int main() {
   for (int round = 0; round < 2; ++round)
     for (auto& s : {streams[0], streams[2]})
       std::printf("jf_forward(bias+gelu, 16x1024 bf16, inference), %-20s %6.2f us\n", s.name,
-                  us_per_call([&] { jk(jf_forward(seq, &fa, nullptr, s.s), "jf_forward"); }, s.s));
+                  us_per_call([&] { jk(jf_forward(seq, &fa, nullptr, s.s), "jf_forward"); }));
   jf_sequence_destroy(seq);
   jf_context_destroy(jc);
   return 0;

@@ -19,7 +19,6 @@ import json
 import os
 import pstats
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,20 +32,9 @@ DT = torch.bfloat16
 
 
 def per_call_us(fn, calls, batches=5, warmup=50):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    n = max(1, calls // batches)
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        res.append((time.perf_counter_ns() - t) / n / 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(res)
-
+    """Throughput: µs per call over `batches` batches of calls // batches calls each (host_us with large
+    batches, so a batch also waits where the launch queue fills)."""
+    return host_us(fn, batches, batch=max(1, calls // batches), warmup=warmup)
 
 
 class Raw(TrainingCall):

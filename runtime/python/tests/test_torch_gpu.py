@@ -495,7 +495,7 @@ def test_module_hooks_run_as_with_module_call():
         h1 = model.register_forward_pre_hook(lambda m, a: (a[0] * 2,))
         h2 = model.register_forward_hook(lambda m, a, out: calls.append("module") or out + 1)
         y = model(x)
-        check("hooked", y, gelu_tanh((2 * x).double() + model._ops[0].bias.double()) + 1, torch.float32)
+        check("hooked", y, gelu_tanh((2 * x).double() + model[0].bias.double()) + 1, torch.float32)
         h1.remove()
         h2.remove()
         g = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: calls.append(type(m).__name__))
@@ -769,11 +769,11 @@ def test_fp8_quantize_output_trains_straight_through():
     x = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     y = model(x)
     assert y.dtype == torch.float8_e4m3fn
-    ref = gelu_tanh(x.detach().double() + model._ops[0].bias.double())
+    ref = gelu_tanh(x.detach().double() + model[0].bias.double())
     scale_inv = ref.abs().max().item() / 448
     assert rel_err(y.float() * scale_inv, ref) <= FP8_TOL
     if y.requires_grad:  # PyTorch versions that treat float8 as differentiable
         y.float().sum().backward()
         x64 = x.detach().double().requires_grad_()
-        gelu_tanh(x64 + model._ops[0].bias.double()).sum().backward()
+        gelu_tanh(x64 + model[0].bias.double()).sum().backward()
         assert rel_err(x.grad, x64.grad) <= FP8_TOL

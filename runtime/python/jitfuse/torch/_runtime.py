@@ -439,9 +439,10 @@ class Program:
     def forward(self, x: Tensor, extras: List[Tensor], params: List[Tensor], rng_state: Optional[Tensor],
                 training: bool, with_saved: bool = True, cache_workspace: bool = False) -> List[Tensor]:
         """[output, *extra_outputs, saved]; without ``with_saved`` (every inference call, and the eager direct
-        call, which keeps the saved buffer for its own backward) the trailing saved buffer is left out. ``cache_workspace``: the eager direct call may take the
-        workspace from the per-stream cache (:func:`_workspace`); the op's kernel never does (CUDA-graph
-        trees run it with the allocator routed to a graph pool, where a kept tensor is an error)."""
+        call, which keeps the saved buffer for its own backward) the trailing saved buffer is left out.
+        ``cache_workspace``: the eager direct call may take the workspace from the per-stream cache
+        (:func:`_workspace`); the op's kernel never does (CUDA-graph trees run it with the allocator routed
+        to a graph pool, where a kept tensor is an error)."""
         dev_i = x.get_device()
         if dev_i != self.device_index or dev_i != _cuda_get_device():
             if dev_i != self.device_index:
