@@ -86,7 +86,7 @@ ops::DType Sequence::output_dtype() const {
   return recipe.is_fp8() && !def.ops.empty() && def.ops.back().kind == "quantize" ? ops::DType::e4m3 : recipe.dtype;
 }
 
-const exec::Fp8StateMap& Sequence::fp8_state() {
+const exec::Fp8StateMap& Sequence::fp8_state(CUstream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   const int dev = cuda::current_ordinal();  // makes the primary context current if none is
   auto it = fp8_.find(dev);
@@ -100,7 +100,11 @@ const exec::Fp8StateMap& Sequence::fp8_state() {
     init[0] = init[1] = 1.f;
     CUdeviceptr p = 0;
     cuda::check(d.cuMemAlloc(&p, init.size() * sizeof(float)), "cuMemAlloc(FP8 recipe state)");
-    cuda::check(d.cuMemcpyHtoD(p, init.data(), init.size() * sizeof(float)), "cuMemcpyHtoD(FP8 recipe state)");
+    // Ordered with the stream and complete before we return: a synchronous cuMemcpyHtoD from pageable
+    // memory may still be in flight when a kernel on a non-blocking stream reads the state.
+    cuda::check(d.cuMemcpyHtoDAsync(p, init.data(), init.size() * sizeof(float), stream),
+                "cuMemcpyHtoDAsync(FP8 recipe state)");
+    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(FP8 recipe state)");
     exec::Fp8State st;
     st.scale = reinterpret_cast<float*>(p);
     st.scale_inv = st.scale + 1;
@@ -275,7 +279,7 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
          "CUDA graph, where jitfuse cannot compile or load kernels: call jf_sequence_prepare(seq, shape, {}, stream) "
          "before the capture", def.name, ops::shape_str(input), training ? "training" : "inference", training ? 1 : 0);
   exec::Runtime& rt = ctx.runtime();
-  if (recipe.is_fp8()) fp8_state();  // the recipe state is allocated here, never in a call
+  if (recipe.is_fp8()) fp8_state(stream);  // the recipe state is allocated here, never in a call
   std::vector<ops::Op> ops = ops::infer(def, input);
   auto dev = cuda::current_device();
   fuser::Plan plan = plan_only(ops, training, dev.arch_number());

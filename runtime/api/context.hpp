@@ -80,7 +80,9 @@ class Sequence {
   ops::DType output_dtype() const;
   // FP8 recipes: every recipe state on the current device (allocated by prepare): (op, "") of each quantize
   // op, (op, "input" | "weight" | "grad_output") of each linear's GEMM operands.
-  const exec::Fp8StateMap& fp8_state();
+  // Allocates and initialises the state on first use (uploaded on `stream`, synchronised: a one-time setup;
+  // nullptr: the legacy stream, for the accessors of the C ABI).
+  const exec::Fp8StateMap& fp8_state(CUstream stream = nullptr);
   // FP8 recipes: allocates, on the current device, the persistent buffers `p` binds (the FP8 copies of
   // the weights) that no earlier program allocated (prepared_for calls it; calls bind persistent()).
   void persistent_for(const exec::Program& p);

@@ -642,6 +642,14 @@ class Sequence(_Owned):
                         "jf_sequence_fp8_state")
         return st
 
+    def fp8_operand_state(self, op_index: int, tensor: str) -> _abi.jf_fp8_state:
+        """Device pointers of a linear op's FP8 operand state (``tensor``: "input", "weight" or "grad_output")."""
+        st = _abi.jf_fp8_state()
+        self._lib.check(self._lib.cdll.jf_sequence_fp8_operand_state(self.handle, int(op_index), tensor.encode(),
+                                                                      ctypes.byref(st)),
+                        "jf_sequence_fp8_operand_state")
+        return st
+
     def __repr__(self) -> str:
         if self._handle is None:
             return f"<jitfuse.Sequence {self.name!r} (closed)>"

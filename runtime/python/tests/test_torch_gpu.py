@@ -321,16 +321,24 @@ def test_torch_compile_with_dropout_advances_rng():
     model = transformer_layer(128, 256, torch.bfloat16, p=0.5)
     x = torch.randn(32, 128, device=DEV, dtype=torch.bfloat16)
     e0, e1 = torch.randn_like(x), torch.randn_like(x)
+    torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
-    with torch.no_grad():
-        st = model._jf_rng_state.clone()
+    with torch.no_grad(), fallback_random():
+        st = torch.cuda.get_rng_state()
         y1 = compiled(x, e0, e1)[0].clone()
-        assert model._jf_rng_state[1].item() == st[1].item() + 1
+        assert not torch.equal(torch.cuda.get_rng_state(), st), "the forward draws from the CUDA generator"
         y2 = compiled(x, e0, e1)[0].clone()
-        model._jf_rng_state.copy_(st)
+        torch.cuda.set_rng_state(st)
         y1_eager = model(x, e0, e1)[0]
     assert not torch.equal(y1, y2)
     assert torch.equal(y1, y1_eager)
+
+
+def fallback_random():
+    """Inductor with PyTorch's own random ops (not its Philox lowering), so a compiled call's dropout masks equal
+    the eager call's at the same generator state (as PyTorch's own dropout under torch.compile needs too)."""
+    import torch._inductor.config as ic
+    return ic.patch(fallback_random=True)
 
 
 def _dropout_model():
@@ -359,18 +367,18 @@ def test_cuda_graph_capture_replays_match_eager_with_new_masks():
         static_y.backward(dy)
     masks = []
     for _ in range(4):
-        st = model._jf_rng_state.clone()
+        st = torch.cuda.get_rng_state()
         g.replay()
         torch.cuda.synchronize()
-        assert model._jf_rng_state[1].item() == st[1].item() + 1
         y_r = static_y.detach().clone()
         gr = [x.grad.clone(), model[0].weight.grad.clone(), model[1].bias.grad.clone()]
-        after = model._jf_rng_state.clone()
-        model._jf_rng_state.copy_(st)
+        after = torch.cuda.get_rng_state()
+        assert not torch.equal(after, st), "a replay advances the CUDA generator"
+        torch.cuda.set_rng_state(st)  # the eager call draws what the replay drew
         x2 = x.detach().clone().requires_grad_()
         y_e = model(x2, e)
         ge = torch.autograd.grad(y_e, [x2, model[0].weight, model[1].bias], dy)
-        model._jf_rng_state.copy_(after)
+        torch.cuda.set_rng_state(after)
         assert torch.equal(y_r, y_e)
         for a, b in zip(gr, ge):
             assert torch.equal(a, b)
@@ -384,20 +392,22 @@ def test_torch_compile_reduce_overhead():
     e = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
     dy = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
     torch._dynamo.reset()
-    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with fallback_random():
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        compiled(x, e)  # compiles with the patched config
     params = [model[0].weight, model[1].bias]
     ys = []
     for i in range(5):
-        st = model._jf_rng_state.clone()
+        st = torch.cuda.get_rng_state()
         y = compiled(x, e)
         gs = torch.autograd.grad(y, [x, *params], dy)
         y, gs = y.detach().clone(), [g.clone() for g in gs]
-        after = model._jf_rng_state.clone()
-        assert after[1].item() == st[1].item() + 1
-        model._jf_rng_state.copy_(st)
+        after = torch.cuda.get_rng_state()
+        assert not torch.equal(after, st)
+        torch.cuda.set_rng_state(st)
         y_e = model(x, e)
         ge = torch.autograd.grad(y_e, [x, *params], dy)
-        model._jf_rng_state.copy_(after)
+        torch.cuda.set_rng_state(after)
         assert torch.equal(y, y_e.detach()), f"iteration {i}"
         for a, b in zip(gs, ge):
             assert torch.equal(a, b), f"iteration {i}"
@@ -409,8 +419,9 @@ def test_torch_compile_reduce_overhead():
 
 
 def _op_args(model, x, extras, training=True):
+    rng = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=x.device)
     return (model._jf_keys[model.training][x.dtype], x, extras, list(model._params()),
-            model._jf_rng_state if model._jf_uses_rng[model.training] else None, training)
+            rng if model._jf_uses_rng[model.training] else None, training)
 
 
 def test_opcheck_forward():
@@ -592,17 +603,16 @@ def fp8_errors(model, x, e, dy, y, grads):
 
 
 def fp8_flags(model):
-    """Records the fp8_weights_unchanged value of every forward of model's program."""
+    """Records the fp8_weights_unchanged value every forward of model's program hands jf_forward."""
     import jitfuse.torch._runtime as rt
     prog = rt.program(model._jf_keys[True][torch.bfloat16], torch.cuda.current_device())
     flags = []
-    orig = prog._fp8_weights_unchanged
+    orig = prog._jf_forward
 
-    def spy(params):
-        r = orig(params)
-        flags.append(r[0])
-        return r
-    prog._fp8_weights_unchanged = spy
+    def spy(handle, args_ref, saved_ref, stream):
+        flags.append(args_ref._obj.fp8_weights_unchanged)
+        return orig(handle, args_ref, saved_ref, stream)
+    prog._jf_forward = spy
     return flags
 
 
@@ -657,8 +667,8 @@ def test_fp8_mlp_training_against_float64(recipe):
             for k, v in errs2.items():
                 worst[k] = max(worst.get(k, 0.0), v)
     print(f"\n{recipe}: worst normwise errors over the calls: " + ", ".join(f"{k} {v:.4f}" for k, v in worst.items()))
-    # Calls without a weight change in between reuse the FP8 copies (1); the call after each step casts (0).
-    assert flags == [1, 1, 1, 0, 1, 1, 0, 1], flags
+    # Every forward casts the weights (nothing promised they are unchanged).
+    assert flags == [0] * 8, flags
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -669,24 +679,24 @@ def test_fp8_unchanged_weights_reuse_is_bit_identical_to_recasting(recipe):
     flags = fp8_flags(model)
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.5)  # an in-place change (version counter): the next forward casts
+            p.mul_(1.5)
         model(x, e)
-        model.recast_fp8_weights()
         model(x, e)  # the weight scale now comes from these weights' amax (delayed: the history holds it)
-        y_reused = model(x, e).clone()
-        model.recast_fp8_weights()
+        with jt.fp8_weights_unchanged():
+            y_reused = model(x, e).clone()
         y_recast = model(x, e).clone()
     assert flags == [0, 0, 1, 0], flags
     assert torch.equal(y_reused, y_recast)
     # Training calls read the same copies.
     x = x.clone().requires_grad_()
-    model(x, e).backward(torch.ones_like(x))
+    with jt.fp8_weights_unchanged():
+        model(x, e).backward(torch.ones_like(x))
     assert flags[-1] == 1
-    # A parameter replaced by another tensor (a new pointer) is cast, whatever its version counter says.
-    with torch.no_grad():
+    # A parameter replaced by another tensor (a new pointer) is cast even under the promise (the library
+    # checks the pointers it cast from).
+    with torch.no_grad(), jt.fp8_weights_unchanged():
         model[1].weight = torch.nn.Parameter(-model[1].weight.detach())  # same amax (delayed scale), new values
         y2 = model(x.detach(), e)
-    assert flags[-1] == 0
     (r_y,), _, _, _ = reference(model, x.detach(), [e], torch.ones_like(x), [])
     assert rel_err(y2, r_y) <= FP8_TOL
 
@@ -708,11 +718,12 @@ def test_fp8_torch_compile_fullgraph_training(recipe):
         errs, r_y = fp8_errors(model, x, e, dy, y_c, g_c)
         assert all(v <= FP8_TOL for v in errs.values()), f"compiled call {call}: {errs}"
         if call == 0:
-            # Same weights, same inputs: compiled and eager agree within the FP8 tolerance (the delayed
-            # recipe's scales moved on between the calls, so not bit for bit).
-            assert rel_err(y_c, y_eager) <= FP8_TOL
+            # Same weights, same inputs: compiled and eager agree within twice the FP8 tolerance (each is
+            # within it of the float64 reference, checked above; the delayed recipe's scales moved on
+            # between the calls, so not bit for bit).
+            assert rel_err(y_c, y_eager) <= 2 * FP8_TOL
             for k in g_c:
-                assert rel_err(g_c[k], g_eager[k]) <= FP8_TOL, k
+                assert rel_err(g_c[k], g_eager[k]) <= 2 * FP8_TOL, k
         else:
             assert rel_err(r_prev, r_y) > FP8_STEP_MOVES  # the compiled forward cast the new weights
         r_prev = r_y
@@ -753,27 +764,10 @@ def test_fp8_cuda_graph_training_step_follows_optimizer(recipe):
             assert rel_err(prev, r_y) > FP8_STEP_MOVES  # the step moved the output: the replay followed it
         prev = r_y
         optimizer_step(model, opt, g)  # in place, between replays
-    # An eager forward after the capture casts (the capture forgot what was cast), then reuses.
+    # Eager forwards after the capture cast too.
     with torch.no_grad():
         y1 = model(x.detach(), e)
         model(x.detach(), e)
-    assert flags[-2:] == [0, 1], flags
+    assert flags[-2:] == [0, 0], flags
     (r_y,), _, _, _ = reference(model, x, [e], dy, [])
     assert rel_err(y1, r_y) <= FP8_TOL
-
-
-def test_fp8_quantize_output_trains_straight_through():
-    model = jt.Sequential(jt.Bias(256), jt.GELU(), jt.Quantize(), recipe="fp8_current", device=DEV,
-                          dtype=torch.bfloat16)
-    randomize(model)
-    x = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    y = model(x)
-    assert y.dtype == torch.float8_e4m3fn
-    ref = gelu_tanh(x.detach().double() + model[0].bias.double())
-    scale_inv = ref.abs().max().item() / 448
-    assert rel_err(y.float() * scale_inv, ref) <= FP8_TOL
-    if y.requires_grad:  # PyTorch versions that treat float8 as differentiable
-        y.float().sum().backward()
-        x64 = x.detach().double().requires_grad_()
-        gelu_tanh(x64 + model[0].bias.double()).sum().backward()
-        assert rel_err(x.grad, x64.grad) <= FP8_TOL

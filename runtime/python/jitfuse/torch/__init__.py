@@ -8,13 +8,14 @@
 >>> y = mlp(torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16))
 """
 
-from ._runtime import backward_op, forward_op
-from .modules import (GEGLU, GELU, QGELU, AddExtraInput, BasicOp, Bias, Dropout, Identity, LayerNorm, Linear,
-                      MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale, Sequential, SiLU, SReLU,
-                      SwiGLU)
+from ._runtime import backward_op, forward_op, fp8_weights_unchanged
+from .float8 import Float8Tensor
+from .modules import (GEGLU, GELU, QGELU, AddExtraInput, BasicOp, Bias, Dropout, Fp8Sequential, Identity, LayerNorm,
+                      Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale, Sequential, SiLU,
+                      SReLU, SwiGLU)
 
 __all__ = [
     "Sequential", "BasicOp", "Op", "Linear", "Bias", "GELU", "ReLU", "SiLU", "QGELU", "SReLU", "SwiGLU", "GEGLU",
     "ReGLU", "LayerNorm", "RMSNorm", "Dropout", "Scale", "Identity", "Reshape", "Quantize", "AddExtraInput",
-    "MakeExtraOutput", "forward_op", "backward_op",
+    "MakeExtraOutput", "forward_op", "backward_op", "Fp8Sequential", "Float8Tensor", "fp8_weights_unchanged",
 ]

@@ -17,7 +17,7 @@ import ctypes
 import hashlib
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 from typing import Sequence as Sequence_
 
@@ -27,6 +27,7 @@ from torch import Tensor
 from .. import _abi
 from ..errors import JitfuseError
 from ..lib import Context, ProgramInfo, Sequence
+from .float8 import Float8Tensor
 
 # ----------------------------------------------------------------------------------------------------
 # dtypes
@@ -58,7 +59,7 @@ def torch_dtype(dl: Tuple[int, int, int]) -> torch.dtype:
 @dataclass(frozen=True)
 class Definition:
     key: int
-    name: str
+    name: str = field(compare=False)                # a label only: equal sequences under two names are one
     ops: Tuple[str, ...]                            # JSON of each op dict (hashable, canonical)
     recipe: str
     params: Tuple[Tuple[int, str], ...]             # (op index, ABI name) in the order the op receives them
@@ -85,13 +86,15 @@ def define(name: str, ops: List[Dict[str, Any]], recipe: str, params: List[Tuple
     canon = tuple(json.dumps(o, sort_keys=True) for o in ops)
     blob = json.dumps([list(canon), recipe, params, [list(s) for s in param_shapes], accumulate, salt])
     key = int(hashlib.sha256(blob.encode()).hexdigest()[:15], 16)  # 60 bits: a positive int64
+    # The name is not hashed: identical sequences share one key (and one prepared program) under any name.
     d = Definition(key, name, canon, recipe, tuple((int(i), str(n)) for i, n in params),
                    tuple(tuple(int(x) for x in s) for s in param_shapes), tuple(bool(a) for a in accumulate),
                    n_extra_inputs, n_extra_outputs, uses_rng)
     with _registry_lock:
         old = _definitions.get(key)
         if old is not None and old != d:
-            raise JitfuseError(f"jitfuse.torch: sequence key collision for {name!r}")
+            raise JitfuseError(f"jitfuse.torch: sequence key collision: {name!r} and {old.name!r} hash to the same "
+                               f"key but differ (a 60-bit sha256 prefix collided: please report it)")
         _definitions[key] = d
     return key
 
@@ -118,6 +121,51 @@ def program(key: int, device_index: int) -> "Program":
                                    f"created in this process")
             p = _programs[(key, device_index)] = Program(d, device_index)
         return p
+
+
+def forget(keys: Sequence_[int]) -> None:
+    """Drops the definitions of ``keys`` and closes their programs (the library's sequences: prepared
+    programs, FP8 recipe state and weight copies). For a module whose keys are its own (FP8, salted per
+    module): called when it is garbage-collected. The library's free waits for work still using the memory."""
+    with _registry_lock:
+        progs = [p for (k, _), p in list(_programs.items()) if k in keys]
+        for k in keys:
+            _definitions.pop(k, None)
+        for (k, dev) in [kd for kd in _programs if kd[0] in keys]:
+            del _programs[(k, dev)]
+    for p in progs:
+        try:
+            p.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+
+class _Fp8Promise(threading.local):
+    active = False
+
+
+_fp8_promise = _Fp8Promise()
+
+
+class fp8_weights_unchanged:
+    """Context manager: the caller promises that no weight of an FP8 :class:`Sequential` changed since its
+    last forward (TransformerEngine's ``is_first_microbatch=False``): forwards in this scope, on this thread,
+    reuse the FP8 weight copies instead of casting the weights again. Outside it every forward casts, whatever
+    wrote the weights (an optimizer, fused or not, NCCL, ``.data``, DLPack). jitfuse still casts when it never
+    cast a weight or a weight's pointer changed, and always inside a CUDA-graph capture (a replay re-casts).
+
+    >>> for i, micro in enumerate(microbatches):
+    ...     with jt.fp8_weights_unchanged() if i else contextlib.nullcontext():
+    ...         loss = model(micro).sum()
+    """
+
+    def __enter__(self) -> "fp8_weights_unchanged":
+        self._was = _fp8_promise.active
+        _fp8_promise.active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _fp8_promise.active = self._was
 
 
 def existing_programs(key: int) -> List["Program"]:
@@ -260,6 +308,10 @@ class _ForwardCall:
                  + [(o.shape, o.dl_dtype[:2]) for o in info.outputs]
                  + [(tuple(p.shape), _TORCH_TO_DL[p.dtype]) for p in params])
         arr, self.dls, self._keep = _dl_block(specs, dev)
+        # What each tensor must look like per call (None: an output this package allocates itself).
+        self.shapes = ([x.shape] + [e.shape for e in extras] + [None] * (1 + neo)
+                       + [torch.Size(s) for s in prog.definition.param_shapes])
+        self.dtype = x.dtype
         self._keep += [arr, _ptrs(arr, 1, ne), _ptrs(arr, 2 + ne, neo), _params(prog.names, arr, 2 + ne + neo)]
         a = self.args = _abi.jf_forward_args()
         a.input = ctypes.pointer(arr[0])
@@ -337,9 +389,10 @@ class _Calls(threading.local):
 class Program:
     """A Definition's jf_sequence in the jitfuse context of one device, with its prepared shapes.
 
-    FP8 recipes: the sequence keeps FP8 copies of the linear weights, which a forward casts unless
-    ``jf_forward_args.fp8_weights_unchanged`` is 1. :meth:`forward` sets it to 1 only when it is safe (see
-    :meth:`_fp8_weights_unchanged`); :meth:`fp8_recast` makes the next forward cast whatever it sees."""
+    FP8 recipes: the sequence keeps FP8 copies of the linear weights. Every forward casts them again
+    (``jf_forward_args.fp8_weights_unchanged`` = 0) unless the caller promised, with
+    :func:`jitfuse.torch.fp8_weights_unchanged`, that the weights did not change since the last forward:
+    no version counter or pointer is trusted, since fused optimizers, NCCL and raw writes bypass both."""
 
     def __init__(self, d: Definition, device_index: int):
         self.definition = d
@@ -354,10 +407,10 @@ class Program:
         self._jf_forward = self._cdll.jf_forward
         self._jf_backward = self._cdll.jf_backward
         self.fp8 = d.recipe in FP8_RECIPES
-        # FP8: (data_ptr, _version) of every parameter at the last forward that cast the weights (None: the
-        # next forward casts), and the parameter pointers each CUDA-graph capture of a forward recorded.
-        self._fp8_cast_from: Optional[Tuple[int, ...]] = None
-        self._fp8_captured: Dict[Tuple[int, ...], None] = {}
+        self._fp8_views: Optional[Dict[str, Tensor]] = None
+        # FP8 with a trailing quantize: the output is a Float8Tensor whose scale_inv is copied, per call, from
+        # the quantize's state (jf_fp8_state.scale_inv: what decodes the codes this forward wrote).
+        self.fp8_output = self.fp8 and bool(d.ops) and json.loads(d.ops[-1]).get("op") == "quantize"
 
     def info(self, shape: Tuple[int, ...], training: bool) -> ProgramInfo:
         """The prepared program of (shape, training); prepares it (plan, compile or load) on first use.
@@ -397,35 +450,37 @@ class Program:
     def _calls(self) -> Dict[Any, Any]:
         return self._tls.calls
 
-    # -- FP8 weight copies -----------------------------------------------------------------------
+    # -- FP8 recipe state --------------------------------------------------------------------------
 
-    def _fp8_weights_unchanged(self, params: List[Tensor]) -> Tuple[int, Optional[Tuple[int, ...]]]:
-        """(fp8_weights_unchanged for this forward, the signature to remember once it succeeded).
+    def fp8_state_views(self) -> Dict[str, Tensor]:
+        """FP8: every recipe-state block of this sequence on its device, as float32 tensors aliasing the
+        library's memory ([scale, scale_inv, amax_history...]), keyed "<op>.<tensor>" ("3.weight", "5.output"
+        for a quantize op). Allocates the state if no prepare did yet. The views live as long as this Program."""
+        views = self._fp8_views
+        if views is None:
+            views = {}
+            with torch.cuda.device(self.device_index):
+                for i, op in enumerate(self.definition.ops):
+                    kind = json.loads(op).get("op")
+                    if kind == "linear":
+                        for t in ("input", "weight", "grad_output"):
+                            views[f"{i}.{t}"] = self._state_view(self.sequence.fp8_operand_state(i, t))
+                    elif kind == "quantize":
+                        views[f"{i}.output"] = self._state_view(self.sequence.fp8_state(i))
+            self._fp8_views = views
+        return views
 
-        1 only when every parameter has the data pointer and version counter (``tensor._version``, which
-        every in-place write bumps: optimizer steps, ``copy_``, ``load_state_dict``) it had at the last
-        forward that cast the weights, and no CUDA graph captured a forward from other pointers (a replay
-        re-casts from those). Never 1 during a capture: a captured forward must re-cast at every replay (the
-        optimizer step between replays changes the weights in place). A capture also forgets the signature,
-        so the first eager forward after it casts."""
-        if _capturing():
-            self._fp8_captured[tuple(p.data_ptr() for p in params)] = None
-            self._fp8_cast_from = None
-            return 0, None
-        sig = []
-        for p in params:
-            sig.append(p.data_ptr())
-            sig.append(p._version)
-        sig_t = tuple(sig)
-        if sig_t == self._fp8_cast_from:
-            if not self._fp8_captured or (len(self._fp8_captured) == 1 and next(iter(self._fp8_captured)) == sig_t[0::2]):
-                return 1, None
-        return 0, sig_t
+    def _state_view(self, st: Any) -> Tensor:
+        n = 2 + int(st.history_len)  # one block: [scale, scale_inv, history...] (jitfuse.h, jf_fp8_state)
+        iface = {"shape": (n,), "typestr": "<f4", "data": (int(st.scale), False), "version": 2, "strides": None}
+        holder = type("_StateBlock", (), {"__cuda_array_interface__": iface})()
+        return torch.as_tensor(holder, device=torch.device("cuda", self.device_index))
 
-    def fp8_recast(self) -> None:
-        """Makes the next forward cast the weights to FP8 (for writes the version counter does not see,
-        e.g. through ``.data`` or DLPack)."""
-        self._fp8_cast_from = None
+    def close(self) -> None:
+        """Frees the library's sequence (its prepared programs, FP8 state and weight copies)."""
+        self._fp8_views = None
+        self._tls = _Calls()
+        self.sequence.close()
 
     # -- the kernels of the custom ops ----------------------------------------------------------
 
@@ -465,26 +520,51 @@ class Program:
             ws = (_workspace(c.ws_bytes, dev_i, stream, dev) if cache_workspace
                   else x.new_empty(c.ws_shape, dtype=_uint8))
             a.workspace = ws.data_ptr()
-        for d, t in zip(c.dls, (x, *extras, out, *extra_outs, *params)):
+        # Every tensor the call reads is checked against what its DLTensor says (the blocks are built once per
+        # input shape): a parameter replaced by one of another shape, dtype or layout after a call ran, or a
+        # non-contiguous one, is an error here, never a kernel reading the wrong memory.
+        for d, t, s in zip(c.dls, (x, *extras, out, *extra_outs, *params), c.shapes):
+            if s is not None and (t.shape != s or t.dtype is not c.dtype or not t.is_contiguous()):
+                raise JitfuseError(self._mismatch(c, x, extras, params))
             d.data = t.data_ptr()
         a.rng_state = rng_state.data_ptr() if rng_state is not None else None
         if c.saved_bytes:
             a.saved = saved.data_ptr()
-        sig = None
         if self.fp8:
-            a.fp8_weights_unchanged, sig = self._fp8_weights_unchanged(params)
+            a.fp8_weights_unchanged = int(_fp8_promise.active and not _capturing())
         status = self._jf_forward(self._handle, c.args_ref, c.handle_ref, stream)
         if status:
             self._lib.check(status, "jf_forward")
-        if sig is not None:
-            self._fp8_cast_from = sig  # this forward cast the weights
         if c.returns_handle and c.handle.value:  # training with nothing to save: nothing is in it
             self._cdll.jf_saved_release(c.handle, stream)
             c.handle.value = None
         self.last_shape = c.shape
+        if self.fp8_output:  # the scale_inv that decodes this call's codes, copied before the next call moves it
+            extra_outs.append(self._fp8_output_view()[1:2].clone())
         if with_saved:
             return [out, *extra_outs, saved]
         return [out, *extra_outs]
+
+    def _fp8_output_view(self) -> Tensor:
+        return self.fp8_state_views()[f"{len(self.definition.ops) - 1}.output"]
+
+    def _mismatch(self, c: _ForwardCall, x: Tensor, extras: List[Tensor], params: List[Tensor]) -> str:
+        """The error for a tensor that does not match the program (shape, dtype, contiguity), naming it."""
+        names = ["input"] + [f"extra input {i}" for i in range(len(extras))]
+        tensors = [x, *extras]
+        names += [f"op {op} {n.decode()}" for op, n in self.names]
+        tensors += list(params)
+        shapes = [s for s in c.shapes if s is not None]
+        for name, t, s in zip(names, tensors, shapes):
+            if t.shape != s:
+                return (f"jitfuse: sequence {self.definition.name!r}: {name} has shape {list(t.shape)}, the program "
+                        f"expects {list(s)} (a parameter replaced by one of another shape?)")
+            if t.dtype is not c.dtype:
+                return f"jitfuse: sequence {self.definition.name!r}: {name} is {t.dtype}, the program runs {c.dtype}"
+            if not t.is_contiguous():
+                return (f"jitfuse: sequence {self.definition.name!r}: {name} is not contiguous (strides "
+                        f"{list(t.stride())}): jitfuse reads row-major tensors; pass .contiguous()")
+        return f"jitfuse: sequence {self.definition.name!r}: a tensor does not match the program"
 
     def _backward_call(self, x: Tensor, extras: List[Tensor], params: List[Tensor]) -> _BackwardCall:
         shape = tuple(int(d) for d in x.shape)
@@ -562,15 +642,19 @@ def forward_op(key: int, input: Tensor, extra_inputs: List[Tensor], params: List
                rng_state: Optional[Tensor], training: bool) -> List[Tensor]:
     """Runs a jitfuse sequence forward. Returns [output, *extra_outputs, saved] when ``training``, where
     ``saved`` is the uint8 saved-for-backward buffer, and [output, *extra_outputs] otherwise (an inference
-    call allocates no saved buffer: one allocation less per call). ``rng_state``: int64 CUDA tensor
+    call allocates no saved buffer: one allocation less per call). An FP8 sequence ending in quantize
+    returns the float32 [1] scale_inv of its E4M3 output after the extra outputs. ``rng_state``: int64 CUDA tensor
     {seed, offset} that the dropout ops read (not written)."""
     return _program_of(key, input).forward(input, list(extra_inputs), list(params), rng_state, training,
                                            with_saved=training)
 
 
 def _forward_fake(key, input, extra_inputs, params, rng_state, training):
-    info = program(key, _traced_device_index(input)).info(_concrete(input.shape), bool(training))
+    prog = program(key, _traced_device_index(input))
+    info = prog.info(_concrete(input.shape), bool(training))
     outs = [input.new_empty(o.shape, dtype=torch_dtype(o.dl_dtype)) for o in info.outputs]
+    if prog.fp8_output:
+        outs.append(input.new_empty((1,), dtype=torch.float32))
     return outs + [input.new_empty((info.saved_bytes,), dtype=torch.uint8)] if training else outs
 
 
@@ -593,23 +677,31 @@ class _Forward(torch.autograd.Function):
     input, *extra_inputs, *params).
 
     ``prog`` None: the Autograd kernel of ``jitfuse::forward`` (below it, the op's CUDA kernel runs through
-    the dispatcher; returns [output, *extra_outputs, saved], the saved buffer non-differentiable). ``prog``
-    a :class:`Program`: the eager direct call of ``Sequential`` (no dispatcher hop; returns
-    (output, *extra_outputs); the saved buffer is kept for the backward only)."""
+    the dispatcher; returns the op's list, the saved buffer non-differentiable). ``prog`` a :class:`Program`:
+    the eager direct call of ``Sequential`` (no dispatcher hop; returns (output, *extra_outputs); the saved
+    buffer is kept for the backward only). An E4M3 output (FP8, trailing quantize) is returned as a
+    :class:`Float8Tensor` of dtype bfloat16, so the gradient reaching it is not rounded to E4M3 by autograd
+    (the quantize's backward is straight through)."""
 
     @staticmethod
     def forward(ctx, key, training, ne, npar, rng_state, prog, x, *tensors):  # type: ignore[override]
         extras, params = list(tensors[:ne]), list(tensors[ne:ne + npar])
         if prog is not None:
             outs = prog.forward(x, extras, params, rng_state, training, cache_workspace=True)  # [..., saved]
-            returned = outs[:-1]
+            fp8_out = prog.fp8_output
+            returned = outs[:-2] if fp8_out else outs[:-1]
         else:
             with torch._C._AutoDispatchBelowAutograd():
                 outs = torch.ops.jitfuse.forward.default(key, x, extras, params, rng_state, training)
-            returned = outs
+            fp8_out = _program_of(key, x).fp8_output
+            returned = list(outs)
             if training:
                 ctx.mark_non_differentiable(outs[-1])
-        ctx.key, ctx.training, ctx.ne, ctx.npar, ctx.prog = key, bool(training), ne, npar, prog
+            if fp8_out:
+                ctx.mark_non_differentiable(outs[-2 if training else -1])
+        if fp8_out:
+            returned[0] = Float8Tensor(outs[0], outs[-2 if training else -1], x.dtype)
+        ctx.key, ctx.training, ctx.ne, ctx.npar, ctx.prog, ctx.fp8_out = key, bool(training), ne, npar, prog, fp8_out
         if training:
             # The saved buffer too (an output of the op, an intermediate of the direct call): saved-tensor
             # hooks (offloading, checkpointing) see everything the backward reads.
@@ -628,16 +720,17 @@ class _Forward(torch.autograd.Function):
         extras = list(saved_tensors[1:1 + ne])
         params = list(saved_tensors[1 + ne:1 + ne + npar])
         outs = saved_tensors[1 + ne + npar:]
-        neo = len(outs) - 2  # outputs, then the saved buffer
+        neo = len(outs) - (3 if ctx.fp8_out else 2)  # outputs, (the FP8 output's scale_inv), the saved buffer
         output, extra_outputs, saved = outs[0], list(outs[1:1 + neo]), outs[-1]
-        # Autograd may hand in None (unused output), expanded / non-contiguous gradients, or (a trailing
-        # quantize under FP8: an E4M3 output, a straight-through backward) gradients of the output's dtype.
+        # Autograd may hand in None (unused output) or expanded / non-contiguous gradients.
         dt = x.dtype
         gl = []
         for g, o in zip(grads[:1 + neo], (output, *extra_outputs)):
             if g is None:
                 g = torch.zeros(o.shape, dtype=dt, device=o.device)
             else:
+                if isinstance(g, Float8Tensor):
+                    g = g.dequantize()
                 if g.dtype != dt:
                     g = g.to(dt)
                 if not g.is_contiguous():

@@ -12,6 +12,7 @@
 
 import itertools
 import math
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -20,6 +21,7 @@ from torch.nn.modules import module as _nn_module
 
 from ..lib import Explanation
 from . import _runtime as rt
+from .float8 import Float8Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,6 +40,35 @@ _FAST_CALL = (_tracing_state is not None and all(isinstance(h, dict) for h in _G
 _gfp, _gf, _gbp, _gb = _GLOBAL_HOOKS
 
 _fp8_salt = itertools.count()
+
+try:  # PyTorch >= 2.4 takes the device type; older ones answer for CUDA without an argument
+    torch.is_autocast_enabled("cuda")
+    _autocast_on = lambda: torch.is_autocast_enabled("cuda")  # noqa: E731
+    _autocast_dtype = lambda: torch.get_autocast_dtype("cuda")  # noqa: E731
+except TypeError:  # pragma: no cover - older PyTorch
+    _autocast_on = torch.is_autocast_enabled
+    _autocast_dtype = torch.get_autocast_gpu_dtype
+
+
+def _autocast(x: Tensor, extras: Tuple[Tensor, ...], params: List[Tensor]):
+    """Under ``torch.autocast("cuda", dtype)``: the input, extra inputs and parameters in the autocast dtype,
+    as ``nn.Linear`` computes under autocast. Floating tensors of another dtype are cast per call (the cast is
+    an autograd op: gradients flow back to the float32 master parameters); the rest pass unchanged."""
+    dt = _autocast_dtype()
+    cast = lambda t: t.to(dt) if t.is_floating_point() and t.dtype != dt else t  # noqa: E731
+    return cast(x), tuple(cast(e) for e in extras), [cast(p) for p in params]
+
+
+_int64 = torch.int64
+_randint = torch.randint
+
+
+def _draw_rng(x: Tensor) -> Tensor:
+    """The Philox state {seed, offset} of one forward's dropout masks, drawn from PyTorch's CUDA generator of
+    the input's device (a kernel on the current stream): ``torch.manual_seed`` reproduces it, a recompute
+    under ``torch.utils.checkpoint`` (which restores the generator) draws the same mask, and a CUDA-graph
+    replay draws a new one (the generator's graph-safe offsets)."""
+    return _randint(0, 1 << 62, (2,), dtype=_int64, device=x.device)
 
 
 def _check_dtype_change(module: nn.Module, fn: Any, current: torch.dtype, recipe: Optional[str]) -> None:
@@ -361,26 +392,29 @@ class Sequential(nn.Module):
     ``te.ops.Sequential``).
 
     - The recipe follows the input dtype (float32 -> fp32, float16 -> fp16, bfloat16 -> bf16);
-      parameters must have the input's dtype.
-    - ``recipe="fp8_current"`` / ``"fp8_delayed"``: training and inference under FP8. Parameters,
-      activations, outputs and gradients stay bf16; every Linear runs on FP8 GEMMs (E4M3 input and
-      weight, E5M2 output gradient, per-tensor scales from this tensor's amax or from an amax history),
-      and a trailing :class:`Quantize` writes E4M3 (its backward is straight through). The recipe state
-      (amax histories, scales) and the weights' FP8 copies belong to this module.
-    - FP8 weight casts: a forward re-casts the weights to FP8 only when they may have changed. It reuses
-      the FP8 copies (``jf_forward_args.fp8_weights_unchanged = 1``) when every parameter has the
-      ``data_ptr()`` and version counter (``tensor._version``, bumped by every in-place write: optimizer
-      steps, ``copy_``, ``load_state_dict``) it had at the last forward that cast them; never inside a
-      CUDA-graph capture (a replayed graph re-casts every replay, so an optimizer step between replays is
-      seen). :meth:`recast_fp8_weights` forces the next forward to cast (writes through ``.data`` or
-      DLPack, which the version counter does not see).
+      parameters must have the input's dtype, except under ``torch.autocast("cuda", dtype)``, where the
+      input, extra inputs and floating parameters are cast to the autocast dtype per call (as ``nn.Linear``
+      under autocast: the output has the autocast dtype, gradients flow back to float32 master weights).
+    - Parameters are checked at every call (shape, dtype, device, layout); a non-contiguous one (e.g.
+      ``nn.Parameter(conv1d.weight.t())``) is copied row-major per call, its gradient flowing back to it.
+    - ``recipe="fp8_current"`` / ``"fp8_delayed"``: training and inference under FP8 (the module is an
+      :class:`Fp8Sequential`). Parameters, activations, outputs and gradients stay bf16; every Linear runs
+      on FP8 GEMMs (E4M3 input and weight, E5M2 output gradient, per-tensor scales from this tensor's amax
+      or from an amax history), and a trailing :class:`Quantize` returns a :class:`Float8Tensor` (E4M3
+      codes + the scale_inv that decodes them, dtype bfloat16 for autograd: its backward is straight
+      through, the gradient never rounded to E4M3). The recipe state (amax histories, scales) and the
+      weights' FP8 copies belong to this module, are saved in its ``state_dict`` and freed with it.
+    - FP8 weight casts: every forward casts the weights to FP8 again, whatever wrote them (fused or
+      foreach optimizers, NCCL, ``.data``): no version counter or pointer is trusted. Inside
+      :class:`jitfuse.torch.fp8_weights_unchanged` the caller promises they did not change (the next
+      microbatches of a step, a decode loop) and the copies are reused, except inside a CUDA-graph capture.
     - Forward and backward are the ``jitfuse::forward`` / ``jitfuse::backward`` custom ops, so
       ``torch.compile(fullgraph=True)`` traces them and CUDA graphs capture them (after one eager call
       or :meth:`prepare` per shape). An eager call (not traced, no dispatch mode or profiler active, plain
       tensors) runs the same program without the dispatcher's hops.
-    - Dropout masks come from a Philox state {seed, offset} in a device buffer: seed drawn from torch's
-      default generator at construction (so ``torch.manual_seed`` reproduces it), offset advanced by
-      an in-place add after every training forward (so each replay of a captured graph draws new masks).
+    - Dropout masks follow PyTorch's CUDA generator: each training forward draws its Philox {seed, offset}
+      with ``torch.randint`` on the input's device, so ``torch.manual_seed`` reproduces a run, a recompute
+      under ``torch.utils.checkpoint`` draws the same masks, and each CUDA-graph replay draws new ones.
     - ``device``/``dtype``: moved/cast onto every op's parameters when given.
     """
 
@@ -409,12 +443,11 @@ class Sequential(nn.Module):
         self._jf_param_refs: Optional[List[Tuple[BasicOp, str]]] = None  # set after .to() below
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
-        seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-        dev = self._param_device()
-        self.register_buffer("_jf_rng_state", torch.tensor([seed, 0], dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("_jf_rng_step", torch.tensor([0, 1], dtype=torch.int64, device=dev), persistent=False)
+        self._jf_fp8_output = recipe in rt.FP8_RECIPES and isinstance(ops[-1], Quantize)
         self._jf_uses_rng = {t: any(isinstance(o, Dropout) and o.active(t) for o in ops) for t in (True, False)}
         self._jf_param_refs = self._param_refs()
+        if self.recipe in rt.FP8_RECIPES:
+            self.__class__ = Fp8Sequential  # FP8 recipe state in state_dict, freed with the module
         self._jf_define()
 
     # -- definitions -------------------------------------------------------------------------------
@@ -457,12 +490,18 @@ class Sequential(nn.Module):
     def _params(self) -> List[Tensor]:
         """Every op's parameters in the sequence's order, read live (an op's parameter may be replaced)."""
         refs = self._jf_param_refs
+        ps = None
         if refs is not None:
             try:
-                return [op._parameters[n] for op, n in refs]
+                ps = [op._parameters[n] for op, n in refs]
             except KeyError:
                 pass
-        return [p for op in self._ops for _, p in op.jf_params()]
+        if ps is None:
+            ps = [p for op in self._ops for _, p in op.jf_params()]
+        for i, p in enumerate(ps):
+            if not p.is_contiguous():  # e.g. nn.Parameter(w.t()): a row-major copy, its gradient flows back to p
+                ps[i] = p.contiguous()
+        return ps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module.__call__ without its two Python frames (_wrapped_call_impl, _call_impl) when they would
@@ -485,31 +524,42 @@ class Sequential(nn.Module):
         autograd, one autograd node around it). Anything unusual (a wrong dtype or device, a tensor
         subclass, a dispatch mode, the profiler) takes the custom op, which also raises the errors."""
         training = self.training
-        key = self._jf_keys[training].get(input.dtype)
         params = self._params()
+        if _autocast_on():
+            input, extra_inputs, params = _autocast(input, extra_inputs, params)
+        key = self._jf_keys[training].get(input.dtype)
         if (key is None or len(extra_inputs) != self._n_extra_inputs
                 or not rt.direct_call_ok(input, extra_inputs, params)):
-            return self._forward_op(input, extra_inputs)
+            return self._forward_op(input, extra_inputs, params)
         x = input if input.is_contiguous() else input.contiguous()
         extras = [e if e.is_contiguous() else e.contiguous() for e in extra_inputs] if extra_inputs else []
-        uses_rng = self._jf_uses_rng[training]
-        rng = self._jf_rng_state if uses_rng else None
+        rng = _draw_rng(x) if self._jf_uses_rng[training] else None
         di = x.get_device()
         prog = rt._programs.get((key, di)) or rt.program(key, di)
         if _grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params)
                                 or any(e.requires_grad for e in extra_inputs)):
             outs = rt.autograd_forward(prog, key, x, extras, params, rng)
         else:
-            outs = prog.forward(x, extras, params, rng, False, with_saved=False, cache_workspace=True)
-        if uses_rng:
-            self._jf_rng_state.add_(self._jf_rng_step)
+            # Train mode runs the training program with or without grad: its plan (joint rules, epilogues)
+            # may round differently from the inference program's, and a reentrant checkpoint's recompute
+            # (with grad) must compute the bits its first forward (without) did. Eval mode: inference.
+            outs = prog.forward(x, extras, params, rng, training, with_saved=training, cache_workspace=True)
+            if training:
+                outs.pop()  # the saved buffer: nobody reads it
+            if prog.fp8_output:
+                outs = [Float8Tensor(outs[0], outs[-1], x.dtype), *outs[1:-1]]
         if self._n_extra_outputs:
             return tuple(outs)
         return outs[0]
 
-    def _forward_op(self, input: Tensor, extra_inputs: Tuple[Tensor, ...]) -> Union[Tensor, Tuple[Tensor, ...]]:
+    def _forward_op(self, input: Tensor, extra_inputs: Tuple[Tensor, ...],
+                    params: Optional[List[Tensor]] = None) -> Union[Tensor, Tuple[Tensor, ...]]:
         """The forward through the ``jitfuse::forward`` op: what torch.compile traces, and the eager fallback
-        (with every argument check)."""
+        (with every argument check). ``params``: already read (and cast under autocast) by the caller."""
+        if params is None:
+            params = self._params()
+            if _autocast_on():
+                input, extra_inputs, params = _autocast(input, extra_inputs, params)
         if len(extra_inputs) != self._n_extra_inputs:
             raise TypeError(f"{self.name}: expected {self._n_extra_inputs} extra input(s) (one per AddExtraInput), "
                             f"got {len(extra_inputs)}")
@@ -520,7 +570,6 @@ class Sequential(nn.Module):
                             f"({'bfloat16 under ' + self.recipe if self.recipe else 'float32, float16 or bfloat16'})")
         if input.device.type != "cuda":
             raise ValueError(f"{self.name}: jitfuse runs on CUDA tensors; the input is on {input.device}")
-        params = self._params()
         for p in params:
             if p.dtype != input.dtype or p.device != input.device:
                 raise TypeError(f"{self.name}: parameters must match the input ({input.dtype} on {input.device}); "
@@ -530,25 +579,25 @@ class Sequential(nn.Module):
                 raise TypeError(f"{self.name}: extra inputs must match the input ({input.dtype} on {input.device})")
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or any(p.requires_grad for p in params) or any(e.requires_grad for e in extra_inputs))
-        uses_rng = self._jf_uses_rng[training]
-        rng = self._jf_rng_state if uses_rng else None
+        rng = _draw_rng(input) if self._jf_uses_rng[training] else None
         outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs],
-                                                 params, rng, needs_grad)
-        if uses_rng:
-            self._jf_rng_state.add_(self._jf_rng_step)
+                                                 params, rng, needs_grad or training)  # see _eager_forward
+        out = outs[0]
+        if self._jf_fp8_output and not isinstance(out, Float8Tensor):
+            # An E4M3 output (trailing quantize): the op's list has its scale_inv after the extra outputs.
+            if needs_grad and _is_compiling():
+                raise NotImplementedError(
+                    f"{self.name}: a trailing Quantize under torch.compile with autograd is not supported: the "
+                    f"gradient reaching its E4M3 output would be rounded to E4M3; run this module eagerly (or "
+                    f"end the sequence before Quantize)")
+            out = Float8Tensor(out, outs[1 + self._n_extra_outputs], input.dtype)
         if self._n_extra_outputs:
-            return (outs[0], *outs[1:1 + self._n_extra_outputs])  # a training call's list ends with the saved buffer
-        return outs[0]
+            return (out, *outs[1:1 + self._n_extra_outputs])  # then (scale_inv,) (saved buffer,)
+        return out
 
     def recast_fp8_weights(self) -> None:
-        """FP8 recipes: makes the next forward cast the weights to FP8 again. Only needed after a write to a
-        parameter that PyTorch's version counter does not see (through ``.data``, DLPack or a raw pointer):
-        every in-place write through PyTorch (optimizer steps, ``copy_``, ``load_state_dict``) is noticed
-        by itself. A no-op under the other recipes."""
-        for keys in self._jf_keys.values():
-            for key in keys.values():
-                for p in rt.existing_programs(key):
-                    p.fp8_recast()
+        """Kept for compatibility: every forward casts the FP8 weights unless inside
+        :class:`jitfuse.torch.fp8_weights_unchanged`, so there is nothing to force."""
 
     def prepare(self, shape: Iterable[int], training: bool = True, dtype: Optional[torch.dtype] = None,
                 device: Any = None) -> None:
@@ -557,7 +606,7 @@ class Sequential(nn.Module):
         (forward that saves, and backward); the inference program is prepared with False."""
         ps = self._params()
         dtype = dtype or (torch.bfloat16 if self.recipe else (ps[0].dtype if ps else torch.get_default_dtype()))
-        dev = torch.device(device) if device is not None else self._jf_rng_state.device
+        dev = torch.device(device) if device is not None else torch.device(self._param_device())
         if dev.type != "cuda":
             raise ValueError(f"{self.name}: prepare needs a CUDA device, not {dev}")
         key = self._jf_keys[self.training].get(dtype)
@@ -616,3 +665,96 @@ class Sequential(nn.Module):
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe or 'input dtype'}, name={self.name!r}"
+
+
+FP8_STATE_FORMAT = "jitfuse.fp8_state/1"
+
+
+class Fp8Sequential(Sequential):
+    """A :class:`Sequential` under an FP8 recipe (``Sequential(..., recipe="fp8_delayed")`` returns one): its
+    sequences are its own (keyed per module), so it also owns their recipe state and FP8 weight copies.
+
+    - ``state_dict()`` holds the recipe state as ``_extra_state``: for every FP8 tensor ("<op>.input",
+      "<op>.weight", "<op>.grad_output" of each Linear, "<op>.output" of a trailing Quantize) the float32
+      block [scale, scale_inv, amax_history...]; ``load_state_dict`` writes it back, so a resumed
+      fp8_delayed run continues from the saved scales and histories.
+    - The library's sequences (prepared programs, recipe state, weight copies) are freed when the module is.
+    - ``copy.deepcopy`` (and pickling) gives an independent module: new sequences, a copy of the state.
+    """
+
+    def _jf_define(self) -> None:
+        super()._jf_define()
+        keys = sorted({k for by_dtype in self._jf_keys.values() for k in by_dtype.values()})
+        self._jf_finalizer = weakref.finalize(self, rt.forget, keys)
+
+    def _jf_state_programs(self, create: bool) -> List["rt.Program"]:
+        """The programs holding this module's recipe state on its parameters' device (train mode first)."""
+        dev = torch.device(self._param_device())
+        if dev.type != "cuda":
+            return []
+        di = dev.index if dev.index is not None else torch.cuda.current_device()
+        out = []
+        for training in (True, False):
+            key = self._jf_keys[training][torch.bfloat16]
+            p = rt._programs.get((key, di))
+            if p is None and create:
+                p = rt.program(key, di)
+            if p is not None and p not in out:
+                out.append(p)
+        return out
+
+    def get_extra_state(self) -> Any:
+        progs = self._jf_state_programs(create=False)
+        if not progs:
+            return getattr(self, "_jf_pending_state", None)
+        blocks = {k: v.detach().cpu().clone() for k, v in progs[0].fp8_state_views().items()}
+        return {"format": FP8_STATE_FORMAT, "recipe": self.recipe, "blocks": blocks}
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None:
+            return
+        if not isinstance(state, dict) or state.get("format") != FP8_STATE_FORMAT:
+            raise ValueError(f"{self.name}: the checkpoint's _extra_state is not jitfuse FP8 recipe state "
+                             f"(format {FP8_STATE_FORMAT!r}); got {type(state).__name__}")
+        if state.get("recipe") != self.recipe:
+            raise ValueError(f"{self.name}: the checkpoint's FP8 state is of recipe {state.get('recipe')!r}, "
+                             f"this module runs {self.recipe!r}")
+        progs = self._jf_state_programs(create=True)
+        if not progs:  # parameters not on a GPU yet: applied when the module moves to one (_apply)
+            self._jf_pending_state = state
+            return
+        blocks = state.get("blocks") or {}
+        for p in progs:
+            views = p.fp8_state_views()
+            if set(views) != set(blocks):
+                raise ValueError(f"{self.name}: the checkpoint's FP8 state has tensors {sorted(blocks)}, this "
+                                 f"module has {sorted(views)} (a different sequence?)")
+            for k, v in views.items():
+                t = blocks[k]
+                if not isinstance(t, Tensor) or tuple(t.shape) != tuple(v.shape):
+                    raise ValueError(f"{self.name}: FP8 state {k!r}: expected a float32 tensor of shape "
+                                     f"{list(v.shape)} ([scale, scale_inv, amax_history]), got "
+                                     f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+                v.copy_(t.to(device=v.device, dtype=torch.float32))  # stream-ordered on the current stream
+        self._jf_pending_state = None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        pending = getattr(self, "_jf_pending_state", None)
+        if pending is not None and torch.device(self._param_device()).type == "cuda":
+            self.set_extra_state(pending)
+        return out
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_jf_finalizer", None)
+        state["_jf_pending_state"] = self.get_extra_state()
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        pending = state.pop("_jf_pending_state", None)
+        super().__setstate__(state)
+        self._jf_define()  # a fresh salt: own sequences, own recipe state
+        self._jf_pending_state = None
+        if pending is not None:
+            self.set_extra_state(pending)
