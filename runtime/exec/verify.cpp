@@ -123,10 +123,11 @@ void Shadow::compare(const char* pass, int gi, const std::string& tensor, const 
   if (failed_ || !fused || !ref) return;
   const Buffer& b = ref_->program->buffer(buffer);
   const auto& d = cuda::driver();
-  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(JITFUSE_VERIFY)");
   std::vector<unsigned char> hf(b.bytes), hr(b.bytes);
-  cuda::check(d.cuMemcpyDtoH(hf.data(), reinterpret_cast<CUdeviceptr>(fused), b.bytes), "cuMemcpyDtoH");
-  cuda::check(d.cuMemcpyDtoH(hr.data(), reinterpret_cast<CUdeviceptr>(ref), b.bytes), "cuMemcpyDtoH");
+  // On the stream that wrote them (pageable destination: the async copies complete by the synchronise).
+  cuda::check(d.cuMemcpyDtoHAsync(hf.data(), reinterpret_cast<CUdeviceptr>(fused), b.bytes, stream), "cuMemcpyDtoHAsync");
+  cuda::check(d.cuMemcpyDtoHAsync(hr.data(), reinterpret_cast<CUdeviceptr>(ref), b.bytes, stream), "cuMemcpyDtoHAsync");
+  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(JITFUSE_VERIFY)");
   const size_t es = static_cast<size_t>(ops::dtype_bytes(b.dtype));
   const size_t n = b.bytes / es;
   auto [rtol, atol] = tolerance(b.dtype, gemm);

@@ -270,8 +270,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   if (opt.device_rng) {
     const uint64_t state[2] = {opt.rng_seed, opt.rng_offset};
     void* p = raw(16);
-    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize");
-    cuda::check(d.cuMemcpyHtoD(reinterpret_cast<CUdeviceptr>(p), state, 16), "cuMemcpyHtoD(rng state)");
+    host_to_device(reinterpret_cast<CUdeviceptr>(p), state, 16);
     fa.rng_state = static_cast<const uint64_t*>(p);
   } else {
     fa.rng_seed = opt.rng_seed;

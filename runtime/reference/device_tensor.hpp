@@ -11,6 +11,11 @@
 
 namespace jitfuse::reference {
 
+// Host <-> device copies of the harness, the CLI's checks and the tests: complete for every stream of the
+// current context when they return (see device_tensor.cpp), never racing work on a non-blocking stream.
+void host_to_device(CUdeviceptr dst, const void* src, size_t bytes);
+void device_to_host(void* dst, CUdeviceptr src, size_t bytes);
+
 class DeviceTensor {
  public:
   DeviceTensor(const ops::Shape& shape, const std::string& dtype, bool misalign = false);

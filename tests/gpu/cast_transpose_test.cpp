@@ -14,6 +14,7 @@
 #include "common/error.hpp"
 #include "cuda/nvrtc.hpp"
 #include "exec/kernels.hpp"
+#include "reference/device_tensor.hpp"
 #include "reference/reference.hpp"
 #include "support/cast_transpose_cases.hpp"
 #include "support/gpu.hpp"
@@ -40,13 +41,12 @@ struct DevBuf {
   DevBuf& operator=(const DevBuf&) = delete;
   template <typename T>
   void put(const std::vector<T>& v) {
-    cuda::check(drv().cuMemcpyHtoD(p, v.data(), v.size() * sizeof(T)), "HtoD");
+    reference::host_to_device(p, v.data(), v.size() * sizeof(T));
   }
   template <typename T>
   std::vector<T> get(size_t n) const {
     std::vector<T> v(n);
-    cuda::check(drv().cuCtxSynchronize(), "cuCtxSynchronize");
-    cuda::check(drv().cuMemcpyDtoH(v.data(), p, n * sizeof(T)), "DtoH");
+    reference::device_to_host(v.data(), p, n * sizeof(T));
     return v;
   }
 };

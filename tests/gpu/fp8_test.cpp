@@ -32,8 +32,7 @@ const Fp8Case kCases[] = {
 
 std::vector<float> read_floats(const float* p, size_t n) {
   std::vector<float> v(n);
-  cuda::check(cuda::driver().cuCtxSynchronize(), "cuCtxSynchronize");
-  cuda::check(cuda::driver().cuMemcpyDtoH(v.data(), reinterpret_cast<CUdeviceptr>(p), n * sizeof(float)), "DtoH");
+  reference::device_to_host(v.data(), reinterpret_cast<CUdeviceptr>(p), n * sizeof(float));
   return v;
 }
 

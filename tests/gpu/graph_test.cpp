@@ -115,8 +115,7 @@ struct Rig {
 
   void set_rng(uint64_t seed, uint64_t offset) {
     const uint64_t st[2] = {seed, offset};
-    ck(drv().cuCtxSynchronize(), "cuCtxSynchronize");
-    ck(drv().cuMemcpyHtoD(rng, st, 16), "cuMemcpyHtoD");
+    jitfuse::reference::host_to_device(rng, st, 16);
   }
   void poison() {
     for (auto* t : outs) t->poison();

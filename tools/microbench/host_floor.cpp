@@ -111,8 +111,9 @@ int main() {
   CK(cuMemAlloc(&x, 16 * 1024 * 2));
   CK(cuMemAlloc(&y, 16 * 1024 * 2));
   CK(cuMemAlloc(&bias, 1024 * 2));
-  CK(cuMemsetD16(x, 0x3f80, 16 * 1024));
-  CK(cuMemsetD16(bias, 0x3f80, 1024));
+  CK(cuMemsetD16Async(x, 0x3f80, 16 * 1024, blocking));  // on the stream the calls run on
+  CK(cuMemsetD16Async(bias, 0x3f80, 1024, blocking));
+  CK(cuStreamSynchronize(blocking));
   auto dl = [](CUdeviceptr p, int64_t* shp, int nd) {
     DLTensor t{};
     t.data = reinterpret_cast<void*>(p);
