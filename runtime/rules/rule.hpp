@@ -103,6 +103,9 @@ class RuleSet {
   // Template files brought by user rule directories, keyed as codegen includes them ("user/softplus.cuh").
   const std::map<std::string, std::string>& user_templates() const { return user_templates_; }
   uint64_t generation() const { return generation_; }  // bumps on every change (plan caches key on it)
+  // `jitfuse rules validate`: a loaded rule named as a built-in one replaces it without "overrides": true
+  // (a copy of a built-in file validates clean). Off for every context: there a clash is always an error.
+  void set_builtins_replaceable(bool on) { builtins_replaceable_ = on; }
 
  private:
   std::vector<Rule> rules_;
@@ -112,6 +115,7 @@ class RuleSet {
   std::unordered_map<std::string, size_t> rule_index_;  // name -> index in rules_ (keeps loading linear)
   size_t next_order_ = 0;
   uint64_t generation_ = 0;
+  bool builtins_replaceable_ = false;
 };
 
 }  // namespace jitfuse::rules

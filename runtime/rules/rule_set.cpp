@@ -78,13 +78,17 @@ std::string LoadError::to_string() const {
   return out + message;
 }
 
+namespace {
+constexpr const char* kBuiltinPrefix = "<builtin>/";  // the file name of every embedded rules file
+}  // namespace
+
 RuleSet RuleSet::with_builtins() {
   // Parsed once per process; every caller gets its own copy to extend.
   static const RuleSet base = [] {
     RuleSet rs;
     for (const auto& f : embedded::rules) {
       if (f.path == "schema.json") continue;  // the JSON Schema for editors, not a rules file
-      std::string name = "<builtin>/" + std::string(f.path);
+      std::string name = kBuiltinPrefix + std::string(f.path);
       auto errs = rs.load_text(std::string(f.content), name, "");
       if (!errs.empty())
         fail(Status::internal, "built-in rule file {} is broken ({} error(s), first: {}); this is a bug in jitfuse",
@@ -269,7 +273,8 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
           if (prev.file == file)
             detail::invalid(ptr + "/name", fmt::format("rule {} is declared twice in this file (first at {}); "
                                                        "rename one of them", detail::show(r.name), prev.where));
-          if (!r.overrides)
+          const bool replaces_builtin = builtins_replaceable_ && prev.file.rfind(kBuiltinPrefix, 0) == 0;
+          if (!r.overrides && !replaces_builtin)
             detail::invalid(ptr + "/name", fmt::format("rule {} is already declared at {}; to replace it, add "
                                                        "\"overrides\": true to this rule, or rename it",
                                                        detail::show(r.name), prev.where));

@@ -1,5 +1,6 @@
 // `jitfuse rules list` (every loaded rule: built-ins, JITFUSE_RULE_PATH, --rules) and `jitfuse rules validate
-// FILE...` (exit 0 when all valid, 1 otherwise; errors as file:line:col: rule 'x': message). --json for scripts.
+// FILE...` (exit 0 when all valid, 1 otherwise; errors as file:line:col: rule 'x': message; a validated rule
+// replaces the built-in of its name). --json for scripts.
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -181,11 +182,14 @@ bool under(const std::string& file, const std::string& path) {
   return norm(file) == norm(path) || norm(fs::path(file).parent_path()) == norm(path);
 }
 
-int validate(const std::vector<std::string>& paths, bool as_json, bool compile) {
+int validate(const std::vector<std::string>& paths, bool as_json, bool compile, bool without_builtins) {
   quiet_library_log();
   // Validated on top of what a context would have loaded before them (JITFUSE_RULE_PATH errors go to stderr
-  // and do not count against the files validated here).
-  rules::RuleSet rs = load_rules({});
+  // and do not count against the files validated here), or of the built-in ops alone (--without-builtins).
+  rules::RuleSet rs = without_builtins ? rules::RuleSet{} : load_rules({});
+  // A validated file's rule named as a built-in one replaces it (a copy of a built-in file being edited, or
+  // the checkout's rules before a rebuild); a clash with any other file's rule is still an error.
+  rs.set_builtins_replaceable(true);
   json out = {{"valid", true}, {"paths", json::array()}};
   bool all_ok = true;
   for (const auto& path : paths) {
@@ -247,6 +251,7 @@ void add_rules_commands(CLI::App& app) {
     std::vector<std::string> files;
     bool json = false;
     bool no_compile = false;
+    bool without_builtins = false;
   };
   auto val_opts = std::make_shared<ValidateOpts>();
   CLI::App* val = rules_cmd->add_subcommand(
@@ -254,8 +259,10 @@ void add_rules_commands(CLI::App& app) {
   val->add_option("FILE", val_opts->files, "Rules file or directory of *.json")->required();
   val->add_flag("--json", val_opts->json, "Machine-readable output");
   val->add_flag("--no-compile", val_opts->no_compile, "Skip compiling the user ops' functors with NVRTC");
+  val->add_flag("--without-builtins", val_opts->without_builtins,
+                "Validate the files against the built-in ops only: no built-in rules, no JITFUSE_RULE_PATH");
   val->callback([val_opts] {
-    int rc = validate(val_opts->files, val_opts->json, !val_opts->no_compile);  // 1: a file is invalid; errors: main(), exit 2
+    int rc = validate(val_opts->files, val_opts->json, !val_opts->no_compile, val_opts->without_builtins);  // 1: a file is invalid; errors: main(), exit 2
     if (rc != 0) throw CLI::RuntimeError(rc);
   });
 }

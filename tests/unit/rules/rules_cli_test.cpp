@@ -133,3 +133,62 @@ TEST_CASE("rules validate compiles user ops: a broken template is not ok", "[rul
   r = run_cli("rules validate --no-compile '" + dir.path() + "/b'");
   CHECK(r.status == 0);
 }
+
+TEST_CASE("rules validate: a built-in file, or an edited copy, validates against the built-ins it replaces",
+          "[rules][cli]") {
+  // Every built-in file as it is in the checkout: its rules replace the built-ins of the same names.
+  for (const char* f : {"backward.json", "forward_gemm.json", "forward_norm.json", "forward_pointwise.json",
+                        "fp8.json", "joint.json"}) {
+    const std::string path = jf_test::src(std::string("fusion_rules/") + f);
+    auto r = run_cli("rules validate --no-compile '" + path + "'");
+    INFO(r.out);
+    CHECK(r.status == 0);
+    CHECK_THAT(r.out, Catch::Contains(path + ": ok ("));
+    CHECK_THAT(r.out, !Catch::Contains("already declared"));
+    r = run_cli("rules validate --no-compile --without-builtins '" + path + "'");
+    INFO(r.out);
+    CHECK(r.status == 0);
+  }
+  // An edited copy (another priority) is validated as the edit.
+  jf_test::TempDir dir;
+  const std::string edited = dir.write("mine/forward_gemm.json", R"J({"format": "jitfuse.rules/1", "rules": [
+  {"name": "linear_bias", "math": "y = x W^T + b", "pass": "forward", "priority": 26, "pattern": ["linear", "bias"],
+   "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2}}]})J");
+  auto r = run_cli("rules validate --no-compile '" + edited + "'");
+  INFO(r.out);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains(edited + ": ok (1 rules, 0 ops)"));
+  // A bad edit is still reported with its location.
+  const std::string text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n"
+                           "  {\"name\": \"linear_bias\", \"math\": \"y = x\", \"pass\": \"forward\", \"priority\": "
+                           "\"26\", \"pattern\": [\"linear\", \"bias\"], \"impl\": {\"kind\": \"cublaslt\", "
+                           "\"epilogue\": \"BIAS\", \"epilogue_ops\": 2}}]}\n";
+  const std::string bad = dir.write("bad/forward_gemm.json", text);
+  r = run_cli("rules validate --no-compile '" + bad + "'");
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains(jf_test::loc(bad, text, "\"26\"") + ": rule 'linear_bias': \"priority\" must be an integer"));
+  // Two validated files declaring one rule name: still a conflict, naming the first.
+  const std::string twin = dir.write("twin/forward_gemm.json", R"J({"format": "jitfuse.rules/1", "rules": [
+  {"name": "linear_bias", "math": "y = x W^T + b", "pass": "forward", "priority": 27, "pattern": ["linear", "bias"],
+   "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2}}]})J");
+  r = run_cli("rules validate --no-compile '" + edited + "' '" + twin + "'");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains("rule 'linear_bias' is already declared at " + edited));
+  // One file declaring a name twice: an error, as before.
+  const std::string dup = dir.write("dup/rules.json", R"J({"format": "jitfuse.rules/1", "rules": [
+  {"name": "r1", "math": "y = x", "pass": "forward", "pattern": ["bias", "relu"], "impl": {"kind": "generated", "skeleton": "elementwise"}},
+  {"name": "r1", "math": "y = x", "pass": "forward", "pattern": ["bias", "silu"], "impl": {"kind": "generated", "skeleton": "elementwise"}}]})J");
+  r = run_cli("rules validate --no-compile '" + dup + "'");
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains("is declared twice in this file"));
+  // --without-builtins: "overrides" of a rule nobody loaded is an error there.
+  const std::string ovr = dir.write("ovr/rules.json", R"J({"format": "jitfuse.rules/1", "rules": [
+  {"name": "linear_bias", "overrides": true, "math": "y = x W^T + b", "pass": "forward", "pattern": ["linear", "bias"],
+   "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2}}]})J");
+  r = run_cli("rules validate --no-compile '" + ovr + "'");
+  CHECK(r.status == 0);
+  r = run_cli("rules validate --no-compile --without-builtins '" + ovr + "'");
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains("no rule of that name was loaded before it"));
+}
