@@ -128,11 +128,9 @@ def forget(keys: Sequence_[int]) -> None:
     programs, FP8 recipe state and weight copies). For a module whose keys are its own (FP8, salted per
     module): called when it is garbage-collected. The library's free waits for work still using the memory."""
     with _registry_lock:
-        progs = [p for (k, _), p in list(_programs.items()) if k in keys]
         for k in keys:
             _definitions.pop(k, None)
-        for (k, dev) in [kd for kd in _programs if kd[0] in keys]:
-            del _programs[(k, dev)]
+        progs = [_programs.pop(kd) for kd in [kd for kd in _programs if kd[0] in keys]]
     for p in progs:
         try:
             p.close()
