@@ -29,6 +29,8 @@ const RuleCase kCases[] = {
     {"linear_gelu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "gelu", "approximate": "tanh"}])", {96, 64}},
     {"linear_relu", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "relu"}])", {96, 64}},
     {"linear_bias_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"}, {"op": "add_extra_input"}])", {96, 64}},
+    {"linear_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "add_extra_input"}])", {96, 64}},
+    {"linear_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "add_extra_input"}])", {7, 64}},
     {"linear_scale_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "scale", "value": 0.5}, {"op": "add_extra_input"}])", {96, 64}},
     {"add_norm", R"([{"op": "add_extra_input"}, {"op": "layernorm"}])", {50, 264}},
     {"add_norm", R"([{"op": "add_extra_input"}, {"op": "rmsnorm", "zero_centered_gamma": true}])", {50, 264}},
@@ -183,12 +185,12 @@ TEST_CASE("Blas::column_sums (the BGRADB fallback) matches float64 column sums",
       for (int64_t c = 0; c < n; ++c) ref[c] += x[r * n + c];
     reference::DeviceTensor dx({m, n}, dt), d1({m}, dt), dout({n}, dt);
     reference::DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
-    dx.upload_values(x);
-    d1.upload_values(ones);
-    dout.poison();
+    dx.upload_values(x, nullptr);
+    d1.upload_values(ones, nullptr);
+    dout.poison(nullptr);
     blas.column_sums(ops::parse_recipe(dt).dtype, m, n, reinterpret_cast<void*>(dx.ptr()), reinterpret_cast<void*>(d1.ptr()),
                      reinterpret_cast<void*>(dout.ptr()), reinterpret_cast<void*>(ws.ptr()), nullptr);
-    auto got = dout.download_values();
+    auto got = dout.download_values(nullptr);
     double worst = 0;
     const double rtol = std::string(dt) == "fp32" ? 1e-5 : 1.6e-2;
     for (int64_t c = 0; c < n; ++c) worst = std::max(worst, std::fabs(got[c] - ref[c]) / (1e-5 * m + rtol * std::fabs(ref[c])));

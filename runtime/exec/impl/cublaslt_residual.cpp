@@ -1,5 +1,5 @@
-// cuBLASLt RESIDUAL: y = x W^T + b + e (BIAS epilogue, C = the extra input, beta = 1) or
-// y = s (x W^T) + e (alpha = the scale).
+// cuBLASLt RESIDUAL: y = x W^T + b + e (BIAS epilogue, C = the extra input, beta = 1),
+// y = s (x W^T) + e (alpha = the scale) or y = x W^T + e (Llama's o_proj / down_proj + residual).
 #include "exec/impl/cublaslt_epilogue.hpp"
 #include "exec/impl/registrar.hpp"
 
@@ -12,7 +12,9 @@ class Residual final : public CublasEpilogue {
 
  protected:
   rules::Pass pass() const override { return rules::Pass::forward; }
-  std::vector<Kinds> shapes() const override { return {{{"linear"}, {"bias", "scale"}, {"add_extra_input"}}}; }
+  std::vector<Kinds> shapes() const override {
+    return {{{"linear"}, {"add_extra_input"}}, {{"linear"}, {"bias", "scale"}, {"add_extra_input"}}};
+  }
   void forward(Builder& b, int begin, int y) const override {
     const int lin = role(b, ops::Family::linear);
     const int add = role(b, ops::Family::add_extra_input);
@@ -21,9 +23,9 @@ class Residual final : public CublasEpilogue {
     if (mid.family == ops::Family::bias) {
       g.call.epilogue = cuda::Epilogue::bias;
       g.bias = b.param(mid.index, "bias");
-    } else {
+    } else if (mid.family != ops::Family::add_extra_input) {  // scale
       g.call.alpha = static_cast<float>(mid.consts.at(0));
-    }
+    }  // else [linear add_extra_input]: the plain GEMM accumulating into the residual
     g.call.beta = 1.f;
     g.c = b.extra_in(add);
     b.gemm(g, b.group().rule + ": cublaslt RESIDUAL");

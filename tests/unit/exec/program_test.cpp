@@ -147,11 +147,14 @@ TEST_CASE("implementations answer the loader: impossible rules are refused at lo
     rules::RuleSet rs = rules::RuleSet::with_builtins();
     return rs.load_text(R"({"format": "jitfuse.rules/1", "rules": [)" + rule + "]}", "x.json", ".");
   };
-  auto residual2 = load(R"J({"name": "r2", "math": "y = x W^T + e", "pass": "forward", "pattern": ["linear", "add_extra_input"], "impl": {"kind": "cublaslt", "epilogue": "RESIDUAL", "epilogue_ops": 2}})J");
-  REQUIRE(residual2.size() == 1);
-  CHECK(residual2[0].where.rfind("x.json:1:", 0) == 0);
-  CHECK(residual2[0].message.find("RESIDUAL cannot run any window this pattern matches") != std::string::npos);
-  CHECK(residual2[0].message.find("[linear bias|scale add_extra_input]") != std::string::npos);
+  // [linear add_extra_input] is a RESIDUAL window (the bias-free residual GEMM); [linear relu add_extra_input]
+  // is not: relu cannot run between the GEMM and its accumulation into C.
+  CHECK(load(R"J({"name": "r2", "math": "y = x W^T + e", "pass": "forward", "pattern": ["linear", "add_extra_input"], "impl": {"kind": "cublaslt", "epilogue": "RESIDUAL", "epilogue_ops": 2}})J").empty());
+  auto residual3 = load(R"J({"name": "r3", "math": "y = relu(x W^T) + e", "pass": "forward", "pattern": ["linear", "relu", "add_extra_input"], "impl": {"kind": "cublaslt", "epilogue": "RESIDUAL", "epilogue_ops": 3}})J");
+  REQUIRE(residual3.size() == 1);
+  CHECK(residual3[0].where.rfind("x.json:1:", 0) == 0);
+  CHECK(residual3[0].message.find("RESIDUAL cannot run any window this pattern matches") != std::string::npos);
+  CHECK(residual3[0].message.find("[linear add_extra_input] or [linear bias|scale add_extra_input]") != std::string::npos);
   auto bad_tail = load(R"J({"name": "t", "math": "y", "pass": "forward", "pattern": ["linear", "bias", "layernorm"], "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2, "tail": "elementwise"}})J");
   REQUIRE(bad_tail.size() == 1);
   CHECK(bad_tail[0].message.find("tail must be an elementwise chain") != std::string::npos);

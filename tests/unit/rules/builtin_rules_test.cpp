@@ -23,6 +23,7 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"linear_bias", Pass::forward},         {"linear_bias_gelu", Pass::forward},
       {"linear_bias_relu", Pass::forward},    {"linear_bias_residual", Pass::forward},
       {"linear_scale_residual", Pass::forward}, {"bias_act", Pass::forward},
+      {"linear_residual", Pass::forward},
       {"bias_gated", Pass::forward},          {"bias_dropout_add", Pass::forward},
       {"norm_pointwise", Pass::forward},      {"add_norm", Pass::forward},
       {"gated_pointwise", Pass::forward},         {"pointwise_chain", Pass::forward},
