@@ -266,6 +266,21 @@ def test_fp8_state_dict_round_trip_resumes_the_run(recipe):
     with pytest.raises(ValueError, match="recipe"):
         other = "fp8_current" if recipe == "fp8_delayed" else "fp8_delayed"
         fp8_mlp(other).load_state_dict(sd)
+    # Hostile extra state: a clear error naming what is wrong, the module's state untouched.
+    before = resumed.get_extra_state()["blocks"]
+    with pytest.raises(ValueError, match="not jitfuse FP8 recipe state"):
+        resumed.set_extra_state({"format": "something/else"})
+    with pytest.raises(ValueError, match="not jitfuse FP8 recipe state"):
+        resumed.set_extra_state([1, 2, 3])
+    bad = {k: v for k, v in sd["_extra_state"].items()}
+    bad["blocks"] = dict(bad["blocks"], **{"1.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"FP8 state '1.weight': expected a float32 tensor of shape"):
+        fp8_mlp(recipe).set_extra_state(bad)
+    bad["blocks"] = {"9.input": torch.zeros(3)}
+    with pytest.raises(ValueError, match="has tensors"):
+        fp8_mlp(recipe).set_extra_state(bad)
+    after = resumed.get_extra_state()["blocks"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_plain_recipe_state_dict_has_no_extra_state():

@@ -723,19 +723,22 @@ class Fp8Sequential(Sequential):
         if not progs:  # parameters not on a GPU yet: applied when the module moves to one (_apply)
             self._jf_pending_state = state
             return
-        blocks = state.get("blocks") or {}
-        for p in progs:
-            views = p.fp8_state_views()
-            if set(views) != set(blocks):
+        blocks = state.get("blocks")
+        blocks = blocks if isinstance(blocks, dict) else {}
+        views = [p.fp8_state_views() for p in progs]
+        for vs in views:  # everything checked before anything is written: a bad checkpoint changes nothing
+            if set(vs) != set(blocks):
                 raise ValueError(f"{self.name}: the checkpoint's FP8 state has tensors {sorted(blocks)}, this "
-                                 f"module has {sorted(views)} (a different sequence?)")
-            for k, v in views.items():
+                                 f"module has {sorted(vs)} (a different sequence?)")
+            for k, v in vs.items():
                 t = blocks[k]
-                if not isinstance(t, Tensor) or tuple(t.shape) != tuple(v.shape):
+                if not isinstance(t, Tensor) or tuple(t.shape) != tuple(v.shape) or not t.is_floating_point():
                     raise ValueError(f"{self.name}: FP8 state {k!r}: expected a float32 tensor of shape "
                                      f"{list(v.shape)} ([scale, scale_inv, amax_history]), got "
                                      f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
-                v.copy_(t.to(device=v.device, dtype=torch.float32))  # stream-ordered on the current stream
+        for vs in views:
+            for k, v in vs.items():
+                v.copy_(blocks[k].to(device=v.device, dtype=torch.float32))  # stream-ordered, current stream
         self._jf_pending_state = None
 
     def _apply(self, fn, recurse=True):
