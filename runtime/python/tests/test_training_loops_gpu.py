@@ -273,7 +273,7 @@ def test_fp8_state_dict_round_trip_resumes_the_run(recipe):
     with pytest.raises(ValueError, match="not jitfuse FP8 recipe state"):
         resumed.set_extra_state([1, 2, 3])
     bad = {k: v for k, v in sd["_extra_state"].items()}
-    bad["blocks"] = dict(bad["blocks"], **{"1.weight": torch.zeros(3)})
+    bad["blocks"] = dict(bad["blocks"], **{"1.weight": torch.zeros(2)})  # a block is >= 3 floats
     with pytest.raises(ValueError, match=r"FP8 state '1.weight': expected a float32 tensor of shape"):
         fp8_mlp(recipe).set_extra_state(bad)
     bad["blocks"] = {"9.input": torch.zeros(3)}
