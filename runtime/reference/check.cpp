@@ -167,6 +167,18 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     ~SeqGuard() { jf_sequence_destroy(s); }
   } guard{seq};
 
+  // The calls run on a non-blocking stream of their own (as a framework's would): every upload, poison and
+  // download of the check goes on it too, so none can race the calls (issue 26).
+  const auto& d = cuda::driver();
+  CUstream stream = nullptr;
+  cuda::check(d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  struct StreamGuard {
+    CUstream s;
+    ~StreamGuard() {
+      if (auto* d = cuda::try_driver()) d->cuStreamDestroy(s);
+    }
+  } sguard{stream};
+
   SeqInputs in;
   in.rng_offset = opt.rng_offset;
   in.rng_seed = opt.rng_seed;
@@ -191,7 +203,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
         v = random_vec(rng, ops::numel(p.shape), -1, 1, rc);
       }
       DeviceTensor* t = dev(p.shape);
-      t->upload_values(v);
+      t->upload_values(v, stream);
       in.params[{op.index, p.name}] = v;
       params.push_back({op.index, p.name.c_str(), t->dl()});
       DeviceTensor* gt = dev(p.shape);
@@ -200,32 +212,31 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     }
   }
   DeviceTensor* x = dev(opt.shape);
-  x->upload_values(in.input);
+  x->upload_values(in.input, stream);
   std::vector<DeviceTensor*> ein, eout, gein, geout;
   std::vector<Vec> gext_out;
   for (auto& op : ops) {
     if (op.family == ops::Family::add_extra_input) {
       in.extra_in.push_back(random_vec(rng, ops::numel(op.in), -2, 2, rc));
       ein.push_back(dev(op.in));
-      ein.back()->upload_values(in.extra_in.back());
+      ein.back()->upload_values(in.extra_in.back(), stream);
       gein.push_back(dev(op.in));
     }
     if (op.family == ops::Family::make_extra_output) {
       eout.push_back(dev(op.in));
       geout.push_back(dev(op.in));
       gext_out.push_back(random_vec(rng, ops::numel(op.in), -1, 1, rc));
-      geout.back()->upload_values(gext_out.back());
+      geout.back()->upload_values(gext_out.back(), stream);
     }
   }
   DeviceTensor* y = dev(ops.back().out);
-  y->poison();
-  for (auto* t : eout) t->poison();
+  y->poison(stream);
+  for (auto* t : eout) t->poison(stream);
   std::vector<const DLTensor*> ein_t;
   std::vector<DLTensor*> eout_t;
   for (auto* t : ein) ein_t.push_back(t->dl());
   for (auto* t : eout) eout_t.push_back(t->dl());
 
-  const auto& d = cuda::driver();
   std::vector<CUdeviceptr> keep_raw;
   struct RawGuard {
     std::vector<CUdeviceptr>& v;
@@ -236,14 +247,6 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
       }
     }
   } raw_guard{keep_raw};
-  CUstream stream = nullptr;
-  cuda::check(d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-  struct StreamGuard {
-    CUstream s;
-    ~StreamGuard() {
-      if (auto* d = cuda::try_driver()) d->cuStreamDestroy(s);
-    }
-  } sguard{stream};
   const auto js = reinterpret_cast<jf_stream>(stream);
   jf_program_info info{};
   ok(jf_sequence_info(seq, opt.shape.data(), static_cast<int>(opt.shape.size()), opt.backward ? 1 : 0, &info),
@@ -270,7 +273,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   if (opt.device_rng) {
     const uint64_t state[2] = {opt.rng_seed, opt.rng_offset};
     void* p = raw(16);
-    host_to_device(reinterpret_cast<CUdeviceptr>(p), state, 16);
+    host_to_device(reinterpret_cast<CUdeviceptr>(p), state, 16, stream);
     fa.rng_state = static_cast<const uint64_t*>(p);
   } else {
     fa.rng_seed = opt.rng_seed;
@@ -291,7 +294,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   // One backward of the forward that left `sv` (or the host's saved buffer), dy = gy, dx into `gxt`.
   auto backward_call = [&](jf_saved sv, DeviceTensor* gxt) {
     DeviceTensor* gyt = dev(ops.back().out);
-    gyt->upload_values(gy);
+    gyt->upload_values(gy, stream);
     std::vector<const DLTensor*> geout_t;
     std::vector<DLTensor*> gein_t;
     for (auto* t : geout) geout_t.push_back(t->dl());
@@ -337,8 +340,8 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     }
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(earlier call)");
     if (early) ok(jf_saved_release(early, js), "jf_saved_release");
-    y->poison();
-    for (auto* t : eout) t->poison();
+    y->poison(stream);
+    for (auto* t : eout) t->poison(stream);
   }
   jf_saved saved = nullptr;
   ok(jf_forward(seq, &fa, &saved, js), "jf_forward");
@@ -360,9 +363,9 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   DeviceTensor* gx = nullptr;
   auto run_backward = [&] {
     gx = dev(opt.shape);
-    gx->poison();
-    for (auto* t : gein) t->poison();
-    for (auto& [k, t] : grads) t->poison();
+    gx->poison(stream);
+    for (auto* t : gein) t->poison(stream);
+    for (auto& [k, t] : grads) t->poison(stream);
     backward_call(saved, gx);
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
   };
@@ -389,11 +392,11 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   SeqForward ref, exact;
   if (!self) ref = sequence_forward(ops, in);
   if (fp8) exact = sequence_forward(ops, exact_in);
-  const Vec y_got = y->download_values();
+  const Vec y_got = y->download_values(stream);
   check("output", y_got, &ref.output);
   check_exact("output", y_got, exact.output);
   for (size_t i = 0; i < eout.size(); ++i) {
-    const Vec got = eout[i]->download_values();
+    const Vec got = eout[i]->download_values(stream);
     check(fmt::format("extra_output[{}]", i), got, self ? nullptr : &ref.extra_out[i]);
     if (fp8) check_exact(fmt::format("extra_output[{}]", i), got, exact.extra_out[i]);
   }
@@ -402,16 +405,16 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   SeqGrads rg, eg;
   if (!self) rg = sequence_backward(ops, in, ref, gy, gext_out);
   if (fp8) eg = sequence_backward(ops, exact_in, exact, gy, gext_out);
-  const Vec gx_got = gx->download_values();
+  const Vec gx_got = gx->download_values(stream);
   check("grad_input", gx_got, &rg.grad_input);
   if (fp8) check_exact("grad_input", gx_got, eg.grad_input);
   for (size_t i = 0; i < gein.size(); ++i) {
-    const Vec got = gein[i]->download_values();
+    const Vec got = gein[i]->download_values(stream);
     check(fmt::format("grad_extra_input[{}]", i), got, self ? nullptr : &rg.grad_extra_in[i]);
     if (fp8) check_exact(fmt::format("grad_extra_input[{}]", i), got, eg.grad_extra_in[i]);
   }
   for (auto& [k, t] : grads) {
-    const Vec got = t->download_values();
+    const Vec got = t->download_values(stream);
     check(fmt::format("grad op{}.{}", k.first, k.second), got, self ? nullptr : &rg.grad_params.at(k));
     if (fp8) check_exact(fmt::format("grad op{}.{}", k.first, k.second), got, eg.grad_params.at(k));
   }

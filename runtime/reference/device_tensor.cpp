@@ -26,34 +26,37 @@ DeviceTensor::~DeviceTensor() {
   if (auto* d = cuda::try_driver()) d->cuMemFree(base_);
 }
 
-// A synchronous copy from pageable memory may return before its DMA reaches the device, and work on a
-// CU_STREAM_NON_BLOCKING stream is not ordered after it (issue 26: 16 concurrent `jitfuse check` runs read
-// half-written inputs). So every host copy of the harness is complete, for every stream of the context,
-// before it returns: upload then synchronise the context; synchronise the context, then download.
-void host_to_device(CUdeviceptr dst, const void* src, size_t bytes) {
+// A synchronous cuMemcpyHtoD from pageable memory may return before its DMA reaches the device, and work on
+// a CU_STREAM_NON_BLOCKING stream is not ordered after it (issue 26: of 16 concurrent `jitfuse check` runs,
+// half read unwritten gradients of the output). So every copy is queued on the stream of the work it feeds
+// or follows, and waited for: the host may then free (upload) or read (download) its memory, and an upload
+// is complete before any later work, on any stream, starts.
+void host_to_device(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
   const auto& d = cuda::driver();
-  cuda::check(d.cuMemcpyHtoD(dst, src, bytes), "cuMemcpyHtoD");
-  cuda::check(d.cuCtxSynchronize(), "cuCtxSynchronize(after an upload)");
+  cuda::check(d.cuMemcpyHtoDAsync(dst, src, bytes, stream), "cuMemcpyHtoDAsync");
+  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(after an upload)");
 }
 
-void device_to_host(void* dst, CUdeviceptr src, size_t bytes) {
+void device_to_host(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   const auto& d = cuda::driver();
-  cuda::check(d.cuCtxSynchronize(), "cuCtxSynchronize(before a download)");
-  cuda::check(d.cuMemcpyDtoH(dst, src, bytes), "cuMemcpyDtoH");
+  cuda::check(d.cuMemcpyDtoHAsync(dst, src, bytes, stream), "cuMemcpyDtoHAsync");
+  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(after a download)");
 }
 
-void DeviceTensor::upload(const std::vector<uint8_t>& b) { host_to_device(ptr(), b.data(), std::min(b.size(), bytes_)); }
+void DeviceTensor::upload(const std::vector<uint8_t>& b, CUstream stream) {
+  host_to_device(ptr(), b.data(), std::min(b.size(), bytes_), stream);
+}
 
-void DeviceTensor::upload_values(const std::vector<double>& v) { upload(encode(dtype_, v)); }
+void DeviceTensor::upload_values(const std::vector<double>& v, CUstream stream) { upload(encode(dtype_, v), stream); }
 
-void DeviceTensor::poison() { upload(std::vector<uint8_t>(bytes_, 0xff)); }
+void DeviceTensor::poison(CUstream stream) { upload(std::vector<uint8_t>(bytes_, 0xff), stream); }
 
-std::vector<uint8_t> DeviceTensor::download() const {
+std::vector<uint8_t> DeviceTensor::download(CUstream stream) const {
   std::vector<uint8_t> b(bytes_);
-  device_to_host(b.data(), ptr(), bytes_);
+  device_to_host(b.data(), ptr(), bytes_, stream);
   return b;
 }
 
-std::vector<double> DeviceTensor::download_values() const { return decode(dtype_, download()); }
+std::vector<double> DeviceTensor::download_values(CUstream stream) const { return decode(dtype_, download(stream)); }
 
 }  // namespace jitfuse::reference

@@ -11,10 +11,11 @@
 
 namespace jitfuse::reference {
 
-// Host <-> device copies of the harness, the CLI's checks and the tests: complete for every stream of the
-// current context when they return (see device_tensor.cpp), never racing work on a non-blocking stream.
-void host_to_device(CUdeviceptr dst, const void* src, size_t bytes);
-void device_to_host(void* dst, CUdeviceptr src, size_t bytes);
+// Host <-> device copies of the harness, the CLI's checks and the tests, on `stream`: the stream of the work
+// that reads what is uploaded or wrote what is downloaded (nullptr: the legacy default stream, which the C
+// ABI's calls with a null stream use). Both are complete when they return (see device_tensor.cpp).
+void host_to_device(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream);
+void device_to_host(void* dst, CUdeviceptr src, size_t bytes, CUstream stream);
 
 class DeviceTensor {
  public:
@@ -26,11 +27,12 @@ class DeviceTensor {
   DLTensor* dl() { return &t_; }
   CUdeviceptr ptr() const { return base_ + t_.byte_offset; }
   size_t bytes() const { return bytes_; }
-  void upload(const std::vector<uint8_t>& b);
-  void upload_values(const std::vector<double>& v);  // encoded to the dtype
-  void poison();                                     // all-ones bytes: NaN in fp32, fp16 and bf16
-  std::vector<uint8_t> download() const;
-  std::vector<double> download_values() const;
+  // Every copy on the stream the tensor's work runs on (host_to_device, device_to_host).
+  void upload(const std::vector<uint8_t>& b, CUstream stream);
+  void upload_values(const std::vector<double>& v, CUstream stream);  // encoded to the dtype
+  void poison(CUstream stream);  // all-ones bytes: NaN in fp32, fp16 and bf16
+  std::vector<uint8_t> download(CUstream stream) const;
+  std::vector<double> download_values(CUstream stream) const;
 
  private:
   CUdeviceptr base_ = 0;

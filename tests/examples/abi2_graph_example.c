@@ -61,8 +61,10 @@ static float from_bf16(uint16_t h) {
   return f;
 }
 
-/* Uniform values in [-scale/2, scale/2] (zeros for scale 0). */
-static void tensor_init(Tensor* t, int ndim, const int64_t* shape, float scale) {
+/* Uniform values in [-scale/2, scale/2] (zeros for scale 0), copied on the stream the calls run on: a plain
+ * cudaMemcpy from pageable memory is not ordered with a non-blocking stream, whose kernels could read the
+ * tensor before the copy lands. Synchronised, as the host buffer is freed next. */
+static void tensor_init(Tensor* t, int ndim, const int64_t* shape, float scale, cudaStream_t stream) {
   memset(t, 0, sizeof *t);
   int64_t n = 1;
   for (int i = 0; i < ndim; ++i) {
@@ -74,7 +76,8 @@ static void tensor_init(Tensor* t, int ndim, const int64_t* shape, float scale) 
   for (int64_t i = 0; i < n; ++i) host[i] = to_bf16(scale * ((float)rand() / (float)RAND_MAX - 0.5f));
   void* dev = NULL;
   CUDA_CHECK(cudaMalloc(&dev, t->bytes));
-  CUDA_CHECK(cudaMemcpy(dev, host, t->bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpyAsync(dev, host, t->bytes, cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   free(host);
   t->dl.data = dev;
   t->dl.device.device_type = kDLCUDA;
@@ -87,9 +90,11 @@ static void tensor_init(Tensor* t, int ndim, const int64_t* shape, float scale) 
   t->dl.strides = NULL;
 }
 
-static uint16_t* download(const Tensor* t) {
+/* Queued after the work on `stream` that wrote the tensor; synchronised, as the host reads it next. */
+static uint16_t* download(const Tensor* t, cudaStream_t stream) {
   uint16_t* host = malloc(t->bytes);
-  CUDA_CHECK(cudaMemcpy(host, t->dl.data, t->bytes, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpyAsync(host, t->dl.data, t->bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   return host;
 }
 
@@ -145,20 +150,20 @@ int main(void) {
   jf_param p[MAX_PARAMS], g[MAX_PARAMS];
   for (int i = 0; i < info.n_params; ++i) {
     const jf_tensor_info* ti = &info.params[i];
-    tensor_init(&params[i], ti->ndim, ti->shape, ti->ndim == 2 ? 0.05f : 0.1f);
-    tensor_init(&grads[i], ti->ndim, ti->shape, 0.f);
+    tensor_init(&params[i], ti->ndim, ti->shape, ti->ndim == 2 ? 0.05f : 0.1f, stream);
+    tensor_init(&grads[i], ti->ndim, ti->shape, 0.f, stream);
     p[i] = (jf_param){.op_index = ti->op_index, .name = ti->name, .tensor = &params[i].dl};
     g[i] = (jf_param){.op_index = ti->op_index, .name = ti->name, .tensor = &grads[i].dl};
   }
 
   /* Input, the residual (extra input 0), output, and their gradients. */
   Tensor x, res, y, dy, dx, dres;
-  tensor_init(&x, 2, in_shape, 2.f);
-  tensor_init(&res, 2, in_shape, 2.f);
-  tensor_init(&y, 2, in_shape, 0.f);
-  tensor_init(&dy, 2, in_shape, 1.f);
-  tensor_init(&dx, 2, in_shape, 0.f);
-  tensor_init(&dres, 2, in_shape, 0.f);
+  tensor_init(&x, 2, in_shape, 2.f, stream);
+  tensor_init(&res, 2, in_shape, 2.f, stream);
+  tensor_init(&y, 2, in_shape, 0.f, stream);
+  tensor_init(&dy, 2, in_shape, 1.f, stream);
+  tensor_init(&dx, 2, in_shape, 0.f, stream);
+  tensor_init(&dres, 2, in_shape, 0.f, stream);
 
   /* 3. The saved buffer, the workspaces and the Philox state {seed, offset}: the host's device memory. */
   void* saved = device_buffer(info.saved_bytes, info.alignment);
@@ -196,9 +201,9 @@ int main(void) {
   JF_CHECK(jf_forward(seq, &fwd, NULL, stream));
   JF_CHECK(jf_backward(seq, &bwd, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
-  uint16_t* y_eager = download(&y);
-  uint16_t* dx_eager = download(&dx);
-  uint16_t* dw1_eager = download(&grads[0]);
+  uint16_t* y_eager = download(&y, stream);
+  uint16_t* dx_eager = download(&dx, stream);
+  uint16_t* dw1_eager = download(&grads[0], stream);
 
   /* 5. Capture the step once. A prepared shape with host buffers only enqueues kernels, cuBLASLt
    *    matmuls and the 16-byte copy of the Philox state: nothing compiles, loads or allocates. */
@@ -221,9 +226,9 @@ int main(void) {
       CUDA_CHECK(cudaMemcpyAsync(y_row_first, y.dl.data, sizeof y_row_first, cudaMemcpyDeviceToHost, stream));
   }
   CUDA_CHECK(cudaStreamSynchronize(stream));
-  uint16_t* y_last = download(&y);
-  uint16_t* dx_last = download(&dx);
-  uint16_t* dw1_last = download(&grads[0]);
+  uint16_t* y_last = download(&y, stream);
+  uint16_t* dx_last = download(&dx, stream);
+  uint16_t* dw1_last = download(&grads[0], stream);
   const int same = memcmp(y_last, y_eager, y.bytes) == 0 && memcmp(dx_last, dx_eager, dx.bytes) == 0 &&
                    memcmp(dw1_last, dw1_eager, grads[0].bytes) == 0;
   const int masks_changed = memcmp(y_row_first, y_last, sizeof y_row_first) != 0;

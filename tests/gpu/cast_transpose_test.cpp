@@ -39,14 +39,15 @@ struct DevBuf {
   ~DevBuf() { drv().cuMemFree(p); }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
+  // On the legacy default stream, which every launch of this file uses.
   template <typename T>
   void put(const std::vector<T>& v) {
-    reference::host_to_device(p, v.data(), v.size() * sizeof(T));
+    reference::host_to_device(p, v.data(), v.size() * sizeof(T), nullptr);
   }
   template <typename T>
   std::vector<T> get(size_t n) const {
     std::vector<T> v(n);
-    reference::device_to_host(v.data(), p, n * sizeof(T));
+    reference::device_to_host(v.data(), p, n * sizeof(T), nullptr);
     return v;
   }
 };

@@ -148,11 +148,11 @@ TEST_CASE("FP8 weights are cast once per optimizer step: fp8_weights_unchanged r
     return v;
   };
   reference::DeviceTensor x({16, 64}, "bf16"), w({32, 64}, "bf16"), y({16, 32}, "bf16");
-  x.upload_values(rnd(16 * 64));
+  x.upload_values(rnd(16 * 64), nullptr);
   const auto w1 = rnd(32 * 64), w2 = rnd(32 * 64);
   std::vector<jf_param> params{{0, "weight", w.dl()}};
   auto forward = [&](int unchanged) {
-    y.poison();
+    y.poison(nullptr);
     jf_forward_args a{};
     a.input = x.dl();
     a.output = y.dl();
@@ -160,14 +160,14 @@ TEST_CASE("FP8 weights are cast once per optimizer step: fp8_weights_unchanged r
     a.n_params = 1;
     a.fp8_weights_unchanged = unchanged;
     REQUIRE(jf_forward(seq, &a, nullptr, nullptr) == JF_OK);
-    return y.download();
+    return y.download(nullptr);
   };
-  w.upload_values(w1);
+  w.upload_values(w1, nullptr);
   const auto y1 = forward(1);  // never cast yet: jitfuse casts despite the flag
-  w.upload_values(w2);
+  w.upload_values(w2, nullptr);
   const auto y2 = forward(0);  // an "optimizer step" (in place, same pointer), announced: cast
   CHECK((y2 != y1));
-  w.upload_values(w1);         // another in-place step, NOT announced: the W2 copies are used
+  w.upload_values(w1, nullptr);         // another in-place step, NOT announced: the W2 copies are used
   CHECK((forward(1) == y2));
   CHECK((forward(0) == y1));   // announced: W1 again gives y1 bit for bit
   CHECK((forward(1) == y1));
@@ -226,20 +226,20 @@ TEST_CASE("FP8 wgrad with accumulate_grad adds to the gradient buffer", "[fp8_li
   };
   reference::DeviceTensor x({48, 64}, "bf16"), w({32, 64}, "bf16"), y({48, 32}, "bf16"), dy({48, 32}, "bf16"),
       dx({48, 64}, "bf16"), dw({32, 64}, "bf16");
-  x.upload_values(rnd(48 * 64));
-  w.upload_values(rnd(32 * 64));
-  dy.upload_values(rnd(48 * 32));
+  x.upload_values(rnd(48 * 64), nullptr);
+  w.upload_values(rnd(32 * 64), nullptr);
+  dy.upload_values(rnd(48 * 32), nullptr);
   std::vector<jf_param> params{{0, "weight", w.dl()}}, grads{{0, "weight", dw.dl()}};
   auto grad = [&](const std::string& json, const std::vector<double>& start) {
     jf_sequence seq = nullptr;
     REQUIRE(jf_sequence_create(test::shared_context(), json.c_str(), "fp8_current", &seq) == JF_OK);
-    dw.upload_values(start);
+    dw.upload_values(start, nullptr);
     jf_saved saved = nullptr;
     REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), params, true, &saved) == JF_OK);
     REQUIRE(test::backward_simple(seq, saved, x.dl(), y.dl(), dy.dl(), dx.dl(), params, grads) == JF_OK);
     REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
     jf_sequence_destroy(seq);
-    return dw.download_values();
+    return dw.download_values(nullptr);
   };
   const auto g0 = rnd(32 * 64);
   const auto d = grad(plain, g0);  // overwritten: g0 is gone

@@ -30,9 +30,10 @@ const Fp8Case kCases[] = {
     {R"([{"op": "quantize"}])", {1000, 30}, ""},  // odd width: the scalar path
 };
 
+// The calls of this file run on the legacy default stream (nullptr); so do its copies.
 std::vector<float> read_floats(const float* p, size_t n) {
   std::vector<float> v(n);
-  reference::device_to_host(v.data(), reinterpret_cast<CUdeviceptr>(p), n * sizeof(float));
+  reference::device_to_host(v.data(), reinterpret_cast<CUdeviceptr>(p), n * sizeof(float), nullptr);
   return v;
 }
 
@@ -67,12 +68,12 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
       v = p_keep && p_keep->count({op.index, p.name}) ? p_keep->at({op.index, p.name}) : rnd(ops::numel(p.shape));
       if (p_keep) (*p_keep)[{op.index, p.name}] = v;
       keep.push_back(std::make_unique<reference::DeviceTensor>(p.shape, "bf16"));
-      keep.back()->upload_values(v);
+      keep.back()->upload_values(v, nullptr);
       params.push_back({op.index, p.name.c_str(), keep.back()->dl()});
     }
   reference::DeviceTensor x(ops.front().in, "bf16"), y(ops.back().out, "e4m3");
-  x.upload_values(in.input);
-  y.poison();  // 0xFF = E4M3 NaN: an unwritten byte shows
+  x.upload_values(in.input, nullptr);
+  y.poison(nullptr);  // 0xFF = E4M3 NaN: an unwritten byte shows
   jf_fp8_state st{};
   REQUIRE(jf_sequence_fp8_state(seq, qi, &st) == JF_OK);
   Run run;
@@ -80,7 +81,7 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
   jf_saved saved = nullptr;
   REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), params, train, &saved) == JF_OK);
   if (saved) REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
-  run.out = y.download();
+  run.out = y.download(nullptr);
   run.scale_inv = read_floats(st.scale_inv, 1)[0];
   run.scale_next = read_floats(st.scale, 1)[0];
   run.hist = read_floats(st.amax_history, static_cast<size_t>(st.history_len));
@@ -238,11 +239,11 @@ TEST_CASE("FP8 recipes: the backward passes gradients straight through quantize"
     auto gy = rnd(64 * 256);
     reference::DeviceTensor x(shape, "bf16"), y(shape, "e4m3"), w({256}, "bf16"), b({256}, "bf16"), dy(shape, "bf16"),
         dx(shape, "bf16"), dw({256}, "bf16"), db({256}, "bf16");
-    x.upload_values(in.input);
-    w.upload_values(in.params[{0, "weight"}]);
-    b.upload_values(in.params[{0, "bias"}]);
-    dy.upload_values(gy);
-    for (auto* t : {&y, &dx, &dw, &db}) t->poison();
+    x.upload_values(in.input, nullptr);
+    w.upload_values(in.params[{0, "weight"}], nullptr);
+    b.upload_values(in.params[{0, "bias"}], nullptr);
+    dy.upload_values(gy, nullptr);
+    for (auto* t : {&y, &dx, &dw, &db}) t->poison(nullptr);
     const std::vector<jf_param> params = {{0, "weight", w.dl()}, {0, "bias", b.dl()}};
     const std::vector<jf_param> grads = {{0, "weight", dw.dl()}, {0, "bias", db.dl()}};
     jf_saved saved = nullptr;
@@ -258,9 +259,9 @@ TEST_CASE("FP8 recipes: the backward passes gradients straight through quantize"
       INFO(recipe << " " << what << " worst err/tol " << worst);
       CHECK(worst <= 1.0);  // NaN poison fails too
     };
-    check("dx", dx.download_values(), g.grad_input, 1e-5 * 16);
-    check("dgamma", dw.download_values(), g.grad_params.at({0, "weight"}), 1e-5 * 64 * 16);
-    check("dbeta", db.download_values(), g.grad_params.at({0, "bias"}), 1e-5 * 64 * 16);
+    check("dx", dx.download_values(nullptr), g.grad_input, 1e-5 * 16);
+    check("dgamma", dw.download_values(nullptr), g.grad_params.at({0, "weight"}), 1e-5 * 64 * 16);
+    check("dbeta", db.download_values(nullptr), g.grad_params.at({0, "bias"}), 1e-5 * 64 * 16);
     jf_sequence_destroy(seq);
   }
 }

@@ -66,14 +66,14 @@ std::vector<double> train(const char* recipe) {
   }
   reference::DeviceTensor xt({kRows, kIn}, "bf16"), yt({kRows, kOut}, "bf16"), gy({kRows, kOut}, "bf16"),
       gx({kRows, kIn}, "bf16");
-  xt.upload_values(x);
+  xt.upload_values(x, nullptr);
   std::vector<double> losses;
   for (int step = 0; step < kSteps; ++step) {
-    for (size_t i = 0; i < ps.size(); ++i) dev[i]->upload_values(ps[i].w);
-    yt.poison();
+    for (size_t i = 0; i < ps.size(); ++i) dev[i]->upload_values(ps[i].w, nullptr);
+    yt.poison(nullptr);
     jf_saved saved = nullptr;
     REQUIRE(test::forward_simple(seq, xt.dl(), yt.dl(), params, true, &saved) == JF_OK);
-    const auto y = yt.download_values();
+    const auto y = yt.download_values(nullptr);
     double loss = 0;
     std::vector<double> dy(y.size());
     for (size_t i = 0; i < y.size(); ++i) {
@@ -87,11 +87,11 @@ std::vector<double> train(const char* recipe) {
     // dy is tiny (2/N): scale it up by N for the call and back down in the update, as loss scaling does,
     // so the bf16 / E5M2 gradients sit in their normal range.
     for (auto& d : dy) d *= static_cast<double>(y.size()) / 2.0;
-    gy.upload_values(dy);
+    gy.upload_values(dy, nullptr);
     REQUIRE(test::backward_simple(seq, saved, xt.dl(), yt.dl(), gy.dl(), gx.dl(), params, gparams) == JF_OK);
     REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
     for (size_t i = 0; i < ps.size(); ++i) {
-      const auto g = grads[i]->download_values();
+      const auto g = grads[i]->download_values(nullptr);
       for (size_t k = 0; k < g.size(); ++k) ps[i].w[k] -= kLr * g[k] * 2.0 / static_cast<double>(y.size());
     }
   }

@@ -96,8 +96,8 @@ void run_case(cuda::Blas& blas, const Case& c, int64_t m, int64_t n, int64_t k, 
     }
 
   DeviceTensor da({m, k}, ops::dtype_name(c.a)), db({n, k}, ops::dtype_name(c.b));
-  da.upload(qa.codes);
-  db.upload(qb.codes);
+  da.upload(qa.codes, nullptr);
+  db.upload(qb.codes, nullptr);
   // a_scale_inv, b_scale_inv, d_scale, amax: one per 16-byte slot (floats 0, 4, 8, 12), as cuBLASLt needs.
   DeviceTensor scales({16}, "fp32");
   const bool fp8_out = ops::is_fp8(c.out);
@@ -108,11 +108,11 @@ void run_case(cuda::Blas& blas, const Case& c, int64_t m, int64_t n, int64_t k, 
     float host[16] = {qa.scale_inv, 0, 0, 0, qb.scale_inv, 0, 0, 0, d_scale, 0, 0, 0, std::nanf("")};  // amax poisoned
     std::vector<uint8_t> bytes(sizeof host);
     std::memcpy(bytes.data(), host, sizeof host);
-    scales.upload(bytes);
+    scales.upload(bytes, nullptr);
   }
   const auto sp = reinterpret_cast<float*>(scales.ptr());
   DeviceTensor dbias({n}, "bf16"), dd({m, n}, fp8_out ? ops::dtype_name(c.out) : c.out == DType::f32 ? "fp32" : "bf16");
-  dbias.upload_values(bias);
+  dbias.upload_values(bias, nullptr);
   DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
 
   cuda::GemmCall g;
@@ -128,13 +128,13 @@ void run_case(cuda::Blas& blas, const Case& c, int64_t m, int64_t n, int64_t k, 
   g.bias = c.bias ? P(dbias) : nullptr;
   g.workspace = P(ws);
   g.fp8 = cuda::Fp8Gemm{c.a, c.b, DType::bf16, sp, sp + 4, fp8_out ? sp + 8 : nullptr, fp8_out ? sp + 12 : nullptr, c.fast};
-  dd.poison();  // NaN in bf16 and fp32, and 0xFF is NaN in E4M3 and E5M2: an unwritten element fails
+  dd.poison(nullptr);  // NaN in bf16 and fp32, and 0xFF is NaN in E4M3 and E5M2: an unwritten element fails
   REQUIRE(blas.prepare(g));
   blas.gemm(g, nullptr);
   const Tol tol = tolerance(c, k);
 
   if (!fp8_out) {
-    const auto got = dd.download_values();
+    const auto got = dd.download_values(nullptr);
     double worst = 0, worst_acc = 0;
     for (size_t i = 0; i < ref.size(); ++i) {
       const double err = std::fabs(got[i] - ref[i]);
@@ -151,10 +151,10 @@ void run_case(cuda::Blas& blas, const Case& c, int64_t m, int64_t n, int64_t k, 
   // plus one code step of the format at that magnitude: near zero the accumulation error alone spans many
   // (logarithmically spaced) codes, so a bound in codes would be wrong there (H100 run #16 measured up to 10
   // codes at |value| ~ 0.02 of a 448 range).
-  const auto codes = dd.download();
+  const auto codes = dd.download(nullptr);
   float amax = 0;
   {
-    auto b = scales.download();
+    auto b = scales.download(nullptr);
     std::memcpy(&amax, b.data() + 12 * sizeof(float), sizeof(float));  // slot of float 12 (bytes from 48)
   }
   size_t at = 0;
@@ -211,9 +211,9 @@ TEST_CASE("FP8 GEMMs: prepare caches per FP8 configuration; refused calls throw,
   cuda::Blas blas;
   DeviceTensor a({64, 64}, "e4m3"), b({64, 64}, "e4m3"), d({64, 64}, "bf16"), scales({8}, "fp32");
   DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
-  a.upload(std::vector<uint8_t>(64 * 64, 0x38));  // 1.0
-  b.upload(std::vector<uint8_t>(64 * 64, 0x38));
-  scales.upload_values({1, 0, 0, 0, 1, 0, 0, 0});
+  a.upload(std::vector<uint8_t>(64 * 64, 0x38), nullptr);  // 1.0
+  b.upload(std::vector<uint8_t>(64 * 64, 0x38), nullptr);
+  scales.upload_values({1, 0, 0, 0, 1, 0, 0, 0}, nullptr);
   const auto sp = reinterpret_cast<float*>(scales.ptr());
   cuda::GemmCall g;
   g.m = g.n = g.k = 64;
@@ -240,10 +240,9 @@ TEST_CASE("FP8 GEMMs: prepare caches per FP8 configuration; refused calls throw,
   plain.dtype = DType::bf16;
   REQUIRE(blas.prepare(plain));
   CHECK(blas.heuristic_cache_size() == n0 + 3);
-  d.poison();
+  d.poison(s);
   blas.gemm(g, s);
-  cuda::check(cuda::driver().cuStreamSynchronize(s), "cuStreamSynchronize");
-  for (double v : d.download_values()) REQUIRE(v == 64.0);
+  for (double v : d.download_values(s)) REQUIRE(v == 64.0);
   cuda::driver().cuStreamDestroy(s);
 
   cuda::GemmCall bad = g;

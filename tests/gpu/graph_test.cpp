@@ -43,8 +43,10 @@ const char* kMlpDropout = R"([{"op": "layernorm"}, {"op": "linear", "in_features
 
 // Everything one training call of a sequence needs, in device memory the test owns: tensors drawn from
 // `seed`, the saved buffer and both workspaces sized from jf_sequence_info, and a device Philox state.
+// Its uploads and downloads go on `stream`, the stream its calls run on.
 struct Rig {
   jf_sequence seq = nullptr;
+  CUstream stream = nullptr;
   std::vector<ops::Op> ops;
   std::vector<std::unique_ptr<DeviceTensor>> keep;
   DeviceTensor *x = nullptr, *y = nullptr, *dy = nullptr, *dx = nullptr;
@@ -64,12 +66,12 @@ struct Rig {
     std::uniform_real_distribution<double> u(-1, 1);
     std::vector<double> v(static_cast<size_t>(ops::numel(s)));
     for (auto& e : v) e = u(g);
-    keep.back()->upload_values(v);
+    keep.back()->upload_values(v, stream);
     return keep.back().get();
   }
 
-  Rig(jf_context ctx, jf_sequence s, const ops::Shape& shape, uint64_t seed, bool misaligned = false)
-      : seq(s), misalign(misaligned) {
+  Rig(jf_context ctx, jf_sequence s, CUstream st, const ops::Shape& shape, uint64_t seed, bool misaligned = false)
+      : seq(s), stream(st), misalign(misaligned) {
     const auto& reg = api::context_of(ctx).registry();
     ops = ops::infer(s->impl->def, shape);
     (void)reg;
@@ -115,13 +117,13 @@ struct Rig {
 
   void set_rng(uint64_t seed, uint64_t offset) {
     const uint64_t st[2] = {seed, offset};
-    jitfuse::reference::host_to_device(rng, st, 16);
+    reference::host_to_device(rng, st, 16, stream);
   }
   void poison() {
-    for (auto* t : outs) t->poison();
+    for (auto* t : outs) t->poison(stream);
   }
-  // One training forward and its backward, enqueued on `s` with nothing but host memory.
-  jf_status enqueue(CUstream s) {
+  // One training forward and its backward, enqueued on the rig's stream with nothing but host memory.
+  jf_status enqueue() {
     jf_forward_args f{};
     f.input = x->dl();
     f.extra_inputs = ein.data();
@@ -137,7 +139,7 @@ struct Rig {
     f.saved_bytes = info.saved_bytes;
     f.workspace = reinterpret_cast<void*>(fws);
     f.workspace_bytes = info.forward_workspace_bytes;
-    const auto js = reinterpret_cast<jf_stream>(s);
+    const auto js = reinterpret_cast<jf_stream>(stream);
     if (jf_status st = jf_forward(seq, &f, nullptr, js); st != JF_OK) return st;
     jf_backward_args b{};
     b.input = x->dl();
@@ -164,7 +166,7 @@ struct Rig {
   }
   std::vector<std::vector<uint8_t>> results() const {
     std::vector<std::vector<uint8_t>> r;
-    for (auto* t : outs) r.push_back(t->download());
+    for (auto* t : outs) r.push_back(t->download(stream));
     return r;
   }
 };
@@ -204,7 +206,7 @@ void graph_case(const std::string& json, const ops::Shape& shape, bool misaligne
   REQUIRE(jf_sequence_prepare(seq, shape.data(), static_cast<int>(shape.size()), 1, reinterpret_cast<jf_stream>(s)) ==
           JF_OK);
   {
-    Rig rig(ctx, seq, shape, 42, misaligned);
+    Rig rig(ctx, seq, s, shape, 42, misaligned);
     REQUIRE(rig.info.uses_rng == 1);
     REQUIRE(rig.info.rng_offset_advance == 1);
     const uint64_t seed = 0x1234abcdULL;
@@ -214,7 +216,7 @@ void graph_case(const std::string& json, const ops::Shape& shape, bool misaligne
     CUgraphExec exec = nullptr;
     auto capture = [&] {
       ck(drv().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
-      jf_status st = rig.enqueue(s);
+      jf_status st = rig.enqueue();
       const std::string err = jf_last_error();
       ck(drv().cuStreamEndCapture(s, &graph), "cuStreamEndCapture");  // fails if jitfuse invalidated the capture
       INFO(err);
@@ -231,7 +233,7 @@ void graph_case(const std::string& json, const ops::Shape& shape, bool misaligne
     for (uint64_t r = 0; r < 10; ++r) {
       rig.set_rng(seed, 100 + r * rig.info.rng_offset_advance);
       rig.poison();
-      REQUIRE(rig.enqueue(s) == JF_OK);
+      REQUIRE(rig.enqueue() == JF_OK);
       ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
       eager.push_back(rig.results());
     }
@@ -298,16 +300,15 @@ TEST_CASE("8 threads run one prepared sequence at once with their own tensors an
   std::vector<std::unique_ptr<Rig>> rigs;
   std::vector<CUstream> streams(kThreads);
   for (int t = 0; t < kThreads; ++t) {
-    rigs.push_back(std::make_unique<Rig>(ctx, seq, shape, 1000 + t));
-    rigs.back()->set_rng(77, 5 + t);
     ck(drv().cuStreamCreate(&streams[t], CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    rigs.push_back(std::make_unique<Rig>(ctx, seq, streams[t], shape, 1000 + t));
+    rigs.back()->set_rng(77, 5 + t);
   }
   // Single-threaded first.
   std::vector<std::vector<std::vector<uint8_t>>> single(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     rigs[t]->poison();
-    REQUIRE(rigs[t]->enqueue(streams[t]) == JF_OK);
-    ck(drv().cuStreamSynchronize(streams[t]), "cuStreamSynchronize");
+    REQUIRE(rigs[t]->enqueue() == JF_OK);
     single[t] = rigs[t]->results();
     rigs[t]->poison();
   }
@@ -320,7 +321,7 @@ TEST_CASE("8 threads run one prepared sequence at once with their own tensors an
     threads.emplace_back([&, t] {
       drv().cuCtxSetCurrent(cu);
       for (int rep = 0; rep < 3; ++rep)
-        if (rigs[t]->enqueue(streams[t]) != JF_OK) failures++;
+        if (rigs[t]->enqueue() != JF_OK) failures++;
       drv().cuStreamSynchronize(streams[t]);
     });
   for (auto& th : threads) th.join();
@@ -346,7 +347,7 @@ TEST_CASE("a capture of an unprepared shape fails with JF_ERR_NOT_PREPARED and l
   CUstream s = nullptr;
   ck(drv().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   {
-    Rig rig(ctx, seq, {48, 256}, 3);  // prepares {48, 256} (info), not {40, 256}
+    Rig rig(ctx, seq, s, {48, 256}, 3);  // prepares {48, 256} (info), not {40, 256}
     rig.keep.push_back(std::make_unique<DeviceTensor>(shape, "bf16"));
     DeviceTensor* x40 = rig.keep.back().get();
     rig.keep.push_back(std::make_unique<DeviceTensor>(shape, "bf16"));
@@ -370,10 +371,9 @@ TEST_CASE("a capture of an unprepared shape fails with JF_ERR_NOT_PREPARED and l
     CHECK(st == JF_ERR_NOT_PREPARED);
     CHECK_THAT(msg, Catch::Contains("40x256") && Catch::Contains("jf_sequence_prepare"));
     // The stream works, and the same call outside a capture prepares on first use.
-    y40->poison();
+    y40->poison(s);
     CHECK(jf_forward(seq, &f, nullptr, reinterpret_cast<jf_stream>(s)) == JF_OK);
-    ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
-    auto y = y40->download_values();
+    auto y = y40->download_values(s);
     int nan = 0;
     for (double v : y) nan += std::isnan(v);
     CHECK(nan == 0);

@@ -37,18 +37,18 @@ TEST_CASE("user-declared softplus fused with bias matches float64", "[fusion]") 
   for (auto& v : gy) v = static_cast<float>(u(rng));
   reference::DeviceTensor dx({R, C}, "fp32"), db({C}, "fp32"), dy({R, C}, "fp32"), dgy({R, C}, "fp32"),
       dgx({R, C}, "fp32"), dgb({C}, "fp32");
-  dx.upload_values(x);
-  db.upload_values(b);
-  dgy.upload_values(gy);
-  dy.poison();
-  dgx.poison();
-  dgb.poison();
+  dx.upload_values(x, nullptr);
+  db.upload_values(b, nullptr);
+  dgy.upload_values(gy, nullptr);
+  dy.poison(nullptr);
+  dgx.poison(nullptr);
+  dgb.poison(nullptr);
   const std::vector<jf_param> params = {{0, "bias", db.dl()}}, grads = {{0, "bias", dgb.dl()}};
   jf_saved saved = nullptr;
   REQUIRE(test::forward_simple(seq, dx.dl(), dy.dl(), params, true, &saved) == JF_OK);
   REQUIRE(test::backward_simple(seq, saved, dx.dl(), dy.dl(), dgy.dl(), dgx.dl(), params, grads) == JF_OK);
   REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
-  auto y = dy.download_values(), gx = dgx.download_values(), gb = dgb.download_values();
+  auto y = dy.download_values(nullptr), gx = dgx.download_values(nullptr), gb = dgb.download_values(nullptr);
   std::vector<double> ref_gb(C, 0.0);
   double worst = 0;
   for (int64_t r = 0; r < R; ++r)
@@ -84,18 +84,18 @@ TEST_CASE("linear with accumulate_grad adds dW into the existing gradient buffer
   auto x = rnd(M * K), w = rnd(N * K), g0 = rnd(N * K), gy = rnd(M * N);
   reference::DeviceTensor dx({M, K}, "fp32"), dw({N, K}, "fp32"), dg({N, K}, "fp32"), dy({M, N}, "fp32"),
       dgy({M, N}, "fp32"), dgx({M, K}, "fp32");
-  dx.upload_values(x);
-  dw.upload_values(w);
-  dg.upload_values(g0);
-  dgy.upload_values(gy);
-  dy.poison();
-  dgx.poison();
+  dx.upload_values(x, nullptr);
+  dw.upload_values(w, nullptr);
+  dg.upload_values(g0, nullptr);
+  dgy.upload_values(gy, nullptr);
+  dy.poison(nullptr);
+  dgx.poison(nullptr);
   const std::vector<jf_param> params = {{0, "weight", dw.dl()}}, grads = {{0, "weight", dg.dl()}};
   jf_saved saved = nullptr;
   REQUIRE(test::forward_simple(seq, dx.dl(), dy.dl(), params, true, &saved) == JF_OK);
   REQUIRE(test::backward_simple(seq, saved, dx.dl(), dy.dl(), dgy.dl(), dgx.dl(), params, grads) == JF_OK);
   REQUIRE(jf_saved_release(saved, nullptr) == JF_OK);
-  auto g = dg.download_values();
+  auto g = dg.download_values(nullptr);
   double worst = 0;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k) {
@@ -132,9 +132,9 @@ TEST_CASE("a misaligned call whose scalar variant fails to compile returns JF_ER
   const int64_t R = 40, C = 64;
   reference::DeviceTensor x({R, C}, "fp32"), b({C}, "fp32"), y({R, C}, "fp32"), xm({R, C}, "fp32", true),
       ym({R, C}, "fp32", true);
-  x.upload_values(std::vector<double>(R * C, 0.5));
-  xm.upload_values(std::vector<double>(R * C, 0.5));
-  b.upload_values(std::vector<double>(C, 0.25));
+  x.upload_values(std::vector<double>(R * C, 0.5), nullptr);
+  xm.upload_values(std::vector<double>(R * C, 0.5), nullptr);
+  b.upload_values(std::vector<double>(C, 0.25), nullptr);
   const std::vector<jf_param> params = {{0, "bias", b.dl()}};
   REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), params, false, nullptr) == JF_OK);
   const jf_status st = test::forward_simple(seq, xm.dl(), ym.dl(), params, false, nullptr);
@@ -142,11 +142,11 @@ TEST_CASE("a misaligned call whose scalar variant fails to compile returns JF_ER
   CHECK(st == JF_ERR_COMPILE);
   CHECK_THAT(msg, Catch::Contains("not 16-byte aligned") && Catch::Contains("scalar variant") &&
                       Catch::Contains("no scalar variant"));
-  y.poison();
+  y.poison(nullptr);
   REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), params, false, nullptr) == JF_OK);
   REQUIRE(cuda::driver().cuCtxSynchronize() == CUDA_SUCCESS);
   const double want = std::log1p(std::exp(2.0 * 0.75)) / 2.0;  // softplus(x + b), beta 2
-  for (double v : y.download_values()) CHECK(std::fabs(v - want) < 1e-5);
+  for (double v : y.download_values(nullptr)) CHECK(std::fabs(v - want) < 1e-5);
   jf_sequence_destroy(seq);
   std::filesystem::remove_all(dir);
 }

@@ -64,9 +64,9 @@ TEST_CASE("JITFUSE_VERIFY reports the first fused group that differs beyond the 
   std::vector<double> xv(64 * 256), bv(256);
   for (auto& v : xv) v = u(rng);
   for (auto& v : bv) v = u(rng);
-  x.upload_values(xv);
-  b.upload_values(bv);
-  y.poison();
+  x.upload_values(xv, nullptr);
+  b.upload_values(bv, nullptr);
+  y.poison(nullptr);
   REQUIRE(test::forward_simple(seq, x.dl(), y.dl(), {{0, "bias", b.dl()}}, false, nullptr) == JF_OK);
   const auto* log = api::context_of(ctx).verify_log();
   INFO(log->first);

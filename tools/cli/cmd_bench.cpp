@@ -95,9 +95,11 @@ std::vector<uint8_t> random_operand_bytes(size_t n, bool fp8, uint64_t seed) {
   return b;
 }
 
-// One sequence with random parameters and inputs, in bf16, run through the C ABI.
+// One sequence with random parameters and inputs, in bf16, run through the C ABI (its uploads on `stream`,
+// the stream the calls run on).
 struct SeqBench {
   jf_sequence seq = nullptr;
+  CUstream stream = nullptr;
   std::vector<std::unique_ptr<DeviceTensor>> keep;  // per parameter: the tensor, then its gradient
   DeviceTensor *x = nullptr, *y = nullptr, *gy = nullptr, *gx = nullptr;
   std::vector<DeviceTensor*> ein, eout, gein, geout;
@@ -108,13 +110,14 @@ struct SeqBench {
 
   DeviceTensor* make(const ops::Shape& s, uint64_t seed) {
     keep.push_back(std::make_unique<DeviceTensor>(s, "bf16"));
-    keep.back()->upload_values(random_values(static_cast<size_t>(ops::numel(s)), seed, -1, 1));
+    keep.back()->upload_values(random_values(static_cast<size_t>(ops::numel(s)), seed, -1, 1), stream);
     return keep.back().get();
   }
 
-  SeqBench(jf_context ctx, const std::string& ops_json, const ops::Shape& in, const ops::Shape& out,
+  SeqBench(jf_context ctx, CUstream s, const std::string& ops_json, const ops::Shape& in, const ops::Shape& out,
            const std::vector<std::tuple<int, std::string, ops::Shape>>& ps, int n_extra_in, int n_extra_out,
-           const char* recipe = "bf16") {
+           const char* recipe = "bf16")
+      : stream(s) {
     std::string j = R"({"format": "jitfuse.sequence/1", "name": "bench", "ops": )" + ops_json + "}";
     ok(jf_sequence_create(ctx, j.c_str(), recipe, &seq), "jf_sequence_create");
     // FP8 recipes write E4M3 only where the sequence ends in quantize (a GEMM's output stays bf16).
@@ -200,7 +203,7 @@ struct SeqBench {
 double copy_bandwidth(CUstream s, const BenchOpts& o) {
   const size_t bytes = size_t(1) << 30;
   DeviceTensor a({static_cast<int64_t>(bytes / 2)}, "bf16"), b({static_cast<int64_t>(bytes / 2)}, "bf16");
-  a.upload_values(random_values(bytes / 2, 99, -1, 1));
+  a.upload_values(random_values(bytes / 2, 99, -1, 1), s);
   double ms = median_ms(s, [&] { cuda::check(cuda::driver().cuMemcpyDtoDAsync(b.ptr(), a.ptr(), bytes, s), "cuMemcpyDtoDAsync"); }, o);
   return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;  // read + write
 }
@@ -217,12 +220,12 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
   const double e = 2;  // bf16 bytes
   if (want("bias_gelu")) {
     const int64_t C = 16384;
-    SeqBench b(ctx, R"([{"op": "bias"}, {"op": "gelu"}])", {R, C}, {R, C}, {{0, "bias", {C}}}, 0, 0);
+    SeqBench b(ctx, s, R"([{"op": "bias"}, {"op": "gelu"}])", {R, C}, {R, C}, {{0, "bias", {C}}}, 0, 0);
     rows.push_back({"bias_gelu fwd", "8192x16384", median_ms(s, [&] { b.forward(s, nullptr); }, o), e * (2.0 * R * C + C)});
   }
   if (want("dgelu_dbias")) {
     const int64_t C = 16384;
-    SeqBench b(ctx, R"([{"op": "bias"}, {"op": "gelu"}])", {R, C}, {R, C}, {{0, "bias", {C}}}, 0, 0);
+    SeqBench b(ctx, s, R"([{"op": "bias"}, {"op": "gelu"}])", {R, C}, {R, C}, {{0, "bias", {C}}}, 0, 0);
     jf_saved saved = nullptr;
     b.forward(s, &saved);
     rows.push_back({"dgelu_dbias bwd", "8192x16384", median_ms(s, [&] { b.backward(s, saved); }, o),
@@ -239,7 +242,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
       const int64_t M = R * 4096 / C;
       std::vector<std::tuple<int, std::string, ops::Shape>> params = {{0, "weight", {C}}};
       if (std::string(norm) == "layernorm") params.push_back({0, "bias", {C}});
-      SeqBench b(ctx, fmt::format(R"([{{"op": "{}"}}])", norm), {M, C}, {M, C}, params, 0, 0);
+      SeqBench b(ctx, s, fmt::format(R"([{{"op": "{}"}}])", norm), {M, C}, {M, C}, params, 0, 0);
       const std::string shape = fmt::format("{}x{}", M, C);
       rows.push_back({std::string(norm) + " fwd", shape, median_ms(s, [&] { b.forward(s, nullptr); }, o),
                       e * 2.0 * M * C});
@@ -257,26 +260,26 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     const std::string name = std::string("layernorm_") + recipe;
     if (!want(name.c_str())) continue;
     const int64_t C = 4096;
-    SeqBench b(ctx, R"([{"op": "layernorm"}, {"op": "quantize"}])", {R, C}, {R, C}, {{0, "weight", {C}}, {0, "bias", {C}}},
+    SeqBench b(ctx, s, R"([{"op": "layernorm"}, {"op": "quantize"}])", {R, C}, {R, C}, {{0, "weight", {C}}, {0, "bias", {C}}},
                0, 0, recipe);
     const double bytes = (std::string(recipe) == "fp8_current" ? 5.0 : 3.0) * R * C;
     rows.push_back({name + " fwd", "8192x4096 -> e4m3", median_ms(s, [&] { b.forward(s, nullptr); }, o), bytes});
   }
   if (want("swiglu")) {
-    SeqBench b(ctx, R"([{"op": "swiglu"}])", {R, 22016}, {R, 11008}, {}, 0, 0);
+    SeqBench b(ctx, s, R"([{"op": "swiglu"}])", {R, 22016}, {R, 11008}, {}, 0, 0);
     rows.push_back({"swiglu fwd", "8192x22016->11008", median_ms(s, [&] { b.forward(s, nullptr); }, o),
                     e * (R * 22016.0 + R * 11008.0)});
   }
   if (want("bias_dropout_add")) {
     const int64_t C = 4096;
-    SeqBench b(ctx, R"([{"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 5}, {"op": "add_extra_input"}])", {R, C},
+    SeqBench b(ctx, s, R"([{"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 5}, {"op": "add_extra_input"}])", {R, C},
                {R, C}, {{0, "bias", {C}}}, 1, 0);
     rows.push_back({"bias_dropout_add fwd", "8192x4096", median_ms(s, [&] { b.forward(s, nullptr); }, o),
                     e * (3.0 * R * C + C)});
   }
   if (want("linear_bias_gelu")) {
     const int64_t K = 4096, N = 16384;
-    SeqBench b(ctx, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"}])",
+    SeqBench b(ctx, s, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"}])",
                {R, K}, {R, N}, {{0, "weight", {N, K}}, {1, "bias", {N}}}, 0, 0);
     Row r{"linear_bias_gelu fwd", "8192x4096 -> 16384", median_ms(s, [&] { b.forward(s, nullptr); }, o), 0,
           2.0 * R * N * K};
@@ -294,7 +297,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
   }
   if (want("mlp")) {
     const int64_t H = 4096, F = 16384;
-    SeqBench b(ctx, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"},
+    SeqBench b(ctx, s, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"},
                       {"op": "linear", "in_features": 16384, "out_features": 4096}, {"op": "bias"}])",
                {R, H}, {R, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}}, 0, 0);
     Row r{"mlp fwd+bwd", "8192: 4096->16384->4096", 0, 0, 3 * 2 * (2.0 * R * H * F)};
@@ -309,8 +312,8 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     cuda::Blas blas;
     DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 2)}, "bf16");
     DeviceTensor h({R, F}, "bf16"), aux({R, F}, "bf16"), dh({R, F}, "bf16");
-    h.upload_values(random_values(static_cast<size_t>(R * F), 7, -1, 1));
-    dh.upload_values(random_values(static_cast<size_t>(R * F), 8, -1, 1));
+    h.upload_values(random_values(static_cast<size_t>(R * F), 7, -1, 1), s);
+    dh.upload_values(random_values(static_cast<size_t>(R * F), 8, -1, 1), s);
     auto p = [&](int i) { return reinterpret_cast<void*>(b.keep[static_cast<size_t>(i)]->ptr()); };
     auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
     r.baseline_ms = median_ms(s, [&] {
@@ -344,7 +347,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
                          {"op": "linear", "in_features": 16384, "out_features": 4096}, {"op": "bias"}])";
     double bf16_ms = 0;
     for (const char* recipe : {"bf16", "fp8_delayed", "fp8_current"}) {
-      SeqBench b(ctx, mlp, {R, H}, {R, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}},
+      SeqBench b(ctx, s, mlp, {R, H}, {R, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}},
                  0, 0, recipe);
       const bool fp8 = std::string(recipe) != "bf16";
       for (bool unchanged : fp8 ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
@@ -363,9 +366,9 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
           cuda::Blas blas;
           DeviceTensor a8({F * R}, "e4m3"), b8({F * R}, "e4m3"), d16({F * R}, "bf16"), ones({8}, "fp32"),
               ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
-          a8.upload(random_operand_bytes(static_cast<size_t>(F * R), true, 13));
-          b8.upload(random_operand_bytes(static_cast<size_t>(F * R), true, 14));
-          ones.upload_values({1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0});
+          a8.upload(random_operand_bytes(static_cast<size_t>(F * R), true, 13), s);
+          b8.upload(random_operand_bytes(static_cast<size_t>(F * R), true, 14), s);
+          ones.upload_values({1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0}, s);
           const auto sp = reinterpret_cast<const float*>(ones.ptr());
           auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
           struct G { int64_t m, n, k; bool fast; };
@@ -391,7 +394,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     // The relu MLP runs as one joint group: RELU_AUX_BIAS saves cuBLASLt's ReLU bit-mask, DRELU_BGRAD
     // applies it in the second linear's dgrad. Bare cuBLASLt: the same six GEMMs and epilogues.
     const int64_t H = 4096, F = 16384;
-    SeqBench b(ctx, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "relu"},
+    SeqBench b(ctx, s, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "relu"},
                       {"op": "linear", "in_features": 16384, "out_features": 4096}, {"op": "bias"}])",
                {R, H}, {R, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}}, 0, 0);
     Row r{"mlp_relu fwd+bwd", "8192: 4096->16384->4096", 0, 0, 3 * 2 * (2.0 * R * H * F)};
@@ -405,7 +408,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 2)}, "bf16");
     DeviceTensor h({R, F}, "bf16"), dh({R, F}, "bf16");
     DeviceTensor mask({static_cast<int64_t>(cuda::relu_mask_bytes(F, R) / 2)}, "bf16");  // bytes, as 2-byte words
-    h.upload_values(random_values(static_cast<size_t>(R * F), 7, -1, 1));
+    h.upload_values(random_values(static_cast<size_t>(R * F), 7, -1, 1), s);
     auto p = [&](int i) { return reinterpret_cast<void*>(b.keep[static_cast<size_t>(i)]->ptr()); };
     auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
     r.baseline_ms = median_ms(s, [&] {
@@ -440,13 +443,13 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
                             {"fc2 wgrad", H, F, R}, {"fc1 dgrad", R, H, F}, {"fc1 wgrad", F, H, R}};
     const int64_t most = F * R;  // elements of the largest operand and output
     DeviceTensor a16({most}, "bf16"), b16({most}, "bf16"), d16({most}, "bf16"), a8({most}, "e4m3"), b8({most}, "e4m3");
-    a16.upload(random_operand_bytes(static_cast<size_t>(most), false, 11));
-    b16.upload(random_operand_bytes(static_cast<size_t>(most), false, 12));
-    a8.upload(random_operand_bytes(static_cast<size_t>(most), true, 13));
-    b8.upload(random_operand_bytes(static_cast<size_t>(most), true, 14));
+    a16.upload(random_operand_bytes(static_cast<size_t>(most), false, 11), s);
+    b16.upload(random_operand_bytes(static_cast<size_t>(most), false, 12), s);
+    a8.upload(random_operand_bytes(static_cast<size_t>(most), true, 13), s);
+    b8.upload(random_operand_bytes(static_cast<size_t>(most), true, 14), s);
     // The two scale-inverses in separate 16-byte slots (cuBLASLt refuses a scale pointer that is not).
     DeviceTensor ones({8}, "fp32"), ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
-    ones.upload_values({1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0});
+    ones.upload_values({1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0}, s);
     const auto sp = reinterpret_cast<const float*>(ones.ptr());
     auto P = [](const DeviceTensor& t) { return reinterpret_cast<void*>(t.ptr()); };
     cuda::Blas blas;
@@ -473,7 +476,7 @@ std::vector<Row> run_cases(jf_context ctx, CUstream s, const BenchOpts& o) {
     // The floor is the weights read once at the copy bandwidth (bytes column: weights + activations).
     const int64_t H = 4096, F = 16384;
     for (int64_t M : {int64_t{1}, int64_t{16}, int64_t{128}}) {
-      SeqBench b(ctx, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"},
+      SeqBench b(ctx, s, R"([{"op": "linear", "in_features": 4096, "out_features": 16384}, {"op": "bias"}, {"op": "gelu"},
                         {"op": "linear", "in_features": 16384, "out_features": 4096}, {"op": "bias"}])",
                  {M, H}, {M, H}, {{0, "weight", {F, H}}, {1, "bias", {F}}, {3, "weight", {H, F}}, {4, "bias", {H}}}, 0, 0);
       const int64_t shape[2] = {M, H};
