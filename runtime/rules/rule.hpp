@@ -4,6 +4,7 @@
 #pragma once
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -103,9 +104,13 @@ class RuleSet {
   // Template files brought by user rule directories, keyed as codegen includes them ("user/softplus.cuh").
   const std::map<std::string, std::string>& user_templates() const { return user_templates_; }
   uint64_t generation() const { return generation_; }  // bumps on every change (plan caches key on it)
-  // `jitfuse rules validate`: a loaded rule named as a built-in one replaces it without "overrides": true
-  // (a copy of a built-in file validates clean). Off for every context: there a clash is always an error.
+  // For `jitfuse rules validate` only; a context uses neither, so a clash there is always an error.
+  // A loaded rule named as a built-in one replaces it without "overrides": true (a copy of a built-in file,
+  // or an edited copy, validates as the file it is).
   void set_builtins_replaceable(bool on) { builtins_replaceable_ = on; }
+  // --without-builtins: removes the built-in rules (the built-in ops stay). A rule loaded later that says
+  // "overrides": true of one of them is still valid, as it is wherever a context loads it.
+  void drop_builtin_rules();
 
  private:
   std::vector<Rule> rules_;
@@ -116,6 +121,7 @@ class RuleSet {
   size_t next_order_ = 0;
   uint64_t generation_ = 0;
   bool builtins_replaceable_ = false;
+  std::set<std::string> dropped_builtins_;  // names of the built-in rules drop_builtin_rules() removed
 };
 
 }  // namespace jitfuse::rules

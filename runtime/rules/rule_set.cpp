@@ -99,6 +99,20 @@ RuleSet RuleSet::with_builtins() {
   return base;
 }
 
+void RuleSet::drop_builtin_rules() {
+  std::vector<Rule> kept;
+  for (auto& r : rules_) {
+    if (r.file.rfind(kBuiltinPrefix, 0) == 0)
+      dropped_builtins_.insert(r.name);
+    else
+      kept.push_back(std::move(r));
+  }
+  rules_ = std::move(kept);
+  rule_index_.clear();
+  for (size_t i = 0; i < rules_.size(); ++i) rule_index_.emplace(rules_[i].name, i);
+  ++generation_;
+}
+
 std::vector<LoadError> RuleSet::load_path(const std::string& path) {
   std::vector<LoadError> errs;
   auto append = [&](std::vector<LoadError> more) { errs.insert(errs.end(), more.begin(), more.end()); };
@@ -284,7 +298,7 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
           r.overridden = prev.where;
           prev = std::move(r);
         } else {
-          if (r.overrides)
+          if (r.overrides && !dropped_builtins_.count(r.name))
             detail::invalid(ptr + "/overrides", fmt::format("rule {} says \"overrides\": true, but no rule of that "
                                                             "name was loaded before it; remove \"overrides\"",
                                                             detail::show(r.name)));

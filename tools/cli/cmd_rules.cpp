@@ -186,7 +186,8 @@ int validate(const std::vector<std::string>& paths, bool as_json, bool compile, 
   quiet_library_log();
   // Validated on top of what a context would have loaded before them (JITFUSE_RULE_PATH errors go to stderr
   // and do not count against the files validated here), or of the built-in ops alone (--without-builtins).
-  rules::RuleSet rs = without_builtins ? rules::RuleSet{} : load_rules({});
+  rules::RuleSet rs = without_builtins ? rules::RuleSet::with_builtins() : load_rules({});
+  if (without_builtins) rs.drop_builtin_rules();
   // A validated file's rule named as a built-in one replaces it (a copy of a built-in file being edited, or
   // the checkout's rules before a rebuild); a clash with any other file's rule is still an error.
   rs.set_builtins_replaceable(true);

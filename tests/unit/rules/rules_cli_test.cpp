@@ -1,4 +1,7 @@
 // `jitfuse rules list` and `jitfuse rules validate`: exit codes, file:line:col errors, --json for scripts.
+#include <algorithm>
+
+#include "common/json_util.hpp"
 #include "unit/rules/rules_test_util.hpp"
 
 using jf_test::run_cli;
@@ -134,61 +137,152 @@ TEST_CASE("rules validate compiles user ops: a broken template is not ok", "[rul
   CHECK(r.status == 0);
 }
 
-TEST_CASE("rules validate: a built-in file, or an edited copy, validates against the built-ins it replaces",
-          "[rules][cli]") {
-  // Every built-in file as it is in the checkout: its rules replace the built-ins of the same names.
-  for (const char* f : {"backward.json", "forward_gemm.json", "forward_norm.json", "forward_pointwise.json",
-                        "fp8.json", "joint.json"}) {
-    const std::string path = jf_test::src(std::string("fusion_rules/") + f);
-    auto r = run_cli("rules validate --no-compile '" + path + "'");
-    INFO(r.out);
-    CHECK(r.status == 0);
-    CHECK_THAT(r.out, Catch::Contains(path + ": ok ("));
-    CHECK_THAT(r.out, !Catch::Contains("already declared"));
-    r = run_cli("rules validate --no-compile --without-builtins '" + path + "'");
-    INFO(r.out);
-    CHECK(r.status == 0);
+// Issue 26, item 11: the checkout's rules files, and copies of them being edited, validate as the files they
+// are; a name declared twice among the validated files is still an error; --without-builtins.
+namespace {
+
+std::vector<std::string> builtin_rule_files() {
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(jf_test::src("fusion_rules")))
+    if (e.path().extension() == ".json" && e.path().filename() != "schema.json") files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+const std::string kRule = R"J({"name": "linear_bias", "math": "y = x W^T + b", "pass": "forward", "priority": 27,
+   "pattern": ["linear", "bias"], "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2}})J";
+
+}  // namespace
+
+TEST_CASE("rules validate: every built-in rules file of the checkout validates with zero errors", "[rules][cli]") {
+  const auto files = builtin_rule_files();
+  REQUIRE(files.size() >= 6);
+  for (const auto& path : files) {
+    for (const char* flags : {"", "--without-builtins "}) {
+      auto r = run_cli(std::string("rules validate ") + flags + "'" + path + "'");
+      INFO(flags << path << "\n" << r.out);
+      CHECK(r.status == 0);
+      CHECK_THAT(r.out, Catch::Contains(path + ": ok ("));
+      CHECK_THAT(r.out, !Catch::Contains("error") && !Catch::Contains("already declared"));
+    }
   }
-  // An edited copy (another priority) is validated as the edit.
+  // All of them at once (the directory), and the optional ones on top.
+  const size_t n = jitfuse::rules::RuleSet::with_builtins().rules().size();
+  const std::string dir = jf_test::src("fusion_rules");
+  auto r = run_cli("rules validate '" + dir + "' '" + dir + "/optional'");
+  INFO(r.out);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.out, Catch::Contains(dir + ": ok (" + std::to_string(n) + " rules, 0 ops)"));
+  CHECK_THAT(r.out, Catch::Contains(dir + "/optional: ok ("));
+  r = run_cli("rules validate --json --without-builtins '" + dir + "'", "", true);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j.at("valid") == true);
+  CHECK(j.at("paths")[0].at("rules") == n);
+}
+
+TEST_CASE("rules validate: an edited copy of a built-in file is validated as the edit", "[rules][cli]") {
   jf_test::TempDir dir;
-  const std::string edited = dir.write("mine/forward_gemm.json", R"J({"format": "jitfuse.rules/1", "rules": [
-  {"name": "linear_bias", "math": "y = x W^T + b", "pass": "forward", "priority": 26, "pattern": ["linear", "bias"],
-   "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2}}]})J");
-  auto r = run_cli("rules validate --no-compile '" + edited + "'");
+  // forward_gemm.json with one rule's priority changed, and with one rule broken.
+  auto doc = nlohmann::json::parse(jitfuse::json_util::read_file(jf_test::src("fusion_rules/forward_gemm.json")));
+  for (auto& rule : doc.at("rules"))
+    if (rule.at("name") == "linear_bias") rule["priority"] = 26;
+  const std::string edited = dir.write("mine/forward_gemm.json", doc.dump(2));
+  auto r = run_cli("rules validate '" + edited + "'");
   INFO(r.out);
   CHECK(r.status == 0);
-  CHECK_THAT(r.out, Catch::Contains(edited + ": ok (1 rules, 0 ops)"));
-  // A bad edit is still reported with its location.
-  const std::string text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n"
-                           "  {\"name\": \"linear_bias\", \"math\": \"y = x\", \"pass\": \"forward\", \"priority\": "
-                           "\"26\", \"pattern\": [\"linear\", \"bias\"], \"impl\": {\"kind\": \"cublaslt\", "
-                           "\"epilogue\": \"BIAS\", \"epilogue_ops\": 2}}]}\n";
+  CHECK_THAT(r.out, Catch::Contains(edited + ": ok (" + std::to_string(doc.at("rules").size()) + " rules, 0 ops)"));
+
+  for (auto& rule : doc.at("rules"))
+    if (rule.at("name") == "linear_bias") rule["pattern"] = {"linear", "bais"};
+  const std::string text = doc.dump(2);
   const std::string bad = dir.write("bad/forward_gemm.json", text);
-  r = run_cli("rules validate --no-compile '" + bad + "'");
-  CHECK(r.status == 1);
-  CHECK_THAT(r.out, Catch::Contains(jf_test::loc(bad, text, "\"26\"") + ": rule 'linear_bias': \"priority\" must be an integer"));
-  // Two validated files declaring one rule name: still a conflict, naming the first.
-  const std::string twin = dir.write("twin/forward_gemm.json", R"J({"format": "jitfuse.rules/1", "rules": [
-  {"name": "linear_bias", "math": "y = x W^T + b", "pass": "forward", "priority": 27, "pattern": ["linear", "bias"],
-   "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2}}]})J");
-  r = run_cli("rules validate --no-compile '" + edited + "' '" + twin + "'");
+  r = run_cli("rules validate '" + bad + "'");
   INFO(r.out);
   CHECK(r.status == 1);
-  CHECK_THAT(r.out, Catch::Contains("rule 'linear_bias' is already declared at " + edited));
-  // One file declaring a name twice: an error, as before.
-  const std::string dup = dir.write("dup/rules.json", R"J({"format": "jitfuse.rules/1", "rules": [
-  {"name": "r1", "math": "y = x", "pass": "forward", "pattern": ["bias", "relu"], "impl": {"kind": "generated", "skeleton": "elementwise"}},
-  {"name": "r1", "math": "y = x", "pass": "forward", "pattern": ["bias", "silu"], "impl": {"kind": "generated", "skeleton": "elementwise"}}]})J");
-  r = run_cli("rules validate --no-compile '" + dup + "'");
+  CHECK_THAT(r.out, Catch::Contains(jf_test::loc(bad, text, "\"bais\"") + ": rule 'linear_bias': "));
+  CHECK_THAT(r.out, Catch::Contains(bad + ": 1 error(s)"));
+  // The same bad edit as a single rule: the error names its file:line:col too.
+  const std::string one_text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n  " + kRule + "]}\n";
+  std::string prio_text = one_text;
+  prio_text.replace(prio_text.find("27"), 2, "\"27\"");
+  const std::string prio = dir.write("prio/rules.json", prio_text);
+  r = run_cli("rules validate --no-compile '" + prio + "'");
   CHECK(r.status == 1);
-  CHECK_THAT(r.out, Catch::Contains("is declared twice in this file"));
-  // --without-builtins: "overrides" of a rule nobody loaded is an error there.
-  const std::string ovr = dir.write("ovr/rules.json", R"J({"format": "jitfuse.rules/1", "rules": [
-  {"name": "linear_bias", "overrides": true, "math": "y = x W^T + b", "pass": "forward", "pattern": ["linear", "bias"],
-   "impl": {"kind": "cublaslt", "epilogue": "BIAS", "epilogue_ops": 2}}]})J");
-  r = run_cli("rules validate --no-compile '" + ovr + "'");
+  CHECK_THAT(r.out, Catch::Contains(jf_test::loc(prio, prio_text, "\"27\"") +
+                                    ": rule 'linear_bias': \"priority\" must be an integer"));
+}
+
+TEST_CASE("rules validate: a rule name declared twice among the validated files is an error naming both",
+          "[rules][cli]") {
+  jf_test::TempDir dir;
+  const std::string text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n  " + kRule + "]}\n";
+  const std::string a = dir.write("a/rules.json", text), b = dir.write("b/rules.json", text);
+  // Each alone replaces the built-in linear_bias; both together clash with each other.
+  CHECK(run_cli("rules validate --no-compile '" + a + "'").status == 0);
+  auto r = run_cli("rules validate --no-compile '" + a + "' '" + b + "'");
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains(jf_test::loc(b, text, "\"linear_bias\"") +
+                                    ": rule 'linear_bias': rule 'linear_bias' is already declared at " +
+                                    jf_test::loc(a, text, "@{\"name\"")));
+  CHECK_THAT(r.out, Catch::Contains(a + ": ok (1 rules, 0 ops)"));
+  r = run_cli("rules validate --no-compile --without-builtins '" + a + "' '" + b + "'");
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains("is already declared at " + jf_test::loc(a, text, "@{\"name\"")));
+
+  // One file declaring a name twice.
+  const std::string twice_text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n  " + kRule + ",\n  " + kRule + "]}\n";
+  const std::string twice = dir.write("twice/rules.json", twice_text);
+  for (const char* flags : {"", "--without-builtins "}) {
+    r = run_cli(std::string("rules validate --no-compile ") + flags + "'" + twice + "'");
+    INFO(flags << "\n" << r.out);
+    CHECK(r.status == 1);
+    // At the second declaration's name, naming the first declaration.
+    CHECK_THAT(r.out, Catch::Contains(jf_test::loc(twice, twice_text, ",\n  {\"name\": @\"linear_bias\"") +
+                                      ": rule 'linear_bias': rule 'linear_bias' is declared twice in this file "
+                                      "(first at " + jf_test::loc(twice, twice_text, "@{\"name\"") + ")"));
+  }
+}
+
+TEST_CASE("rules validate --without-builtins: the files against the built-in ops alone", "[rules][cli]") {
+  jf_test::TempDir dir;
+  // A rule named as one in JITFUSE_RULE_PATH: a clash, unless the rule path is left out too.
+  const std::string text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n"
+                           "  {\"name\": \"bias_relu_mine\", \"math\": \"y = relu(x + b)\", \"pass\": \"forward\", "
+                           "\"pattern\": [\"bias\", \"relu\"], \"impl\": {\"kind\": \"generated\", \"skeleton\": "
+                           "\"elementwise\"}}]}\n";
+  dir.write("path/rules.json", text);
+  const std::string mine = dir.write("mine/rules.json", text);
+  const std::string env = "JITFUSE_RULE_PATH='" + dir.path() + "/path'";
+  auto r = run_cli("rules validate --no-compile '" + mine + "'", env);
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK_THAT(r.out, Catch::Contains("is already declared at " + dir.path() + "/path/rules.json"));
+  r = run_cli("rules validate --no-compile --without-builtins '" + mine + "'", env);
+  INFO(r.out);
   CHECK(r.status == 0);
-  r = run_cli("rules validate --no-compile --without-builtins '" + ovr + "'");
+  // Built-in ops still resolve; an unknown op is still an error.
+  std::string unknown = text;
+  unknown.replace(unknown.find("\"relu\"]"), 6, "\"reluu\"");
+  const std::string bad = dir.write("bad/rules.json", unknown);
+  r = run_cli("rules validate --no-compile --without-builtins '" + bad + "'");
   CHECK(r.status == 1);
-  CHECK_THAT(r.out, Catch::Contains("no rule of that name was loaded before it"));
+  CHECK_THAT(r.out, Catch::Contains(jf_test::loc(bad, unknown, "\"reluu\"") + ": rule 'bias_relu_mine': "));
+  // "overrides": true of a built-in rule is valid in both modes (every context loads the built-ins); of a
+  // rule nobody declares, in neither.
+  std::string ovr_text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n  " + kRule + "]}\n";
+  ovr_text.replace(ovr_text.find("{\"name\""), 1, "{\"overrides\": true, ");
+  const std::string ovr = dir.write("ovr/rules.json", ovr_text);
+  std::string typo_text = ovr_text;
+  typo_text.replace(typo_text.find("\"linear_bias\""), 13, "\"linear_bais\"");
+  const std::string typo = dir.write("typo/rules.json", typo_text);
+  for (const char* flags : {"", "--without-builtins "}) {
+    r = run_cli(std::string("rules validate --no-compile ") + flags + "'" + ovr + "'");
+    INFO(flags << "\n" << r.out);
+    CHECK(r.status == 0);
+    r = run_cli(std::string("rules validate --no-compile ") + flags + "'" + typo + "'");
+    INFO(flags << "\n" << r.out);
+    CHECK(r.status == 1);
+    CHECK_THAT(r.out, Catch::Contains("no rule of that name was loaded before it"));
+  }
 }
