@@ -90,6 +90,19 @@ def grads_of(model, ids, seed):
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def loss_curve(model, opt, ids, steps):
+    """The losses of `steps` optimizer steps on one batch, learnt by heart (so the loss must fall: random
+    tokens have nothing else to learn)."""
+    curve = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    return curve
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_gradient_checkpointing_is_bit_exact(arch, reentrant):
@@ -114,15 +127,7 @@ def test_gpt2_swapped_trains_like_pytorch():
     for jit in (False, True):
         model = gpt2(pdrop=0.0, jit=jit)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        curve = []
-        ids = batch(100)  # one batch, learnt by heart: the loss must fall (random tokens have nothing else)
-        for step in range(20):
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            curve.append(loss.item())
-        curves[jit] = curve
+        curves[jit] = loss_curve(model, opt, batch(100), 20)
     diff = max(abs(a - b) for a, b in zip(curves[True], curves[False]))
     assert diff < 0.05, (diff, curves)
     assert curves[True][-1] < curves[True][0] - 0.3
@@ -159,15 +164,7 @@ def test_llama_fp8_fused_adamw_trains():
     for fused in (True, False):
         model = llama(recipe="fp8_delayed")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
-        curve = []
-        ids = batch(200)
-        for step in range(15):
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            curve.append(loss.item())
-        curves[fused] = curve
+        curves[fused] = loss_curve(model, opt, batch(200), 15)
     diff = max(abs(a - b) for a, b in zip(curves[True], curves[False]))
     assert diff < 0.05, (diff, curves)
     assert curves[True][-1] < curves[True][0] - 0.3, curves
