@@ -15,14 +15,21 @@ from ._abi import EXPECTED_ABI_VERSION
 from .errors import (AbiMismatchError, CompileError, CudaError, InternalError, InvalidArgumentError,
                      JitfuseError, JitfuseIOError, JitfuseMemoryError, LibraryNotFoundError, NoDeviceError,
                      NotPreparedError, ParseError, RuleError, RuleLoadError, UnsupportedError)
-from .lib import (Context, Decision, Explanation, Group, Library, OpShape, Program, ProgramInfo, Sequence,
+from .lib import (Context, Decision, Explanation, Group, Library, OpShape, ProgramExplain, ProgramInfo, Sequence,
                   TensorInfo, abi_version, cache_dir, library, library_candidates, load_library, parse_shape,
                   version)
 
 __all__ = [
     "__version__", "EXPECTED_ABI_VERSION", "Context", "Sequence", "Explanation", "Decision", "Group", "OpShape",
-    "Program", "ProgramInfo", "TensorInfo", "Library", "library", "load_library", "library_candidates",
+    "ProgramExplain", "ProgramInfo", "TensorInfo", "Library", "library", "load_library", "library_candidates",
     "abi_version", "version", "cache_dir", "parse_shape", "JitfuseError", "InvalidArgumentError", "ParseError",
     "UnsupportedError", "CompileError", "CudaError", "JitfuseIOError", "JitfuseMemoryError", "NoDeviceError",
     "InternalError", "NotPreparedError", "LibraryNotFoundError", "AbiMismatchError", "RuleError", "RuleLoadError",
 ]
+
+
+def __getattr__(name: str):
+    if name == "Program":  # deprecated: the old name of ProgramExplain (see jitfuse.lib)
+        from . import lib
+        return lib.Program
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -351,9 +351,10 @@ class Group:
 
 
 @dataclass(frozen=True)
-class Program:
-    """The program a plan lowers to (``explain --program``): steps, buffers, saved set, arena sizes.
-    Steps and buffers stay dicts as the library writes them (see docs/cli.md#explain---program)."""
+class ProgramExplain:
+    """The program a plan lowers to, as ``explain --program`` prints it: steps, buffers, saved set, arena
+    sizes. A record of the library's ``Program`` (the C++ IR), not a handle to it. Steps and buffers stay
+    dicts as the library writes them (see docs/cli.md#explain---program)."""
     arch: str
     recipe: str
     training: bool
@@ -365,7 +366,7 @@ class Program:
     raw: Dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
-    def from_json(cls, j: Mapping[str, Any]) -> "Program":
+    def from_json(cls, j: Mapping[str, Any]) -> "ProgramExplain":
         return cls(arch=str(j.get("arch", "")), recipe=str(j.get("recipe", "")), training=bool(j.get("training")),
                    forward=tuple(j.get("forward", ())), backward=tuple(j.get("backward", ())),
                    buffers=tuple(j.get("buffers", ())), saved=dict(j.get("saved", {})),
@@ -383,7 +384,7 @@ class Explanation:
     decisions: Tuple[Decision, ...]
     forward: Tuple[Group, ...]
     backward: Tuple[Group, ...]
-    program: Optional[Program]
+    program: Optional[ProgramExplain]
     raw: Dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
@@ -396,7 +397,7 @@ class Explanation:
                     for o in j.get("ops", ()))
         decisions = tuple(Decision(d["pass"], d["rule"], int(d["begin"]), int(d["end"]), int(d.get("priority", 0)),
                                    bool(d["taken"]), d.get("reason", "")) for d in j.get("decisions", ()))
-        prog = Program.from_json(j["program"]) if isinstance(j.get("program"), dict) else None
+        prog = ProgramExplain.from_json(j["program"]) if isinstance(j.get("program"), dict) else None
         return cls(tuple(shape), training, arch, ops, decisions, groups("forward"), groups("backward"), prog, dict(j))
 
     def fused_groups(self, direction: str = "forward") -> Tuple[Group, ...]:
@@ -655,3 +656,13 @@ class Sequence(_Owned):
             return f"<jitfuse.Sequence {self.name!r} (closed)>"
         kinds = " ".join(o.get("op", "?") for o in self.ops) if self.ops is not None else f"{self.num_ops} ops"
         return f"<jitfuse.Sequence {self.name!r} {self.recipe}: {kinds}>"
+
+
+def __getattr__(name: str) -> Any:
+    # ``Program`` was this module's name of ProgramExplain until the three Programs got distinct names
+    # (issue 31): kept, with a warning, for code that imported it.
+    if name == "Program":
+        import warnings
+        warnings.warn("jitfuse.lib.Program is deprecated: use jitfuse.ProgramExplain", DeprecationWarning, 2)
+        return ProgramExplain
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

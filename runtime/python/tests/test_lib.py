@@ -96,7 +96,9 @@ def test_explain_returns_objects(ctx):
     assert {d.rule for d in taken} == {"linear_bias_gelu", "linear_bias_residual"}
     loser = next(d for d in e.decisions if d.rule == "linear_bias" and d.pass_ == "forward")
     assert not loser.taken and "higher-priority" in loser.reason
-    assert e.program is not None and e.program.training
+    assert isinstance(e.program, jitfuse.ProgramExplain) and e.program.training
+    with pytest.warns(DeprecationWarning):  # the old name, kept as a deprecated alias
+        assert jitfuse.Program is jitfuse.ProgramExplain
     kinds = [st["kind"] for st in e.program.forward]
     assert "gemm" in kinds and "kernel" in kinds
     assert any(b["name"] == "input" for b in e.program.buffers)

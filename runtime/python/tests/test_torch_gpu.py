@@ -457,7 +457,7 @@ def test_op_without_grad_calls_its_kernel_directly_and_matches_redispatch(monkey
     TorchDispatchMode (which must see the op) it redispatches. Both give the same bits, poisoned outputs
     written, against a float64 reference."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from jitfuse.torch import _runtime as rt
+    from jitfuse.torch import _ops
 
     class Seen(TorchDispatchMode):
         def __init__(self):
@@ -473,8 +473,8 @@ def test_op_without_grad_calls_its_kernel_directly_and_matches_redispatch(monkey
     x = torch.randn(24, 128, device=DEV, dtype=torch.bfloat16)
     e = torch.randn_like(x)
     direct = []
-    real = rt.forward_op
-    monkeypatch.setattr(rt, "forward_op", lambda *a: direct.append(1) or real(*a))
+    real = _ops.forward_op
+    monkeypatch.setattr(_ops, "forward_op", lambda *a: direct.append(1) or real(*a))
     args = _op_args(model, x, [e], False)
     with torch.no_grad():
         poison = torch.full_like(x, float("nan"))  # freed: the op's output takes this block from the allocator
@@ -604,14 +604,14 @@ def fp8_errors(model, x, e, dy, y, grads):
 
 def fp8_flags(model):
     """Records the fp8_weights_unchanged value every forward of model's program hands jf_forward."""
-    import jitfuse.torch._runtime as rt
-    prog = rt.program(model._jf_keys[True][torch.bfloat16], torch.cuda.current_device())
+    from jitfuse.torch._registry import device_program
+    prog = device_program(model._jf_keys[True][torch.bfloat16], torch.cuda.current_device())
     flags = []
     orig = prog._jf_forward
 
-    def spy(handle, args_ref, saved_ref, stream):
+    def spy(handle, args_ref, saved_handle_ref, stream):
         flags.append(args_ref._obj.fp8_weights_unchanged)
-        return orig(handle, args_ref, saved_ref, stream)
+        return orig(handle, args_ref, saved_handle_ref, stream)
     prog._jf_forward = spy
     return flags
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import jitfuse.torch as jt  # noqa: E402
-import jitfuse.torch._runtime as rt  # noqa: E402
+import jitfuse.torch._registry as registry  # noqa: E402
 from jitfuse.errors import JitfuseError  # noqa: E402
 from test_torch_gpu import (DEV, FP8_RECIPES, FP8_STEP_MOVES, FP8_TOL, check, fp8_flags, fp8_inputs, fp8_mlp,  # noqa: E402
                             gelu_tanh, randomize, reference, rel_err)
@@ -346,8 +346,8 @@ def test_fp8_module_memory_is_freed_with_the_module():
         keys += make_and_run()
     after = _device_free()
     assert before - after < 8 << 20, f"{(before - after) / 2**20:.1f} MiB not freed after 8 modules"
-    assert not any(k in rt._definitions for k in keys)
-    assert not any(k in keys for k, _ in rt._programs)
+    assert not any(k in registry._definitions for k in keys)
+    assert not any(k in keys for k, _ in registry._programs)
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)

@@ -8,7 +8,8 @@
 >>> y = mlp(torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16))
 """
 
-from ._runtime import backward_op, forward_op, fp8_weights_unchanged
+from ._calls import fp8_weights_unchanged
+from ._ops import backward_op, forward_op
 from .float8 import Float8Tensor
 from .modules import (GEGLU, GELU, QGELU, AddExtraInput, BasicOp, Bias, Dropout, Fp8Sequential, Identity, LayerNorm,
                       Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale, Sequential, SiLU,

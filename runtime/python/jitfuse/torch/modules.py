@@ -20,7 +20,10 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
 from ..lib import Explanation
-from . import _runtime as rt
+from ._calls import DIRECT, check_arguments, needs_grad, route
+from ._dtypes import FP8_RECIPES, RECIPE_OF_DTYPE
+from ._ops import eager_call
+from ._registry import DeviceProgram, _programs, define, device_program, existing_programs, forget
 from .float8 import Float8Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,7 +33,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # this one (a name missing) always takes Module.__call__.
 _module_call = nn.Module.__call__
 _is_compiling = torch.compiler.is_compiling
-_grad_enabled = torch.is_grad_enabled
 _tracing_state = getattr(torch._C, "_get_tracing_state", None)
 _HOOK_NAMES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
                "_global_backward_hooks")
@@ -79,7 +81,7 @@ def _check_dtype_change(module: nn.Module, fn: Any, current: torch.dtype, recipe
         return
     if new == current:
         return
-    if recipe in rt.FP8_RECIPES:
+    if recipe in FP8_RECIPES:
         if new == torch.bfloat16:  # e.g. Sequential(Linear(...), recipe="fp8_delayed", dtype=torch.bfloat16)
             return
         raise TypeError(f"{type(module).__name__}: recipe {recipe} keeps bf16 parameters; cannot convert to {new}")
@@ -430,9 +432,9 @@ class Sequential(nn.Module):
             if isinstance(op, Dropout):
                 op._index = i
             self.add_module(str(i), op)
-        if recipe is not None and recipe not in rt.FP8_RECIPES and recipe not in rt.RECIPE_OF_DTYPE.values():
+        if recipe is not None and recipe not in FP8_RECIPES and recipe not in RECIPE_OF_DTYPE.values():
             raise ValueError(f"unknown recipe {recipe!r}: use None (follow the input dtype), fp8_current or fp8_delayed")
-        if recipe in rt.RECIPE_OF_DTYPE.values():
+        if recipe in RECIPE_OF_DTYPE.values():
             recipe = None  # a plain recipe is the input dtype
         self.recipe = recipe
         self.name = name
@@ -443,10 +445,10 @@ class Sequential(nn.Module):
         self._jf_param_refs: Optional[List[Tuple[BasicOp, str]]] = None  # set after .to() below
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
-        self._jf_fp8_output = recipe in rt.FP8_RECIPES and isinstance(ops[-1], Quantize)
+        self._jf_fp8_output = recipe in FP8_RECIPES and isinstance(ops[-1], Quantize)
         self._jf_uses_rng = {t: any(isinstance(o, Dropout) and o.active(t) for o in ops) for t in (True, False)}
         self._jf_param_refs = self._param_refs()
-        if self.recipe in rt.FP8_RECIPES:
+        if self.recipe in FP8_RECIPES:
             self.__class__ = Fp8Sequential  # FP8 recipe state in state_dict, freed with the module
         self._jf_define()
 
@@ -473,15 +475,15 @@ class Sequential(nn.Module):
 
     def _jf_define(self) -> None:
         """Registers the sequence of each (train/eval mode, dtype) under its content key."""
-        salt = f"fp8:{next(_fp8_salt)}" if self.recipe in rt.FP8_RECIPES else ""
+        salt = f"fp8:{next(_fp8_salt)}" if self.recipe in FP8_RECIPES else ""
         shapes = [tuple(p.shape) for op in self._ops for _, p in op.jf_params()]
         acc = [op.accumulates_grad(n) for op in self._ops for n, _ in op.jf_params()]
         self._jf_keys: Dict[bool, Dict[torch.dtype, int]] = {}
         for training in (True, False):
             specs = [op.spec(training) for op in self._ops]
-            dtypes = {torch.bfloat16: self.recipe} if self.recipe else rt.RECIPE_OF_DTYPE
+            dtypes = {torch.bfloat16: self.recipe} if self.recipe else RECIPE_OF_DTYPE
             self._jf_keys[training] = {
-                dt: rt.define(self.name, specs, recipe, self._param_index, shapes, acc, self._n_extra_inputs,
+                dt: define(self.name, specs, recipe, self._param_index, shapes, acc, self._n_extra_inputs,
                               self._n_extra_outputs, self._jf_uses_rng[training], salt)
                 for dt, recipe in dtypes.items()}
 
@@ -520,34 +522,24 @@ class Sequential(nn.Module):
         return self._eager_forward(input, *extra_inputs)
 
     def _eager_forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
-        """forward when not traced by Dynamo. The program is called directly (no dispatcher hop; under
-        autograd, one autograd node around it). Anything unusual (a wrong dtype or device, a tensor
+        """forward when not traced by Dynamo, on the route :func:`jitfuse.torch._calls.route` chooses: DIRECT
+        calls the program here (no dispatcher hop; under autograd, one autograd node around it), through the
+        module's :class:`~jitfuse.torch._ops.EagerCall`. Anything unusual (a wrong dtype or device, a tensor
         subclass, a dispatch mode, the profiler) takes the custom op, which also raises the errors."""
         training = self.training
         params = self._params()
         if _autocast_on():
             input, extra_inputs, params = _autocast(input, extra_inputs, params)
         key = self._jf_keys[training].get(input.dtype)
-        if (key is None or len(extra_inputs) != self._n_extra_inputs
-                or not rt.direct_call_ok(input, extra_inputs, params)):
+        r = route(input, extra_inputs, params)
+        if key is None or len(extra_inputs) != self._n_extra_inputs or not r & DIRECT:
             return self._forward_op(input, extra_inputs, params)
         x = input if input.is_contiguous() else input.contiguous()
         extras = [e if e.is_contiguous() else e.contiguous() for e in extra_inputs] if extra_inputs else []
         rng = _draw_rng(x) if self._jf_uses_rng[training] else None
         di = x.get_device()
-        prog = rt._programs.get((key, di)) or rt.program(key, di)
-        if _grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params)
-                                or any(e.requires_grad for e in extra_inputs)):
-            outs = rt.autograd_forward(prog, key, x, extras, params, rng)
-        else:
-            # Train mode runs the training program with or without grad: its plan (joint rules, epilogues)
-            # may round differently from the inference program's, and a reentrant checkpoint's recompute
-            # (with grad) must compute the bits its first forward (without) did. Eval mode: inference.
-            outs = prog.forward(x, extras, params, rng, training, with_saved=training, cache_workspace=True)
-            if training:
-                outs.pop()  # the saved buffer: nobody reads it
-            if prog.fp8_output:
-                outs = [Float8Tensor(outs[0], outs[-1], x.dtype), *outs[1:-1]]
+        prog = _programs.get((key, di)) or device_program(key, di)
+        outs = (prog.eager_call or eager_call(prog)).module_forward(r, x, extras, params, rng, training)
         if self._n_extra_outputs:
             return tuple(outs)
         return outs[0]
@@ -560,39 +552,25 @@ class Sequential(nn.Module):
             params = self._params()
             if _autocast_on():
                 input, extra_inputs, params = _autocast(input, extra_inputs, params)
-        if len(extra_inputs) != self._n_extra_inputs:
-            raise TypeError(f"{self.name}: expected {self._n_extra_inputs} extra input(s) (one per AddExtraInput), "
-                            f"got {len(extra_inputs)}")
         training = self.training
         key = self._jf_keys[training].get(input.dtype)
-        if key is None:
-            raise TypeError(f"{self.name}: input dtype {input.dtype} is not supported "
-                            f"({'bfloat16 under ' + self.recipe if self.recipe else 'float32, float16 or bfloat16'})")
-        if input.device.type != "cuda":
-            raise ValueError(f"{self.name}: jitfuse runs on CUDA tensors; the input is on {input.device}")
-        for p in params:
-            if p.dtype != input.dtype or p.device != input.device:
-                raise TypeError(f"{self.name}: parameters must match the input ({input.dtype} on {input.device}); "
-                                f"found one of {p.dtype} on {p.device}")
-        for e in extra_inputs:
-            if e.dtype != input.dtype or e.device != input.device:
-                raise TypeError(f"{self.name}: extra inputs must match the input ({input.dtype} on {input.device})")
-        needs_grad = torch.is_grad_enabled() and (
-            input.requires_grad or any(p.requires_grad for p in params) or any(e.requires_grad for e in extra_inputs))
+        check_arguments(self.name, self.recipe, key, self._n_extra_inputs, input, extra_inputs, params)
+        grad = needs_grad(input, extra_inputs, params)
         rng = _draw_rng(input) if self._jf_uses_rng[training] else None
+        # Train mode runs the training program with or without grad (see EagerCall.module_forward).
         outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs],
-                                                 params, rng, needs_grad or training)  # see _eager_forward
+                                                 params, rng, grad or training)
         out = outs[0]
         if self._jf_fp8_output and not isinstance(out, Float8Tensor):
             # An E4M3 output (trailing quantize): the op's list has its scale_inv after the extra outputs.
-            if needs_grad and _is_compiling():
+            if grad and _is_compiling():
                 raise NotImplementedError(
                     f"{self.name}: a trailing Quantize under torch.compile with autograd is not supported: the "
                     f"gradient reaching its E4M3 output would be rounded to E4M3; run this module eagerly (or "
                     f"end the sequence before Quantize)")
             out = Float8Tensor(out, outs[1 + self._n_extra_outputs], input.dtype)
         if self._n_extra_outputs:
-            return (out, *outs[1:1 + self._n_extra_outputs])  # then (scale_inv,) (saved buffer,)
+            return (out, *outs[1:1 + self._n_extra_outputs])  # then (scale_inv,) (saved block,)
         return out
 
     def recast_fp8_weights(self) -> None:
@@ -612,7 +590,7 @@ class Sequential(nn.Module):
         key = self._jf_keys[self.training].get(dtype)
         if key is None:
             raise TypeError(f"{self.name}: no program for dtype {dtype}")
-        rt.program(key, dev.index if dev.index is not None else torch.cuda.current_device()).info(
+        device_program(key, dev.index if dev.index is not None else torch.cuda.current_device()).info(
             tuple(int(d) for d in shape), bool(training))
 
     def explain(self, shape: Optional[Iterable[int]] = None, training: Optional[bool] = None,
@@ -625,7 +603,7 @@ class Sequential(nn.Module):
             dtype = torch.bfloat16
         key = self._jf_keys[self.training][dtype]
         if shape is None:
-            shape = next((p.last_shape for p in rt.existing_programs(key) if p.last_shape), None)
+            shape = next((p.last_shape for p in existing_programs(key) if p.last_shape), None)
             if shape is None:
                 raise ValueError(f"{self.name}: no shape run yet; pass explain(shape=...)")
         if arch is None:
@@ -633,7 +611,7 @@ class Sequential(nn.Module):
             if torch.cuda.is_available():
                 major, minor = torch.cuda.get_device_capability()
                 arch = major * 10 + minor
-        return rt.program(key, -1).sequence.explain(tuple(shape), training, arch)
+        return device_program(key, -1).sequence.explain(tuple(shape), training, arch)
 
     def __getitem__(self, index: int) -> BasicOp:
         return self._ops[index]
@@ -685,9 +663,9 @@ class Fp8Sequential(Sequential):
     def _jf_define(self) -> None:
         super()._jf_define()
         keys = sorted({k for by_dtype in self._jf_keys.values() for k in by_dtype.values()})
-        self._jf_finalizer = weakref.finalize(self, rt.forget, keys)
+        self._jf_finalizer = weakref.finalize(self, forget, keys)
 
-    def _jf_state_programs(self, create: bool) -> List["rt.Program"]:
+    def _jf_state_programs(self, create: bool) -> List[DeviceProgram]:
         """The programs holding this module's recipe state on its parameters' device (train mode first)."""
         dev = torch.device(self._param_device())
         if dev.type != "cuda":
@@ -696,9 +674,9 @@ class Fp8Sequential(Sequential):
         out = []
         for training in (True, False):
             key = self._jf_keys[training][torch.bfloat16]
-            p = rt._programs.get((key, di))
+            p = _programs.get((key, di))
             if p is None and create:
-                p = rt.program(key, di)
+                p = device_program(key, di)
             if p is not None and p not in out:
                 out.append(p)
         return out

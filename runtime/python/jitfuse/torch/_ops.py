@@ -1,0 +1,250 @@
+# The custom ops jitfuse::forward / jitfuse::backward (schemas, CUDA and fake kernels, the Autograd kernel)
+# and EagerCall, the one eager call that Sequential and the Autograd kernel run a forward through.
+"""Custom ops ``jitfuse::forward`` / ``jitfuse::backward`` and the eager call behind them.
+
+One op pair for every sequence, not one registration per sequence: the sequence is the op's first
+argument, an int ``key`` (see :mod:`jitfuse.torch._registry`). So
+
+- the op set is fixed (opcheck, export and the FX graph cache see two stable ops, not one per module),
+- the key is the same in every process for the same sequence, so Inductor's on-disk FX graph cache
+  never binds a cached graph to another sequence.
+
+How an eager forward runs is decided once, by :func:`jitfuse.torch._calls.route`, for ``Sequential`` and
+for the op's Autograd kernel alike; a forward that needs a gradient is one :class:`_Forward` node around
+either the direct program call (``Sequential``) or the op below autograd (the Autograd kernel), both
+built and run by :class:`EagerCall`.
+"""
+
+from typing import Any, List, Optional, Tuple
+from typing import Sequence as Sequence_
+
+import torch
+from torch import Tensor
+
+from ._calls import DIRECT, GRAD, _functorch_active, direct_call_ok, route, traced_device_index
+from ._dtypes import torch_dtype
+from ._registry import DeviceProgram, device_program, program_of
+from .float8 import Float8Tensor
+
+# ----------------------------------------------------------------------------------------------------
+# The ops. No `from __future__ import annotations` in this file: torch.library reads these hints.
+
+# The two ops are defined with torch.library.Library (define + impl) rather than torch.library.custom_op:
+# both give the same schema, fake kernels and autograd registration, but custom_op's Python wrapper cost
+# about 175 us per call on an H100 host (cProfile of a bias+gelu step, 2026-11-23), more than the rest of
+# the call together.
+_LIB = torch.library.Library("jitfuse", "DEF")
+_LIB.define("forward(int key, Tensor input, Tensor[] extra_inputs, Tensor[] params, Tensor? rng_state, "
+            "bool training) -> Tensor[]")  # [output, *extra_outputs] + [saved] when training
+_LIB.define("backward(int key, Tensor input, Tensor[] extra_inputs, Tensor output, Tensor[] extra_outputs, "
+            "Tensor[] params, Tensor saved, Tensor grad_output, Tensor[] grad_extra_outputs) -> Tensor[]")
+
+
+def _concrete(shape: Any) -> Tuple[int, ...]:
+    # A symbolic dim is specialised (int() guards on it): programs are prepared per concrete shape.
+    return tuple(int(d) for d in shape)
+
+
+def forward_op(key: int, input: Tensor, extra_inputs: List[Tensor], params: List[Tensor],
+               rng_state: Optional[Tensor], training: bool) -> List[Tensor]:
+    """Runs a jitfuse sequence forward. Returns [output, *extra_outputs, saved] when ``training``, where
+    ``saved`` is the uint8 saved-for-backward block, and [output, *extra_outputs] otherwise (an inference
+    call allocates no saved block: one allocation less per call). An FP8 sequence ending in quantize
+    returns the float32 [1] scale_inv of its E4M3 output after the extra outputs. ``rng_state``: int64 CUDA tensor
+    {seed, offset} that the dropout ops read (not written)."""
+    return program_of(key, input).forward(input, list(extra_inputs), list(params), rng_state, training,
+                                          with_saved_block=training)
+
+
+def _forward_fake(key, input, extra_inputs, params, rng_state, training):
+    prog = device_program(key, traced_device_index(input))
+    info = prog.info(_concrete(input.shape), bool(training))
+    outs = [input.new_empty(o.shape, dtype=torch_dtype(o.dl_dtype)) for o in info.outputs]
+    if prog.fp8_output:
+        outs.append(input.new_empty((1,), dtype=torch.float32))
+    return outs + [input.new_empty((info.saved_bytes,), dtype=torch.uint8)] if training else outs
+
+
+def backward_op(key: int, input: Tensor, extra_inputs: List[Tensor], output: Tensor, extra_outputs: List[Tensor],
+                params: List[Tensor], saved: Tensor, grad_output: Tensor,
+                grad_extra_outputs: List[Tensor]) -> List[Tensor]:
+    """The backward of ``jitfuse::forward`` (``saved``: the schema's name of the saved block): returns
+    [grad_input, *grad_extra_inputs, *grad_params]."""
+    return program_of(key, input).backward(input, list(extra_inputs), output, list(extra_outputs), list(params),
+                                           saved, grad_output, list(grad_extra_outputs))
+
+
+def _backward_fake(key, input, extra_inputs, output, extra_outputs, params, saved, grad_output, grad_extra_outputs):
+    return [torch.empty_like(input), *[torch.empty_like(e) for e in extra_inputs],
+            *[torch.empty_like(p) for p in params]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The eager call
+
+
+class EagerCall:
+    """The eager forward of one sequence on one device, and the backward of its autograd node: what
+    ``Sequential``'s eager call and ``jitfuse::forward``'s Autograd kernel both run, on the route
+    :func:`~jitfuse.torch._calls.route` chose. One per :class:`DeviceProgram` (:func:`eager_call`); it holds
+    no tensor (the node keeps it for its backward; tensors go through ``save_for_backward``).
+
+    A forward that needs a gradient is one :class:`_Forward` node, ``direct`` or not:
+
+    - ``direct`` (``Sequential``, route DIRECT|GRAD): the node calls the program itself (no dispatcher hop)
+      and returns (output, *extra_outputs); the saved block is kept for the backward only, whose program
+      call is direct too when the incoming gradients allow it;
+    - not ``direct`` (the Autograd kernel, route GRAD): the node calls the op below autograd and returns
+      the op's list, the saved block (and an FP8 output's scale_inv) non-differentiable.
+
+    An E4M3 output (FP8, trailing quantize) is returned as a :class:`Float8Tensor` of the input's dtype, so
+    the gradient reaching it is not rounded to E4M3 by autograd (the quantize's backward is straight through)."""
+
+    __slots__ = ("key", "prog", "fp8_output")
+
+    def __init__(self, prog: DeviceProgram):
+        self.key = prog.definition.key
+        self.prog = prog
+        self.fp8_output = prog.fp8_output
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def module_forward(self, r: int, x: Tensor, extras: List[Tensor], params: List[Tensor],
+                       rng_state: Optional[Tensor], training: bool) -> Sequence_[Tensor]:
+        """Sequential's eager call on a DIRECT route: [output, *extra_outputs]. With a gradient the node runs
+        the training program (it saves for the backward, whatever the module's mode). Without, train mode
+        still runs the training program: its plan (joint rules, epilogues) may round differently from the
+        inference program's, and a reentrant checkpoint's recompute (with grad) must compute the bits its
+        first forward (without) did. Eval mode: inference."""
+        if r & GRAD:
+            return self.node(True, True, x, extras, params, rng_state)  # a tuple
+        outs = self.prog.forward(x, extras, params, rng_state, training, with_saved_block=training,
+                                 cache_workspace=True)
+        if training:
+            outs.pop()  # the saved block: nobody reads it
+        if self.fp8_output:
+            outs = [Float8Tensor(outs[0], outs[-1], x.dtype), *outs[1:-1]]
+        return outs
+
+    def node(self, direct: bool, training: bool, x: Tensor, extras: List[Tensor], params: List[Tensor],
+             rng_state: Optional[Tensor]) -> Tuple[Tensor, ...]:
+        """The autograd node of a forward (see the class): ``_Forward.apply``, through the C++ apply where
+        nothing needs its Python wrapper."""
+        if direct and _apply_c is not None and not _functorch_active():
+            return _apply_c(self, True, training, len(extras), len(params), rng_state, x, *extras, *params)
+        return _Forward.apply(self, direct, training, len(extras), len(params), rng_state, x, *extras, *params)
+
+    def node_forward(self, ctx: Any, direct: bool, training: bool, ne: int, npar: int, rng_state: Optional[Tensor],
+                     x: Tensor, tensors: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+        extras, params = list(tensors[:ne]), list(tensors[ne:ne + npar])
+        fp8_out = self.fp8_output
+        if direct:
+            outs = self.prog.forward(x, extras, params, rng_state, training, cache_workspace=True)  # [..., saved]
+            returned = outs[:-2] if fp8_out else outs[:-1]
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                outs = torch.ops.jitfuse.forward.default(self.key, x, extras, params, rng_state, training)
+            returned = list(outs)
+            if training:
+                ctx.mark_non_differentiable(outs[-1])
+            if fp8_out:
+                ctx.mark_non_differentiable(outs[-2 if training else -1])
+        if fp8_out:
+            returned[0] = Float8Tensor(outs[0], outs[-2 if training else -1], x.dtype)
+        ctx.call, ctx.direct, ctx.training, ctx.ne, ctx.npar = self, direct, bool(training), ne, npar
+        if training:
+            # The saved block too (an output of the op, an intermediate of the direct call): saved-tensor
+            # hooks (offloading, checkpointing) see everything the backward reads.
+            ctx.save_for_backward(x, *extras, *params, *outs)
+        # No zero-filled gradient for outputs autograd has none for (the saved block, unused extra outputs).
+        ctx.set_materialize_grads(False)
+        return tuple(returned)
+
+    # -- backward ----------------------------------------------------------------------------------
+
+    def node_backward(self, ctx: Any, grads: Tuple[Optional[Tensor], ...]) -> List[Tensor]:
+        """[grad_input, *grad_extra_inputs, *grad_params] of the node's forward."""
+        if not ctx.training:
+            raise RuntimeError("jitfuse: backward through a forward that ran with training=False (no saved context)")
+        saved_tensors = ctx.saved_tensors
+        ne, npar = ctx.ne, ctx.npar
+        x = saved_tensors[0]
+        extras = list(saved_tensors[1:1 + ne])
+        params = list(saved_tensors[1 + ne:1 + ne + npar])
+        outs = saved_tensors[1 + ne + npar:]
+        neo = len(outs) - (3 if self.fp8_output else 2)  # outputs, (the FP8 output's scale_inv), the saved block
+        output, extra_outputs, saved_block = outs[0], list(outs[1:1 + neo]), outs[-1]
+        # Autograd may hand in None (unused output) or expanded / non-contiguous gradients.
+        dt = x.dtype
+        gl = []
+        for g, o in zip(grads[:1 + neo], (output, *extra_outputs)):
+            if g is None:
+                g = torch.zeros(o.shape, dtype=dt, device=o.device)
+            else:
+                if isinstance(g, Float8Tensor):
+                    g = g.dequantize()
+                if g.dtype != dt:
+                    g = g.to(dt)
+                if not g.is_contiguous():
+                    g = g.contiguous()
+            gl.append(g)
+        if ctx.direct and not torch.compiler.is_compiling() and direct_call_ok(gl[0], gl[1:], ()):
+            return self.prog.backward(x, extras, output, extra_outputs, params, saved_block, gl[0], gl[1:],
+                                      cache_workspace=True)
+        return torch.ops.jitfuse.backward.default(self.key, x, extras, output, extra_outputs, params, saved_block,
+                                                  gl[0], gl[1:])
+
+
+def eager_call(prog: DeviceProgram) -> EagerCall:
+    """The EagerCall of a DeviceProgram (made on first use)."""
+    c = prog.eager_call
+    if c is None:
+        c = prog.eager_call = EagerCall(prog)
+    return c
+
+
+class _Forward(torch.autograd.Function):
+    """The autograd node of a jitfuse forward (:class:`EagerCall` runs it). Tensor lists are flattened into
+    ``apply``'s arguments (autograd tracks positional tensors only): (call, direct, training, n_extra_inputs,
+    n_params, rng_state, input, *extra_inputs, *params)."""
+
+    @staticmethod
+    def forward(ctx, call, direct, training, ne, npar, rng_state, x, *tensors):  # type: ignore[override]
+        return call.node_forward(ctx, direct, training, ne, npar, rng_state, x, tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, None, None, None, None, None, *ctx.call.node_backward(ctx, grads))
+
+
+# Function.apply without its Python wrapper's per-call work (it walks every argument with pytree to unwrap
+# dead functorch wrappers, which only exist under functorch transforms): the C++ apply, bound to _Forward.
+try:
+    _apply_c = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Forward)
+except (AttributeError, KeyError, TypeError):  # pragma: no cover - other PyTorch layouts
+    _apply_c = None
+
+
+def _forward_autograd(keyset, key, input, extra_inputs, params, rng_state, training):
+    # The Autograd kernel of jitfuse::forward: what torch.library.register_autograd registers, without
+    # its generic argument handling (pytree flatten/unflatten, default filling), which took ~280 us of
+    # host time per call on an H100 host (torch.profiler, bias + gelu at M = 16, 2026-11-24).
+    r = route(input, extra_inputs, params)
+    if r & GRAD:
+        return list(eager_call(program_of(key, input)).node(False, training, input, list(extra_inputs),
+                                                             list(params), rng_state))
+    if r & DIRECT:
+        # Below Autograd, plain CUDA tensors with nothing watching reach the CUDA kernel (forward_op) and
+        # nothing else: call it here instead of redispatching (one Python hop and one schema conversion
+        # less per call; what torch.compile's generated code pays per call without CUDA graphs).
+        return forward_op(key, input, extra_inputs, params, rng_state, training)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.jitfuse.forward.default.redispatch(keyset & torch._C._after_autograd_keyset, key, input,
+                                                            extra_inputs, params, rng_state, training)
+
+
+_LIB.impl("forward", forward_op, "CUDA")
+_LIB.impl("backward", backward_op, "CUDA")
+torch.library.register_fake("jitfuse::forward", _forward_fake, lib=_LIB)
+torch.library.register_fake("jitfuse::backward", _backward_fake, lib=_LIB)
+_LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
