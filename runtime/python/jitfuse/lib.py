@@ -626,11 +626,11 @@ class Sequence(_Owned):
 
     def forward(self, args: _abi.jf_forward_args, stream: Optional[int] = None) -> Optional[int]:
         """jf_forward with a filled :class:`jitfuse._abi.jf_forward_args`; returns the jf_saved handle the
-        library allocated (training without a host saved buffer), else None."""
-        saved = _abi.jf_saved()
-        self._lib.check(self._lib.cdll.jf_forward(self.handle, ctypes.byref(args), ctypes.byref(saved), stream),
-                        "jf_forward")
-        return saved.value
+        library allocated (training without a host saved block), else None."""
+        saved_handle = _abi.jf_saved()
+        self._lib.check(self._lib.cdll.jf_forward(self.handle, ctypes.byref(args), ctypes.byref(saved_handle),
+                                                  stream), "jf_forward")
+        return saved_handle.value
 
     def backward(self, args: _abi.jf_backward_args, stream: Optional[int] = None) -> None:
         """jf_backward with a filled :class:`jitfuse._abi.jf_backward_args`."""

@@ -6,7 +6,8 @@ Host time per call is the point of this file (issue 12): each per-call helper wa
 (tools/torch_baselines/host_overhead.py, docs/benchmarks.md) and replaces a slower equivalent.
 
 - :func:`route` decides how a forward runs, for ``Sequential``'s eager call and ``jitfuse::forward``'s
-  Autograd kernel alike (the one place that decides it).
+  Autograd kernel alike (the one place that decides it); :func:`check_arguments` raises the module's errors
+  for a call it did not send DIRECT.
 - :class:`ForwardArgs` / :class:`BackwardArgs`: the ``jf_forward_args`` / ``jf_backward_args`` of one input
   shape; :meth:`ForwardArgs.bind` is the one check of a call's tensors against the program (shape against
   the module's definition, dtype, contiguity), on every route that runs the program.

@@ -139,7 +139,7 @@ class EagerCall:
         extras, params = list(tensors[:ne]), list(tensors[ne:ne + npar])
         fp8_out = self.fp8_output
         if direct:
-            outs = self.prog.forward(x, extras, params, rng_state, training, cache_workspace=True)  # [..., saved]
+            outs = self.prog.forward(x, extras, params, rng_state, training, cache_workspace=True)  # [..., saved_block]
             returned = outs[:-2] if fp8_out else outs[:-1]
         else:
             with torch._C._AutoDispatchBelowAutograd():
