@@ -6,6 +6,7 @@
 
 #include "api/arg_check.hpp"
 #include "api/handles.hpp"
+#include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/json_util.hpp"
 #include "common/log.hpp"
@@ -220,7 +221,7 @@ static jf_status make_sequence(jf_context ctx, const std::string& text, const st
     }();
     jitfuse::ops::apply_recipe(def, r);
     auto* s = new jf_sequence_s();
-    s->impl = std::make_unique<jitfuse::api::Sequence>(ctx->impl, std::move(def), r);
+    s->impl = std::make_shared<jitfuse::api::Sequence>(ctx->impl, std::move(def), r);
     *out = s;
   });
 }
@@ -313,7 +314,7 @@ jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out
     if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()) || s.def.ops[op_index].kind != "quantize")
       fail(Status::invalid_argument, "op {} of sequence '{}' is not a quantize op: only quantize has FP8 recipe state",
            op_index, s.def.name);
-    const auto& st = s.fp8_state().at({op_index, ""});
+    const auto& st = s.fp8_state().state(op_index, jitfuse::exec::fp8::Operand::none);
     *out = jf_fp8_state{st.scale, st.scale_inv, st.history, st.len};
   });
 }
@@ -331,10 +332,11 @@ jf_status jf_sequence_fp8_operand_state(jf_sequence seq, int op_index, const cha
       fail(Status::invalid_argument, "op {} of sequence '{}' is not a linear op: only linear has FP8 operand state",
            op_index, s.def.name);
     const std::string t(tensor, strnlen(tensor, 32));
-    if (t != "input" && t != "weight" && t != "grad_output")
+    const auto operand = jitfuse::exec::fp8::parse_operand(t);
+    if (!operand || *operand == jitfuse::exec::fp8::Operand::none)
       fail(Status::invalid_argument, "tensor must be \"input\", \"weight\" or \"grad_output\" (the FP8 operands of a "
            "linear), not '{}'", jitfuse::text::shorten(t));
-    const auto& st = s.fp8_state().at({op_index, t});
+    const auto& st = s.fp8_state().state(op_index, *operand);
     *out = jf_fp8_state{st.scale, st.scale_inv, st.history, st.len};
   });
 }
@@ -357,128 +359,233 @@ jf_status jf_sequence_info(jf_sequence seq, const int64_t* shape, int ndim, int 
   });
 }
 
+}  // extern "C"
+
+namespace {
+
+using jitfuse::api::Sequence;
+using jitfuse::exec::Prepared;
+
+// A call's arguments, checked against the sequence and the ops of its input shape before anything is
+// prepared (a bad call never compiles anything), then against the prepared program's sizes, and run.
+// `prepared` gives the program: looked up (and prepared on first use) by jf_forward, held by a jf_program.
+template <class GetPrepared>
+void forward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_forward_args& a,
+                  jf_saved* saved_out, jf_stream stream, GetPrepared&& prepared) {
+  const bool train = a.training != 0;
+  if (train && !a.saved) need(saved_out, "saved_out (a training forward without a host saved buffer)");
+  if (saved_out) *saved_out = nullptr;
+  std::vector<jitfuse::api::Span> spans;
+  jitfuse::exec::ForwardArgs fa;
+  fa.stream = as_stream(stream);
+  fa.training = train;
+  spans.reserve(static_cast<size_t>(4 + a.n_extra_inputs + a.n_extra_outputs + std::max(a.n_params, 0)));
+  fa.input = check_tensor(a.input, "input", s.recipe.dtype, &ops.front().in);
+  fa.output = check_tensor(a.output, "output", s.output_dtype(), &ops.back().out);
+  spans.push_back(jitfuse::api::span_of(a.input, SpanName{"input"}, false));
+  spans.push_back(jitfuse::api::span_of(a.output, SpanName{"output"}, true));
+  for (const auto& op : ops) {
+    if (op.family == jitfuse::ops::Family::add_extra_input) {
+      const SpanName name{"extra input", op.extra_slot, &op};
+      fa.extra_in.push_back(check_tensor(a.extra_inputs[op.extra_slot], [&] { return name.str(); }, s.recipe.dtype,
+                                         &op.in));
+      spans.push_back(jitfuse::api::span_of(a.extra_inputs[op.extra_slot], name, false));
+    }
+    if (op.family == jitfuse::ops::Family::make_extra_output) {
+      const SpanName name{"extra output", op.extra_slot, &op};
+      fa.extra_out.push_back(check_tensor(a.extra_outputs[op.extra_slot], [&] { return name.str(); },
+                                          s.recipe.dtype, &op.in));
+      spans.push_back(jitfuse::api::span_of(a.extra_outputs[op.extra_slot], name, true));
+    }
+  }
+  fa.params = collect_params<const void*>(s, ops, a.params, a.n_params, "params", &spans, false);
+  jitfuse::api::check_no_overlap(spans);  // before prepare: a bad call never compiles anything
+  const std::shared_ptr<const Prepared>& pp = prepared();
+  const auto& L = pp->layout;
+  if (train) check_buffer(a.saved, a.saved_bytes, L.saved_bytes, "saved buffer", spans, true);
+  check_buffer(a.workspace, a.workspace_bytes, L.fwd_arena, "workspace", spans, true);
+  jitfuse::api::check_no_overlap(spans);
+  fa.saved = train ? a.saved : nullptr;
+  fa.workspace = a.workspace;
+  fa.rng.state = a.rng_state;
+  fa.rng.seed = a.rng_seed;
+  fa.rng.offset = a.rng_offset;
+  if (s.recipe.is_fp8())
+    fa.weights_unchanged = s.fp8_state().weights_unchanged(*pp->program, fa.params, a.fp8_weights_unchanged != 0);
+  auto owned = train && !a.saved ? std::make_unique<jf_saved_s>() : nullptr;
+  auto& rt = s.ctx.runtime();
+  auto res = jitfuse::exec::run_forward(pp, rt, fa);
+  const void* block = train ? (a.saved ? a.saved : res.saved) : nullptr;
+  if (res.shadow && block) s.keep_shadow(block, res.shadow);
+  if (owned) {
+    owned->block = res.saved;
+    owned->bytes = res.saved_bytes;
+    owned->allocator = rt.allocator;
+    *saved_out = owned.release();
+  }
+}
+
+// The backward's tensors: the forward's as it had them, and the gradients.
+void backward_tensors(const Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_backward_args& a,
+                      jitfuse::exec::BackwardArgs& ba, std::vector<jitfuse::api::Span>& spans) {
+  auto tensor = [&](const DLTensor* t, const SpanName& name, jitfuse::ops::DType dt, const jitfuse::ops::Shape& want,
+                    bool written) {
+    void* p = check_tensor(t, [&] { return name.str(); }, dt, &want);
+    spans.push_back(jitfuse::api::span_of(t, name, written));
+    return p;
+  };
+  ba.input = tensor(a.input, SpanName{"input"}, s.recipe.dtype, ops.front().in, false);
+  ba.output = tensor(a.output, SpanName{"output"}, s.output_dtype(), ops.back().out, false);
+  ba.grad_output = tensor(a.grad_output, SpanName{"grad_output"}, s.recipe.dtype, ops.back().out, false);
+  ba.grad_input = tensor(a.grad_input, SpanName{"grad_input"}, s.recipe.dtype, ops.front().in, true);
+  for (const auto& op : ops) {
+    const auto slot = static_cast<size_t>(op.extra_slot);
+    if (op.family == jitfuse::ops::Family::add_extra_input) {
+      ba.extra_in.push_back(tensor(a.extra_inputs[slot], SpanName{"extra input", op.extra_slot, &op},
+                                   s.recipe.dtype, op.in, false));
+      ba.grad_extra_in.push_back(tensor(a.grad_extra_inputs[slot], SpanName{"grad extra input", op.extra_slot, &op},
+                                        s.recipe.dtype, op.in, true));
+    }
+    if (op.family == jitfuse::ops::Family::make_extra_output) {
+      ba.extra_out.push_back(tensor(a.extra_outputs[slot], SpanName{"extra output", op.extra_slot, &op},
+                                    s.recipe.dtype, op.in, false));
+      ba.grad_extra_out.push_back(tensor(a.grad_extra_outputs[slot],
+                                         SpanName{"grad extra output", op.extra_slot, &op}, s.recipe.dtype, op.in,
+                                         false));
+    }
+  }
+  ba.params = collect_params<const void*>(s, ops, a.params, a.n_params, "params", &spans, false);
+  ba.grads = collect_params<void*>(s, ops, a.grads, a.n_grads, "grads", &spans, true);
+}
+
+template <class GetPrepared>
+void backward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_backward_args& a, jf_stream stream,
+                   GetPrepared&& prepared) {
+  std::vector<jitfuse::api::Span> spans;
+  jitfuse::exec::BackwardArgs ba;
+  ba.stream = as_stream(stream);
+  spans.reserve(static_cast<size_t>(6 + 2 * (a.n_extra_inputs + a.n_extra_outputs) + std::max(a.n_params, 0) +
+                                    std::max(a.n_grads, 0)));
+  backward_tensors(s, ops, a, ba, spans);
+  jitfuse::api::check_no_overlap(spans);
+  const std::shared_ptr<const Prepared>& pp = prepared();
+  const auto& L = pp->layout;
+  if (L.saved_bytes) need(a.saved, "saved (the forward's saved buffer)");
+  check_buffer(a.saved, a.saved_bytes, L.saved_bytes, "saved buffer", spans, false);
+  check_buffer(a.workspace, a.workspace_bytes, L.bwd_arena, "workspace", spans, true);
+  jitfuse::api::check_no_overlap(spans);
+  ba.saved = a.saved;
+  ba.workspace = a.workspace;
+  auto shadow = s.take_shadow(a.saved);
+  jitfuse::exec::run_backward(*pp, s.ctx.runtime(), ba, shadow.get());
+}
+
+void check_forward_struct(const Sequence& s, const jf_forward_args* args) {
+  need(args, "args");
+  const auto& a = *args;
+  jitfuse::api::check_forward_args(s.def, s.recipe.dtype, s.output_dtype(), a.input, a.extra_inputs,
+                                   a.n_extra_inputs, a.output, a.extra_outputs, a.n_extra_outputs);
+}
+
+void check_backward_struct(const Sequence& s, const jf_backward_args* args) {
+  need(args, "args");
+  const auto& a = *args;
+  jitfuse::api::check_forward_args(s.def, s.recipe.dtype, s.output_dtype(), a.input, a.extra_inputs,
+                                   a.n_extra_inputs, a.output, a.extra_outputs, a.n_extra_outputs);
+  jitfuse::api::check_backward_args(s.def, s.recipe.dtype, a.grad_output, a.grad_extra_outputs,
+                                    a.n_grad_extra_outputs, a.grad_input, a.grad_extra_inputs, a.n_grad_extra_inputs);
+}
+
+// A jf_program call's input must have the shape the program was prepared for.
+void check_program_shape(const jf_program_s& p, const DLTensor* input) {
+  const auto& want = p.prepared->program->ops.front().in;
+  if (shape_of(input) != want)
+    fail(Status::invalid_argument, "tensor 'input': this jf_program was prepared for input shape {}, got {} (open "
+         "one per shape with jf_program_open)", jitfuse::ops::shape_str(want), jitfuse::ops::shape_str(shape_of(input)));
+}
+
+}  // namespace
+
+extern "C" {
+
 jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* saved_out, jf_stream stream) {
   return guarded([&] {
     need(seq, "seq");
-    need(args, "args");
     auto& s = *seq->impl;
-    const auto& a = *args;
-    jitfuse::api::check_forward_args(s.def, s.recipe.dtype, s.output_dtype(), a.input, a.extra_inputs,
-                                     a.n_extra_inputs, a.output, a.extra_outputs, a.n_extra_outputs);
-    const bool train = a.training != 0;
-    if (train && !a.saved) need(saved_out, "saved_out (a training forward without a host saved buffer)");
-    if (saved_out) *saved_out = nullptr;
-    jitfuse::ops::Shape in_shape = shape_of(a.input);
-    const auto ops_ptr = s.ops_for(in_shape);  // every argument is checked before anything touches the GPU
-    const auto& ops = *ops_ptr;
-    std::vector<jitfuse::api::Span> spans;
-    jitfuse::exec::ForwardArgs fa;
-    fa.stream = as_stream(stream);
-    fa.training = train;
-    spans.reserve(static_cast<size_t>(4 + a.n_extra_inputs + a.n_extra_outputs + std::max(a.n_params, 0)));
-    fa.input = check_tensor(a.input, "input", s.recipe.dtype, &in_shape);
-    fa.output = check_tensor(a.output, "output", s.output_dtype(), &ops.back().out);
-    spans.push_back(jitfuse::api::span_of(a.input, SpanName{"input"}, false));
-    spans.push_back(jitfuse::api::span_of(a.output, SpanName{"output"}, true));
-    for (const auto& op : ops) {
-      if (op.family == jitfuse::ops::Family::add_extra_input) {
-        const SpanName name{"extra input", op.extra_slot, &op};
-        fa.extra_in.push_back(check_tensor(a.extra_inputs[op.extra_slot], [&] { return name.str(); }, s.recipe.dtype,
-                                           &op.in));
-        spans.push_back(jitfuse::api::span_of(a.extra_inputs[op.extra_slot], name, false));
-      }
-      if (op.family == jitfuse::ops::Family::make_extra_output) {
-        const SpanName name{"extra output", op.extra_slot, &op};
-        fa.extra_out.push_back(check_tensor(a.extra_outputs[op.extra_slot], [&] { return name.str(); },
-                                            s.recipe.dtype, &op.in));
-        spans.push_back(jitfuse::api::span_of(a.extra_outputs[op.extra_slot], name, true));
-      }
-    }
-    fa.params = collect_params<const void*>(s, ops, a.params, a.n_params, "params", &spans, false);
-    jitfuse::api::check_no_overlap(spans);  // before prepare: a bad call never compiles anything
-    auto pp = s.prepared_for(in_shape, train, as_stream(stream));
-    const auto& prog = *pp->program;
-    if (train) check_buffer(a.saved, a.saved_bytes, prog.saved_bytes, "saved buffer", spans, true);
-    check_buffer(a.workspace, a.workspace_bytes, prog.fwd_arena, "workspace", spans, true);
-    jitfuse::api::check_no_overlap(spans);
-    fa.saved = train ? a.saved : nullptr;
-    fa.workspace = a.workspace;
-    fa.rng.state = a.rng_state;
-    fa.rng.seed = a.rng_seed;
-    fa.rng.offset = a.rng_offset;
-    if (s.recipe.is_fp8()) fa.weights_unchanged = s.weights_unchanged(prog, fa.params, a.fp8_weights_unchanged != 0);
-    auto owned = train && !a.saved ? std::make_unique<jf_saved_s>() : nullptr;
-    auto& rt = s.ctx.runtime();
-    auto res = jitfuse::exec::run_forward(pp, rt, fa);
-    const void* block = train ? (a.saved ? a.saved : res.saved) : nullptr;
-    if (res.shadow && block) s.keep_shadow(block, res.shadow);
-    if (owned) {
-      owned->block = res.saved;
-      owned->bytes = res.saved_bytes;
-      owned->allocator = rt.allocator;
-      *saved_out = owned.release();
-    }
+    check_forward_struct(s, args);
+    const jitfuse::ops::Shape in_shape = shape_of(args->input);
+    const auto ops = s.ops_for(in_shape);  // every argument is checked before anything touches the GPU
+    std::shared_ptr<const Prepared> pp;
+    forward_call(s, *ops, *args, saved_out, stream, [&]() -> const std::shared_ptr<const Prepared>& {
+      return pp = s.prepared_for(in_shape, args->training != 0, as_stream(stream));
+    });
   });
 }
 
 jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream stream) {
   return guarded([&] {
     need(seq, "seq");
-    need(args, "args");
     auto& s = *seq->impl;
-    const auto& a = *args;
-    jitfuse::api::check_forward_args(s.def, s.recipe.dtype, s.output_dtype(), a.input, a.extra_inputs,
-                                     a.n_extra_inputs, a.output, a.extra_outputs, a.n_extra_outputs);
-    jitfuse::api::check_backward_args(s.def, s.recipe.dtype, a.grad_output, a.grad_extra_outputs,
-                                      a.n_grad_extra_outputs, a.grad_input, a.grad_extra_inputs, a.n_grad_extra_inputs);
-    jitfuse::ops::Shape in_shape = shape_of(a.input);
-    const auto ops_ptr = s.ops_for(in_shape);
-    const auto& ops = *ops_ptr;
-    std::vector<jitfuse::api::Span> spans;
-    jitfuse::exec::BackwardArgs ba;
-    ba.stream = as_stream(stream);
-    spans.reserve(static_cast<size_t>(6 + 2 * (a.n_extra_inputs + a.n_extra_outputs) + std::max(a.n_params, 0) +
-                                      std::max(a.n_grads, 0)));
-    auto tensor = [&](const DLTensor* t, const SpanName& name, jitfuse::ops::DType dt, const jitfuse::ops::Shape& want,
-                      bool written) {
-      void* p = check_tensor(t, [&] { return name.str(); }, dt, &want);
-      spans.push_back(jitfuse::api::span_of(t, name, written));
-      return p;
-    };
-    ba.input = tensor(a.input, SpanName{"input"}, s.recipe.dtype, in_shape, false);
-    ba.output = tensor(a.output, SpanName{"output"}, s.output_dtype(), ops.back().out, false);
-    ba.grad_output = tensor(a.grad_output, SpanName{"grad_output"}, s.recipe.dtype, ops.back().out, false);
-    ba.grad_input = tensor(a.grad_input, SpanName{"grad_input"}, s.recipe.dtype, ops.front().in, true);
-    for (const auto& op : ops) {
-      const auto slot = static_cast<size_t>(op.extra_slot);
-      if (op.family == jitfuse::ops::Family::add_extra_input) {
-        ba.extra_in.push_back(tensor(a.extra_inputs[slot], SpanName{"extra input", op.extra_slot, &op},
-                                     s.recipe.dtype, op.in, false));
-        ba.grad_extra_in.push_back(tensor(a.grad_extra_inputs[slot], SpanName{"grad extra input", op.extra_slot, &op},
-                                          s.recipe.dtype, op.in, true));
-      }
-      if (op.family == jitfuse::ops::Family::make_extra_output) {
-        ba.extra_out.push_back(tensor(a.extra_outputs[slot], SpanName{"extra output", op.extra_slot, &op},
-                                      s.recipe.dtype, op.in, false));
-        ba.grad_extra_out.push_back(tensor(a.grad_extra_outputs[slot],
-                                           SpanName{"grad extra output", op.extra_slot, &op}, s.recipe.dtype, op.in,
-                                           false));
-      }
-    }
-    ba.params = collect_params<const void*>(s, ops, a.params, a.n_params, "params", &spans, false);
-    ba.grads = collect_params<void*>(s, ops, a.grads, a.n_grads, "grads", &spans, true);
-    jitfuse::api::check_no_overlap(spans);
-    auto pp = s.prepared_for(in_shape, true, as_stream(stream));
-    const auto& prog = *pp->program;
-    if (prog.saved_bytes) need(a.saved, "saved (the forward's saved buffer)");
-    check_buffer(a.saved, a.saved_bytes, prog.saved_bytes, "saved buffer", spans, false);
-    check_buffer(a.workspace, a.workspace_bytes, prog.bwd_arena, "workspace", spans, true);
-    jitfuse::api::check_no_overlap(spans);
-    ba.saved = a.saved;
-    ba.workspace = a.workspace;
-    auto shadow = s.take_shadow(a.saved);
-    jitfuse::exec::run_backward(*pp, s.ctx.runtime(), ba, shadow.get());
+    check_backward_struct(s, args);
+    const jitfuse::ops::Shape in_shape = shape_of(args->input);
+    const auto ops = s.ops_for(in_shape);
+    std::shared_ptr<const Prepared> pp;
+    backward_call(s, *ops, *args, stream, [&]() -> const std::shared_ptr<const Prepared>& {
+      return pp = s.prepared_for(in_shape, true, as_stream(stream));
+    });
   });
+}
+
+jf_status jf_program_open(jf_sequence seq, const int64_t* shape, int ndim, int training, jf_stream stream,
+                          jf_program* out) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(out, "out");
+    *out = nullptr;
+    auto in_shape = jitfuse::api::checked_shape(shape, ndim, "shape");
+    auto p = std::make_unique<jf_program_s>();
+    p->seq = seq->impl;
+    p->training = training != 0;
+    p->prepared = seq->impl->prepared_for(in_shape, p->training, as_stream(stream));
+    *out = p.release();
+  });
+}
+
+jf_status jf_program_get_info(jf_program prog, jf_program_info* out) {
+  return guarded([&] {
+    need(prog, "prog");
+    need(out, "out");
+    *out = prog->seq->info(prog->prepared);
+  });
+}
+
+jf_status jf_program_forward(jf_program prog, const jf_forward_args* args, jf_saved* saved_out, jf_stream stream) {
+  return guarded([&] {
+    need(prog, "prog");
+    auto& s = *prog->seq;
+    check_forward_struct(s, args);
+    check_program_shape(*prog, args->input);
+    if (args->training && !prog->training)
+      fail(Status::invalid_argument, "a training forward needs a jf_program opened with training = 1");
+    forward_call(s, prog->prepared->program->ops, *args, saved_out, stream,
+                 [&]() -> const std::shared_ptr<const Prepared>& { return prog->prepared; });
+  });
+}
+
+jf_status jf_program_backward(jf_program prog, const jf_backward_args* args, jf_stream stream) {
+  return guarded([&] {
+    need(prog, "prog");
+    auto& s = *prog->seq;
+    check_backward_struct(s, args);
+    check_program_shape(*prog, args->input);
+    if (!prog->training) fail(Status::invalid_argument, "a backward needs a jf_program opened with training = 1");
+    backward_call(s, prog->prepared->program->ops, *args, stream,
+                  [&]() -> const std::shared_ptr<const Prepared>& { return prog->prepared; });
+  });
+}
+
+jf_status jf_program_close(jf_program prog) {
+  return guarded([&] { delete prog; });
 }
 
 jf_status jf_saved_buffer(jf_saved saved, void** buffer, size_t* bytes) {
@@ -504,12 +611,9 @@ jf_status jf_sequence_explain(jf_sequence seq, const int64_t* shape, int ndim, i
     auto in_shape = jitfuse::api::checked_shape(shape, ndim, "shape");
     need(json_out, "json_out");
     auto& s = *seq->impl;
-    auto ops = jitfuse::ops::infer(s.def, in_shape);
-    auto plan = s.plan_only(ops, training != 0, arch);
-    nlohmann::json j = jitfuse::fuser::plan_json(plan, ops);
-    jitfuse::exec::DeviceModel dev;
-    if (arch > 0) dev.arch = arch == 90 ? "sm_90a" : "sm_" + std::to_string(arch);
-    auto program = jitfuse::exec::make_program(ops, plan, s.recipe, training != 0, s.def.name, dev);
+    auto program = s.compile(jitfuse::ops::infer(s.def, in_shape), training != 0, arch,
+                             jitfuse::env::flag("JITFUSE_DISABLE_FUSION"));
+    nlohmann::json j = jitfuse::fuser::plan_json(program->plan, program->ops);
     j["program"] = jitfuse::exec::program_json(*program, 0);
     s.explain_buffer = j.dump(2);
     *json_out = s.explain_buffer.c_str();

@@ -10,6 +10,7 @@
 
 #include "cache/kernel_cache.hpp"
 #include "exec/executor.hpp"
+#include "exec/fp8/recipe_state.hpp"
 #include "exec/kernels.hpp"
 #include "jitfuse/jitfuse.h"
 #include "ops/sequence.hpp"
@@ -64,7 +65,10 @@ class Sequence {
   // device). Preparing compiles and loads, which a CUDA-graph capture must not see: when `stream` is
   // capturing and the shape is not prepared yet, this fails with Status::not_prepared and touches nothing.
   std::shared_ptr<const exec::Prepared> prepared_for(const ops::Shape& input, bool training, CUstream stream);
-  fuser::Plan plan_only(const std::vector<ops::Op>& ops, bool training, int arch) const;
+  // The Program for `ops` (shapes inferred) on SM version `arch`, planned with the context's rules: what
+  // prepare runs and explain prints. Needs no GPU.
+  std::shared_ptr<const exec::Program> compile(std::vector<ops::Op> ops, bool training, int arch,
+                                               bool disable_fusion) const;
   // The ops with shapes inferred for an input shape (cached; needs no GPU): what a call's arguments are
   // checked against before anything is prepared.
   std::shared_ptr<const std::vector<ops::Op>> ops_for(const ops::Shape& input);
@@ -78,36 +82,18 @@ class Sequence {
 
   // The output tensor's dtype: E4M3 when an FP8 recipe ends the sequence in quantize, else the recipe's.
   ops::DType output_dtype() const;
-  // FP8 recipes: every recipe state on the current device (allocated by prepare): (op, "") of each quantize
-  // op, (op, "input" | "weight" | "grad_output") of each linear's GEMM operands.
-  // Allocates and initialises the state on first use (uploaded on `stream`, synchronised: a one-time setup;
-  // nullptr: the legacy stream, for the accessors of the C ABI).
-  const exec::Fp8StateMap& fp8_state(CUstream stream = nullptr);
-  // FP8 recipes: allocates, on the current device, the persistent buffers `p` binds (the FP8 copies of
-  // the weights) that no earlier program allocated (prepared_for calls it; calls bind persistent()).
-  void persistent_for(const exec::Program& p);
-  // The persistent buffers on the current device, as prepare allocated them: a copy made under the lock,
-  // because another thread's prepare (of a program that reads more copies, e.g. training after inference)
-  // may add entries meanwhile. prepared_for binds them into the program (calls look nothing up).
-  exec::PersistentMap persistent();
-  // Whether a forward of `p` may skip its weight casts: the host says the weights did not change AND
-  // every persistent copy `p` reads was written by an earlier forward from the same weight pointers.
-  // When it may not, records that this forward (which casts) writes them from `params`.
-  // `params`: the call's, by slot (exec::param_slot).
-  bool weights_unchanged(const exec::Program& p, const std::vector<const void*>& params, bool host_says);
+  // FP8 recipes: the FP8 state on the current device, allocated and initialised on first use (uploaded on
+  // `stream`, synchronised: a one-time setup; nullptr: the legacy stream, for the C ABI's accessors).
+  exec::fp8::RecipeState& fp8_state(CUstream stream = nullptr);
 
   // JITFUSE_VERIFY: a training forward's shadow run, kept (by its saved block) for the backward.
   void keep_shadow(const void* saved, std::shared_ptr<exec::Shadow> shadow);
   std::shared_ptr<exec::Shadow> take_shadow(const void* saved);
 
  private:
-  std::map<int, exec::Fp8StateMap> fp8_;  // device ordinal -> recipe states
-  struct Persistent {
-    exec::PersistentMap buffers;
-    std::map<exec::Key, size_t> bytes;
-    std::map<exec::Key, const void*> cast_from;  // copy -> the weight pointer a forward last cast it from
-  };
-  std::map<int, Persistent> persistent_;  // device ordinal -> persistent buffers
+  // Fails with Status::not_prepared when `stream` is capturing a CUDA graph (prepare compiles and loads).
+  void refuse_inside_capture(CUstream stream, const ops::Shape& input, bool training) const;
+  std::map<int, std::unique_ptr<exec::fp8::RecipeState>> fp8_;  // device ordinal -> FP8 state
   std::mutex mu_;
   // What a prepared program is for: input shape, training, rule-set generation, the fusion kill switch,
   // device ordinal (a struct, not a formatted string: looked up on every call).

@@ -10,7 +10,13 @@ struct jf_context_s {
   jitfuse::api::Context impl;
 };
 struct jf_sequence_s {
-  std::unique_ptr<jitfuse::api::Sequence> impl;
+  std::shared_ptr<jitfuse::api::Sequence> impl;  // shared with the jf_program handles opened on it
+};
+// A prepared program held by the host: its sequence (kept alive) and the Prepared for one (shape, training).
+struct jf_program_s {
+  std::shared_ptr<jitfuse::api::Sequence> seq;
+  std::shared_ptr<const jitfuse::exec::Prepared> prepared;
+  bool training = false;
 };
 // A saved block jf_forward allocated through the allocator (a host that passes its own has no handle).
 struct jf_saved_s {

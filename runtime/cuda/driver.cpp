@@ -91,11 +91,13 @@ void check(CUresult r, const char* call) {
   fail(s, "{} failed: {} ({})", call, name ? name : "?", desc ? desc : "");
 }
 
-std::string DeviceInfo::arch() const {
+std::string arch_name(int sm) {
   // sm_90a unlocks Hopper's arch-specific instructions; the CUBIN then runs on exactly this arch.
-  if (major == 9 && minor == 0) return "sm_90a";
-  return "sm_" + std::to_string(major * 10 + minor);
+  if (sm == 90) return "sm_90a";
+  return "sm_" + std::to_string(sm);
 }
+
+std::string DeviceInfo::arch() const { return arch_name(arch_number()); }
 
 DeviceInfo current_device() {
   const Driver& d = driver();

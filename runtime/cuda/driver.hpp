@@ -21,6 +21,10 @@ const Driver& driver();
 // Throws Error(cuda_error) "<call> failed: CUDA_ERROR_X (<description>)" unless r == CUDA_SUCCESS.
 void check(CUresult r, const char* call);
 
+// The code target of SM version `sm` (90 -> "sm_90a", 80 -> "sm_80"): what kernels compile for and cache
+// keys record. The one mapping (devices, the CLI's --arch, explain's arch).
+std::string arch_name(int sm);
+
 struct DeviceInfo {
   int ordinal = 0;
   std::string name;

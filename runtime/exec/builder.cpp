@@ -63,9 +63,8 @@ int Builder::act(int i) {
   if (i == 0) {
     id = p_.input = caller(BufferRole::input, "input", -1, -1, p_.recipe.dtype, rows, cols);
   } else if (i == n) {
-    const bool fp8_out = p_.recipe.is_fp8() && p_.ops[n - 1].kind == "quantize";
-    id = p_.output = caller(BufferRole::output, "output", -1, -1, fp8_out ? ops::DType::e4m3 : p_.recipe.dtype, rows,
-                            cols);
+    id = p_.output = caller(BufferRole::output, "output", -1, -1, fp8::output_dtype(p_.recipe, p_.ops[n - 1].kind),
+                            rows, cols);
   } else {
     Buffer b;
     b.role = BufferRole::activation;
@@ -126,85 +125,70 @@ int Builder::grad(int op, const std::string& name) {
                              name);
 }
 
-int Builder::extra_in(int op) {
-  auto key = std::make_pair(op, std::string("extra_in"));
+// The four caller tensors of add_extra_input / make_extra_output ops, by role: one accessor, one table.
+int Builder::extra(BufferRole role, int op) {
+  struct Kind {
+    BufferRole role;
+    const char* name;
+    std::vector<int> Program::*ids;
+  };
+  static constexpr Kind kKinds[] = {{BufferRole::extra_in, "extra_input", &Program::extra_in},
+                                    {BufferRole::extra_out, "extra_output", &Program::extra_out},
+                                    {BufferRole::grad_extra_out, "grad_extra_output", &Program::grad_extra_out},
+                                    {BufferRole::grad_extra_in, "grad_extra_input", &Program::grad_extra_in}};
+  const Kind* k = nullptr;
+  for (const auto& e : kKinds)
+    if (e.role == role) k = &e;
+  if (!k) fail(Status::internal, "no extra tensor of role {}", role_name(role));
+  auto key = std::make_pair(op, role);
   if (auto it = extra_.find(key); it != extra_.end()) return it->second;
   const auto& o = p_.ops.at(static_cast<size_t>(op));
-  int id = caller(BufferRole::extra_in, "extra_input[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
-                  p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
-  if (static_cast<int>(p_.extra_in.size()) <= o.extra_slot) p_.extra_in.resize(o.extra_slot + 1, -1);
-  p_.extra_in[o.extra_slot] = id;
+  const int id = caller(role, std::string(k->name) + "[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
+                        p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
+  auto& ids = p_.*(k->ids);
+  if (static_cast<int>(ids.size()) <= o.extra_slot) ids.resize(o.extra_slot + 1, -1);
+  ids[static_cast<size_t>(o.extra_slot)] = id;
   return extra_[key] = id;
 }
 
-int Builder::extra_out(int op) {
-  auto key = std::make_pair(op, std::string("extra_out"));
-  if (auto it = extra_.find(key); it != extra_.end()) return it->second;
-  const auto& o = p_.ops.at(static_cast<size_t>(op));
-  int id = caller(BufferRole::extra_out, "extra_output[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
-                  p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
-  if (static_cast<int>(p_.extra_out.size()) <= o.extra_slot) p_.extra_out.resize(o.extra_slot + 1, -1);
-  p_.extra_out[o.extra_slot] = id;
-  return extra_[key] = id;
-}
-
-int Builder::grad_extra_out(int op) {
-  auto key = std::make_pair(op, std::string("grad_extra_out"));
-  if (auto it = extra_.find(key); it != extra_.end()) return it->second;
-  const auto& o = p_.ops.at(static_cast<size_t>(op));
-  int id = caller(BufferRole::grad_extra_out, "grad_extra_output[" + std::to_string(o.extra_slot) + "]", op,
-                  o.extra_slot, p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
-  if (static_cast<int>(p_.grad_extra_out.size()) <= o.extra_slot) p_.grad_extra_out.resize(o.extra_slot + 1, -1);
-  p_.grad_extra_out[o.extra_slot] = id;
-  return extra_[key] = id;
-}
-
-int Builder::grad_extra_in(int op) {
-  auto key = std::make_pair(op, std::string("grad_extra_in"));
-  if (auto it = extra_.find(key); it != extra_.end()) return it->second;
-  const auto& o = p_.ops.at(static_cast<size_t>(op));
-  int id = caller(BufferRole::grad_extra_in, "grad_extra_input[" + std::to_string(o.extra_slot) + "]", op,
-                  o.extra_slot, p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
-  if (static_cast<int>(p_.grad_extra_in.size()) <= o.extra_slot) p_.grad_extra_in.resize(o.extra_slot + 1, -1);
-  p_.grad_extra_in[o.extra_slot] = id;
-  return extra_[key] = id;
-}
-
-int Builder::fp8_state(int op, const std::string& tensor, const std::string& which) {
-  auto key = std::make_tuple(op, tensor, which);
+int Builder::fp8_state(int op, fp8::Operand operand, fp8::Part part) {
+  auto key = std::make_tuple(op, operand, part);
   if (auto it = state_.find(key); it != state_.end()) return it->second;
-  const int64_t len = which == "amax_history" ? std::max(1, p_.recipe.amax_history) : 1;
-  const std::string name = "op" + std::to_string(op) + "." + (tensor.empty() ? "" : tensor + ".") + which;
-  const int id = keyed(caller(BufferRole::recipe_state, name, op, -1, ops::DType::f32, 1, len), which);
-  p_.buffers[static_cast<size_t>(id)].tensor = tensor;
+  const int64_t len = part == fp8::Part::history ? std::max(1, p_.recipe.amax_history) : 1;
+  const std::string tensor = fp8::name(operand);
+  const std::string name = "op" + std::to_string(op) + "." + (tensor.empty() ? "" : tensor + ".") + fp8::name(part);
+  const int id = keyed(caller(BufferRole::recipe_state, name, op, -1, ops::DType::f32, 1, len), fp8::name(part));
+  p_.buffers[static_cast<size_t>(id)].fp8_operand = operand;
+  p_.buffers[static_cast<size_t>(id)].fp8_part = part;
   return state_[key] = id;
 }
 
-Builder::Fp8Operand& Builder::fp8_operand(int lin, const std::string& tensor) {
-  auto key = std::make_pair(lin, tensor);
+Builder::Fp8Operand& Builder::fp8_operand(int lin, fp8::Operand operand) {
+  using fp8::Operand;
+  auto key = std::make_pair(lin, operand);
   if (auto it = fp8_.find(key); it != fp8_.end()) return it->second;
   const auto& o = p_.ops.at(static_cast<size_t>(lin));
   int64_t rows = 0, cols = 0;
-  if (tensor == "input") {
-    rows = ops::rows_of(o.in), cols = ops::cols_of(o.in);
-  } else if (tensor == "grad_output") {
-    rows = ops::rows_of(o.out), cols = ops::cols_of(o.out);
-  } else if (tensor == "weight") {
-    rows = ops::cols_of(o.out), cols = ops::cols_of(o.in);
-  } else {
-    fail(Status::internal, "{}: no FP8 operand '{}'", o.label(), tensor);
+  switch (operand) {
+    case Operand::input: rows = ops::rows_of(o.in), cols = ops::cols_of(o.in); break;
+    case Operand::grad_output: rows = ops::rows_of(o.out), cols = ops::cols_of(o.out); break;
+    case Operand::weight: rows = ops::cols_of(o.out), cols = ops::cols_of(o.in); break;
+    case Operand::none: fail(Status::internal, "{}: an FP8 copy needs an operand", o.label());
   }
-  const ops::DType dt = tensor == "grad_output" ? ops::DType::e5m2 : ops::DType::e4m3;
-  const Storage row_at = tensor == "weight" ? Storage::persistent : forward_ ? Storage::fwd_arena : Storage::bwd_arena;
+  const ops::DType dt = operand == Operand::grad_output ? ops::DType::e5m2 : ops::DType::e4m3;
+  const bool weight = operand == Operand::weight;
+  const Storage row_at = weight ? Storage::persistent : forward_ ? Storage::fwd_arena : Storage::bwd_arena;
   // The input's transposed copy is what the wgrad reads: it and the scale_inv both copies share are saved.
-  const Storage col_at = tensor == "weight" ? Storage::persistent : tensor == "input" ? Storage::saved : Storage::bwd_arena;
-  auto make = [&](const std::string& what, Storage at, int64_t r, int64_t c, ops::DType d) {
+  const Storage col_at = weight ? Storage::persistent : operand == Operand::input ? Storage::saved : Storage::bwd_arena;
+  auto make = [&](fp8::Part part, Storage at, int64_t r, int64_t c, ops::DType d) {
     Buffer b;
     b.role = BufferRole::fp8;
     b.storage = at;
-    b.name = "op" + std::to_string(lin) + "." + tensor + "." + what;
+    b.key = std::string(fp8::name(operand)) + "." + fp8::name(part);
+    b.name = "op" + std::to_string(lin) + "." + b.key;
     b.op = lin;
-    b.key = tensor + "." + what;
+    b.fp8_operand = operand;
+    b.fp8_part = part;
     b.dtype = d;
     b.rows = r;
     b.cols = c;
@@ -213,9 +197,9 @@ Builder::Fp8Operand& Builder::fp8_operand(int lin, const std::string& tensor) {
   Fp8Operand f;
   f.rows = rows;
   f.cols = cols;
-  f.row = make("row", row_at, rows, cols, dt);
-  if (p_.training) f.col = make("col", col_at, cols, rows, dt);
-  f.scale_inv = make("scale_inv", p_.training ? col_at : row_at, 1, 1, ops::DType::f32);
+  f.row = make(fp8::Part::row, row_at, rows, cols, dt);
+  if (p_.training) f.col = make(fp8::Part::col, col_at, cols, rows, dt);
+  f.scale_inv = make(fp8::Part::scale_inv, p_.training ? col_at : row_at, 1, 1, ops::DType::f32);
   p_.buffers[static_cast<size_t>(f.scale_inv)].needs_align16 = false;
   return fp8_[key] = f;
 }
@@ -335,9 +319,7 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   s.gemm = g;
   // The workspace lives for this step only: the packer lays every GEMM's workspace over the same bytes.
   s.gemm.workspace = temp("cublaslt workspace", ops::DType::f32, -1, 0, cuda::kGemmWorkspace);
-  for (int id : {g.a, g.b, g.c, g.d, g.bias, g.aux, g.ones, g.a_scale_inv, g.b_scale_inv, g.d_scale, g.d_amax,
-                 g.d_history, g.d_scale_inv, s.gemm.workspace})
-    touch(id);
+  for (int i = 0; i < kGemmOperands; ++i) touch(s.gemm.operand(static_cast<GemmOperand>(i)));
   if (g.d_amax >= 0) batched_partials_.push_back(g.d_amax);  // read by the update after the pass
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
@@ -374,7 +356,11 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   ks->meta = meta;
   ks->gen = codegen::generate(spec);
   ks->rows = rows;
-  const std::string fp8_tensor = spec.fp8 ? spec.fp8->tensor : std::string();
+  // codegen spells the operand a cast writes; here it is typed once.
+  const auto operand = spec.fp8 ? fp8::parse_operand(spec.fp8->tensor) : fp8::Operand::none;
+  if (!operand) fail(Status::internal, "kernel {}: unknown FP8 operand '{}'", ks->gen.kernel, spec.fp8->tensor);
+  const fp8::Operand fp8_tensor = *operand;
+  const bool own_state = fp8_tensor == fp8::Operand::none;  // a quantize op's cast
   for (const Arg& a : ks->gen.args) {
     KArg k;
     switch (a.role) {
@@ -416,16 +402,16 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
         break;
       case Arg::Role::rng: k.buffer = rng_state(); break;
       case Arg::Role::parts: k.kind = KArg::Kind::int_const; break;  // filled by layout_program
-      case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, fp8_tensor, "scale"); break;
+      case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, fp8_tensor, fp8::Part::scale); break;
       case Arg::Role::fp8_scale_inv:
         // A quantize op's cast reports to its state; an operand's cast to the FP8 tensor's own scale_inv.
-        k.buffer = fp8_tensor.empty() ? fp8_state(a.op, "", "scale_inv") : fp8_operand(a.op, fp8_tensor).scale_inv;
+        k.buffer = own_state ? fp8_state(a.op, fp8_tensor, fp8::Part::scale_inv) : fp8_operand(a.op, fp8_tensor).scale_inv;
         break;
       case Arg::Role::fp8_amax:
         if (a.writes) {
           k.buffer = ks->amax_partials = temp("amax partials op" + std::to_string(a.op), ops::DType::f32, -1, 1);
         } else {
-          k.buffer = fp8_state(a.op, fp8_tensor, "amax_history");
+          k.buffer = fp8_state(a.op, fp8_tensor, fp8::Part::history);
         }
         break;
       case Arg::Role::fp8_colwise: k.buffer = fp8_operand(a.op, fp8_tensor).col; break;
@@ -434,10 +420,10 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   }
   if (!ks->gen.fp8_update.empty()) {
     const int q = spec.fp8->op;
-    ks->fp8_scale = fp8_state(q, fp8_tensor, "scale");
+    ks->fp8_scale = fp8_state(q, fp8_tensor, fp8::Part::scale);
     // An operand's update kernel takes no scale_inv (the cast wrote the copy's own); a quantize op's does.
-    ks->fp8_scale_inv = fp8_tensor.empty() ? fp8_state(q, "", "scale_inv") : -1;
-    ks->fp8_history = fp8_state(q, fp8_tensor, "amax_history");
+    ks->fp8_scale_inv = own_state ? fp8_state(q, fp8_tensor, fp8::Part::scale_inv) : -1;
+    ks->fp8_history = fp8_state(q, fp8_tensor, fp8::Part::history);
     ks->fp8_len = std::max(1, p_.recipe.amax_history);
     if (ks->gen.fp8_batched) batched_partials_.push_back(ks->amax_partials);
   }

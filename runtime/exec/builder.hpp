@@ -28,14 +28,16 @@ class Builder {
   int grad_of(int i);
   int param(int op, const std::string& name);
   int grad(int op, const std::string& name);
-  int extra_in(int op);
-  int extra_out(int op);
-  int grad_extra_out(int op);
-  int grad_extra_in(int op);
-  // FP8 recipe state (op, tensor) ("": a quantize op's; "input" | "weight" | "grad_output": a linear's
-  // operand): which = "scale" | "scale_inv" | "amax_history".
-  int fp8_state(int op, const std::string& tensor, const std::string& which);
-  // An FP8 copy of linear `lin`'s operand `tensor`: row-major codes, the transposed codes (training;
+  // The caller's extra tensors of op `op` (an add_extra_input's or make_extra_output's), by role:
+  // extra_in, extra_out, grad_extra_out or grad_extra_in.
+  int extra(BufferRole role, int op);
+  int extra_in(int op) { return extra(BufferRole::extra_in, op); }
+  int extra_out(int op) { return extra(BufferRole::extra_out, op); }
+  int grad_extra_out(int op) { return extra(BufferRole::grad_extra_out, op); }
+  int grad_extra_in(int op) { return extra(BufferRole::grad_extra_in, op); }
+  // FP8 recipe state of (op, operand) (none: a quantize op's): part scale, scale_inv or history.
+  int fp8_state(int op, fp8::Operand operand, fp8::Part part);
+  // An FP8 copy of linear `lin`'s operand: row-major codes, the transposed codes (training;
   // -1 otherwise) and the scale_inv its cast used. Where it lives follows from the operand: the input's
   // row-major copy in the forward arena, its transposed copy and scale_inv in the saved block (the wgrad
   // reads them); the weight's in persistent storage (cast once per optimizer step); the gradient's in the
@@ -45,7 +47,7 @@ class Builder {
     int64_t rows = 0, cols = 0;  // the row-major copy's shape (the transposed one is [cols, rows])
     bool ready = false;
   };
-  Fp8Operand& fp8_operand(int lin, const std::string& tensor);
+  Fp8Operand& fp8_operand(int lin, fp8::Operand operand);
   int rng_state();  // the call's Philox state (Program::rng), created on first use
 
   // Forward: saved context (op, name) written into the saved block by a kernel or a GEMM epilogue.
@@ -97,10 +99,11 @@ class Builder {
   int group_ = -1;
   fuser::Group g_;
   std::vector<int> act_, grad_;
-  std::map<std::pair<int, std::string>, int> params_, grads_, saved_, extra_;
-  std::map<std::pair<int, std::string>, Fp8Operand> fp8_;
+  std::map<std::pair<int, std::string>, int> params_, grads_, saved_;
+  std::map<std::pair<int, BufferRole>, int> extra_;
+  std::map<std::pair<int, fp8::Operand>, Fp8Operand> fp8_;
   std::vector<int> batched_partials_;
-  std::map<std::tuple<int, std::string, std::string>, int> state_;
+  std::map<std::tuple<int, fp8::Operand, fp8::Part>, int> state_;
 };
 
 }  // namespace jitfuse::exec

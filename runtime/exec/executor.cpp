@@ -1,17 +1,12 @@
-// The executor: prepare a program (compile + load its kernels, lay out for the device), then run its
-// steps. A step is a resolved cuBLASLt call or a generated kernel with its arguments bound to buffer ids;
-// nothing here knows rules, ops or names.
+// The executor: a prepared program's calls. A step is a resolved cuBLASLt call or a generated kernel with
+// its arguments bound to buffer ids; nothing here knows rules, ops or names.
 #include "exec/executor.hpp"
 
 #include <algorithm>
-#include <limits>
-#include <optional>
 #include <cstring>
-#include <thread>
+#include <optional>
 #include <tuple>
 
-#include "cache/disk_store.hpp"
-#include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/log.hpp"
 
@@ -55,14 +50,14 @@ class Block {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-void place(const Program& p, Storage storage, char* base, std::vector<void*>& ptr) {
-  for (const auto& b : p.buffers)
+void place(const Layout& layout, Storage storage, char* base, std::vector<void*>& ptr) {
+  for (const auto& b : layout.buffers)
     if (b.storage == storage && b.first >= 0) ptr[static_cast<size_t>(b.id)] = base + b.offset;
 }
 
 // The call's parameters (and gradients) into their buffers, by the slots prepare resolved.
 template <class T>
-void bind_slots(const Program& p, const std::vector<Prepared::SlotBind>& binds, const std::vector<T>& given,
+void bind_slots(const Program& p, const std::vector<SlotBind>& binds, const std::vector<T>& given,
                 std::vector<void*>& ptr, bool grads) {
   for (const auto& sb : binds) {
     const void* v = sb.slot >= 0 && static_cast<size_t>(sb.slot) < given.size() ? given[static_cast<size_t>(sb.slot)]
@@ -133,26 +128,18 @@ struct Fp8Batch {
   }
 };
 
-void run_gemm(Runtime& rt, const GemmStep& g, const std::vector<void*>& ptr, CUstream stream, Fp8Batch& batch) {
+void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std::vector<void*>& ptr, CUstream stream,
+              Fp8Batch& batch) {
   auto at = [&](int id) -> void* { return id >= 0 ? ptr[static_cast<size_t>(id)] : nullptr; };
   cuda::GemmCall c = g.call;
-  c.a = at(g.a);
-  c.b = at(g.b);
-  c.c = at(g.c);
-  c.d = at(g.d);
-  c.bias = at(g.bias);
-  c.aux = at(g.aux);
-  c.workspace = at(g.workspace);
-  if (c.fp8) {
-    c.fp8->a_scale_inv = static_cast<const float*>(at(g.a_scale_inv));
-    c.fp8->b_scale_inv = static_cast<const float*>(at(g.b_scale_inv));
-    c.fp8->d_scale = static_cast<const float*>(at(g.d_scale));
-    c.fp8->d_amax = static_cast<float*>(at(g.d_amax));
+  for (int i = 0; i < kGemmOperands; ++i) {
+    const auto o = static_cast<GemmOperand>(i);
+    set_operand(c, o, at(g.operand(o)));
   }
   if (g.d_amax >= 0)  // the FP8 output's state: rolled by the pass's batched update
     batch.entries.emplace_back(static_cast<const float*>(at(g.d_amax)), static_cast<float*>(at(g.d_history)),
                                static_cast<float*>(at(g.d_scale)), static_cast<float*>(at(g.d_scale_inv)), 1);
-  if (!g.use_fallback) return rt.blas->gemm(c, stream, g.plan.get());
+  if (!st.use_fallback) return rt.blas->gemm(c, stream, st.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);
   c.epilogue = cuda::Epilogue::none;
@@ -198,10 +185,10 @@ class RelaxCapture {
 // loaded, or, for a vector-capable step prepared without it (Variants::needed), compiled (or read from the
 // cache) and loaded now, once per step and thread-safely. Also inside a CUDA-graph capture: compiling and
 // loading are host work plus a module load, which the capture does not record; only the launch is.
-const KernelStep::Variant& scalar_variant(const Prepared& pp, Runtime& rt, const KernelStep& k,
-                                          const std::vector<void*>& ptr, CUstream stream) {
-  if (k.scalar.kernel || !k.spec.vec) return k.scalar;
-  return k.late_scalar([&] {
+const Variant& scalar_variant(const Prepared& pp, Runtime& rt, const KernelStep& k, const PreparedStep& st,
+                              const std::vector<void*>& ptr, CUstream stream) {
+  if (st.scalar.kernel || !st.late) return st.scalar;
+  return st.late->get([&] {
     std::string tensor = "?";
     for (int id : k.align_buffers)
       if (!aligned16(ptr[static_cast<size_t>(id)])) {
@@ -211,10 +198,10 @@ const KernelStep::Variant& scalar_variant(const Prepared& pp, Runtime& rt, const
     RelaxCapture relax(stream);
     log().info("kernel {}: tensor '{}' is not 16-byte aligned: loading the kernel's scalar variant (once){}",
                k.gen.kernel, tensor, relax.capturing() ? ", inside a CUDA-graph capture" : "");
-    KernelStep::Variant v;
+    Variant v;
     try {
       v.kernel = &rt.kernels->load(k.gen, k.spec, pp.target, k.meta, false);
-      v.launch = late_scalar_launch(*pp.program, k, pp.device.sm_count, v.kernel->blocks_per_sm);
+      v.launch = late_scalar_launch(pp.layout, k, pp.device.sm_count, v.kernel->blocks_per_sm);
     } catch (const Error& e) {
       fail(e.status(), "kernel {}: tensor '{}' is not 16-byte aligned, so the call needs the kernel's scalar "
            "variant, which could not be loaded (pass 16-byte aligned tensors, or prepare with "
@@ -224,12 +211,12 @@ const KernelStep::Variant& scalar_variant(const Prepared& pp, Runtime& rt, const
   });
 }
 
-void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std::vector<void*>& ptr,
-                CUstream stream, Fp8Batch& batch) {
+void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const PreparedStep& st,
+                const std::vector<void*>& ptr, CUstream stream, Fp8Batch& batch) {
   const auto& d = cuda::driver();
   bool vec = k.spec.vec;
   for (int id : k.align_buffers) vec = vec && aligned16(ptr[static_cast<size_t>(id)]);
-  const KernelStep::Variant& v = vec ? k.vec : scalar_variant(pp, rt, k, ptr, stream);
+  const Variant& v = vec ? st.vec : scalar_variant(pp, rt, k, st, ptr, stream);
   if (!v.kernel) fail(Status::internal, "kernel {} was not prepared", k.gen.kernel);
   const KernelLaunch& L = v.launch;
   // The argument values and cuLaunchKernel's pointers to them: on the stack (this call's own, so concurrent
@@ -297,83 +284,6 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const std:
   }
 }
 
-// Scratch operands for timing a GEMM's candidate algorithms at prepare (cuda::Blas::prepare). Problems
-// whose operands and workspace exceed JITFUSE_GEMM_TUNING_MAX_BYTES (default 256 MiB, allocated for the
-// duration of the prepare and freed with the tuner) keep the heuristic's first choice: large GEMMs are
-// where it is reliable (H100, the MLP 8192 x 4096 -> 16384 -> 4096 fwd+bwd, GEMMs of 0.4-0.7 GiB: 9.42 /
-// 9.45 ms untuned, 9.38 / 9.44 ms tuned with a 1 GiB cap, run #9 of 2026-11-24), and prepare should not
-// take hundreds of MiB from the host's allocator's device by default.
-class GemmTuner {
- public:
-  static constexpr uint64_t kDefaultMaxBytes = uint64_t{256} << 20;
-  GemmTuner() : enabled_(env::get("JITFUSE_GEMM_TUNING").value_or("1") != "0") {
-    if (auto m = env::get("JITFUSE_GEMM_TUNING_MAX_BYTES"); m && !m->empty()) {
-      max_bytes_ = cache::parse_byte_count(*m, "JITFUSE_GEMM_TUNING_MAX_BYTES");
-      if (max_bytes_ == 0) max_bytes_ = std::numeric_limits<uint64_t>::max();
-    }
-  }
-  ~GemmTuner() {
-    if (auto* d = cuda::try_driver()) {
-      if (block_) d->cuMemFree(block_);
-      if (stream_) d->cuStreamDestroy(stream_);
-    }
-  }
-  GemmTuner(const GemmTuner&) = delete;
-  GemmTuner& operator=(const GemmTuner&) = delete;
-  CUstream stream() const { return stream_; }
-
-  // Points `call`'s operands at zeroed scratch of the step's buffer sizes; false: do not tune this one.
-  bool bind(const Program& p, const GemmStep& g, cuda::GemmCall& call) {
-    if (!enabled_) return false;
-    auto bytes = [&](int id) { return id >= 0 ? round256(p.buffer(id).bytes) : 0; };
-    // FP8: the operands' scale_inv, and an FP8 output's scale and amax (zeros, fine for timing)
-    const size_t scales = call.fp8 ? 1024 : 0;
-    const size_t need = bytes(g.a) + bytes(g.b) + bytes(g.c) + bytes(g.d) + bytes(g.bias) + bytes(g.aux) + scales +
-                        cuda::kGemmWorkspace;
-    if (need > max_bytes_) return false;
-    const auto& d = cuda::driver();
-    if (need > bytes_) {
-      if (block_) d.cuMemFree(block_);
-      block_ = 0;
-      bytes_ = 0;
-      if (d.cuMemAlloc(&block_, need) != CUDA_SUCCESS) return false;  // no room: the heuristic's choice
-      bytes_ = need;
-    }
-    if (!stream_) cuda::check(d.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    cuda::check(d.cuMemsetD8Async(block_, 0, need, stream_), "cuMemsetD8Async");
-    size_t at = 0;
-    auto take = [&](int id) -> void* {
-      if (id < 0) return nullptr;
-      void* ptr = reinterpret_cast<void*>(block_ + at);
-      at += bytes(id);
-      return ptr;
-    };
-    call.a = take(g.a);
-    call.b = take(g.b);
-    call.c = take(g.c);
-    call.d = take(g.d);
-    call.bias = take(g.bias);
-    call.aux = take(g.aux);
-    if (call.fp8) {
-      call.fp8->a_scale_inv = reinterpret_cast<const float*>(block_ + at);
-      call.fp8->b_scale_inv = reinterpret_cast<const float*>(block_ + at + 256);
-      if (g.d_scale >= 0) call.fp8->d_scale = reinterpret_cast<const float*>(block_ + at + 512);
-      if (g.d_amax >= 0) call.fp8->d_amax = reinterpret_cast<float*>(block_ + at + 768);
-      at += scales;
-    }
-    call.workspace = reinterpret_cast<void*>(block_ + at);
-    return true;
-  }
-
- private:
-  static size_t round256(size_t x) { return (x + 255) / 256 * 256; }
-  bool enabled_;
-  uint64_t max_bytes_ = kDefaultMaxBytes;
-  CUdeviceptr block_ = 0;
-  size_t bytes_ = 0;
-  CUstream stream_ = nullptr;
-};
-
 }  // namespace
 
 void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
@@ -385,127 +295,24 @@ void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
   if (auto* d = cuda::try_driver()) d->cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s);
 }
 
-void run_steps(const Prepared& pp, Runtime& rt, const std::vector<Step>& steps, const std::vector<void*>& ptr,
-               CUstream stream, const GroupHook& hook, bool skip_weight_casts) {
+void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<void*>& ptr, CUstream stream,
+               const GroupHook& hook, const StepFilter& filter) {
+  const auto& steps = forward ? pp.program->forward : pp.program->backward;
+  const auto& states = pp.steps(forward);
   Fp8Batch batch;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
+    if (s.group < filter.group_begin || s.group >= filter.group_end) continue;
     if (hook && (i == 0 || steps[i - 1].group != s.group)) hook(s.group, true);
-    if (s.weight_cast && skip_weight_casts) {
+    if (s.weight_cast && filter.skip_weight_casts) {
       // the persistent FP8 copy of an unchanged weight is still valid
     } else if (s.kind == Step::Kind::gemm)
-      run_gemm(rt, s.gemm, ptr, stream, batch);
+      run_gemm(rt, s.gemm, states[i], ptr, stream, batch);
     else
-      run_kernel(pp, rt, *s.kernel, ptr, stream, batch);
+      run_kernel(pp, rt, *s.kernel, states[i], ptr, stream, batch);
     if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);
   }
   batch.launch(stream);
-}
-
-std::shared_ptr<const Prepared> prepare_program(std::shared_ptr<Program> program, Runtime& rt) {
-  auto pp = std::make_shared<Prepared>();
-  pp->device = cuda::current_device();
-  pp->target = target_for_arch(pp->device.arch());
-  // Compile the variants the plan launches (or all of them) in parallel first (the cache dedupes across
-  // threads and processes), then load. A scalar variant left out is loaded by the first call that needs it.
-  rt.kernels->prefetch(program_kernels(*program), pp->target,
-                       std::max(1u, std::min(8u, std::thread::hardware_concurrency())), rt.variants);
-  for (auto* steps : {&program->forward, &program->backward})
-    for (auto& s : *steps) {
-      if (s.kind != Step::Kind::kernel) continue;
-      KernelStep& k = *s.kernel;
-      for (bool vector : variants_of(k.spec, rt.variants))
-        (vector ? k.vec : k.scalar).kernel = &rt.kernels->load(k.gen, k.spec, pp->target, k.meta, vector);
-    }
-  // cuBLASLt's algorithm for every GEMM, chosen now (a BGRADB problem without one takes the fallback).
-  GemmTuner tuner;
-  for (auto* steps : {&program->forward, &program->backward})
-    for (auto& s : *steps) {
-      if (s.kind != Step::Kind::gemm) continue;
-      GemmStep& g = s.gemm;
-      // The operands a program binds are 256-byte aligned (arenas, the saved block, cudaMalloc, PyTorch's
-      // allocator): the algorithm is chosen for that; a call with a less aligned tensor looks its own up.
-      cuda::GemmCall call = g.call;
-      auto* aligned = reinterpret_cast<void*>(uintptr_t{256});
-      call.a = call.b = call.d = aligned;
-      if (g.c >= 0) call.c = aligned;
-      if (g.bias >= 0) call.bias = aligned;
-      if (g.aux >= 0) call.aux = aligned;
-      if (call.fp8) {
-        call.fp8->a_scale_inv = call.fp8->b_scale_inv = static_cast<const float*>(aligned);
-        if (g.d_scale >= 0) call.fp8->d_scale = static_cast<const float*>(aligned);
-        if (g.d_amax >= 0) call.fp8->d_amax = static_cast<float*>(aligned);
-      }
-      g.plan = tuner.bind(*program, g, call) ? rt.blas->plan(call, tuner.stream()) : rt.blas->plan(call);
-      if (g.plan) continue;
-      if (!g.bias_grad_fallback)
-        fail(Status::unsupported, "cuBLASLt has no algorithm for {} ({}x{}x{}, {})", s.what, g.call.m, g.call.n,
-             g.call.k, cuda::epilogue_name(g.call.epilogue));
-      g.use_fallback = true;
-      auto plain = call;
-      plain.epilogue = cuda::Epilogue::none;
-      plain.bias = nullptr;
-      rt.blas->prepare(plain);
-      cuda::GemmCall sums;  // Blas::column_sums: db = ones^T dy
-      sums.kind = cuda::GemmKind::wgrad;
-      sums.m = call.m;
-      sums.n = call.n;
-      sums.k = 1;
-      sums.dtype = call.dtype;
-      sums.a = sums.b = sums.d = aligned;
-      rt.blas->prepare(sums);
-      log().debug("{}: no BGRADB algorithm; the bias gradient takes a separate GEMM", s.what);
-    }
-  DeviceModel dev;
-  dev.arch = pp->device.arch();
-  dev.sm_count = pp->device.sm_count;
-  dev.estimated = false;
-  layout_program(*program, dev);
-  // Each parameter and gradient buffer's slot in a call's arrays, resolved once.
-  for (const auto& b : program->buffers) {
-    if (b.role != BufferRole::param && b.role != BufferRole::grad) continue;
-    (b.role == BufferRole::param ? pp->params : pp->grads).push_back({b.id, param_slot(program->ops, b.op, b.key)});
-  }
-  pp->program = std::move(program);
-  return pp;
-}
-
-int param_slot(const std::vector<ops::Op>& ops, int op, const std::string& name) {
-  if (op < 0 || static_cast<size_t>(op) >= ops.size()) return -1;
-  int base = 0;
-  for (int o = 0; o < op; ++o) base += static_cast<int>(ops[static_cast<size_t>(o)].params.size());
-  const auto& params = ops[static_cast<size_t>(op)].params;
-  for (size_t j = 0; j < params.size(); ++j)
-    if (params[j].name == name) return base + static_cast<int>(j);
-  return -1;
-}
-
-size_t param_slot_count(const std::vector<ops::Op>& ops) {
-  size_t n = 0;
-  for (const auto& op : ops) n += op.params.size();
-  return n;
-}
-
-void bind_sequence_state(Prepared& pp, const Fp8StateMap& fp8, const PersistentMap& persistent) {
-  const Program& p = *pp.program;
-  pp.sequence_state.clear();
-  for (const auto& b : p.buffers) {
-    if (b.storage == Storage::persistent) {
-      auto it = persistent.find({b.op, b.key});
-      if (it == persistent.end() || !it->second)
-        fail(Status::internal, "{}: no persistent buffer '{}'", p.ops.at(static_cast<size_t>(b.op)).label(), b.key);
-      pp.sequence_state.emplace_back(b.id, it->second);
-      continue;
-    }
-    if (b.role != BufferRole::recipe_state) continue;
-    auto it = fp8.find({b.op, b.tensor});
-    if (it == fp8.end())
-      fail(Status::internal, "{}: no FP8 recipe state{}", p.ops.at(static_cast<size_t>(b.op)).label(),
-           b.tensor.empty() ? "" : " for its " + b.tensor);
-    pp.sequence_state.emplace_back(b.id, b.key == "scale"       ? static_cast<void*>(it->second.scale)
-                                         : b.key == "scale_inv" ? static_cast<void*>(it->second.scale_inv)
-                                                                : static_cast<void*>(it->second.history));
-  }
 }
 
 ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& fa) {
@@ -520,12 +327,13 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
   bind_state(*pp, ptr);
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(fa.workspace);
-  if (!arena_base && p.fwd_arena) arena_base = arena.emplace(rt.allocator, fa.stream, p.fwd_arena).get();
+  const Layout& L = pp->layout;
+  if (!arena_base && L.fwd_arena) arena_base = arena.emplace(rt.allocator, fa.stream, L.fwd_arena).get();
   std::optional<Block> block;
   char* saved_base = static_cast<char*>(fa.saved);
-  if (training && !saved_base && p.saved_bytes) saved_base = block.emplace(rt.allocator, fa.stream, p.saved_bytes).get();
-  place(p, Storage::fwd_arena, arena_base, ptr);
-  if (training) place(p, Storage::saved, saved_base, ptr);
+  if (training && !saved_base && L.saved_bytes) saved_base = block.emplace(rt.allocator, fa.stream, L.saved_bytes).get();
+  place(L, Storage::fwd_arena, arena_base, ptr);
+  if (training) place(L, Storage::saved, saved_base, ptr);
   ForwardResult result;
   if (rt.verify && pp->reference) {
     if (p.recipe.is_fp8()) {
@@ -544,10 +352,12 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
       else
         shadow->forward_group(g, ptr, fa.stream);
     };
-  run_steps(*pp, rt, p.forward, ptr, fa.stream, hook, fa.weights_unchanged);
+  StepFilter filter;
+  filter.skip_weight_casts = fa.weights_unchanged;
+  run_steps(*pp, rt, true, ptr, fa.stream, hook, filter);
   if (block) {
     result.saved = block->release();
-    result.saved_bytes = p.saved_bytes;
+    result.saved_bytes = L.saved_bytes;
   }
   return result;
 }
@@ -562,7 +372,7 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
   bind_list(p.extra_in, ba.extra_in, ptr);
   bind_list(p.extra_out, ba.extra_out, ptr);
   bind_state(pp, ptr);
-  place(p, Storage::saved, static_cast<char*>(const_cast<void*>(ba.saved)), ptr);
+  place(pp.layout, Storage::saved, static_cast<char*>(const_cast<void*>(ba.saved)), ptr);
   ptr[static_cast<size_t>(p.grad_output)] = const_cast<void*>(ba.grad_output);
   ptr[static_cast<size_t>(p.grad_input)] = ba.grad_input;
   bind_list(p.grad_extra_out, ba.grad_extra_out, ptr);
@@ -571,8 +381,8 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
   bind_slots(p, pp.grads, ba.grads, ptr, true);
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(ba.workspace);
-  if (!arena_base && p.bwd_arena) arena_base = arena.emplace(rt.allocator, ba.stream, p.bwd_arena).get();
-  place(p, Storage::bwd_arena, arena_base, ptr);
+  if (!arena_base && pp.layout.bwd_arena) arena_base = arena.emplace(rt.allocator, ba.stream, pp.layout.bwd_arena).get();
+  place(pp.layout, Storage::bwd_arena, arena_base, ptr);
   GroupHook hook;
   if (shadow) {
     shadow->begin_backward(ba, ptr);
@@ -583,7 +393,7 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
         shadow->backward_group(g, ptr, ba.stream);
     };
   }
-  run_steps(pp, rt, p.backward, ptr, ba.stream, hook);
+  run_steps(pp, rt, false, ptr, ba.stream, hook);
 }
 
 }  // namespace jitfuse::exec

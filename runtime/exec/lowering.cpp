@@ -184,10 +184,10 @@ GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
     if (epi != cuda::Epilogue::none && epi != cuda::Epilogue::bias)
       fail(Status::internal, "{}: FP8 GEMMs take the BIAS epilogue only, not {}", b.ops()[lin].label(),
            cuda::epilogue_name(epi));
-    if (!b.fp8_operand(lin, "input").ready) fp8_cast_operand(b, lin, "input", x, lin, lin);
-    if (!b.fp8_operand(lin, "weight").ready) fp8_cast_operand(b, lin, "weight", b.param(lin, "weight"), lin, lin);
-    const auto& xin = b.fp8_operand(lin, "input");
-    const auto& w = b.fp8_operand(lin, "weight");
+    if (!b.fp8_operand(lin, fp8::Operand::input).ready) fp8_cast_operand(b, lin, fp8::Operand::input, x, lin, lin);
+    if (!b.fp8_operand(lin, fp8::Operand::weight).ready) fp8_cast_operand(b, lin, fp8::Operand::weight, b.param(lin, "weight"), lin, lin);
+    const auto& xin = b.fp8_operand(lin, fp8::Operand::input);
+    const auto& w = b.fp8_operand(lin, fp8::Operand::weight);
     g.call.fp8 = fp8_gemm(ops::DType::e4m3, ops::DType::e4m3, true);
     g.a = xin.row;
     g.b = w.row;
@@ -210,10 +210,10 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
   check_fp8_linear(b, lin);
   if (lb.dgrad_epilogue != cuda::Epilogue::none || lb.bias_grad_op >= 0 || lb.input >= 0)
     fail(Status::internal, "{}: FP8 dgrad/wgrad take no epilogue", op.label());
-  if (!b.fp8_operand(lin, "grad_output").ready) fp8_cast_operand(b, lin, "grad_output", lb.dy, lin + 1, lin + 1);
-  const auto& dy = b.fp8_operand(lin, "grad_output");
-  const auto& w = b.fp8_operand(lin, "weight");
-  const auto& x = b.fp8_operand(lin, "input");
+  if (!b.fp8_operand(lin, fp8::Operand::grad_output).ready) fp8_cast_operand(b, lin, fp8::Operand::grad_output, lb.dy, lin + 1, lin + 1);
+  const auto& dy = b.fp8_operand(lin, fp8::Operand::grad_output);
+  const auto& w = b.fp8_operand(lin, fp8::Operand::weight);
+  const auto& x = b.fp8_operand(lin, fp8::Operand::input);
   const int64_t m = ops::rows_of(op.in), k = ops::cols_of(op.in), n = ops::cols_of(op.out);
   const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
   // Both as the TN primitive D[rows, cols] = (A[rows, inner] . B[cols, inner]^T) on E5M2 dy x E4M3.

@@ -45,13 +45,12 @@ void lower_chain(Builder& b, int kb, int e, const ChainOptions& opt, int64_t row
 void lower_spec(Builder& b, const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
                 const std::string& what);
 
-// FP8 recipes (exec/fp8_linear.cpp). The cast of linear `lin`'s operand `tensor` ("input", "weight",
-// "grad_output") into its FP8 copies (Builder::fp8_operand): a kernel over `rows` rows of `src` running
+// FP8 recipes (exec/fp8/linear.cpp). The cast of linear `lin`'s `operand` into its FP8 copies (Builder::fp8_operand): a kernel over `rows` rows of `src` running
 // ops [b, e) first (forward or backward, by the builder's direction; b == e: a plain cast), writing the
 // row-major codes and, in training, the transposed ones, with the operand's amax and scale_inv. The
 // weight's cast is marked as a weight cast. A norm chain writes the row-major codes only (plus a
 // separate cast of its bf16 output in training).
-void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, int bgn, int e);
+void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bgn, int e);
 // Whether linear `lin` under the builder's FP8 recipe has the sizes FP8 GEMMs need; throws unsupported,
 // naming the op and what to change, otherwise.
 void check_fp8_linear(const Builder& b, int lin);

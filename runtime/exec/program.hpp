@@ -1,27 +1,25 @@
-// A Program: what exactly runs for one (sequence, recipe, shape, training, device) — an ordered list of
-// typed steps (cuBLASLt GEMMs, generated kernels) over a table of typed buffers. Built once by
-// make_program; the executor (executor.hpp) only binds buffer ids to pointers and launches.
+// Stage 3 of 5 (Sequence -> Plan -> Program -> Prepared -> call; docs/architecture.md): a Program is what
+// exactly runs for one (sequence, recipe, shape, training, arch) — an ordered list of typed steps (cuBLASLt
+// GEMMs, generated kernels) over a table of typed buffers. Device-free and immutable once make_program (or
+// compile, compile.hpp) returns it: what `jitfuse explain --program` prints, laid out for an estimated
+// device. prepare (prepare.hpp) makes a Prepared of it per device; the executor binds and launches.
 #pragma once
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "cuda/cublaslt.hpp"
+#include "exec/fp8/names.hpp"
 #include "fuser/plan.hpp"
 #include "jitfuse/codegen/kernel_spec.hpp"
 #include "ops/op.hpp"
 #include "ops/recipe.hpp"
 
 namespace jitfuse::exec {
-
-struct LoadedKernel;
 
 // Every buffer in an arena or the saved block starts at a multiple of this (and so must the host's
 // workspace and saved buffers).
@@ -40,12 +38,12 @@ enum class BufferRole {
   input, output, extra_in, extra_out,                       // forward tensors of the caller
   grad_output, grad_input, grad_extra_out, grad_extra_in,   // backward tensors of the caller
   param, grad,                                              // (op, name) parameters and their gradients
-  recipe_state,                                             // (op, "scale"|"scale_inv"|"amax_history") FP8 state
+  recipe_state,                                             // (op, operand, scale|scale_inv|history) FP8 state
   rng_state,                                                // the call's Philox {seed, offset}, copied in first
   activation,                                               // a value between two forward groups
   gradient,                                                 // a gradient between two backward groups
   saved,                                                    // (op, name) context a forward kernel or GEMM writes
-  fp8,                                                      // (linear, "input.row" | "input.col" | "input.scale_inv" ...)
+  fp8,                                                      // (linear, operand, row|col|scale_inv)
                                                             // an FP8 copy of a GEMM operand, or its scale_inv
   temp,                                                     // scratch: partial sums, recomputed values, masks
 };
@@ -60,7 +58,10 @@ struct Buffer {
   int op = -1;              // the op it belongs to (params, grads, saved, extras), else -1
   std::string key;          // params, grads, saved, recipe state: the name within the op ("bias", "mean", "scale")
   int slot = -1;            // extra_in / extra_out / grad_extra_* index
-  std::string tensor;       // recipe state: "" (a quantize op's) or the FP8 linear operand it scales
+  // Recipe state and FP8 copies: whose (a quantize op's own: none, or the linear operand it scales) and
+  // which part. What the FP8 state binds by (fp8::RecipeState::bind); `key` only names it.
+  fp8::Operand fp8_operand = fp8::Operand::none;
+  fp8::Part fp8_part = fp8::Part::scale;
   ops::DType dtype = ops::DType::f32;
   int64_t rows = 0, cols = 0;  // elements = rows * cols (bit masks and byte blobs use dtype u8)
   size_t bytes = 0;
@@ -80,30 +81,19 @@ struct KernelLaunch {
   unsigned gx = 1, gy = 1, bx = 1, by = 1;
   int parts = 1;  // per-block partial rows the kernel writes (column reductions, FP8 amax)
 };
+// A kernel step's launch for each variant: the scalar one always, the vector one where spec.vec.
+struct Launches {
+  KernelLaunch vec, scalar;
+};
 
-// One generated kernel (and the finalize / FP8 update kernels of its module), both variants resolved.
-// Shared by the steps of a program only through its shared_ptr, never copied (it holds a mutex).
+// One generated kernel (and the finalize / FP8 update kernels of its module): what to generate and how its
+// arguments bind. Which variant is loaded, and its launch on a real device, are the Prepared's.
 struct KernelStep {
   codegen::KernelSpec spec;  // spec.vec: the shape allows the vector variant
   nlohmann::json meta;       // cache metadata (rule, ops, recipe, ...)
   codegen::Generated gen;    // args, launch shape, entry points of both variants, follow-up kernels
   std::vector<KArg> args;    // in gen.args order
-  struct Variant {
-    const LoadedKernel* kernel = nullptr;  // set by prepare_program (when it loads this variant)
-    KernelLaunch launch;
-  } vec, scalar;
-  // The scalar variant of a vector-capable step (spec.vec) prepared without it (Variants::needed): the first
-  // call that selects it (a misaligned tensor) compiles or loads it under `mu` and publishes it in `ready`;
-  // later calls read the pointer. Its launch fits the partial buffers prepare sized (late_scalar_launch).
-  struct LateScalar {
-    std::mutex mu;
-    std::atomic<const Variant*> ready{nullptr};
-    std::unique_ptr<Variant> owned;
-  };
-  mutable LateScalar late;
-  // The late scalar variant: made by `make` on the first call (one thread at a time; a `make` that throws
-  // publishes nothing, so the next call tries again), then the same object for every call.
-  const Variant& late_scalar(const std::function<Variant()>& make) const;
+  Launches launch;           // for the program's DeviceModel (estimated occupancy): what explain prints
   std::vector<int> align_buffers;  // caller buffers whose misalignment selects the scalar variant
   struct Follow {                  // a finalize kernel: grad(op,name) = sum of the partials
     int partials = -1, grad = -1;
@@ -118,6 +108,13 @@ struct KernelStep {
   int64_t bytes_read = 0, bytes_written = 0;  // napkin traffic of the main kernel
 };
 
+// The buffers a GEMM step binds, by role. GemmStep names them as fields (what implementations write);
+// every consumer (the builder's lifetimes, the binder, prepare, the tuner, explain, the saved set) walks
+// them as data through this enum: GemmStep::operand, gemm_operand_name, set_operand.
+enum class GemmOperand { a, b, c, d, bias, aux, a_scale_inv, b_scale_inv, d_scale, d_amax, d_history, d_scale_inv,
+                         workspace, ones };
+inline constexpr int kGemmOperands = 14;
+
 struct GemmStep {
   cuda::GemmCall call;  // dims, kind, epilogue, alpha/beta, dtype; pointers are bound per call from:
   int a = -1, b = -1, c = -1, d = -1, bias = -1, aux = -1;
@@ -129,20 +126,21 @@ struct GemmStep {
   int workspace = -1;  // the cuBLASLt workspace: scratch of the call's arena, live for this step only
   // BGRADB may have no cuBLASLt algorithm for a problem: then the plain wgrad and db = ones^T dy.
   int ones = -1;
-  bool bias_grad_fallback = false;  // the fallback is possible (ones is allocated)
-  bool use_fallback = false;        // prepare found no BGRADB algorithm: take it
-  // prepare_program: cuBLASLt's cached algorithm for this problem with 256-byte aligned operands, handed to
-  // every call (which looks up another only for a less aligned tensor): no lookup, no lock per call.
-  std::shared_ptr<const cuda::GemmPlan> plan;
+  bool bias_grad_fallback = false;  // the fallback is possible (ones is allocated); prepare decides
   int64_t flops() const { return 2 * call.m * call.n * call.k; }
+  int operand(GemmOperand o) const;  // its buffer id, -1: none
 };
+const char* gemm_operand_name(GemmOperand o);  // "a", "bias", "d_scale", ...
+// Points `call`'s pointer for operand `o` at `ptr` (d_history, d_scale_inv and ones are the executor's, not
+// cuBLASLt's: no-op).
+void set_operand(cuda::GemmCall& call, GemmOperand o, void* ptr);
 
 struct Step {
   enum class Kind { gemm, kernel } kind = Kind::gemm;
   int group = -1;              // index into the pass's groups
   std::string what;            // "linear_bias_gelu: cublaslt GELU_AUX_BIAS" (explain only; never dispatched on)
   GemmStep gemm;
-  std::shared_ptr<KernelStep> kernel;
+  std::shared_ptr<KernelStep> kernel;  // written by make_program only
   // Casts a weight into its persistent FP8 copies: skipped by a call that says the weights did not change
   // since the last cast (ForwardArgs::weights_unchanged).
   bool weight_cast = false;
@@ -186,26 +184,21 @@ struct PlanOptions {
 fuser::Plan make_plan(const std::vector<ops::Op>& ops, const ops::Recipe& recipe, const PlanOptions& o,
                       const rules::RuleSet& rs);
 
-// Lowers every group of `plan` through its implementation into steps over buffers. Needs no GPU: the
-// launch shapes use `dev` and, until load_program gives real occupancies, an estimate.
-std::shared_ptr<Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan, const ops::Recipe& recipe,
-                                      bool training, const std::string& sequence_name, const DeviceModel& dev);
+// Lowers every group of `plan` through its implementation into steps over buffers, laid out for `dev` with
+// estimated occupancies (lay_out, layout.hpp). Needs no GPU. The one place a Program is written.
+std::shared_ptr<const Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan, const ops::Recipe& recipe,
+                                            bool training, const std::string& sequence_name, const DeviceModel& dev);
 
 // Every distinct kernel (spec + cache metadata) a program launches, once however many groups share it:
 // what prepare loads and warmup compiles. One source (one NVRTC program, one cache entry, one module) holds
 // every variant a launch may select.
 std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> program_kernels(const Program& p);
 
-// Grids, partial-sum sizes, arena offsets: from each loaded variant's occupancy (prepare_program) or the
-// estimate. The partial-sum buffers are sized for the variants a call may launch without loading anything:
-// a vector-capable step whose scalar variant was not loaded is sized for its vector variant alone.
-void layout_program(Program& p, const DeviceModel& dev);
-
-// The launch of a step's scalar variant loaded after prepare (by the first call that selects it), from its
-// occupancy `blocks_per_sm`: its persistent grid clamped to the partial-sum buffers prepare sized, so the
-// arena a host allocated from jf_sequence_info still fits (a persistent kernel's blocks loop over rows:
-// fewer blocks cost speed, never correctness). Throws rather than return a grid that writes past a buffer.
-KernelLaunch late_scalar_launch(const Program& p, const KernelStep& k, int sm_count, int blocks_per_sm);
+// A call's parameters (and their gradients) are passed by slot: op o's j-th parameter (its ops::Op::params
+// order) is at slot param_slot(ops, o, name) = (parameters of the ops before o) + j. A flat array built per
+// call by the C ABI, read by the prepared program's bindings (Prepared::params).
+int param_slot(const std::vector<ops::Op>& ops, int op, const std::string& name);  // -1: no such parameter
+size_t param_slot_count(const std::vector<ops::Op>& ops);
 
 // The JSON and text forms `jitfuse explain --program` prints.
 nlohmann::json program_json(const Program& p, double bandwidth_gbs);

@@ -73,17 +73,20 @@ json step_json(const Program& p, const Step& s, double bw) {
               {"dtype", ops::dtype_name(g.call.dtype)},
               {"alpha", g.call.alpha},
               {"beta", g.call.beta},
-              {"flops", g.flops()},
-              {"operands", {{"a", name(g.a)}, {"b", name(g.b)}, {"c", name(g.c)}, {"d", name(g.d)},
-                            {"bias", name(g.bias)}, {"aux", name(g.aux)}}}});
+              {"flops", g.flops()}});
+    // The operands cuBLASLt takes: a..aux always (null: none); under FP8 the scale_inv of A and B, and an FP8
+    // output's scale and amax where it has them. d_history, d_scale_inv, workspace and ones are not shown.
+    json operands = json::object();
+    for (int i = 0; i <= static_cast<int>(GemmOperand::d_amax); ++i) {
+      const auto o = static_cast<GemmOperand>(i);
+      const int id = g.operand(o);
+      const bool fp8_pointer = o >= GemmOperand::a_scale_inv;
+      if (!fp8_pointer || (g.call.fp8 && (o <= GemmOperand::b_scale_inv || id >= 0)))
+        operands[gemm_operand_name(o)] = name(id);
+    }
+    j["operands"] = std::move(operands);
     if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
     if (g.call.fp8) {
-      j["operands"]["a_scale_inv"] = name(g.a_scale_inv);
-      j["operands"]["b_scale_inv"] = name(g.b_scale_inv);
-      if (g.d_scale >= 0) {  // FP8 output: D's scale and the amax cuBLASLt writes
-        j["operands"]["d_scale"] = name(g.d_scale);
-        j["operands"]["d_amax"] = name(g.d_amax);
-      }
       j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
                   {"fast_accum", g.call.fp8->fast_accum}};
     }
@@ -91,7 +94,7 @@ json step_json(const Program& p, const Step& s, double bw) {
     const auto& k = *s.kernel;
     r = k.bytes_read;
     w = k.bytes_written;
-    const auto& L = k.spec.vec ? k.vec.launch : k.scalar.launch;
+    const auto& L = k.spec.vec ? k.launch.vec : k.launch.scalar;
     json args = json::array();
     for (const auto& a : k.args) args.push_back(a.kind == KArg::Kind::buffer ? name(a.buffer) : json(nullptr));
     j.update({{"kind", "kernel"},

@@ -84,21 +84,30 @@ void* Shadow::scratch(size_t bytes) {
   return owned_.back();
 }
 
-void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fused_ptr, bool training) {
-  const Program& r = *ref_->program;
+// Both directions: the pass's arena (and, forward, the saved block) as one scratch allocation each, laid
+// out as the reference program says; the parameters are the fused run's; the backward's gradients scratch.
+void Shadow::bind_pass(bool forward, const std::vector<void*>& fused_ptr) {
+  const Layout& L = ref_->layout;
   const Program& f = *fused_->program;
-  (void)training;
-  // Arenas and the saved block: one scratch allocation each, laid out as the reference program says.
-  char* fwd = static_cast<char*>(scratch(r.fwd_arena));
-  char* sav = static_cast<char*>(scratch(r.saved_bytes));
-  for (const auto& b : r.buffers) {
+  char* arena = static_cast<char*>(scratch(forward ? L.fwd_arena : L.bwd_arena));
+  char* sav = forward ? static_cast<char*>(scratch(L.saved_bytes)) : nullptr;
+  const Storage arena_at = forward ? Storage::fwd_arena : Storage::bwd_arena;
+  for (const auto& b : L.buffers) {
     const size_t id = static_cast<size_t>(b.id);
-    if (b.storage == Storage::fwd_arena) ptr_[id] = fwd + b.offset;
-    if (b.storage == Storage::saved) ptr_[id] = sav + b.offset;
+    if (b.storage == arena_at) ptr_[id] = arena + b.offset;
+    if (forward && b.storage == Storage::saved) ptr_[id] = sav + b.offset;
+    if (!forward && b.role == BufferRole::grad) ptr_[id] = scratch(b.bytes);
     if (b.role == BufferRole::param)
       for (const auto& fb : f.buffers)
         if (fb.role == BufferRole::param && fb.op == b.op && fb.key == b.key) ptr_[id] = fused_ptr[fb.id];
   }
+}
+
+void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fused_ptr, bool training) {
+  const Program& r = *ref_->program;
+  const Program& f = *fused_->program;
+  (void)training;
+  bind_pass(true, fused_ptr);
   // The same Philox state: the fused forward copies it in before its first step.
   if (r.rng >= 0 && f.rng >= 0) ptr_[static_cast<size_t>(r.rng)] = fused_ptr[static_cast<size_t>(f.rng)];
   ptr_[static_cast<size_t>(r.input)] = const_cast<void*>(fa.input);
@@ -110,12 +119,11 @@ void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fuse
 }
 
 void Shadow::run_ops(bool forward, int b, int e, CUstream stream) {
-  const Program& r = *ref_->program;
   // The unfused plan has one group per op: its group index is the op index.
-  std::vector<Step> steps;
-  for (const auto& s : forward ? r.forward : r.backward)
-    if (s.group >= b && s.group < e) steps.push_back(s);
-  run_steps(*ref_, rt_, steps, ptr_, stream);
+  StepFilter filter;
+  filter.group_begin = b;
+  filter.group_end = e;
+  run_steps(*ref_, rt_, forward, ptr_, stream, {}, filter);
 }
 
 void Shadow::compare(const char* pass, int gi, const std::string& tensor, const void* fused, const void* ref,
@@ -198,12 +206,16 @@ void Shadow::copy_in(int fused_id, int ref_id, const std::vector<void*>& fused_p
               "cuMemcpyDtoDAsync(JITFUSE_VERIFY)");
 }
 
-void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
+// One routine for both directions: the unfused ops of fused group `gi` run on the same input (forward:
+// every group, since the shadow's backward reads the saved context they write), then its results compared:
+// forward, the value after the group and its extra outputs; backward, the gradient before it, its
+// parameters' gradients and its extra inputs' gradients.
+void Shadow::run_group(bool forward, int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
   const Program& f = *fused_->program;
   const Program& r = *ref_->program;
-  const auto& g = f.plan.forward.at(static_cast<size_t>(gi));
-  // Unfused groups run too (not compared): the shadow's backward reads the saved context they write.
-  run_ops(true, g.begin, g.end, stream);
+  const auto& g = (forward ? f.plan.forward : f.plan.backward).at(static_cast<size_t>(gi));
+  if (!forward && g.rule.empty()) return;
+  run_ops(forward, g.begin, g.end, stream);
   if (g.rule.empty()) return;
   bool gemm = false;
   for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
@@ -211,28 +223,39 @@ void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, CUstream
     std::lock_guard<std::mutex> lock(log_.mu);
     ++log_.groups_compared;
   }
-  const int fv = f.values[static_cast<size_t>(g.end)], rv = r.values[static_cast<size_t>(g.end)];
-  compare("forward", gi, g.end == static_cast<int>(f.ops.size()) ? "output" : fmt::format("the value after op {}", g.end - 1),
-          fused_ptr[fv], ptr_[rv], rv, gemm, stream);
-  for (size_t k = 0; k < r.extra_out.size(); ++k) {
-    const int rid = r.extra_out[k];
-    if (rid < 0 || r.buffer(rid).op < g.begin || r.buffer(rid).op >= g.end) continue;
-    compare("forward", gi, r.buffer(rid).name, fused_ptr[f.extra_out[k]], ptr_[rid], rid, gemm, stream);
+  const char* pass = forward ? "forward" : "backward";
+  const size_t at = static_cast<size_t>(forward ? g.end : g.begin);
+  const int fv = (forward ? f.values : f.gradients)[at], rv = (forward ? r.values : r.gradients)[at];
+  const std::string what = forward ? (g.end == static_cast<int>(f.ops.size()) ? std::string("output")
+                                                                               : fmt::format("the value after op {}", g.end - 1))
+                                   : (g.begin == 0 ? std::string("grad_input")
+                                                   : fmt::format("the gradient before op {}", g.begin));
+  compare(pass, gi, what, fused_ptr[fv], ptr_[rv], rv, gemm, stream);
+  for (const auto& rb : r.buffers) {
+    if (rb.op < g.begin || rb.op >= g.end) continue;
+    if (forward && rb.role == BufferRole::extra_out)
+      compare(pass, gi, rb.name, fused_ptr[f.extra_out.at(rb.slot)], ptr_[rb.id], rb.id, gemm, stream);
+    if (!forward && rb.role == BufferRole::grad) {
+      if (f.ops[rb.op].attrs.contains("accumulate_grad") && f.ops[rb.op].flag("accumulate_grad")) {
+        log_.note_skip(f.ops[rb.op].label() + " accumulates its gradient: not compared");
+        continue;
+      }
+      for (const auto& fb : f.buffers)
+        if (fb.role == BufferRole::grad && fb.op == rb.op && fb.key == rb.key)
+          compare(pass, gi, rb.name, fused_ptr[fb.id], ptr_[rb.id], rb.id, gemm, stream);
+    }
+    if (!forward && rb.role == BufferRole::grad_extra_in)
+      compare(pass, gi, rb.name, fused_ptr[f.grad_extra_in.at(rb.slot)], ptr_[rb.id], rb.id, gemm, stream);
   }
+}
+
+void Shadow::forward_group(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
+  run_group(true, gi, fused_ptr, stream);
 }
 
 void Shadow::begin_backward(const BackwardArgs& ba, const std::vector<void*>& fused_ptr) {
   const Program& r = *ref_->program;
-  const Program& f = *fused_->program;
-  char* bwd = static_cast<char*>(scratch(r.bwd_arena));
-  for (const auto& b : r.buffers) {
-    const size_t id = static_cast<size_t>(b.id);
-    if (b.storage == Storage::bwd_arena) ptr_[id] = bwd + b.offset;
-    if (b.role == BufferRole::grad) ptr_[id] = scratch(b.bytes);
-    if (b.role == BufferRole::param)
-      for (const auto& fb : f.buffers)
-        if (fb.role == BufferRole::param && fb.op == b.op && fb.key == b.key) ptr_[id] = fused_ptr[fb.id];
-  }
+  bind_pass(false, fused_ptr);
   ptr_[static_cast<size_t>(r.grad_output)] = const_cast<void*>(ba.grad_output);
   ptr_[static_cast<size_t>(r.grad_input)] = scratch(r.buffer(r.grad_input).bytes);
   for (size_t k = 0; k < r.grad_extra_out.size(); ++k)
@@ -242,34 +265,7 @@ void Shadow::begin_backward(const BackwardArgs& ba, const std::vector<void*>& fu
 }
 
 void Shadow::backward_group(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
-  const Program& f = *fused_->program;
-  const Program& r = *ref_->program;
-  const auto& g = f.plan.backward.at(static_cast<size_t>(gi));
-  if (g.rule.empty()) return;
-  run_ops(false, g.begin, g.end, stream);
-  bool gemm = false;
-  for (int i = g.begin; i < g.end; ++i) gemm |= f.ops[i].family == ops::Family::linear;
-  {
-    std::lock_guard<std::mutex> lock(log_.mu);
-    ++log_.groups_compared;
-  }
-  const int fv = f.gradients[static_cast<size_t>(g.begin)], rv = r.gradients[static_cast<size_t>(g.begin)];
-  compare("backward", gi, g.begin == 0 ? "grad_input" : fmt::format("the gradient before op {}", g.begin),
-          fused_ptr[fv], ptr_[rv], rv, gemm, stream);
-  for (const auto& rb : r.buffers) {
-    if (rb.op < g.begin || rb.op >= g.end) continue;
-    if (rb.role == BufferRole::grad) {
-      if (f.ops[rb.op].attrs.contains("accumulate_grad") && f.ops[rb.op].flag("accumulate_grad")) {
-        log_.note_skip(f.ops[rb.op].label() + " accumulates its gradient: not compared");
-        continue;
-      }
-      for (const auto& fb : f.buffers)
-        if (fb.role == BufferRole::grad && fb.op == rb.op && fb.key == rb.key)
-          compare("backward", gi, rb.name, fused_ptr[fb.id], ptr_[rb.id], rb.id, gemm, stream);
-    }
-    if (rb.role == BufferRole::grad_extra_in)
-      compare("backward", gi, rb.name, fused_ptr[f.grad_extra_in.at(rb.slot)], ptr_[rb.id], rb.id, gemm, stream);
-  }
+  run_group(false, gi, fused_ptr, stream);
 }
 
 }  // namespace jitfuse::exec

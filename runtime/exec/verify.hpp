@@ -48,6 +48,8 @@ class Shadow {
 
  private:
   void* scratch(size_t bytes);
+  void bind_pass(bool forward, const std::vector<void*>& fused_ptr);
+  void run_group(bool forward, int gi, const std::vector<void*>& fused_ptr, CUstream stream);
   void copy_in(int fused_id, int ref_id, const std::vector<void*>& fused_ptr, CUstream stream);
   void run_ops(bool forward, int b, int e, CUstream stream);
   void compare(const char* pass, int gi, const std::string& tensor, const void* fused, const void* ref, int buffer,

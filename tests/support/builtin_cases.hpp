@@ -5,7 +5,7 @@
 #include <utility>
 #include <vector>
 
-#include "exec/program.hpp"
+#include "exec/compile.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
 #include "rules/rule.hpp"
@@ -111,16 +111,12 @@ inline std::vector<ops::Op> case_ops(const BuiltinCase& c, const rules::RuleSet&
 }
 
 // The program of a case, planned and lowered as a context does (occupancy estimated: no GPU).
-inline std::shared_ptr<exec::Program> case_program(const BuiltinCase& c, const rules::RuleSet& rs, int arch = 90) {
-  auto ops = case_ops(c, rs);
-  const ops::Recipe rc = ops::parse_recipe(c.recipe);
-  exec::PlanOptions o;
+inline std::shared_ptr<const exec::Program> case_program(const BuiltinCase& c, const rules::RuleSet& rs,
+                                                         int arch = 90) {
+  exec::CompileOptions o;
   o.arch = arch;
   o.training = c.training;
-  auto plan = exec::make_plan(ops, rc, o, rs);
-  exec::DeviceModel dev;
-  dev.arch = arch == 90 ? "sm_90a" : "sm_" + std::to_string(arch);
-  return exec::make_program(ops, plan, rc, c.training, "n", dev);
+  return exec::compile(case_ops(c, rs), "n", ops::parse_recipe(c.recipe), o, rs);
 }
 
 // The kernels (spec + cache metadata) a case's program launches, in step order (each source holds every

@@ -10,7 +10,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "exec/program.hpp"
+#include "exec/compile.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
 #include "rules/rule.hpp"
@@ -39,24 +39,22 @@ inline nlohmann::json repeated_layers(int layers) {
 
 struct Planned {
   std::vector<ops::Op> ops;
-  std::shared_ptr<exec::Program> program;
+  std::shared_ptr<const exec::Program> program;
 };
 
 // What a context does before compiling: parse, infer shapes, plan, lower (sm_90, no GPU: occupancy
-// estimated). `plan_ms`: the time of make_plan + make_program.
+// estimated). `plan_ms`: the time of compile (plan + lower).
 inline Planned plan_layers(int layers, const std::string& recipe, bool training, double* plan_ms = nullptr) {
   static const rules::RuleSet rs = rules::RuleSet::with_builtins();
   Planned p;
   p.ops = ops::infer(ops::parse_sequence(repeated_layers(layers).dump(), "<layers>", rs.registry()),
                      ops::parse_shape(kLayerShape));
   const ops::Recipe rc = ops::parse_recipe(recipe);
-  exec::PlanOptions o;
+  exec::CompileOptions o;
   o.arch = 90;
   o.training = training;
-  exec::DeviceModel dev;
   auto t0 = std::chrono::steady_clock::now();
-  auto plan = exec::make_plan(p.ops, rc, o, rs);
-  p.program = exec::make_program(p.ops, plan, rc, training, "layers", dev);
+  p.program = exec::compile(p.ops, "layers", rc, o, rs);
   if (plan_ms) *plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return p;
 }

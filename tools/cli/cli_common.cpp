@@ -6,7 +6,7 @@
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "cuda/driver.hpp"
-#include "exec/program.hpp"
+#include "exec/compile.hpp"
 
 namespace jitfuse::cli {
 
@@ -30,10 +30,8 @@ int parse_arch(const std::string& text) {
   return std::stoi(s);
 }
 
-std::string arch_target(int arch) { return arch == 90 ? "sm_90a" : "sm_" + std::to_string(arch); }
-
 std::string default_arch(const std::string& given) {
-  if (!given.empty()) return arch_target(parse_arch(given));
+  if (!given.empty()) return cuda::arch_name(parse_arch(given));
   if (cuda::try_driver()) return cuda::current_device().arch();
   std::fprintf(stderr, "jitfuse: no GPU present and no --arch: planning for sm_90a\n");
   return "sm_90a";
@@ -46,14 +44,12 @@ Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::
   p.recipe = ops::parse_recipe(recipe);
   ops::apply_recipe(p.def, p.recipe);
   p.ops = ops::infer(p.def, ops::parse_shape(shape));
-  exec::PlanOptions o;
+  exec::CompileOptions o;
   o.arch = arch;
   o.training = training;
   o.disable_fusion = env::flag("JITFUSE_DISABLE_FUSION");
-  p.plan = exec::make_plan(p.ops, p.recipe, o, rs);
-  exec::DeviceModel dev;
-  dev.arch = arch_target(arch);
-  p.program = exec::make_program(p.ops, p.plan, p.recipe, training, p.def.name, dev);
+  p.program = exec::compile(p.ops, p.def.name, p.recipe, o, rs);
+  p.plan = p.program->plan;
   return p;
 }
 

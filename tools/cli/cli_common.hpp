@@ -17,8 +17,6 @@ namespace jitfuse::cli {
 rules::RuleSet load_rules(const std::vector<std::string>& extra);
 // "sm_90", "sm_90a", "compute_90" or "90" -> 90.
 int parse_arch(const std::string& text);
-// The arch string kernels are compiled for: "sm_90a" for 90, else "sm_XY".
-std::string arch_target(int arch);
 // --arch if given, else the current GPU's, else sm_90 (with a note on stderr).
 std::string default_arch(const std::string& given);
 
@@ -27,7 +25,7 @@ struct Planned {
   ops::Recipe recipe;
   std::vector<ops::Op> ops;
   fuser::Plan plan;
-  std::shared_ptr<exec::Program> program;  // laid out for the arch planned for (occupancy estimated)
+  std::shared_ptr<const exec::Program> program;  // laid out for the arch planned for (occupancy estimated)
 };
 Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::string& recipe,
                   const std::string& shape, int arch, bool training);

@@ -6,7 +6,8 @@
 // timed from the first call's start to the last one's return, synchronised outside the timing, median
 // over batches.
 // From the repository root (the program, then the in-process loop host_overhead.py loads through
-// HOST_FLOOR_LOOP=<path of the .so>), one command each, wrapped here:
+// HOST_FLOOR_LOOP=<path of the .so>), one command each, wrapped here (add -DHOST_FLOOR_NO_PROGRAM_HANDLE to
+// build against a library without jf_program_open):
 //   g++ -O2 -std=c++17 tools/microbench/host_floor.cpp -Iruntime/include -I/usr/local/cuda/include
 //       -L/usr/local/cuda/lib64/stubs -lcuda -Lbuild/runtime -ljitfuse -o host_floor
 //   g++ -O2 -std=c++17 -DHOST_FLOOR_LOOP -shared -fPIC tools/microbench/host_floor.cpp -Iruntime/include
@@ -134,6 +135,16 @@ int main() {
     for (auto& s : {streams[0], streams[2]})
       std::printf("jf_forward(bias+gelu, 16x1024 bf16, inference), %-20s %6.2f us\n", s.name,
                   us_per_call([&] { jk(jf_forward(seq, &fa, nullptr, s.s), "jf_forward"); }));
+#ifndef HOST_FLOOR_NO_PROGRAM_HANDLE  // -D it to build against a library older than jf_program (ABI 2.1)
+  // The same through a prepared-program handle: no lookup, lock, getenv or driver query per call.
+  jf_program prog;
+  jk(jf_program_open(seq, shape, 2, 0, blocking, &prog), "jf_program_open");
+  for (int round = 0; round < 2; ++round)
+    for (auto& s : {streams[0], streams[2]})
+      std::printf("jf_program_forward(same),                       %-20s %6.2f us\n", s.name,
+                  us_per_call([&] { jk(jf_program_forward(prog, &fa, nullptr, s.s), "jf_program_forward"); }));
+  jf_program_close(prog);
+#endif
   jf_sequence_destroy(seq);
   jf_context_destroy(jc);
   return 0;

@@ -187,7 +187,7 @@ def measure_layers(rounds, m, h):
         "ctypes launch of the empty kernel": e.call,
         "floor: nn.Module, empty_like + ctypes launch": lambda: e.module(x),
         "ctypes jf_forward (arguments built once)": raw.forward,
-        "Program.forward": lambda: prog.forward(x, [], params, None, False, with_saved=False, cache_workspace=True),
+        "Program.forward": lambda: prog.forward(x, [], params, None, False, with_saved_block=False, cache_workspace=True),
         "module.forward(x)": lambda: model.forward(x),
         "module(x)": lambda: model(x),
         "jitfuse::forward op via the dispatcher": lambda: torch.ops.jitfuse.forward.default(key, x, [], params, None,

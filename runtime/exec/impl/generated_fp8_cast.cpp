@@ -22,9 +22,9 @@ namespace {
 // into the state (history roll, scale_inv = 1 / the scale used, the next scale).
 void quantize_output(Builder& b, GemmStep& gs, int q) {
   gs.call.dtype = ops::DType::e4m3;
-  gs.d_scale = b.fp8_state(q, "", "scale");
-  gs.d_scale_inv = b.fp8_state(q, "", "scale_inv");
-  gs.d_history = b.fp8_state(q, "", "amax_history");
+  gs.d_scale = b.fp8_state(q, fp8::Operand::none, fp8::Part::scale);
+  gs.d_scale_inv = b.fp8_state(q, fp8::Operand::none, fp8::Part::scale_inv);
+  gs.d_history = b.fp8_state(q, fp8::Operand::none, fp8::Part::history);
   gs.d_amax = b.temp("amax op" + std::to_string(q) + " (FP8 GEMM output)", ops::DType::f32, 1, 1, sizeof(float));
 }
 
@@ -76,7 +76,7 @@ class GeneratedFp8Cast final : public Implementation {
            "[\"fp8_delayed\", \"fp8_current\"])", g.rule);
     if (b.forward()) {
       check_fp8_linear(b, lin);
-      if (g.begin < lin) fp8_cast_operand(b, lin, "input", b.act(g.begin), g.begin, lin);
+      if (g.begin < lin) fp8_cast_operand(b, lin, fp8::Operand::input, b.act(g.begin), g.begin, lin);
       const int q = b.ops()[static_cast<size_t>(g.end - 1)].kind == "quantize" ? g.end - 1 : -1;
       const int gemm_end = q >= 0 ? q : g.end;
       const bool bias = lin + 1 < gemm_end;
@@ -94,7 +94,7 @@ class GeneratedFp8Cast final : public Implementation {
       b.boundary_saves(g.begin, g.end);
     } else {
       check_fp8_linear(b, lin);
-      if (lin + 1 < g.end) fp8_cast_operand(b, lin, "grad_output", b.grad_of(g.end), lin + 1, g.end);
+      if (lin + 1 < g.end) fp8_cast_operand(b, lin, fp8::Operand::grad_output, b.grad_of(g.end), lin + 1, g.end);
       LinearBackward lb;
       lb.dy = b.grad_of(lin + 1);
       lb.dx = b.grad_of(lin);

@@ -197,6 +197,28 @@ typedef struct jf_backward_args {
 
 JF_API jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream stream);
 
+/* ---- Prepared-program handles: calls with no lookup ---------------------------------------------
+ *
+ * jf_program_open prepares (shape, training) as jf_sequence_prepare does (so: outside a CUDA-graph capture)
+ * and returns a handle to that prepared program. jf_program_forward / jf_program_backward take the same
+ * arguments as jf_forward / jf_backward, checked the same way (plus: the input has the shape the handle was
+ * opened for), and run the program with no plan lookup, lock, environment read or driver query per call
+ * (under an FP8 recipe, the weight-change check takes one lock). The handle is fixed when it is opened:
+ * rules loaded and JITFUSE_DISABLE_FUSION changed afterwards do not change it (open another). Call it with
+ * the device that was current at open and a stream of that device. It keeps its sequence alive
+ * (jf_sequence_destroy with open handles is allowed), not its context: close every handle before
+ * jf_context_destroy. Thread-safe: one handle may run on several threads at once. */
+typedef struct jf_program_s* jf_program;
+JF_API jf_status jf_program_open(jf_sequence seq, const int64_t* shape, int ndim, int training, jf_stream stream,
+                                 jf_program* out);
+/* What jf_sequence_info says of the same (shape, training). */
+JF_API jf_status jf_program_get_info(jf_program prog, jf_program_info* out);
+JF_API jf_status jf_program_forward(jf_program prog, const jf_forward_args* args, jf_saved* saved_out,
+                                    jf_stream stream);
+JF_API jf_status jf_program_backward(jf_program prog, const jf_backward_args* args, jf_stream stream);
+/* NULL is a no-op. */
+JF_API jf_status jf_program_close(jf_program prog);
+
 /* The saved buffer a jf_forward allocated (NULL for a released handle), and its size. */
 JF_API jf_status jf_saved_buffer(jf_saved saved, void** buffer, size_t* bytes);
 

@@ -84,6 +84,7 @@ def dtype_name(code: int, bits: int, lanes: int = 1) -> str:
 jf_context = c_void_p
 jf_sequence = c_void_p
 jf_saved = c_void_p
+jf_program = c_void_p
 jf_builder = c_void_p
 jf_stream = c_void_p
 
@@ -211,6 +212,11 @@ FUNCTIONS: List[Tuple[str, object, list]] = [
     ("jf_sequence_info", _st, [jf_sequence, POINTER(c_int64), c_int, c_int, POINTER(jf_program_info)]),
     ("jf_forward", _st, [jf_sequence, POINTER(jf_forward_args), POINTER(jf_saved), jf_stream]),
     ("jf_backward", _st, [jf_sequence, POINTER(jf_backward_args), jf_stream]),
+    ("jf_program_open", _st, [jf_sequence, POINTER(c_int64), c_int, c_int, jf_stream, POINTER(jf_program)]),
+    ("jf_program_get_info", _st, [jf_program, POINTER(jf_program_info)]),
+    ("jf_program_forward", _st, [jf_program, POINTER(jf_forward_args), POINTER(jf_saved), jf_stream]),
+    ("jf_program_backward", _st, [jf_program, POINTER(jf_backward_args), jf_stream]),
+    ("jf_program_close", _st, [jf_program]),
     ("jf_saved_buffer", _st, [jf_saved, POINTER(c_void_p), POINTER(c_size_t)]),
     ("jf_sequence_fp8_state", _st, [jf_sequence, c_int, POINTER(jf_fp8_state)]),
     ("jf_sequence_fp8_operand_state", _st, [jf_sequence, c_int, c_char_p, POINTER(jf_fp8_state)]),

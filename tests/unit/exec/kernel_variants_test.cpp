@@ -13,6 +13,7 @@
 #include "cache/kernel_cache.hpp"
 #include "common/error.hpp"
 #include "exec/kernels.hpp"
+#include "exec/prepare.hpp"
 #include "support/builtin_cases.hpp"
 #include "support/deep_model.hpp"
 
@@ -220,16 +221,16 @@ TEST_CASE("the scalar variant of a step is compiled once, for the first of the c
 
   // Within a step, the late variant is made by one thread and then shared by every call, however many
   // threads select it at once.
-  exec::KernelStep k;
+  exec::LateVariant late;
   std::atomic<int> made{0};
-  std::vector<const exec::KernelStep::Variant*> got(8);
+  std::vector<const exec::Variant*> got(8);
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t)
     threads.emplace_back([&, t] {
-      got[static_cast<size_t>(t)] = &k.late_scalar([&] {
+      got[static_cast<size_t>(t)] = &late.get([&] {
         ++made;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        exec::KernelStep::Variant v;
+        exec::Variant v;
         v.launch.gx = 7;
         return v;
       });
@@ -240,12 +241,11 @@ TEST_CASE("the scalar variant of a step is compiled once, for the first of the c
   CHECK(got[0]->launch.gx == 7);
 
   // A failure (a compile error) publishes nothing: the call gets the error, the next call tries again.
-  exec::KernelStep bad;
-  CHECK_THROWS_AS(bad.late_scalar([]() -> exec::KernelStep::Variant { fail(Status::compile_error, "nvrtc said no"); }),
-                  Error);
-  CHECK(bad.late.ready.load() == nullptr);
-  CHECK(bad.late_scalar([] { return exec::KernelStep::Variant{}; }).kernel == nullptr);
-  CHECK(bad.late.ready.load() != nullptr);
+  exec::LateVariant bad;
+  CHECK_THROWS_AS(bad.get([]() -> exec::Variant { fail(Status::compile_error, "nvrtc said no"); }), Error);
+  CHECK(bad.ready() == nullptr);
+  CHECK(bad.get([] { return exec::Variant{}; }).kernel == nullptr);
+  CHECK(bad.ready() != nullptr);
 }
 
 TEST_CASE("a late scalar variant launches within the partial-sum buffers prepared for the vector variant",
@@ -258,41 +258,44 @@ TEST_CASE("a late scalar variant launches within the partial-sum buffers prepare
     INFO(ops);
     const test::BuiltinCase c{0, ops, "bf16", true, {65536, 1024}};
     auto p = test::case_program(c, rs);
-    exec::KernelStep* k = nullptr;
-    for (auto& s : p->backward)
-      if (s.kind == exec::Step::Kind::kernel && !s.kernel->finalize.empty()) k = s.kernel.get();
+    const exec::KernelStep* k = nullptr;
+    size_t at = 0;
+    for (size_t i = 0; i < p->backward.size(); ++i)
+      if (p->backward[i].kind == exec::Step::Kind::kernel && !p->backward[i].kernel->finalize.empty()) {
+        k = p->backward[i].kernel.get();
+        at = i;
+      }
     REQUIRE(k);
     REQUIRE(k->spec.vec);
     REQUIRE(k->gen.launch.persistent);
     exec::DeviceModel dev;
     dev.sm_count = 132;
     dev.estimated = false;
-    exec::LoadedKernel vec_lk, scalar_lk;
-    vec_lk.blocks_per_sm = 2;
-    scalar_lk.vector = false;
-    scalar_lk.blocks_per_sm = 4;
+    // Blocks per SM of the loaded variants of step `at` (vector 2, scalar 4; 0: not loaded).
+    auto loaded = [&](int vec, int scalar) {
+      return [=](bool fwd, size_t i) { return !fwd && i == at ? exec::Occupancy{vec, scalar} : exec::Occupancy{}; };
+    };
 
     // Prepared with the vector variant only: the partials are sized for it.
-    k->vec.kernel = &vec_lk;
-    exec::layout_program(*p, dev);
-    const int parts = static_cast<int>(p->buffer(k->finalize[0].partials).rows);
-    CHECK(parts == k->vec.launch.parts);
-    CHECK(k->scalar.launch.parts <= parts);
-    const size_t arena = p->bwd_arena;
+    const exec::Layout one = exec::lay_out(*p, dev, loaded(2, 0));
+    const int parts = static_cast<int>(one.buffer(k->finalize[0].partials).rows);
+    CHECK(parts == one.backward[at].vec.parts);
+    CHECK(one.backward[at].scalar.parts <= parts);
     // The scalar variant loaded later: a higher occupancy is clamped to the partials there are, a lower one
     // keeps its own grid.
-    const exec::KernelLaunch hi = exec::late_scalar_launch(*p, *k, dev.sm_count, 4);
+    const exec::KernelLaunch hi = exec::late_scalar_launch(one, *k, dev.sm_count, 4);
     CHECK(hi.parts == parts);
     CHECK((k->spec.skeleton == codegen::Skeleton::rownorm ? hi.gx : hi.gy) == static_cast<unsigned>(parts));
-    const exec::KernelLaunch lo = exec::late_scalar_launch(*p, *k, dev.sm_count, 1);
+    const exec::KernelLaunch lo = exec::late_scalar_launch(one, *k, dev.sm_count, 1);
     CHECK(lo.parts < parts);
     CHECK(lo.parts > 0);
 
     // Prepared with both (JITFUSE_ALL_VARIANTS): sized for the larger grid, as before.
-    k->scalar.kernel = &scalar_lk;
-    exec::layout_program(*p, dev);
-    CHECK(p->buffer(k->finalize[0].partials).rows == k->scalar.launch.parts);
-    CHECK(k->scalar.launch.parts > parts);
-    CHECK(p->bwd_arena >= arena);
+    const exec::Layout both = exec::lay_out(*p, dev, loaded(2, 4));
+    CHECK(both.buffer(k->finalize[0].partials).rows == both.backward[at].scalar.parts);
+    CHECK(both.backward[at].scalar.parts > parts);
+    CHECK(both.bwd_arena >= one.bwd_arena);
+    // Laying out never writes the Program: its estimate is what explain prints, unchanged.
+    CHECK(p->buffer(k->finalize[0].partials).rows == exec::lay_out(*p, dev).buffer(k->finalize[0].partials).rows);
   }
 }

@@ -27,7 +27,7 @@ std::string read(const std::string& path) {
   return s.str();
 }
 
-std::shared_ptr<exec::Program> program_of(const char* ops_json, const char* recipe = "bf16", bool training = true,
+std::shared_ptr<const exec::Program> program_of(const char* ops_json, const char* recipe = "bf16", bool training = true,
                                           ops::Shape shape = {16, 64}) {
   static const rules::RuleSet rs = rules::RuleSet::with_builtins();
   test::BuiltinCase c{0, ops_json, recipe, training, shape};

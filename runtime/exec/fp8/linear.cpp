@@ -27,17 +27,18 @@ void check_fp8_linear(const Builder& b, int lin) {
   if (b.training()) need16(m, "the number of rows (the wgrad GEMM contracts over them)");
 }
 
-void fp8_cast_operand(Builder& b, int lin, const std::string& tensor, int src, int bgn, int e) {
+void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bgn, int e) {
   const auto& ops = b.ops();
-  auto& dst = b.fp8_operand(lin, tensor);
-  const bool weight = tensor == "weight";
+  auto& dst = b.fp8_operand(lin, operand);
+  const bool weight = operand == fp8::Operand::weight;
+  const std::string tensor = fp8::name(operand);
   const auto& o = ops.at(static_cast<size_t>(lin));
   const int64_t rows = dst.rows, cols = dst.cols;
   ChainOptions opt = chain_options(b);
   codegen::Fp8Spec q;
   q.op = lin;
   q.tensor = tensor;
-  q.e5m2 = tensor == "grad_output";
+  q.e5m2 = operand == fp8::Operand::grad_output;
   q.delayed = b.recipe().kind == ops::RecipeKind::fp8_delayed;
   q.margin = b.recipe().margin;
   opt.fp8.reset();  // chain_spec's quantize hand-off is not this
