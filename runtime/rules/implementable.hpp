@@ -1,6 +1,6 @@
 // The rule loader's question to the execution layer: can a rule's implementation run any window its
-// pattern matches? Declared here, answered by the implementations (runtime/exec/impl/registry.cpp), so a
-// rule that can never run is refused at load with the implementation's reason.
+// pattern matches? rules/ asks it through this interface and the implementations answer it
+// (runtime/exec/impl/registry.cpp registers the answer), so rules/ depends on nothing in exec/.
 #pragma once
 #include <optional>
 #include <string>
@@ -15,7 +15,18 @@ struct Refusal {
   std::string message;
 };
 
-std::optional<Refusal> refuse_unimplementable(const Impl& impl, const std::vector<PatternElem>& pattern, Pass pass,
-                                              const ops::Registry& reg);
+class Implementability {
+ public:
+  virtual ~Implementability() = default;
+  // Why no window that `pattern` matches can run on `impl` in `pass`; nullopt when some window can.
+  virtual std::optional<Refusal> refuse(const Impl& impl, const std::vector<PatternElem>& pattern, Pass pass,
+                                        const ops::Registry& reg) const = 0;
+};
+
+// The answer the loader asks, or null while none is registered: then the loader checks a rule's syntax
+// and ops only. libjitfuse registers the implementations' answer before main (exec/impl/registry.cpp).
+const Implementability* implementability();
+// Makes `answer` (it must outlive every later load; null: none) the loader's; returns the previous one.
+const Implementability* set_implementability(const Implementability* answer);
 
 }  // namespace jitfuse::rules

@@ -345,8 +345,8 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
   }
   // What the implementation can run: asked of the implementation itself, so the loader and the planner
   // cannot disagree (a rule no window can ever satisfy is refused here, with the implementation's reason).
-  if (auto no = refuse_unimplementable(impl, pat, pass, reg))
-    invalid(no->field.empty() ? p : p + "/" + no->field, no->message);
+  if (const Implementability* answer = implementability())
+    if (auto no = answer->refuse(impl, pat, pass, reg)) invalid(no->field.empty() ? p : p + "/" + no->field, no->message);
   return impl;
 }
 

@@ -1,5 +1,5 @@
 // The implementations jitfuse knows (each file registers its own) and the questions asked of them: the
-// fuser's legality predicate and the rule loader's "can this rule ever run?".
+// fuser's legality predicate and the rule loader's "can this rule ever run?" (rules/implementable.hpp).
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -74,75 +74,89 @@ std::optional<std::string> Implementation::check_fp8(const std::vector<OpUse>&, 
                      "which {} {} does not lower to; the fp8 rules or the unfused linear take it", what, name());
 }
 
-}  // namespace jitfuse::exec
+namespace {
 
-namespace jitfuse::rules {
-
-// Every expansion of the pattern (each optional element present or not, each alternative kind, each class
-// member, repeated elements at representative counts), until one can be implemented; the reason of the first
-// one otherwise.
-std::optional<Refusal> refuse_unimplementable(const Impl& impl, const std::vector<PatternElem>& pattern, Pass pass,
-                                              const ops::Registry& reg) {
-  const exec::Implementation* im = exec::find_implementation(impl);
-  const char* field = impl.kind == Impl::Kind::generated  ? "skeleton"
-                      : impl.kind == Impl::Kind::cublaslt ? "epilogue"
-                                                          : "strategy";
-  if (!im) {
-    std::string known;
-    for (const auto* i : exec::implementations())
-      if (i->kind() == impl.kind) known += (known.empty() ? "" : ", ") + i->name();
-    const std::string& name = impl.kind == Impl::Kind::generated  ? impl.skeleton
-                              : impl.kind == Impl::Kind::cublaslt ? impl.epilogue
-                                                                  : impl.strategy;
-    const char* what = impl.kind == Impl::Kind::generated  ? "skeleton"
-                       : impl.kind == Impl::Kind::cublaslt ? "cuBLASLt epilogue"
-                                                           : "joint strategy";
-    return Refusal{field, fmt::format("unknown {} '{}'; known: {}", what, name, known)};
-  }
-  std::vector<exec::OpUse> window;
-  std::optional<std::string> first;
-  size_t leaves = 0;
-  constexpr size_t kMaxExpansions = 4096;
-  std::function<bool(size_t)> expand = [&](size_t i) -> bool {
-    if (i == pattern.size()) {
-      ++leaves;
-      if (window.empty()) return false;
-      auto why = im->check(window, impl, pass);
-      if (!why) return true;
-      if (!first) first = why;
-      return false;
-    }
-    if (leaves >= kMaxExpansions) return false;
-    const auto& el = pattern[i];
-    // A repeated element is checked at representative counts (its minimum, one more, and two), not at all
-    // kMaxRepeat^kinds of them: the skeletons' predicates look at which kinds occur and in what order, which
-    // those counts already show.
-    std::vector<int> counts;
-    for (int c : {el.min, el.min + 1, 2})
-      if (c <= el.max && std::find(counts.begin(), counts.end(), c) == counts.end()) counts.push_back(c);
-    std::function<bool(int)> take = [&](int left) -> bool {
-      if (left == 0) return expand(i + 1);
-      for (const auto& k : el.kinds) {
-        const ops::OpKind* kind = reg.find(k);
-        if (!kind) continue;
-        window.push_back({kind, &el.attrs, nullptr});
-        bool ok = take(left - 1);
-        window.pop_back();
-        if (ok) return true;
-        if (leaves >= kMaxExpansions) return false;
-      }
-      return false;
-    };
-    for (int c : counts)
-      if (take(c)) return true;
-    return false;
-  };
-  if (expand(0)) return std::nullopt;
-  std::string why = first ? *first : "the pattern matches no op kind";
-  if (leaves >= kMaxExpansions)
-    why += fmt::format(" (checked the first {} expansions of the pattern; split the rule)", kMaxExpansions);
-  return Refusal{field, im->name() + " cannot run any window this pattern matches: " + why + "; it implements " +
-                         im->covers_text()};
+const std::string& impl_name(const rules::Impl& impl) {
+  return impl.kind == rules::Impl::Kind::generated  ? impl.skeleton
+         : impl.kind == rules::Impl::Kind::cublaslt ? impl.epilogue
+                                                    : impl.strategy;
 }
 
-}  // namespace jitfuse::rules
+// A rule naming an implementation jitfuse does not have: the ones of its kind it does have.
+rules::Refusal unknown_implementation(const rules::Impl& impl, const char* field) {
+  std::string known;
+  for (const auto* i : implementations())
+    if (i->kind() == impl.kind) known += (known.empty() ? "" : ", ") + i->name();
+  const char* what = impl.kind == rules::Impl::Kind::generated  ? "skeleton"
+                     : impl.kind == rules::Impl::Kind::cublaslt ? "cuBLASLt epilogue"
+                                                                : "joint strategy";
+  return rules::Refusal{field, fmt::format("unknown {} '{}'; known: {}", what, impl_name(impl), known)};
+}
+
+// The rule loader's question (rules/implementable.hpp), answered by the implementations registered above.
+class ImplementationsAnswer final : public rules::Implementability {
+ public:
+  // Every expansion of the pattern (each optional element present or not, each alternative kind, each
+  // class member, repeated elements at representative counts), until one can be implemented; the reason
+  // of the first one otherwise.
+  std::optional<rules::Refusal> refuse(const rules::Impl& impl, const std::vector<rules::PatternElem>& pattern,
+                                       rules::Pass pass, const ops::Registry& reg) const override {
+    const Implementation* im = find_implementation(impl);
+    const char* field = impl.kind == rules::Impl::Kind::generated  ? "skeleton"
+                        : impl.kind == rules::Impl::Kind::cublaslt ? "epilogue"
+                                                                   : "strategy";
+    if (!im) return unknown_implementation(impl, field);
+    std::vector<OpUse> window;
+    std::optional<std::string> first;
+    size_t leaves = 0;
+    constexpr size_t kMaxExpansions = 4096;
+    std::function<bool(size_t)> expand = [&](size_t i) -> bool {
+      if (i == pattern.size()) {
+        ++leaves;
+        if (window.empty()) return false;
+        auto why = im->check(window, impl, pass);
+        if (!why) return true;
+        if (!first) first = why;
+        return false;
+      }
+      if (leaves >= kMaxExpansions) return false;
+      const auto& el = pattern[i];
+      // A repeated element is checked at representative counts (its minimum, one more, and two), not at
+      // all kMaxRepeat^kinds of them: the skeletons' predicates look at which kinds occur and in what
+      // order, which those counts already show.
+      std::vector<int> counts;
+      for (int c : {el.min, el.min + 1, 2})
+        if (c <= el.max && std::find(counts.begin(), counts.end(), c) == counts.end()) counts.push_back(c);
+      std::function<bool(int)> take = [&](int left) -> bool {
+        if (left == 0) return expand(i + 1);
+        for (const auto& k : el.kinds) {
+          const ops::OpKind* kind = reg.find(k);
+          if (!kind) continue;
+          window.push_back({kind, &el.attrs, nullptr});
+          bool ok = take(left - 1);
+          window.pop_back();
+          if (ok) return true;
+          if (leaves >= kMaxExpansions) return false;
+        }
+        return false;
+      };
+      for (int c : counts)
+        if (take(c)) return true;
+      return false;
+    };
+    if (expand(0)) return std::nullopt;
+    std::string why = first ? *first : "the pattern matches no op kind";
+    if (leaves >= kMaxExpansions)
+      why += fmt::format(" (checked the first {} expansions of the pattern; split the rule)", kMaxExpansions);
+    return rules::Refusal{field, im->name() + " cannot run any window this pattern matches: " + why +
+                                     "; it implements " + im->covers_text()};
+  }
+};
+
+// Registered before main, so every RuleSet the library loads asks the implementations.
+const ImplementationsAnswer kAnswer;
+[[maybe_unused]] const bool kAnswerRegistered = (rules::set_implementability(&kAnswer), true);
+
+}  // namespace
+
+}  // namespace jitfuse::exec
