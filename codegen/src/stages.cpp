@@ -206,11 +206,6 @@ std::string out_type(const KernelSpec& spec) { return spec.fp8 ? "unsigned char"
 
 namespace {
 
-// The quantize op's E4M3 cast keeps the text it has always had (jf_store8_e4m3, jf_fp8_scale, argument
-// names "scale" / "amax" / "scale_inv"), so its kernels' sources and cache keys do not change; every
-// other cast (an FP8 GEMM operand, E5M2) uses the format-generic functions of ops/fp8_operand.cuh.
-bool quantize_e4m3(const Fp8Spec& q) { return q.tensor.empty() && !q.e5m2; }
-
 const char* format_name(const Fp8Spec& q) { return q.e5m2 ? "E5M2" : "E4M3"; }
 const char* e5m2_arg(const Fp8Spec& q) { return q.e5m2 ? "true" : "false"; }
 
@@ -219,18 +214,14 @@ std::string state_name(const Fp8Spec& q, const std::string& what) {
   return q.tensor.empty() ? what : what + "_" + q.tensor;
 }
 
-// "jf_fp8_scale(amax, 2^margin)" with the format's max.
+// "jf_fp8_scale_of<E5M2>(amax, 2^margin)": the format's max / amax / 2^margin.
 std::string scale_call(const Fp8Spec& q, const std::string& amax) {
-  const std::string m = num(std::ldexp(1.0, static_cast<int>(q.margin)));
-  if (quantize_e4m3(q)) return fmt::format("jf_fp8_scale({}, {})", amax, m);
-  return fmt::format("jf_fp8_scale_of<{}>({}, {})", e5m2_arg(q), amax, m);
+  return fmt::format("jf_fp8_scale_of<{}>({}, {})", e5m2_arg(q), amax, fp8_margin_pow2(q));
 }
 
 }  // namespace
 
-bool fp8_generic(const KernelSpec& spec) {
-  return spec.fp8 && (!quantize_e4m3(*spec.fp8) || spec.skeleton == Skeleton::cast_transpose);
-}
+std::string fp8_margin_pow2(const Fp8Spec& q) { return num(std::ldexp(1.0, static_cast<int>(q.margin))); }
 
 std::string fp8_colwise_arg(Args& args, const KernelSpec& spec) {
   const auto& q = *spec.fp8;
@@ -246,19 +237,13 @@ void emit_out_store(Writer& w, const KernelSpec& spec, const std::string& index,
     return;
   }
   const auto& q = *spec.fp8;
-  if (quantize_e4m3(q) && codes.empty()) {
-    w.line("// op {} quantize: {}", q.op, q.amax_only ? "amax of the output (the cast pass follows)" : "E4M3 cast of x * scale");
-  } else {
-    w.line("// op {} {}: {}", q.op, q.tensor.empty() ? "quantize" : "cast of the FP8 GEMM " + q.tensor,
-           q.amax_only ? "amax of the output (the cast pass follows)" : fmt::format("{} codes of x * scale", format_name(q)));
-  }
+  w.line("// op {} {}: {}", q.op, q.tensor.empty() ? "quantize" : "cast of the FP8 GEMM " + q.tensor,
+         q.amax_only ? "amax of the output (the cast pass follows)" : fmt::format("{} codes of x * scale", format_name(q)));
   if (q.amax_only || q.delayed) w.line("jf_amax8(jf_am, {}, n);", var);
   if (q.amax_only) return;
   if (!codes.empty()) {
     w.line("jf_cvt8_fp8<{}>({}, jf_scale, {});", e5m2_arg(q), var, codes);
     w.line("jf_store8_codes<JF_VEC>(out + {}, {}, n);", index, codes);
-  } else if (quantize_e4m3(q)) {
-    w.line("jf_store8_e4m3<JF_VEC>(out + {}, {}, jf_scale, n);", index, var);
   } else {
     w.line("jf_store8_fp8<{}, JF_VEC>(out + {}, {}, jf_scale, n);", e5m2_arg(q), index, var);
   }
@@ -301,101 +286,6 @@ void emit_fp8_epilogue(Writer& w, const KernelSpec& spec) {
   if (!spec.fp8 || !(spec.fp8->amax_only || spec.fp8->delayed)) return;
   w.line("jf_amax_flush<JF_VEC>(jf_am, q{}_amax);", spec.fp8->op);
 }
-
-namespace {
-
-// The body of a delayed-scaling update (every thread of a 1024-thread block, `hist` and `len` in scope):
-// reduce the partials into this call's amax, roll the history one entry (newest first), record the amax,
-// and from the history's maximum set the next scale (`scale`; first `scale_inv`, the statement that records
-// 1 / the scale used, when the state holds one).
-void emit_history_roll(Writer& w, const std::string& part, const std::string& count, const std::string& scale_inv,
-                       const std::string& scale, const Fp8Spec& q) {
-  w.line("const float a = jf_amax_reduce({}, {});  // thread 0", part, count);
-  w.line("const int i = threadIdx.x;");
-  w.line("const float keep = i + 1 < len ? hist[i] : 0.f;");
-  w.line("float m = keep;");
-  w.line("__syncthreads();");
-  w.line("if (i + 1 < len) hist[i + 1] = keep;");
-  w.line("for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));");
-  w.line("if ((threadIdx.x & 31) == 0) jf_sm[threadIdx.x >> 5] = m;");
-  w.line("__syncthreads();");
-  w.line("if (threadIdx.x == 0) {{");
-  w.open();
-  w.line("for (int k = 0; k < 32; ++k) m = fmaxf(m, jf_sm[k]);");
-  w.line("m = fmaxf(m, a);");
-  w.line("hist[0] = a;");
-  if (!scale_inv.empty()) w.line("{}", scale_inv);
-  w.line("{} = {};", scale, scale_call(q, "m"));
-  w.close();
-  w.line("}}");
-}
-
-// fp8_delayed, FP8 GEMM operands and FP8 GEMM outputs: one launch per pass updates every state the pass
-// quantised into (one block each, up to kFp8Batch), after the pass's last step: a cast or a GEMM uses the
-// stored scale, so the update can wait, and the recipe state costs one small kernel per pass instead of
-// one per tensor. A cast wrote the scale_inv it used with its codes; a GEMM that writes FP8 (a quantize
-// op's state) cannot, so its entry carries the state's scale_inv, written here before the scale moves
-// (null for casts). The descriptors travel by value (JfFp8Batch, 584 bytes of kernel parameters).
-void emit_fp8_update_batch(Writer& w, const std::string& kernel, const Fp8Spec& q) {
-  w.line("// fp8_delayed ({}): for each state b of this pass (block b): roll its amax history, record the",
-         format_name(q));
-  w.line("// pass's amax, scale = {} / max(history) / 2^margin for the next call (the cast kernels wrote the",
-         q.e5m2 ? 57344 : 448);
-  w.line("// scale_inv they used; an FP8 GEMM output's scale_inv is written here). One thread per history entry");
-  w.line("// (len <= 1024).");
-  w.line("struct JfFp8Batch {{ const float* part[{0}]; float* hist[{0}]; float* scale[{0}]; float* scale_inv[{0}]; "
-         "int count[{0}]; int n; int len; }};",
-         kFp8Batch);
-  w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const JfFp8Batch b) {{", kernel);
-  w.open();
-  w.line("__shared__ float jf_sm[32];");
-  w.line("const int t = blockIdx.x;");
-  w.line("if (t >= b.n) return;");
-  w.line("float* __restrict__ hist = b.hist[t];");
-  w.line("const int len = b.len;");
-  emit_history_roll(w, "b.part[t]", "b.count[t]", "if (b.scale_inv[t]) b.scale_inv[t][0] = 1.f / b.scale[t][0];",
-                    "b.scale[t][0]", q);
-  w.close();
-  w.line("}}");
-}
-
-// The one-block kernel after an FP8 kernel that reduced amax into per-block partials.
-void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q) {
-  if (q.amax_only) {
-    w.line("// fp8_current: amax_history[0] = max over the blocks' partial amax (the cast pass reads it)");
-    w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const float* __restrict__ part, int count, "
-           "float* __restrict__ hist) {{", kernel);
-    w.open();
-    w.line("const float m = jf_amax_reduce(part, count);");
-    w.line("if (threadIdx.x == 0) hist[0] = m;");
-    w.close();
-    w.line("}}");
-    return;
-  }
-  // A quantize op's state holds scale_inv, written here; an operand's scale_inv is its tensor's own,
-  // written by the cast kernel, so its update kernel takes no scale_inv argument.
-  const bool state_scale_inv = q.tensor.empty();
-  if (!state_scale_inv) return emit_fp8_update_batch(w, kernel, q);
-  if (quantize_e4m3(q)) {
-    w.line("// fp8_delayed: roll the amax history, record this call's amax, scale_inv = 1 / the scale used,");
-    w.line("// scale = 448 / max(history) / 2^margin for the next call. One thread per history entry (len <= 1024).");
-  } else {
-    w.line("// fp8_delayed ({}{}): roll the amax history, record this call's amax,{}", format_name(q),
-           q.tensor.empty() ? "" : ", the FP8 GEMM " + q.tensor, state_scale_inv ? " scale_inv = 1 / the scale used," : "");
-    w.line("// scale = {} / max(history) / 2^margin for the next call{}. One thread per history entry (len <= 1024).",
-           q.e5m2 ? 57344 : 448, state_scale_inv ? "" : " (the cast kernel wrote the scale_inv it used)");
-  }
-  w.line("extern \"C\" __global__ void __launch_bounds__(1024) {}(const float* __restrict__ part, int count, "
-         "float* __restrict__ hist, int len, float* __restrict__ scale{}) {{", kernel,
-         state_scale_inv ? ", float* __restrict__ scale_inv" : "");
-  w.open();
-  w.line("__shared__ float jf_sm[32];");
-  emit_history_roll(w, "part", "count", state_scale_inv ? "scale_inv[0] = 1.f / scale[0];" : "", "scale[0]", q);
-  w.close();
-  w.line("}}");
-}
-
-}  // namespace
 
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec) {
   g.scalar_kernel = g.kernel + "_scalar";

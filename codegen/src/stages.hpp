@@ -55,6 +55,12 @@ std::string fp8_colwise_arg(Args& args, const KernelSpec& spec);
 void emit_fp8_prologue(Writer& w, Args& args, const KernelSpec& spec);
 // FP8: folds the per-thread amax into the amax argument (after the row loop; every thread).
 void emit_fp8_epilogue(Writer& w, const KernelSpec& spec);
+// FP8: "2^margin" as a float literal (the scale's divisor).
+std::string fp8_margin_pow2(const Fp8Spec& q);
+// The recipe-state update kernel named `kernel` that runs after a cast kernel with this FP8 spec (amax_only:
+// fp8_current's amax; else fp8_delayed's history roll, batched for GEMM operands), from its template
+// templates/kernels/fp8_update.cu (fp8_update.cpp).
+void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q);
 // Writes the kernel once per variant (emit_variants), appends the FP8 update and finalize kernels of
 // `setup` to `w` and fills g.finalize, g.args and g.source.
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec);

@@ -93,8 +93,10 @@ std::vector<std::string> headers_for(const KernelSpec& spec) {
   stages.insert(stages.end(), spec.post.begin(), spec.post.end());
   for (auto& s : stages)
     if (s.kind == Stage::Kind::dropout) add("ops/dropout.cuh");
-  if (spec.fp8) add("ops/fp8.cuh");
-  if (fp8_generic(spec)) add("ops/fp8_operand.cuh");
+  if (spec.fp8) {  // every FP8 cast uses the format-generic functions of fp8_operand.cuh
+    add("ops/fp8.cuh");
+    add("ops/fp8_operand.cuh");
+  }
   if (spec.skeleton == Skeleton::cast_transpose) add("skeletons/cast_transpose.cuh");
   return out;
 }

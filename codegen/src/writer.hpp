@@ -62,9 +62,6 @@ void emit_prelude(Writer& w, const KernelSpec& spec, const std::vector<std::stri
 // branch of `#ifndef JF_SCALAR` (one variant per NVRTC program).
 void emit_variants(Writer& w, const KernelSpec& spec, const std::string& kernel, const std::string& scalar);
 std::vector<std::string> headers_for(const KernelSpec& spec);
-// FP8: whether the cast uses the format-generic functions of ops/fp8_operand.cuh (everything except the
-// quantize op's E4M3 cast in the elementwise, gated and rownorm skeletons; defined in stages.cpp).
-bool fp8_generic(const KernelSpec& spec);
 void emit_finalize(Writer& w, const std::string& kernel, int64_t cols);
 std::string kernel_name(const KernelSpec& spec);
 

@@ -10,8 +10,12 @@
 
 namespace jitfuse::cache {
 
-// Increment when the entry file layout changes (tests/golden pins it).
-inline constexpr uint32_t kFormatVersion = 1;
+// Increment when the entry file layout changes (tests/golden pins it), or when generated sources change in a
+// way that leaves every entry of the old version unreachable (it moves the cache to v<N>/, in every key).
+//   1: the first format.
+//   2: the layout of 1; the quantize op's E4M3 kernels use the format-generic FP8 functions, as every other
+//      FP8 cast does (its sources no longer keep the text of version 1's keys).
+inline constexpr uint32_t kFormatVersion = 2;
 
 struct EntryInfo {
   std::string key;

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "cache/disk_store.hpp"
 #include "cache/sha256.hpp"
 #include "cache_test_util.hpp"
@@ -15,7 +17,7 @@ using namespace jitfuse::cache::test;
 
 namespace {
 
-const std::string kGolden = std::string(JF_SOURCE_DIR) + "/tests/golden/cache/entry_v1.jfk";
+const std::string kGolden = std::string(JF_SOURCE_DIR) + "/tests/golden/cache/entry_v2.jfk";
 
 // Fixed inputs; timestamps come from here, so serialization is fully deterministic.
 Entry golden_entry() {
@@ -141,9 +143,10 @@ TEST_CASE("parse errors say what is wrong and where", "[cache][format]") {
     CHECK(e.status() == Status::io_error);
     CHECK_THAT(e.what(), Catch::Contains("/x/y.jfk") && Catch::Contains("bad magic"));
   }
-  std::string v2 = good;
-  v2[8] = 2;
-  CHECK_THROWS_WITH(parse_entry(v2, "v"), Catch::Contains("format version 2") && Catch::Contains("reads version 1"));
+  std::string next = good;  // a newer build's entry
+  next[8] = static_cast<char>(kFormatVersion + 1);
+  CHECK_THROWS_WITH(parse_entry(next, "v"), Catch::Contains(fmt::format("format version {}", kFormatVersion + 1)) &&
+                                                Catch::Contains(fmt::format("reads version {}", kFormatVersion)));
   CHECK_THROWS_WITH(parse_entry(good.substr(0, good.size() - 10), "t"), Catch::Contains("truncated"));
   std::string flipped = good;
   flipped[good.size() - 40] ^= 1;  // inside the cubin: only the checksum can notice
@@ -151,4 +154,12 @@ TEST_CASE("parse errors say what is wrong and where", "[cache][format]") {
   Entry bad_key = golden_entry();
   bad_key.key = "not-a-key";
   CHECK_THROWS_AS(serialize_entry(bad_key), Error);
+}
+
+TEST_CASE("an entry of the previous format version is refused, naming both versions", "[cache][format]") {
+  std::string old = serialize_entry(golden_entry());
+  const uint32_t v = kFormatVersion - 1;
+  for (int i = 0; i < 4; ++i) old[8 + i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  CHECK_THROWS_WITH(parse_entry(old, "old.jfk"),
+                    Catch::Contains(fmt::format("entry format version {}, this build reads version {}", v, kFormatVersion)));
 }

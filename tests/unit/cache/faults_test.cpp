@@ -108,7 +108,7 @@ TEST_CASE("unwritable directory: memory only, one warning", "[cache][faults]") {
     }
     const std::string dir = tmp.sub("ro");
     { KernelCache c(Config{dir}); }  // create the layout, then take write permission away
-    ::chmod((dir + "/v1").c_str(), 0500);
+    ::chmod((dir + "/v" + std::to_string(kFormatVersion)).c_str(), 0500);
     LogCapture cap;
     KernelCache c(Config{dir});
     CHECK_FALSE(c.disk_enabled());
@@ -156,7 +156,7 @@ TEST_CASE("a directory writable by others is not used", "[cache][faults]") {
   REQUIRE(w.size() == 1);
   CHECK_THAT(w[0], Catch::Contains("writable by group or others") && Catch::Contains("0777") &&
                        Catch::Contains("a poisoned entry would run foreign code on the GPU"));
-  CHECK_FALSE(std::filesystem::exists(dir + "/v1"));  // nothing written into it
+  CHECK_FALSE(std::filesystem::exists(dir + "/v" + std::to_string(kFormatVersion)));  // nothing written into it
   CHECK_FALSE(dir_problem(dir).empty());
 
   ::chmod(dir.c_str(), 0775);  // group-writable is just as bad

@@ -280,14 +280,21 @@ TEST_CASE("FP8 operand casts in the elementwise skeleton: E5M2, the tensor's own
   bool colwise = false;
   for (const auto& a : g.args) colwise |= a.role == Role::fp8_colwise;
   CHECK_FALSE(colwise);
-  // The quantize op's E4M3 cast keeps its functions and names (its golden sources pin the rest).
+  // The quantize op's E4M3 cast: the same format-generic functions, its state's own argument names and the
+  // single-state update kernel (its golden sources pin the rest).
   spec.fp8->tensor.clear();
   spec.fp8->e5m2 = false;
   const auto q = codegen::generate(spec);
-  CHECK(q.headers == std::vector<std::string>{"skeletons/common.cuh", "ops/activations.cuh", "ops/fp8.cuh"});
-  CHECK(has(q.source, "jf_store8_e4m3<JF_VEC>(out + r * 4096 + c0, v, jf_scale, n);"));
+  CHECK(q.headers == std::vector<std::string>{"skeletons/common.cuh", "ops/activations.cuh", "ops/fp8.cuh",
+                                              "ops/fp8_operand.cuh"});
+  CHECK(has(q.source, "// op 2 quantize: E4M3 codes of x * scale"));
+  CHECK(has(q.source, "jf_store8_fp8<false, JF_VEC>(out + r * 4096 + c0, v, jf_scale, n);"));
+  CHECK(has(q.source, "// fp8_delayed (E4M3): roll the amax history, record this call's amax, scale_inv = 1 / the scale used,"));
   CHECK(has(q.source, "scale_inv[0] = 1.f / scale[0];"));
-  CHECK(has(q.source, "scale[0] = jf_fp8_scale(m, 1.0f);"));
+  CHECK(has(q.source, "scale[0] = jf_fp8_scale_of<false>(m, 1.0f);"));
+  CHECK_FALSE(has(q.source, "jf_store8_e4m3"));
+  CHECK_FALSE(has(q.source, "jf_fp8_scale("));
+  CHECK_FALSE(has(q.source, "${"));  // every value of the update kernel's template filled in
   CHECK_FALSE(has(q.source, "q2_scale_inv"));
   for (const auto& a : q.args)
     if (a.role == Role::fp8_scale || a.role == Role::fp8_amax) CHECK((a.name == "scale" || a.name == "amax"));
