@@ -60,6 +60,7 @@ struct Rig {
   CUdeviceptr saved = 0, fws = 0, bws = 0, rng = 0;
 
   bool misalign = false;  // every tensor one element past a 16-byte boundary
+  jf_program prog = nullptr;  // set: the calls go through this prepared-program handle (jf_program_*)
 
   DeviceTensor* make(const ops::Shape& s, std::mt19937_64& g) {
     keep.push_back(std::make_unique<DeviceTensor>(s, "bf16", misalign));
@@ -140,7 +141,8 @@ struct Rig {
     f.workspace = reinterpret_cast<void*>(fws);
     f.workspace_bytes = info.forward_workspace_bytes;
     const auto js = reinterpret_cast<jf_stream>(stream);
-    if (jf_status st = jf_forward(seq, &f, nullptr, js); st != JF_OK) return st;
+    if (jf_status st = prog ? jf_program_forward(prog, &f, nullptr, js) : jf_forward(seq, &f, nullptr, js); st != JF_OK)
+      return st;
     jf_backward_args b{};
     b.input = x->dl();
     b.extra_inputs = ein.data();
@@ -162,7 +164,7 @@ struct Rig {
     b.n_grads = static_cast<int>(grads.size());
     b.workspace = reinterpret_cast<void*>(bws);
     b.workspace_bytes = info.backward_workspace_bytes;
-    return jf_backward(seq, &b, js);
+    return prog ? jf_program_backward(prog, &b, js) : jf_backward(seq, &b, js);
   }
   std::vector<std::vector<uint8_t>> results() const {
     std::vector<std::vector<uint8_t>> r;
@@ -336,6 +338,79 @@ TEST_CASE("8 threads run one prepared sequence at once with their own tensors an
   for (auto s : streams) drv().cuStreamDestroy(s);
   rigs.clear();
   jf_sequence_destroy(seq);
+}
+
+// A jf_program handle (no lookup per call) runs the very program jf_forward / jf_backward do: eager and
+// captured results bit-identical to the sequence's calls (which the float64 checks of the fusion tests
+// verify), every output written (poisoned before each run), after its sequence is destroyed too; its own
+// argument checks name what is wrong.
+TEST_CASE("a jf_program handle runs the sequence's program bit-identically, eager and in a CUDA graph", "[graph]") {
+  jf_context ctx = test::shared_context();
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(ctx, test::seq_json(kMlpDropout, "mlp_handle").c_str(), "bf16", &seq) == JF_OK);
+  const ops::Shape shape{37, 256};  // odd rows
+  CUstream s = nullptr;
+  ck(drv().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  const auto js = reinterpret_cast<jf_stream>(s);
+  jf_program train = nullptr, infer = nullptr;
+  REQUIRE(jf_program_open(seq, shape.data(), 2, 1, js, &train) == JF_OK);
+  REQUIRE(jf_program_open(seq, shape.data(), 2, 0, js, &infer) == JF_OK);
+  {
+    Rig rig(ctx, seq, s, shape, 91);
+    jf_program_info info{};
+    REQUIRE(jf_program_get_info(train, &info) == JF_OK);
+    CHECK(info.saved_bytes == rig.info.saved_bytes);
+    CHECK(info.forward_workspace_bytes == rig.info.forward_workspace_bytes);
+    CHECK(info.backward_workspace_bytes == rig.info.backward_workspace_bytes);
+    auto run = [&](jf_program p) {
+      rig.prog = p;
+      rig.set_rng(0xfeed, 3);
+      rig.poison();
+      REQUIRE(rig.enqueue() == JF_OK);
+      ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
+      return rig.results();
+    };
+    const auto by_sequence = run(nullptr);
+    CHECK(run(train) == by_sequence);
+    // Captured through the handle, replayed: the same bytes.
+    CUgraph graph = nullptr;
+    CUgraphExec exec = nullptr;
+    rig.prog = train;
+    ck(drv().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    const jf_status st = rig.enqueue();
+    ck(drv().cuStreamEndCapture(s, &graph), "cuStreamEndCapture");
+    REQUIRE(st == JF_OK);
+    ck(drv().cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiate");
+    rig.set_rng(0xfeed, 3);
+    rig.poison();
+    ck(drv().cuGraphLaunch(exec, s), "cuGraphLaunch");
+    ck(drv().cuStreamSynchronize(s), "cuStreamSynchronize");
+    CHECK(rig.results() == by_sequence);
+    drv().cuGraphExecDestroy(exec);
+    drv().cuGraphDestroy(graph);
+
+    // The handle's own checks: a training call on an inference handle, another input shape.
+    rig.prog = infer;
+    CHECK(rig.enqueue() == JF_ERR_INVALID_ARGUMENT);
+    CHECK_THAT(jf_last_error(), Catch::Contains("a training forward needs a jf_program opened with training = 1"));
+    Rig other(ctx, seq, s, {38, 256}, 92);
+    other.prog = train;
+    CHECK(other.enqueue() == JF_ERR_INVALID_ARGUMENT);
+    CHECK_THAT(jf_last_error(), Catch::Contains("prepared for input shape 37x256, got 38x256"));
+    jf_forward_args none{};
+    CHECK(jf_program_forward(train, nullptr, nullptr, js) == JF_ERR_INVALID_ARGUMENT);
+    CHECK(jf_program_forward(train, &none, nullptr, js) == JF_ERR_INVALID_ARGUMENT);
+
+    // The handle keeps its sequence alive: destroyed first, the handle still runs the same program.
+    jf_sequence_destroy(seq);
+    seq = nullptr;
+    CHECK(run(train) == by_sequence);
+    rig.prog = nullptr;
+  }
+  CHECK(jf_program_close(train) == JF_OK);
+  CHECK(jf_program_close(infer) == JF_OK);
+  CHECK(jf_program_close(nullptr) == JF_OK);
+  drv().cuStreamDestroy(s);
 }
 
 TEST_CASE("a capture of an unprepared shape fails with JF_ERR_NOT_PREPARED and leaves the stream usable",

@@ -30,6 +30,32 @@ TEST_CASE("the shared library exports only jf_ symbols", "[api]") {
   CHECK(count >= 20);
 }
 
+TEST_CASE("C ABI: jf_program handles refuse NULL arguments without a GPU", "[api]") {
+  const int64_t shape[] = {4, 8};
+  jf_program p = reinterpret_cast<jf_program>(0x1);
+  CHECK(jf_program_open(nullptr, shape, 2, 0, nullptr, &p) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("seq is NULL"));
+  CHECK(p == reinterpret_cast<jf_program>(0x1));  // untouched when the call fails before opening
+  jf_program_info info{};
+  CHECK(jf_program_get_info(nullptr, &info) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("prog is NULL"));
+  jf_forward_args fa{};
+  CHECK(jf_program_forward(nullptr, &fa, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  jf_backward_args ba{};
+  CHECK(jf_program_backward(nullptr, &ba, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(jf_program_close(nullptr) == JF_OK);
+  jf_context ctx = nullptr;
+  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(ctx, "{\"ops\": [{\"op\": \"bias\"}]}", "bf16", &seq) == JF_OK);
+  CHECK(jf_program_open(seq, shape, 2, 0, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(has("out is NULL"));
+  CHECK(jf_program_open(seq, nullptr, 2, 0, nullptr, &p) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(p == nullptr);  // cleared once `out` is known good
+  jf_sequence_destroy(seq);
+  jf_context_destroy(ctx);
+}
+
 TEST_CASE("C ABI errors: status codes and messages naming the problem", "[api]") {
   jf_context ctx = nullptr;
   REQUIRE(jf_context_create(&ctx) == JF_OK);
