@@ -349,6 +349,66 @@ nlohmann::json Builder::kernel_meta(int b, const char* pass) const {
           {"pass", pass}};
 }
 
+// How argument `a` of kernel `ks` binds: to a buffer of this program (made here if new) or a per-launch value.
+KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Operand fp8_tensor) {
+  const bool own_state = fp8_tensor == fp8::Operand::none;  // a quantize op's cast
+  KArg k;
+  switch (a.role) {
+    case Arg::Role::in: k.buffer = in; break;
+    case Arg::Role::out: k.buffer = out; break;
+    case Arg::Role::param: k.buffer = param(a.op, a.name); break;
+    case Arg::Role::saved:
+      if (a.writes) {
+        const auto& o = p_.ops[a.op];
+        const bool stats = a.name == "mean" || a.name == "rstd", mask = a.name == "mask";
+        const bool output = a.name == "output";
+        k.buffer = saved_new(a.op, a.name, stats ? ops::DType::f32 : p_.recipe.dtype,
+                             ops::rows_of(output ? o.out : o.in),
+                             stats ? 1 : mask ? (ops::cols_of(o.in) + 7) / 8 : ops::cols_of(output ? o.out : o.in),
+                             saved_size(a.op, a.name));
+      } else {
+        k.buffer = saved(a.op, a.name);
+      }
+      break;
+    case Arg::Role::extra_in: k.buffer = extra_in(a.op); break;
+    case Arg::Role::extra_out: k.buffer = extra_out(a.op); break;
+    case Arg::Role::grad_extra_out: k.buffer = grad_extra_out(a.op); break;
+    case Arg::Role::grad_extra_in: k.buffer = grad_extra_in(a.op); break;
+    case Arg::Role::partials: {
+      // fp32 [parts, width]; parts is known once the launch shape is (lay_out, layout.hpp).
+      int64_t width = 0;
+      for (const auto& f : ks.gen.finalize)
+        if (f.op == a.op && f.name == a.name) width = f.cols;
+      k.buffer = temp("partials op" + std::to_string(a.op) + "." + a.name, ops::DType::f32, -1, width);
+      for (const auto& f : ks.gen.finalize)
+        if (f.op == a.op && f.name == a.name)
+          ks.finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel});
+      break;
+  }
+    case Arg::Role::rows: k.kind = KArg::Kind::rows; break;
+    case Arg::Role::seed:
+      k.kind = KArg::Kind::u64_const;
+      k.value = p_.ops[a.op].attrs["seed"].get<uint64_t>();
+      break;
+    case Arg::Role::rng: k.buffer = rng_state(); break;
+    case Arg::Role::parts: k.kind = KArg::Kind::int_const; break;  // filled per launch (KernelLaunch::parts)
+    case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, fp8_tensor, fp8::Part::scale); break;
+    case Arg::Role::fp8_scale_inv:
+      // A quantize op's cast reports to its state; an operand's cast to the FP8 tensor's own scale_inv.
+      k.buffer = own_state ? fp8_state(a.op, fp8_tensor, fp8::Part::scale_inv) : fp8_operand(a.op, fp8_tensor).scale_inv;
+      break;
+    case Arg::Role::fp8_amax:
+      if (a.writes) {
+        k.buffer = ks.amax_partials = temp("amax partials op" + std::to_string(a.op), ops::DType::f32, -1, 1);
+      } else {
+        k.buffer = fp8_state(a.op, fp8_tensor, fp8::Part::history);
+      }
+      break;
+    case Arg::Role::fp8_colwise: k.buffer = fp8_operand(a.op, fp8_tensor).col; break;
+  }
+  return k;
+}
+
 void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
                      const std::string& what) {
   auto ks = std::make_shared<KernelStep>();
@@ -361,63 +421,7 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   if (!operand) fail(Status::internal, "kernel {}: unknown FP8 operand '{}'", ks->gen.kernel, spec.fp8->tensor);
   const fp8::Operand fp8_tensor = *operand;
   const bool own_state = fp8_tensor == fp8::Operand::none;  // a quantize op's cast
-  for (const Arg& a : ks->gen.args) {
-    KArg k;
-    switch (a.role) {
-      case Arg::Role::in: k.buffer = in; break;
-      case Arg::Role::out: k.buffer = out; break;
-      case Arg::Role::param: k.buffer = param(a.op, a.name); break;
-      case Arg::Role::saved:
-        if (a.writes) {
-          const auto& o = p_.ops[a.op];
-          const bool stats = a.name == "mean" || a.name == "rstd", mask = a.name == "mask";
-          const bool output = a.name == "output";
-          k.buffer = saved_new(a.op, a.name, stats ? ops::DType::f32 : p_.recipe.dtype,
-                               ops::rows_of(output ? o.out : o.in),
-                               stats ? 1 : mask ? (ops::cols_of(o.in) + 7) / 8 : ops::cols_of(output ? o.out : o.in),
-                               saved_size(a.op, a.name));
-        } else {
-          k.buffer = saved(a.op, a.name);
-        }
-        break;
-      case Arg::Role::extra_in: k.buffer = extra_in(a.op); break;
-      case Arg::Role::extra_out: k.buffer = extra_out(a.op); break;
-      case Arg::Role::grad_extra_out: k.buffer = grad_extra_out(a.op); break;
-      case Arg::Role::grad_extra_in: k.buffer = grad_extra_in(a.op); break;
-      case Arg::Role::partials: {
-        // fp32 [parts, width]; parts is known once the launch shape is (layout_program).
-        int64_t width = 0;
-        for (const auto& f : ks->gen.finalize)
-          if (f.op == a.op && f.name == a.name) width = f.cols;
-        k.buffer = temp("partials op" + std::to_string(a.op) + "." + a.name, ops::DType::f32, -1, width);
-        for (const auto& f : ks->gen.finalize)
-          if (f.op == a.op && f.name == a.name)
-            ks->finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel});
-        break;
-      }
-      case Arg::Role::rows: k.kind = KArg::Kind::rows; break;
-      case Arg::Role::seed:
-        k.kind = KArg::Kind::u64_const;
-        k.value = p_.ops[a.op].attrs["seed"].get<uint64_t>();
-        break;
-      case Arg::Role::rng: k.buffer = rng_state(); break;
-      case Arg::Role::parts: k.kind = KArg::Kind::int_const; break;  // filled by layout_program
-      case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, fp8_tensor, fp8::Part::scale); break;
-      case Arg::Role::fp8_scale_inv:
-        // A quantize op's cast reports to its state; an operand's cast to the FP8 tensor's own scale_inv.
-        k.buffer = own_state ? fp8_state(a.op, fp8_tensor, fp8::Part::scale_inv) : fp8_operand(a.op, fp8_tensor).scale_inv;
-        break;
-      case Arg::Role::fp8_amax:
-        if (a.writes) {
-          k.buffer = ks->amax_partials = temp("amax partials op" + std::to_string(a.op), ops::DType::f32, -1, 1);
-        } else {
-          k.buffer = fp8_state(a.op, fp8_tensor, fp8::Part::history);
-        }
-        break;
-      case Arg::Role::fp8_colwise: k.buffer = fp8_operand(a.op, fp8_tensor).col; break;
-    }
-    ks->args.push_back(k);
-  }
+  for (const Arg& a : ks->gen.args) ks->args.push_back(bind_arg(a, *ks, in, out, fp8_tensor));
   if (!ks->gen.fp8_update.empty()) {
     const int q = spec.fp8->op;
     ks->fp8_scale = fp8_state(q, fp8_tensor, fp8::Part::scale);

@@ -86,6 +86,7 @@ class Builder {
   bool forward() const { return forward_; }
 
  private:
+  KArg bind_arg(const codegen::Arg& a, KernelStep& ks, int in, int out, fp8::Operand fp8_tensor);
   int add(Buffer b);
   int caller(BufferRole role, const std::string& name, int op, int slot, ops::DType dt, int64_t rows, int64_t cols);
   int keyed(int id, const std::string& key);

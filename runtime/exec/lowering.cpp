@@ -31,6 +31,45 @@ bool chain_vectorizable(const std::vector<Op>& ops, int b, int e) {
   return true;
 }
 
+namespace {
+// The pointwise stage of op i of a chain [b, e) (not its norm, gated op or quantize).
+Stage stage_of(const std::vector<Op>& ops, int i, int b, int e, const ChainOptions& opt, KernelSpec& spec) {
+  const Op& op = ops[static_cast<size_t>(i)];
+  const bool fwd = opt.dir == codegen::Direction::forward;
+  const bool train = opt.training;
+  Stage s;
+  s.op = i;
+  s.op_kind = op.kind;
+  s.math = op.info->math;
+  switch (op.family) {
+    case Family::bias: s.kind = Stage::Kind::bias; break;
+    case Family::add_extra_input: s.kind = Stage::Kind::extra_add; break;
+    case Family::make_extra_output: s.kind = Stage::Kind::extra_tap; break;
+    case Family::dropout:
+      if (dropout_active(op)) {
+        s.kind = Stage::Kind::dropout;
+        s.dropout_p = op.num("p");
+        s.dropout_regenerate = opt.regenerate_dropout;
+        s.dropout_save_mask = fwd && train && !opt.regenerate_dropout;
+      } else {
+        s.kind = Stage::Kind::unary;
+        s.functor = "jf_op_identity";
+        spec.headers["ops/activations.cuh"] = "";
+      }
+      break;
+    default:
+      s.kind = Stage::Kind::unary;
+      s.functor = op.functor;
+      s.consts = op.consts;
+      s.saved_is_output = saves(op, ops::SavedKind::output);
+      s.save_input = fwd && train && saves(op, ops::SavedKind::input) && i != b;
+      s.save_output = fwd && train && saves(op, ops::SavedKind::output) && i + 1 != e;
+      break;
+  }
+  return s;
+}
+}  // namespace
+
 KernelSpec chain_spec(const std::vector<Op>& ops, int b, int e, const ChainOptions& opt) {
   Skeleton sk;
   if (auto p = chain_problem(window_of(ops, b, e), 0, &sk)) fail(Status::internal, "lowering an illegal chain: {}", *p);
@@ -78,36 +117,7 @@ KernelSpec chain_spec(const std::vector<Op>& ops, int b, int e, const ChainOptio
       spec.fp8->op = i;
       continue;
     }
-    Stage s;
-    s.op = i;
-    s.op_kind = op.kind;
-    s.math = op.info->math;
-    switch (op.family) {
-      case Family::bias: s.kind = Stage::Kind::bias; break;
-      case Family::add_extra_input: s.kind = Stage::Kind::extra_add; break;
-      case Family::make_extra_output: s.kind = Stage::Kind::extra_tap; break;
-      case Family::dropout:
-        if (dropout_active(op)) {
-          s.kind = Stage::Kind::dropout;
-          s.dropout_p = op.num("p");
-          s.dropout_regenerate = opt.regenerate_dropout;
-          s.dropout_save_mask = fwd && train && !opt.regenerate_dropout;
-        } else {
-          s.kind = Stage::Kind::unary;
-          s.functor = "jf_op_identity";
-          spec.headers["ops/activations.cuh"] = "";
-        }
-        break;
-      default:
-        s.kind = Stage::Kind::unary;
-        s.functor = op.functor;
-        s.consts = op.consts;
-        s.saved_is_output = saves(op, ops::SavedKind::output);
-        s.save_input = fwd && train && saves(op, ops::SavedKind::input) && i != b;
-        s.save_output = fwd && train && saves(op, ops::SavedKind::output) && i + 1 != e;
-        break;
-    }
-    (after_anchor ? spec.post : spec.pre).push_back(s);
+    (after_anchor ? spec.post : spec.pre).push_back(stage_of(ops, i, b, e, opt, spec));
   }
   if (sk == Skeleton::elementwise) spec.cols = ops::cols_of(ops[b].in);
   spec.label = label;
