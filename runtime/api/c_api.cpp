@@ -501,7 +501,8 @@ void check_program_shape(const jf_program_s& p, const DLTensor* input) {
   const auto& want = p.prepared->program->ops.front().in;
   if (shape_of(input) != want)
     fail(Status::invalid_argument, "tensor 'input': this jf_program was prepared for input shape {}, got {} (open "
-         "one per shape with jf_program_open)", jitfuse::ops::shape_str(want), jitfuse::ops::shape_str(shape_of(input)));
+         "one per shape with jf_program_open)", jitfuse::ops::shape_str(want),
+         jitfuse::ops::shape_str(shape_of(input)));
 }
 
 }  // namespace

@@ -148,7 +148,7 @@ const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared
   }
   if (p.training)
     for (const auto& b : L.buffers) {
-      if (b.storage != exec::Storage::saved || b.first < 0) continue;
+      if (b.storage != exec::Storage::saved_block || b.first < 0) continue;
       ops::Shape shape = b.rows > 0 ? ops::Shape{b.rows, b.cols} : ops::Shape{static_cast<int64_t>(b.bytes)};
       pi->saved.push_back(tensor_info(*pi, b.name, b.op, b.dtype, shape, b.bytes, b.offset));
     }

@@ -179,7 +179,9 @@ Builder::Fp8Operand& Builder::fp8_operand(int lin, fp8::Operand operand) {
   const bool weight = operand == Operand::weight;
   const Storage row_at = weight ? Storage::persistent : forward_ ? Storage::fwd_arena : Storage::bwd_arena;
   // The input's transposed copy is what the wgrad reads: it and the scale_inv both copies share are saved.
-  const Storage col_at = weight ? Storage::persistent : operand == Operand::input ? Storage::saved : Storage::bwd_arena;
+  const Storage col_at = weight                     ? Storage::persistent
+                         : operand == Operand::input ? Storage::saved_block
+                                                     : Storage::bwd_arena;
   auto make = [&](fp8::Part part, Storage at, int64_t r, int64_t c, ops::DType d) {
     Buffer b;
     b.role = BufferRole::fp8;
@@ -209,7 +211,7 @@ int Builder::rng_state() {
   Buffer b;
   b.role = BufferRole::rng_state;
   // The backward's regenerated masks read the forward's state, so training keeps it in the saved block.
-  b.storage = p_.training ? Storage::saved : Storage::fwd_arena;
+  b.storage = p_.training ? Storage::saved_block : Storage::fwd_arena;
   b.name = "rng {seed, offset}";
   b.dtype = ops::DType::f32;
   b.rows = 1;
@@ -235,8 +237,8 @@ size_t Builder::saved_size(int op, const std::string& name) const {
 int Builder::saved_new(int op, const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes) {
   if (!p_.training) fail(Status::internal, "an inference program saves no context ({} '{}')", p_.ops[op].label(), name);
   Buffer b;
-  b.role = BufferRole::saved;
-  b.storage = Storage::saved;
+  b.role = BufferRole::saved_context;
+  b.storage = Storage::saved_block;
   b.name = "op" + std::to_string(op) + "." + name;
   b.op = op;
   b.dtype = dtype;
@@ -253,7 +255,7 @@ int Builder::saved_new(int op, const std::string& name, ops::DType dtype, int64_
 void Builder::save_alias(int op, const std::string& name, int id) {
   if (!p_.training) return;
   auto& b = p_.buffers.at(static_cast<size_t>(id));
-  if (b.storage == Storage::fwd_arena) b.storage = Storage::saved;  // must outlive the forward call
+  if (b.storage == Storage::fwd_arena) b.storage = Storage::saved_block;  // must outlive the forward call
   saved_[{op, name}] = id;
 }
 
@@ -270,7 +272,7 @@ void Builder::boundary_saves(int b, int e) {
 
 void Builder::forget_saved(int op, const std::string& name) { saved_.erase({op, name}); }
 
-int Builder::saved(int op, const std::string& name) const {
+int Builder::saved_context(int op, const std::string& name) const {
   auto it = saved_.find({op, name});
   if (it == saved_.end())
     fail(Status::internal, "{}: saved context '{}' missing: the forward group did not save what this backward needs",
@@ -367,7 +369,7 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
                              stats ? 1 : mask ? (ops::cols_of(o.in) + 7) / 8 : ops::cols_of(output ? o.out : o.in),
                              saved_size(a.op, a.name));
       } else {
-        k.buffer = saved(a.op, a.name);
+        k.buffer = saved_context(a.op, a.name);
       }
       break;
     case Arg::Role::extra_in: k.buffer = extra_in(a.op); break;
@@ -395,7 +397,8 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
     case Arg::Role::fp8_scale: k.buffer = fp8_state(a.op, fp8_tensor, fp8::Part::scale); break;
     case Arg::Role::fp8_scale_inv:
       // A quantize op's cast reports to its state; an operand's cast to the FP8 tensor's own scale_inv.
-      k.buffer = own_state ? fp8_state(a.op, fp8_tensor, fp8::Part::scale_inv) : fp8_operand(a.op, fp8_tensor).scale_inv;
+      k.buffer = own_state ? fp8_state(a.op, fp8_tensor, fp8::Part::scale_inv)
+                           : fp8_operand(a.op, fp8_tensor).scale_inv;
       break;
     case Arg::Role::fp8_amax:
       if (a.writes) {

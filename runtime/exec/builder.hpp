@@ -59,7 +59,7 @@ class Builder {
   void boundary_saves(int b, int e);
   void forget_saved(int op, const std::string& name);
   // Backward: the buffer holding saved context (op, name); throws if the forward did not save it.
-  int saved(int op, const std::string& name) const;
+  int saved_context(int op, const std::string& name) const;
   // Backward: (op, name) is provided by a buffer the backward itself computed (recompute strategies).
   void provide_saved(int op, const std::string& name, int id);
 

@@ -331,9 +331,10 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
   if (!arena_base && L.fwd_arena) arena_base = arena.emplace(rt.allocator, fa.stream, L.fwd_arena).get();
   std::optional<Block> block;
   char* saved_base = static_cast<char*>(fa.saved);
-  if (training && !saved_base && L.saved_bytes) saved_base = block.emplace(rt.allocator, fa.stream, L.saved_bytes).get();
+  if (training && !saved_base && L.saved_bytes)
+    saved_base = block.emplace(rt.allocator, fa.stream, L.saved_bytes).get();
   place(L, Storage::fwd_arena, arena_base, ptr);
-  if (training) place(L, Storage::saved, saved_base, ptr);
+  if (training) place(L, Storage::saved_block, saved_base, ptr);
   ForwardResult result;
   if (rt.verify && pp->reference) {
     if (p.recipe.is_fp8()) {
@@ -372,7 +373,7 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
   bind_list(p.extra_in, ba.extra_in, ptr);
   bind_list(p.extra_out, ba.extra_out, ptr);
   bind_state(pp, ptr);
-  place(pp.layout, Storage::saved, static_cast<char*>(const_cast<void*>(ba.saved)), ptr);
+  place(pp.layout, Storage::saved_block, static_cast<char*>(const_cast<void*>(ba.saved)), ptr);
   ptr[static_cast<size_t>(p.grad_output)] = const_cast<void*>(ba.grad_output);
   ptr[static_cast<size_t>(p.grad_input)] = ba.grad_input;
   bind_list(p.grad_extra_out, ba.grad_extra_out, ptr);
@@ -381,7 +382,8 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
   bind_slots(p, pp.grads, ba.grads, ptr, true);
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(ba.workspace);
-  if (!arena_base && pp.layout.bwd_arena) arena_base = arena.emplace(rt.allocator, ba.stream, pp.layout.bwd_arena).get();
+  if (!arena_base && pp.layout.bwd_arena)
+    arena_base = arena.emplace(rt.allocator, ba.stream, pp.layout.bwd_arena).get();
   place(pp.layout, Storage::bwd_arena, arena_base, ptr);
   GroupHook hook;
   if (shadow) {

@@ -131,7 +131,7 @@ Layout lay_out(const Program& p, const DeviceModel& dev, const OccupancyOf& load
   }
   size_t saved = 0;
   for (auto& b : out.buffers)
-    if (b.storage == Storage::saved) {
+    if (b.storage == Storage::saved_block) {
       b.offset = saved;
       saved += round_up(b.bytes);
     }

@@ -195,7 +195,8 @@ GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
       fail(Status::internal, "{}: FP8 GEMMs take the BIAS epilogue only, not {}", b.ops()[lin].label(),
            cuda::epilogue_name(epi));
     if (!b.fp8_operand(lin, fp8::Operand::input).ready) fp8_cast_operand(b, lin, fp8::Operand::input, x, lin, lin);
-    if (!b.fp8_operand(lin, fp8::Operand::weight).ready) fp8_cast_operand(b, lin, fp8::Operand::weight, b.param(lin, "weight"), lin, lin);
+    if (!b.fp8_operand(lin, fp8::Operand::weight).ready)
+      fp8_cast_operand(b, lin, fp8::Operand::weight, b.param(lin, "weight"), lin, lin);
     const auto& xin = b.fp8_operand(lin, fp8::Operand::input);
     const auto& w = b.fp8_operand(lin, fp8::Operand::weight);
     g.call.fp8 = fp8_gemm(ops::DType::e4m3, ops::DType::e4m3, true);
@@ -277,7 +278,7 @@ void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
   GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::wgrad);
   wg.call.alpha = lb.alpha;
   wg.a = lb.dy;
-  wg.b = lb.input >= 0 ? lb.input : b.saved(lin, "input");
+  wg.b = lb.input >= 0 ? lb.input : b.saved_context(lin, "input");
   wg.d = b.grad(lin, "weight");
   wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
   if (lb.bias_grad_op >= 0) {

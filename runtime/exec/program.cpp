@@ -30,7 +30,7 @@ std::string role_name(BufferRole r) {
     case BufferRole::rng_state: return "rng_state";
     case BufferRole::activation: return "activation";
     case BufferRole::gradient: return "gradient";
-    case BufferRole::saved: return "saved";
+    case BufferRole::saved_context: return "saved";
     case BufferRole::fp8: return "fp8";
     case BufferRole::temp: return "temp";
   }
@@ -40,7 +40,7 @@ std::string role_name(BufferRole r) {
 std::string storage_name(Storage s) {
   switch (s) {
     case Storage::caller: return "caller";
-    case Storage::saved: return "saved";
+    case Storage::saved_block: return "saved";
     case Storage::fwd_arena: return "fwd arena";
     case Storage::bwd_arena: return "bwd arena";
     case Storage::persistent: return "persistent";
@@ -82,7 +82,7 @@ void set_operand(cuda::GemmCall& c, GemmOperand o, void* ptr) {
   }
 }
 
-std::vector<int> Program::saved() const {
+std::vector<int> Program::saved_set() const {
   std::vector<int> out;
   if (!training) return out;
   // Buffers the backward reads that the forward produced or was given (a saved input aliases the caller's).
@@ -98,7 +98,8 @@ std::vector<int> Program::saved() const {
     }
   }
   for (const auto& b : buffers) {
-    const bool fwd_side = b.storage == Storage::saved || b.role == BufferRole::input || b.role == BufferRole::output ||
+    const bool fwd_side = b.storage == Storage::saved_block || b.role == BufferRole::input ||
+                          b.role == BufferRole::output ||
                           b.role == BufferRole::extra_in || b.role == BufferRole::extra_out;
     if (fwd_side && bwd[static_cast<size_t>(b.id)]) out.push_back(b.id);
   }

@@ -28,7 +28,7 @@ inline constexpr size_t kArenaAlignment = 256;
 // Who provides a buffer's memory, and for how long it lives.
 enum class Storage {
   caller,     // a tensor the caller passes with the call (input, output, extras, params, grads, recipe state)
-  saved,      // the saved-for-backward block: written by the forward, read by the backward, freed on release
+  saved_block,  // the saved-for-backward block: written by the forward, read by the backward, freed on release
   fwd_arena,  // the forward call's arena, packed by lifetime
   bwd_arena,  // the backward call's arena, packed by lifetime
   persistent, // owned by the sequence, kept across calls (FP8 copies of the weights, cast once per step)
@@ -42,7 +42,7 @@ enum class BufferRole {
   rng_state,                                                // the call's Philox {seed, offset}, copied in first
   activation,                                               // a value between two forward groups
   gradient,                                                 // a gradient between two backward groups
-  saved,                                                    // (op, name) context a forward kernel or GEMM writes
+  saved_context,                                            // (op, name) context a forward kernel or GEMM writes
   fp8,                                                      // (linear, operand, row|col|scale_inv)
                                                             // an FP8 copy of a GEMM operand, or its scale_inv
   temp,                                                     // scratch: partial sums, recomputed values, masks
@@ -160,7 +160,11 @@ struct Program {
   int rng = -1;  // the Philox state a forward copies in first (saved block when training), -1 without dropout
   std::vector<int> extra_in, extra_out, grad_extra_out, grad_extra_in;
   std::vector<int> values, gradients;  // by op boundary i (0..n): the forward value / its gradient, -1 if none
-  std::vector<int> saved() const;  // ids of the buffers a training forward leaves for the backward
+  // The saved set: ids of the buffers a training forward leaves for the backward (in the saved block, or
+  // the caller's forward tensors). "Saved" names four things, each its own word: Storage::saved_block (the
+  // memory), BufferRole::saved_context (an op's (op, name) context), Builder::saved_context (its lookup),
+  // this set; jf_program_info.saved lists the saved block's tensors (the C ABI's name, unchanged).
+  std::vector<int> saved_set() const;
 
   const Buffer& buffer(int id) const { return buffers.at(static_cast<size_t>(id)); }
   int find(BufferRole role, int op, const std::string& name) const;  // -1 if absent

@@ -157,7 +157,7 @@ json program_json(const Program& p, double bw) {
   out["buffers"] = buffers;
   json saved = json::array();
   size_t saved_total = 0;
-  for (int id : p.saved()) {
+  for (int id : p.saved_set()) {
     saved.push_back({{"name", p.buffer(id).name}, {"bytes", p.buffer(id).bytes},
                      {"dtype", ops::dtype_name(p.buffer(id).dtype)}, {"storage", storage_name(p.buffer(id).storage)}});
     saved_total += p.buffer(id).bytes;

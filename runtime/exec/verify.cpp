@@ -95,7 +95,7 @@ void Shadow::bind_pass(bool forward, const std::vector<void*>& fused_ptr) {
   for (const auto& b : L.buffers) {
     const size_t id = static_cast<size_t>(b.id);
     if (b.storage == arena_at) ptr_[id] = arena + b.offset;
-    if (forward && b.storage == Storage::saved) ptr_[id] = sav + b.offset;
+    if (forward && b.storage == Storage::saved_block) ptr_[id] = sav + b.offset;
     if (!forward && b.role == BufferRole::grad) ptr_[id] = scratch(b.bytes);
     if (b.role == BufferRole::param)
       for (const auto& fb : f.buffers)

@@ -39,7 +39,7 @@ class RecomputeLinearOutput final : public Implementation {
     const auto& o = b.ops()[lin];
     const int h = b.temp("recomputed op" + std::to_string(lin) + ".output", b.recipe().dtype, ops::rows_of(o.out),
                          ops::cols_of(o.out));
-    b.gemm(linear_forward(b, lin, b.saved(lin, "input"), h), who + " (recompute h = x W^T)");
+    b.gemm(linear_forward(b, lin, b.saved_context(lin, "input"), h), who + " (recompute h = x W^T)");
     b.provide_saved(act, "input", h);
     const int dh = b.temp("grad op" + std::to_string(lin) + ".output", b.recipe().dtype, ops::rows_of(o.out),
                           ops::cols_of(o.out));

@@ -58,7 +58,7 @@ class ReluBitmask final : public Implementation {
     second.dy = b.grad_of(g.end);
     second.dx = dh;
     second.dgrad_epilogue = cuda::Epilogue::drelu_bgrad;
-    second.dgrad_aux = b.saved(relu, "mask");
+    second.dgrad_aux = b.saved_context(relu, "mask");
     second.dgrad_bias = b.grad(b1, "bias");
     second.bias_grad_op = b2;
     linear_backward(b, l2, second);

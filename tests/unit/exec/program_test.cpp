@@ -105,15 +105,15 @@ TEST_CASE("arena packing never overlaps two buffers that are live at once", "[ex
 TEST_CASE("saved buffers are what the backward reads, in the saved block or the caller's tensors", "[exec]") {
   auto p = program_of(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"}, {"op": "gelu", "approximate": "tanh"}])");
   std::vector<std::string> names;
-  for (int id : p->saved()) names.push_back(p->buffer(id).name);
+  for (int id : p->saved_set()) names.push_back(p->buffer(id).name);
   // layernorm: its input (the caller's) and row stats; linear: its input (act1, kept in the saved block);
   // gelu: its input, written by the GELU_AUX_BIAS epilogue.
   CHECK(names == std::vector<std::string>{"input", "act1", "op0.mean", "op0.rstd", "op3.input"});
-  CHECK(p->buffer(p->find(exec::BufferRole::activation, 1, "act1")).storage == exec::Storage::saved);
+  CHECK(p->buffer(p->find(exec::BufferRole::activation, 1, "act1")).storage == exec::Storage::saved_block);
   CHECK(p->saved_bytes == 256 + 256 + 16 * 64 * 2 + 16 * 64 * 2);
   auto inference = program_of(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 64, "out_features": 64}])",
                               "bf16", false);
-  CHECK(inference->saved().empty());
+  CHECK(inference->saved_set().empty());
   CHECK(inference->saved_bytes == 0);
   CHECK(inference->backward.empty());
 }
@@ -138,7 +138,7 @@ TEST_CASE("linear gelu and linear relu without bias run as one cuBLASLt GEMM", "
   CHECK(step_names(relu->forward) == "gemm RELU");
   // relu saves its output: the GEMM's D, which is the caller's output tensor.
   std::vector<std::string> saved;
-  for (int id : relu->saved()) saved.push_back(relu->buffer(id).name);
+  for (int id : relu->saved_set()) saved.push_back(relu->buffer(id).name);
   CHECK(saved == std::vector<std::string>{"input", "output"});
 }
 
