@@ -9,6 +9,7 @@
 
 #include "common/error.hpp"
 #include "common/log.hpp"
+#include "exec/fp8/update.hpp"
 
 namespace jitfuse::exec {
 namespace {
@@ -101,44 +102,23 @@ void bind_list(const std::vector<int>& ids, const std::vector<T>& given, std::ve
     if (ids[k] >= 0) ptr[static_cast<size_t>(ids[k])] = const_cast<void*>(static_cast<const void*>(given[k]));
 }
 
-// The per-pass FP8 update (codegen::Generated::fp8_batched): what the pass's casts left to it, launched
-// once after the pass, kFp8Batch states per launch. Mirrors the kernel's JfFp8Batch.
-struct Fp8Batch {
-  using Params = codegen::Fp8BatchParams;
-  CUfunction fn = nullptr;  // any cast's batch kernel of the pass (one format and margin per pass)
-  // (amax partials, history, scale, scale_inv (null for a cast: it wrote its own), partial count)
-  std::vector<std::tuple<const float*, float*, float*, float*, int>> entries;
-  int len = 0;
-
-  void launch(CUstream stream) {
-    if (entries.empty()) return;
-    // An FP8 GEMM output joins the batch of its pass, whose linear's input cast always runs before it.
-    if (!fn) fail(Status::internal, "FP8 recipe-state updates queued in a pass that ran no batched cast");
-    const auto& d = cuda::driver();
-    for (size_t at = 0; at < entries.size(); at += codegen::kFp8Batch) {
-      Params p{};
-      p.len = len;
-      for (size_t i = at; i < entries.size() && i < at + codegen::kFp8Batch; ++i, ++p.n)
-        std::tie(p.part[p.n], p.hist[p.n], p.scale[p.n], p.scale_inv[p.n], p.count[p.n]) = entries[i];
-      void* args[] = {&p};
-      cuda::check(d.cuLaunchKernel(fn, static_cast<unsigned>(p.n), 1, 1, 1024, 1, 1, 0, stream, args, nullptr),
-                  "cuLaunchKernel(fp8 batch update)");
-    }
-    entries.clear();
-  }
-};
-
 void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std::vector<void*>& ptr, CUstream stream,
-              Fp8Batch& batch) {
+              fp8::UpdateBatch& batch) {
   auto at = [&](int id) -> void* { return id >= 0 ? ptr[static_cast<size_t>(id)] : nullptr; };
   cuda::GemmCall c = g.call;
   for (int i = 0; i < kGemmOperands; ++i) {
     const auto o = static_cast<GemmOperand>(i);
     set_operand(c, o, at(g.operand(o)));
   }
-  if (g.d_amax >= 0)  // the FP8 output's state: rolled by the pass's batched update
-    batch.entries.emplace_back(static_cast<const float*>(at(g.d_amax)), static_cast<float*>(at(g.d_history)),
-                               static_cast<float*>(at(g.d_scale)), static_cast<float*>(at(g.d_scale_inv)), 1);
+  if (g.d_amax >= 0) {  // the FP8 output's state: rolled by the pass's batched update
+    fp8::UpdateEntry e;
+    e.partials = static_cast<const float*>(at(g.d_amax));
+    e.count = 1;
+    e.history = static_cast<float*>(at(g.d_history));
+    e.scale = static_cast<float*>(at(g.d_scale));
+    e.scale_inv = static_cast<float*>(at(g.d_scale_inv));
+    batch.add(nullptr, 0, e);
+  }
   if (!st.use_fallback) return rt.blas->gemm(c, stream, st.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);
@@ -212,7 +192,7 @@ const Variant& scalar_variant(const Prepared& pp, Runtime& rt, const KernelStep&
 }
 
 void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const PreparedStep& st,
-                const std::vector<void*>& ptr, CUstream stream, Fp8Batch& batch) {
+                const std::vector<void*>& ptr, CUstream stream, fp8::UpdateBatch& batch) {
   const auto& d = cuda::driver();
   bool vec = k.spec.vec;
   for (int id : k.align_buffers) vec = vec && aligned16(ptr[static_cast<size_t>(id)]);
@@ -262,26 +242,15 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const Prep
     cuda::check(d.cuLaunchKernel(v.kernel->finalize.at(f.key), grid, 1, 1, F::kThreads, 1, 1, 0, stream, fp, nullptr),
                 "cuLaunchKernel(finalize)");
   }
-  if (v.kernel->fp8_update && k.gen.fp8_batched) {
-    batch.fn = v.kernel->fp8_update;
-    batch.len = k.fp8_len;
-    batch.entries.emplace_back(static_cast<const float*>(ptr[static_cast<size_t>(k.amax_partials)]),
-                               static_cast<float*>(ptr[static_cast<size_t>(k.fp8_history)]),
-                               static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale)]), nullptr,
-                               static_cast<int>(L.gx * L.gy));
-  } else if (v.kernel->fp8_update) {
-    // Reduce the per-block amax partials: into amax_history[0] (current scaling's amax pass), or into the
-    // history with the scale update (delayed scaling).
-    void* part = ptr[static_cast<size_t>(k.amax_partials)];
-    int parts = static_cast<int>(L.gx * L.gy);
-    void* hist = ptr[static_cast<size_t>(k.fp8_history)];
-    void* scale = ptr[static_cast<size_t>(k.fp8_scale)];
-    void* scale_inv = k.fp8_scale_inv >= 0 ? ptr[static_cast<size_t>(k.fp8_scale_inv)] : nullptr;
-    int len = k.fp8_len;
-    void* up[] = {&part, &parts, &hist, &len, &scale, &scale_inv};
-    cuda::check(d.cuLaunchKernel(v.kernel->fp8_update, 1, 1, 1, 1024, 1, 1, 0, stream, up, nullptr),
-                "cuLaunchKernel(fp8 update)");
-  }
+  if (!v.kernel->fp8_update) return;
+  fp8::UpdateEntry e;  // the cast's per-block amax partials and its recipe state
+  e.partials = static_cast<const float*>(ptr[static_cast<size_t>(k.amax_partials)]);
+  e.count = static_cast<int>(L.gx * L.gy);
+  e.history = static_cast<float*>(ptr[static_cast<size_t>(k.fp8_history)]);
+  e.scale = static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale)]);
+  if (k.gen.fp8_batched) return batch.add(v.kernel->fp8_update, k.fp8_len, e);  // a cast writes its own scale_inv
+  e.scale_inv = k.fp8_scale_inv >= 0 ? static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale_inv)]) : nullptr;
+  fp8::launch_update(v.kernel->fp8_update, e, k.fp8_len, stream);
 }
 
 }  // namespace
@@ -299,7 +268,7 @@ void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<
                const GroupHook& hook, const StepFilter& filter) {
   const auto& steps = forward ? pp.program->forward : pp.program->backward;
   const auto& states = pp.steps(forward);
-  Fp8Batch batch;
+  fp8::UpdateBatch batch;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
     if (s.group < filter.group_begin || s.group >= filter.group_end) continue;

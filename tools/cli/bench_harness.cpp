@@ -90,8 +90,11 @@ SeqBench::SeqBench(jf_context ctx, CUstream s, const std::string& ops_json, cons
     : stream(s) {
   std::string j = R"({"format": "jitfuse.sequence/1", "name": "bench", "ops": )" + ops_json + "}";
   ok(jf_sequence_create(ctx, j.c_str(), recipe, &seq), "jf_sequence_create");
-  // FP8 recipes write E4M3 only where the sequence ends in quantize (a GEMM's output stays bf16).
-  const bool fp8_out = std::string(recipe).rfind("fp8", 0) == 0 && ops_json.find("\"quantize\"") != std::string::npos;
+  // The output's dtype as the library says (E4M3 where an FP8 recipe ends the sequence in quantize): asked,
+  // not re-derived here (prepares the inference program, which the first timed call would do anyway).
+  jf_program_info info{};
+  ok(jf_sequence_info(seq, in.data(), static_cast<int>(in.size()), 0, &info), "jf_sequence_info");
+  const bool fp8_out = info.outputs[0].dtype.bits == 8;
   uint64_t seed = 1;
   for (auto& [op, name, shape] : ps) {
     names.push_back(name);
