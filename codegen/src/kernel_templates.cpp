@@ -38,7 +38,7 @@ Sections split(std::span<const KernelTemplate> files) {
 }  // namespace
 
 const std::string& template_section(const std::string& path, const std::string& section) {
-  static const Sections sections = split(kernel_templates);
+  static const Sections sections = split(embedded::kernel_templates);
   auto it = sections.find({path, section});
   if (it == sections.end())
     throw std::logic_error("codegen: kernel template " + path + " has no section '" + section + "'");

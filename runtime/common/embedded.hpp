@@ -1,4 +1,5 @@
-// Files embedded into the library at build time (templates/, fusion_rules/), so the .so needs nothing beside it.
+// Files embedded into the library at build time (templates/, fusion_rules/, templates/kernels/ for codegen),
+// so the .so needs nothing beside it. One generator for all of them: jf_embed (tools/cmake/Embed.cmake).
 #pragma once
 #include <span>
 #include <string_view>
@@ -11,5 +12,6 @@ struct EmbeddedFile {
 namespace embedded {
 extern const std::span<const EmbeddedFile> templates;
 extern const std::span<const EmbeddedFile> rules;
+extern const std::span<const EmbeddedFile> kernel_templates;  // templates/kernels/*.cu: codegen's (jf_codegen)
 }  // namespace embedded
 }  // namespace jitfuse
