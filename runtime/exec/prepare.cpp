@@ -48,7 +48,7 @@ class GemmTuner {
     size_t need = cuda::kGemmWorkspace;
     for (int i = 0; i < kGemmOperands; ++i) {
       const auto o = static_cast<GemmOperand>(i);
-      if (o != GemmOperand::workspace) need += is_scalar(o) ? (call.fp8 ? 256 : 0) : bytes(g.operand(o));
+      if (scratch(o)) need += is_scalar(o) ? (call.fp8 ? 256 : 0) : bytes(g.operand(o));
     }
     if (need > max_bytes_) return false;
     const auto& d = cuda::driver();
@@ -64,7 +64,7 @@ class GemmTuner {
     size_t at = 0;
     for (int i = 0; i < kGemmOperands; ++i) {
       const auto o = static_cast<GemmOperand>(i);
-      if (o == GemmOperand::workspace || (is_scalar(o) && !call.fp8)) continue;
+      if (!scratch(o) || (is_scalar(o) && !call.fp8)) continue;
       const int id = g.operand(o);
       set_operand(call, o, id >= 0 ? reinterpret_cast<void*>(block_ + at) : nullptr);
       at += is_scalar(o) ? 256 : bytes(id);
@@ -75,6 +75,12 @@ class GemmTuner {
 
  private:
   static size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+  // The operands cuBLASLt itself reads or writes (the workspace comes last; d_history, d_scale_inv and ones
+  // are the executor's, not the GEMM's).
+  static bool scratch(GemmOperand o) {
+    return o != GemmOperand::workspace && o != GemmOperand::d_history && o != GemmOperand::d_scale_inv &&
+           o != GemmOperand::ones;
+  }
   // FP8 scale_inv, scale and amax pointers: one float each.
   static bool is_scalar(GemmOperand o) {
     return o == GemmOperand::a_scale_inv || o == GemmOperand::b_scale_inv || o == GemmOperand::d_scale ||
