@@ -11,12 +11,14 @@
 from ._calls import fp8_weights_unchanged
 from ._ops import backward_op, forward_op
 from .float8 import Float8Tensor
-from .modules import (GEGLU, GELU, QGELU, AddExtraInput, BasicOp, Bias, Dropout, Fp8Sequential, Identity, LayerNorm,
-                      Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale, Sequential, SiLU,
-                      SReLU, SwiGLU)
+from .._channels import ChannelError, Wiring
+from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, BasicOp, Bias, Dropout, Fork, Fp8Sequential,
+                      Identity, LayerNorm, Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
+                      Sequential, SiLU, SReLU, SwiGLU)
 
 __all__ = [
     "Sequential", "BasicOp", "Op", "Linear", "Bias", "GELU", "ReLU", "SiLU", "QGELU", "SReLU", "SwiGLU", "GEGLU",
     "ReGLU", "LayerNorm", "RMSNorm", "Dropout", "Scale", "Identity", "Reshape", "Quantize", "AddExtraInput",
-    "MakeExtraOutput", "forward_op", "backward_op", "Fp8Sequential", "Float8Tensor", "fp8_weights_unchanged",
+    "MakeExtraOutput", "Fork", "AddChannel", "ChannelError", "Wiring", "forward_op", "backward_op", "Fp8Sequential",
+    "Float8Tensor", "fp8_weights_unchanged",
 ]

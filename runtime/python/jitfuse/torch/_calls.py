@@ -112,8 +112,8 @@ def check_arguments(name: str, recipe: Optional[str], key: Optional[int], n_extr
     input. What the prepared program checks per call (shapes against the definition, contiguity) is
     :meth:`ForwardArgs.bind`'s."""
     if len(extras) != n_extra_inputs:
-        raise TypeError(f"{name}: expected {n_extra_inputs} extra input(s) (one per AddExtraInput), "
-                        f"got {len(extras)}")
+        raise TypeError(f"{name}: expected {n_extra_inputs} extra input(s) (one per AddExtraInput without a "
+                        f"channel and one per input channel), got {len(extras)}")
     if key is None:
         raise TypeError(f"{name}: input dtype {x.dtype} is not supported "
                         f"({'bfloat16 under ' + recipe if recipe else 'float32, float16 or bfloat16'})")

@@ -37,9 +37,14 @@ class Definition:
     n_extra_inputs: int
     n_extra_outputs: int
     uses_rng: bool
+    input_channels: Tuple[str, ...] = ()            # the caller's channels (the document's "input_channels")
 
     def document(self) -> Dict[str, Any]:
-        return {"format": "jitfuse.sequence/1", "name": self.name, "ops": [json.loads(o) for o in self.ops]}
+        doc: Dict[str, Any] = {"format": "jitfuse.sequence/1", "name": self.name}
+        if self.input_channels:  # only when used: the documents of sequences without them are as before
+            doc["input_channels"] = list(self.input_channels)
+        doc["ops"] = [json.loads(o) for o in self.ops]
+        return doc
 
 
 _registry_lock = threading.RLock()
@@ -50,15 +55,19 @@ _contexts: Dict[int, Context] = {}
 
 def define(name: str, ops: List[Dict[str, Any]], recipe: str, params: List[Tuple[int, str]],
            param_shapes: List[Tuple[int, ...]], accumulate: List[bool], n_extra_inputs: int, n_extra_outputs: int,
-           uses_rng: bool, salt: str = "") -> int:
-    """Registers a sequence definition and returns its key (a positive int64)."""
+           uses_rng: bool, salt: str = "", input_channels: Sequence_[str] = ()) -> int:
+    """Registers a sequence definition and returns its key (a positive int64). ``input_channels``: the
+    channels the caller provides (hashed only when there are some, so other keys are as before)."""
     canon = tuple(json.dumps(o, sort_keys=True) for o in ops)
-    blob = json.dumps([list(canon), recipe, params, [list(s) for s in param_shapes], accumulate, salt])
+    fields: List[Any] = [list(canon), recipe, params, [list(s) for s in param_shapes], accumulate, salt]
+    if input_channels:
+        fields.append({"input_channels": list(input_channels)})
+    blob = json.dumps(fields)
     key = int(hashlib.sha256(blob.encode()).hexdigest()[:15], 16)  # 60 bits: a positive int64
     # The name is not hashed: identical sequences share one key (and one prepared program) under any name.
     d = Definition(key, name, canon, recipe, tuple((int(i), str(n)) for i, n in params),
                    tuple(tuple(int(x) for x in s) for s in param_shapes), tuple(bool(a) for a in accumulate),
-                   n_extra_inputs, n_extra_outputs, uses_rng)
+                   n_extra_inputs, n_extra_outputs, uses_rng, tuple(str(c) for c in input_channels))
     with _registry_lock:
         old = _definitions.get(key)
         if old is not None and old != d:

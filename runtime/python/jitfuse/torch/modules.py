@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
+from .._channels import ChannelError, Wiring, check_channel_name, wire
 from ..lib import Explanation
 from ._calls import DIRECT, check_arguments, needs_grad, route
 from ._dtypes import FP8_RECIPES, RECIPE_OF_DTYPE
@@ -142,12 +143,17 @@ class Linear(BasicOp):
     """``y = x W^T`` (no bias: add :class:`Bias`, as in the sequence format). ``weight``:
     ``[out_features, in_features]``, initialised like ``nn.Linear`` (Kaiming uniform, a = sqrt(5)).
     ``accumulate_grad``: the library adds the weight gradient to the gradient buffer (which this
-    package then zero-fills); autograd still accumulates into ``.grad`` as usual."""
+    package then zero-fills); autograd still accumulates into ``.grad`` as usual. ``bias``: accepted as
+    ``False`` only, so that ``nn.Linear``'s spelling ``Linear(h, f, bias=False)`` works; a bias is the op
+    :class:`Bias`."""
 
     op = "linear"
 
-    def __init__(self, in_features: int, out_features: int, *, accumulate_grad: bool = False,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, accumulate_grad: bool = False,
                  device: Any = None, dtype: Optional[torch.dtype] = None):
+        if bias:
+            raise ValueError(f"jitfuse's Linear has no bias: add the op Bias({int(out_features)}) after it "
+                             f"(Linear(...), Bias(...)), as in the sequence format")
         super().__init__()
         self.in_features, self.out_features, self.accumulate_grad = int(in_features), int(out_features), accumulate_grad
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, **_factory(device, dtype)))
@@ -168,6 +174,81 @@ class Linear(BasicOp):
     def accumulates_grad(self, name: str) -> bool:
         return self.accumulate_grad
 
+    @classmethod
+    def from_pair(cls, first: Union[nn.Module, Tensor], second: Union[nn.Module, Tensor], *,
+                  accumulate_grad: bool = False) -> "Linear":
+        """One Linear for two linears of the same shape, e.g. Hugging Face's ``gate_proj`` and ``up_proj``
+        before a :class:`SwiGLU`: ``weight`` is one ``[2n, k]`` Parameter holding ``[first; second]``, so the
+        output's FIRST half is ``first``'s (the half a gated op gates: ``SwiGLU`` computes
+        ``silu(y[..., :n]) * y[..., n:]``, so pass ``(gate_proj, up_proj)``).
+
+        ``first``, ``second``: two bias-free ``nn.Linear`` (or jitfuse ``Linear``) modules, or two weight
+        tensors ``[n, k]``, of one shape, dtype (float32, float16, bfloat16) and device. Linears with a bias are
+        refused (jitfuse's Linear has none): pass their weights, ``Linear.from_pair(a.weight, b.weight)``, and
+        take the biases with :meth:`Bias.from_pair` ``(a, b)`` as the next op.
+
+        The two halves are copied into the new weight once, here; then the two source weights are re-pointed
+        (``.data``) to views of it, so storage is shared: the source modules and Parameters stay the same
+        objects, and reading or writing them (``state_dict``/``load_state_dict`` of the Hugging Face MLP you
+        swapped out, its forward) reads or writes the new weight. The new weight is a new Parameter:
+        optimizers built before the swap hold the old Parameters, which never get a gradient (the new weight
+        gets it), so they do not train it — build the optimizer after the swap. A later dtype or device
+        conversion (``.to()``, ``.half()``) gives the converted module new storage and ends the sharing: swap
+        after moving and casting the model. ``requires_grad``: the new weight's is true if either source's is.
+        """
+        w1, w2 = _pair("Linear.from_pair", first, second, "weight", 2)
+        n, k = w1.shape
+        lin = cls(k, 2 * n, accumulate_grad=accumulate_grad, device="meta", dtype=w1.dtype)  # nothing allocated
+        lin.weight = _fused_parameter(w1, w2)
+        return lin
+
+
+def _pair(what: str, first: Any, second: Any, attr: str, dim: int) -> Tuple[Tensor, Tensor]:
+    """The two source tensors of a from_pair (a module's ``attr``, or the tensors themselves), checked."""
+    ts = []
+    for label, src in (("first", first), ("second", second)):
+        if isinstance(src, Tensor):
+            t = src
+        elif isinstance(src, (nn.Linear, Linear, Bias)):
+            if attr == "weight" and getattr(src, "bias", None) is not None:
+                raise ValueError(f"{what}: {label} ({type(src).__name__}) has a bias and jitfuse's Linear has none: "
+                                 f"pass the weights, Linear.from_pair(first.weight, second.weight), and take the "
+                                 f"biases with Bias.from_pair(first, second) as the next op")
+            t = getattr(src, attr, None)
+            if t is None:
+                raise ValueError(f"{what}: {label} ({type(src).__name__}) has no {attr}")
+        else:
+            raise TypeError(f"{what}: {label} must be an nn.Linear, a jitfuse Linear or Bias, or a tensor, not "
+                            f"{type(src).__name__} (for another layout, e.g. GPT-2's Conv1D [in, out], build the "
+                            f"op and copy the weights)")
+        if t.dim() != dim:
+            raise ValueError(f"{what}: {label}'s {attr} has shape {list(t.shape)}; expected {dim} dims")
+        if t.grad_fn is not None:
+            raise ValueError(f"{what}: {label}'s {attr} is the result of an autograd op; pass a leaf tensor (a "
+                             f"Parameter or a plain tensor)")
+        ts.append(t)
+    a, b = ts
+    if a is b or (a.device == b.device and a.device.type != "meta" and a.numel() > 0
+                  and a.data_ptr() == b.data_ptr()):
+        raise ValueError(f"{what}: first and second are the same tensor")
+    if a.shape != b.shape:
+        raise ValueError(f"{what}: the two {attr}s differ in shape: {list(a.shape)} and {list(b.shape)}")
+    if a.dtype != b.dtype or a.device != b.device:
+        raise TypeError(f"{what}: the two {attr}s differ: {a.dtype} on {a.device} and {b.dtype} on {b.device}")
+    if a.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what}: jitfuse parameters are float32, float16 or bfloat16, not {a.dtype}")
+    return a, b
+
+
+def _fused_parameter(a: Tensor, b: Tensor) -> nn.Parameter:
+    """A new Parameter [a; b] (along dim 0); ``a`` and ``b`` re-pointed to views of its two halves."""
+    n = a.shape[0]
+    fused = nn.Parameter(torch.cat([a.detach(), b.detach()]), requires_grad=a.requires_grad or b.requires_grad)
+    with torch.no_grad():
+        a.data = fused.detach()[:n]
+        b.data = fused.detach()[n:]
+    return fused
+
 
 class Bias(BasicOp):
     """``y = x + b``; ``bias`` ``[features]``, zero-initialised (as TransformerEngine does)."""
@@ -184,6 +265,17 @@ class Bias(BasicOp):
 
     def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
         return [("bias", self.bias)]
+
+    @classmethod
+    def from_pair(cls, first: Union[nn.Module, Tensor], second: Union[nn.Module, Tensor]) -> "Bias":
+        """The bias of :meth:`Linear.from_pair`'s pair: ``bias`` is one ``[2n]`` Parameter holding ``[first;
+        second]``, for the op after ``Linear.from_pair(first.weight, second.weight)``. ``first``, ``second``:
+        two ``nn.Linear`` with biases, or two bias tensors ``[n]``. As with the weights, the sources are
+        re-pointed to views of the new Parameter (shared storage; build optimizers after the swap)."""
+        b1, b2 = _pair("Bias.from_pair", first, second, "bias", 1)
+        op = cls(b1.shape[0] * 2, device="meta", dtype=b1.dtype)
+        op.bias = _fused_parameter(b1, b2)
+        return op
 
     def extra_repr(self) -> str:
         return f"features={self.features}"
@@ -302,16 +394,82 @@ class Quantize(_Simple):
     op = "quantize"
 
 
-class AddExtraInput(_Simple):
-    """``y = x + e``, ``e`` the next extra input of ``Sequential.forward(x, *extra_inputs)``."""
+class AddExtraInput(BasicOp):
+    """``y = x + e``. Without ``channel``, ``e`` is the next extra input of ``Sequential.forward(x,
+    *extra_inputs)`` (its gradient the next extra input's gradient). With ``channel``, ``e`` is that named
+    channel: written by an earlier :class:`MakeExtraOutput` / :class:`Fork` of the same name, or provided by
+    the caller when the Sequential declares it in ``input_channels`` (then the channel's FIRST reader takes
+    the next extra input; later readers add the same tensor). A channel may have several readers; the
+    backward sums their gradients into the channel's source (inside jitfuse). See :class:`AddChannel`."""
+
     op = "add_extra_input"
-    n_extra_inputs = 1
+
+    def __init__(self, channel: Optional[str] = None):
+        super().__init__()
+        self.channel = None if channel is None else check_channel_name(channel, type(self).__name__)
+
+    @property
+    def n_extra_inputs(self) -> int:  # type: ignore[override]
+        """1 for the caller's own extra input; 0 with a channel (an input channel's slot is counted by the
+        Sequential, at its first reader: :attr:`Sequential.n_extra_inputs`)."""
+        return 1 if self.channel is None else 0
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {} if self.channel is None else {"channel": self.channel}
 
 
-class MakeExtraOutput(_Simple):
-    """``y = x`` and the next extra output is ``x`` (a residual fork)."""
+class MakeExtraOutput(BasicOp):
+    """``y = x`` (a fork). Without ``channel``, ``x`` is also the caller's next extra output (its gradient
+    the next extra output's gradient). With ``channel``, ``x`` is written into that named channel for later
+    :class:`AddExtraInput` / :class:`AddChannel` ops of the sequence to read, hidden from the caller unless
+    ``returned=True`` (then it is also the caller's next extra output). See :class:`Fork`."""
+
     op = "make_extra_output"
-    n_extra_outputs = 1
+
+    def __init__(self, channel: Optional[str] = None, returned: bool = False):
+        super().__init__()
+        self.channel = None if channel is None else check_channel_name(channel, type(self).__name__)
+        if not isinstance(returned, bool):
+            raise TypeError(f"{type(self).__name__}: returned must be True or False, not {returned!r}")
+        if returned and self.channel is None:
+            raise ValueError(f"{type(self).__name__}: returned=True needs a channel (a MakeExtraOutput without one "
+                             f"is always the caller's extra output)")
+        self.returned = returned
+
+    @property
+    def n_extra_outputs(self) -> int:  # type: ignore[override]
+        """1 when the caller gets this fork's tensor (no channel, or a returned channel), else 0."""
+        return 1 if self.channel is None or self.returned else 0
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        a: Dict[str, Any] = {}
+        if self.channel is not None:
+            a["channel"] = self.channel
+            if self.returned:
+                a["returned"] = True
+        return a
+
+
+class Fork(MakeExtraOutput):
+    """``MakeExtraOutput(channel, returned)``: writes the stream into the named channel, e.g. the residual of
+    a pre-norm block, ``Sequential(Fork("residual"), RMSNorm(h), ..., AddChannel("residual"))``. Hidden from
+    the caller unless ``returned=True``."""
+
+    def __init__(self, channel: str, returned: bool = False):
+        if channel is None:
+            raise TypeError("Fork needs a channel name (MakeExtraOutput() is the caller's extra output)")
+        super().__init__(channel, returned)
+
+
+class AddChannel(AddExtraInput):
+    """``AddExtraInput(channel)``: adds the named channel to the stream (the residual add of a pre-norm
+    block). The channel comes from an earlier :class:`Fork` or from the caller (``Sequential(...,
+    input_channels=[channel])``)."""
+
+    def __init__(self, channel: str):
+        if channel is None:
+            raise TypeError("AddChannel needs a channel name (AddExtraInput() adds the caller's extra input)")
+        super().__init__(channel)
 
 
 class Dropout(BasicOp):
@@ -417,11 +575,21 @@ class Sequential(nn.Module):
     - Dropout masks follow PyTorch's CUDA generator: each training forward draws its Philox {seed, offset}
       with ``torch.randint`` on the input's device, so ``torch.manual_seed`` reproduces a run, a recompute
       under ``torch.utils.checkpoint`` draws the same masks, and each CUDA-graph replay draws new ones.
+    - Channels: :class:`Fork` (``MakeExtraOutput(channel)``) writes the stream into a named channel and
+      :class:`AddChannel` (``AddExtraInput(channel)``) adds it later in the sequence, so a pre-norm block's
+      residual stays inside: ``Sequential(Fork("residual"), RMSNorm(h), Linear(h, 2 * f), SwiGLU(),
+      Linear(f, h), AddChannel("residual"))`` takes ``x`` and returns one tensor. A channel may have several
+      readers (their gradients are summed into its source inside jitfuse), may also be returned
+      (``Fork(name, returned=True)``) or may come from the caller (``input_channels=["skip"]``: one extra
+      input, numbered at its first reader). Extra inputs are numbered in op order over AddExtraInput ops
+      without a channel and first readers of input channels; extra outputs over MakeExtraOutput ops without
+      a channel or returned (``wiring`` lists both; :attr:`n_extra_inputs`, :attr:`n_extra_outputs`). A
+      wiring the library would refuse raises :class:`jitfuse.torch.ChannelError` (a ``ValueError``) here.
     - ``device``/``dtype``: moved/cast onto every op's parameters when given.
     """
 
-    def __init__(self, *ops: BasicOp, recipe: Optional[str] = None, name: str = "sequential", device: Any = None,
-                 dtype: Optional[torch.dtype] = None):
+    def __init__(self, *ops: BasicOp, input_channels: Iterable[str] = (), recipe: Optional[str] = None,
+                 name: str = "sequential", device: Any = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         if not ops:
             raise ValueError("jitfuse.torch.Sequential needs at least one op")
@@ -439,8 +607,15 @@ class Sequential(nn.Module):
         self.recipe = recipe
         self.name = name
         self._ops: Tuple[BasicOp, ...] = tuple(ops)
-        self._n_extra_inputs = sum(o.n_extra_inputs for o in ops)
-        self._n_extra_outputs = sum(o.n_extra_outputs for o in ops)
+        # Channels: checked here, as the library checks them, so a bad wiring fails when the module is built
+        # (naming the op); the slots number the caller's extra tensors (docs/python.md#channels).
+        try:
+            self.wiring: Wiring = wire([op.spec(True) for op in ops], input_channels)
+        except ChannelError as e:
+            raise ChannelError(f"{name}: {e}") from None
+        self.input_channels: Tuple[str, ...] = self.wiring.input_channels
+        self._n_extra_inputs = self.wiring.n_extra_inputs
+        self._n_extra_outputs = self.wiring.n_extra_outputs
         self._param_index = [(i, n) for i, op in enumerate(ops) for n, _ in op.jf_params()]
         self._jf_param_refs: Optional[List[Tuple[BasicOp, str]]] = None  # set after .to() below
         if device is not None or dtype is not None:
@@ -484,7 +659,7 @@ class Sequential(nn.Module):
             dtypes = {torch.bfloat16: self.recipe} if self.recipe else RECIPE_OF_DTYPE
             self._jf_keys[training] = {
                 dt: define(self.name, specs, recipe, self._param_index, shapes, acc, self._n_extra_inputs,
-                              self._n_extra_outputs, self._jf_uses_rng[training], salt)
+                              self._n_extra_outputs, self._jf_uses_rng[training], salt, self.input_channels)
                 for dt, recipe in dtypes.items()}
 
     # -- running -----------------------------------------------------------------------------------
@@ -613,6 +788,18 @@ class Sequential(nn.Module):
                 arch = major * 10 + minor
         return device_program(key, -1).sequence.explain(tuple(shape), training, arch)
 
+    @property
+    def n_extra_inputs(self) -> int:
+        """How many extra inputs ``forward(x, *extra_inputs)`` takes: one per AddExtraInput without a channel
+        and one per input channel (numbered at its first reader), in op order (``wiring.extra_inputs``)."""
+        return self._n_extra_inputs
+
+    @property
+    def n_extra_outputs(self) -> int:
+        """How many extra outputs ``forward`` returns after the output: one per MakeExtraOutput without a
+        channel or with ``returned=True``, in op order (``wiring.extra_outputs``)."""
+        return self._n_extra_outputs
+
     def __getitem__(self, index: int) -> BasicOp:
         return self._ops[index]
 
@@ -642,7 +829,10 @@ class Sequential(nn.Module):
         return text[:-1] + tail + "\n)" if text.endswith(")") else text + tail
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe or 'input dtype'}, name={self.name!r}"
+        text = f"recipe={self.recipe or 'input dtype'}, name={self.name!r}"
+        if self.input_channels:
+            text += f", input_channels={list(self.input_channels)!r}"
+        return text
 
 
 FP8_STATE_FORMAT = "jitfuse.fp8_state/1"

@@ -1,0 +1,152 @@
+# CPU tests of named channels on the Python side (jitfuse._channels, no PyTorch): the slot numbering of extra
+# inputs and outputs, every refusal with the op index, and the library's agreement on both (its parser counts
+# the caller's extra tensors the same way and refuses the same documents).
+import re
+
+import pytest
+
+import jitfuse
+from jitfuse._channels import MAX_CHANNEL_NAME, ChannelError, Slot, check_channel_name, wire
+
+H = 64
+
+
+def fork(channel=None, returned=None):
+    o = {"op": "make_extra_output"}
+    if channel is not None:
+        o["channel"] = channel
+    if returned is not None:
+        o["returned"] = returned
+    return o
+
+
+def add(channel=None):
+    return {"op": "add_extra_input", **({"channel": channel} if channel is not None else {})}
+
+
+LIN = {"op": "linear", "in_features": H, "out_features": H}
+NORM = {"op": "rmsnorm"}
+GELU = {"op": "gelu"}
+
+LLAMA_HALF = [fork("residual"), NORM, {"op": "linear", "in_features": H, "out_features": 2 * 96}, {"op": "swiglu"},
+              {"op": "linear", "in_features": 96, "out_features": H}, add("residual")]
+
+# (ops, input_channels, extra input slots, extra output slots)
+VALID = {
+    "plain": ([fork(), LIN, add(), fork(), GELU, add()], (), [Slot(2), Slot(5)], [Slot(0), Slot(3)]),
+    "hidden": (LLAMA_HALF, (), [], []),
+    "fan_out": ([fork("h"), NORM, LIN, add("h"), GELU, add("h"), add("h")], (), [], []),
+    "returned": ([fork("r", True), LIN, add("r")], (), [], [Slot(0, "r")]),
+    "returned_unread": ([LIN, fork("r", True), GELU], (), [], [Slot(1, "r")]),
+    "returned_false": ([fork("r", False), LIN, add("r")], (), [], []),
+    "input_channel": ([LIN, add("skip"), GELU, add("skip")], ("skip",), [Slot(1, "skip")], []),
+    # Slots in op order: plain readers and first readers of input channels interleave; later readers of an
+    # input channel own no slot; plain forks and returned channels interleave likewise.
+    "mixed": ([fork(), add(), fork("r", True), add("b"), LIN, add("a"), add("b"), fork(), add(), add("r"),
+               fork("hid"), GELU, add("hid"), add("a")],
+              ("a", "b"), [Slot(1), Slot(3, "b"), Slot(5, "a"), Slot(8)], [Slot(0), Slot(2, "r"), Slot(7)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALID))
+def test_slots_follow_the_rules(case):
+    ops, inputs, ins, outs = VALID[case]
+    w = wire(ops, inputs)
+    assert list(w.extra_inputs) == ins and list(w.extra_outputs) == outs
+    assert (w.n_extra_inputs, w.n_extra_outputs) == (len(ins), len(outs))
+    assert w.input_channels == tuple(inputs)
+
+
+def test_channels_record_source_and_readers():
+    w = wire(VALID["mixed"][0], ("a", "b"))
+    assert [c.name for c in w.channels] == ["a", "b", "r", "hid"]  # input channels first, then by source
+    assert w.channel("a").source == -1 and w.channel("a").readers == (5, 13)
+    assert w.channel("b").readers == (3, 6)
+    assert w.channel("r").source == 2 and w.channel("r").returned and w.channel("r").readers == (9,)
+    assert w.channel("hid").source == 10 and not w.channel("hid").returned
+    with pytest.raises(KeyError):
+        w.channel("nope")
+    assert str(Slot(3, "b")) == "op 3 (channel 'b')" and str(Slot(1)) == "op 1"
+
+
+def test_names():
+    for ok in ("a", "residual", "x.y-z_0", "A" * MAX_CHANNEL_NAME):
+        assert check_channel_name(ok, "here") == ok
+    for bad in ("", "a b", "résidu", "a/b", "A" * (MAX_CHANNEL_NAME + 1), 3, None, ["a"]):
+        with pytest.raises(ChannelError, match=r"here: a channel name is a string of 1 to 64 characters"):
+            check_channel_name(bad, "here")
+    assert issubclass(ChannelError, ValueError)
+
+
+# (ops, input_channels, message): every refusal names the op index (or the input_channels entry).
+INVALID = {
+    "read_before_write": ([LIN, add("r")], (), r"op 1 \(add_extra_input\): channel 'r' is read before anything "
+                          r"writes it: write it with an earlier"),
+    "read_before_later_write": ([add("r"), LIN, fork("r", True)], (),
+                                r"op 0 \(add_extra_input\): channel 'r' is read before anything writes it: its "
+                                r"make_extra_output is op 2, after this reader"),
+    "duplicate_writer": ([fork("r"), add("r"), fork("r"), add("r")], (),
+                         r"op 2 \(make_extra_output\): channel 'r' already has a source \(op 0\)"),
+    "writer_of_input_channel": ([add("r"), fork("r", True)], ("r",),
+                                r"op 1 \(make_extra_output\): channel 'r' already has a source \(input_channels\)"),
+    "never_read": ([LIN, fork("r"), GELU], (), r"op 1 \(make_extra_output\): channel 'r' is never read"),
+    "input_never_read": ([LIN, add("a")], ("a", "b"), r"input_channels\[1\]: input channel 'b' is never read"),
+    "input_declared_twice": ([add("a")], ("a", "a"), r"input_channels\[1\]: channel 'a' is declared twice"),
+    "input_channels_string": ([add("a")], "a", r"input_channels must be a list"),
+    "bad_input_name": ([add("a")], ("a", "b c"), r"input_channels\[1\]: a channel name"),
+    "bad_name": ([fork("a b"), add("a b")], (), r"op 0 \(make_extra_output\): a channel name"),
+    "null_name": ([LIN, {"op": "add_extra_input", "channel": None}], (), r"op 1 \(add_extra_input\): a channel name"),
+    "returned_without_channel": ([LIN, fork(returned=True)], (), r"op 1 \(make_extra_output\): 'returned' needs a "
+                                 r"channel"),
+    "returned_not_bool": ([fork("r", 1), add("r")], (), r"op 0 \(make_extra_output\): 'returned' must be True or "
+                          r"False"),
+    "returned_on_reader": ([fork("r"), {"op": "add_extra_input", "channel": "r", "returned": True}], (),
+                           r"op 1 \(add_extra_input\): 'returned' belongs to make_extra_output"),
+    "channel_on_other_op": ([fork("r"), {"op": "gelu", "channel": "r"}, add("r")], (),
+                            r"op 1 \(gelu\): 'channel' belongs to make_extra_output"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_refusals_name_the_op(case):
+    ops, inputs, msg = INVALID[case]
+    with pytest.raises(ChannelError, match=msg):
+        wire(ops, inputs)
+
+
+# ---- the library agrees ----------------------------------------------------------------------------------
+
+def _document(ops, inputs):
+    doc = {"format": "jitfuse.sequence/1", "name": "channels"}
+    if inputs:
+        doc["input_channels"] = list(inputs)
+    doc["ops"] = ops
+    return doc
+
+
+def _caller_slots(explanation, role):
+    return {b["name"] for b in explanation.program.buffers if b["role"] == role}
+
+
+@pytest.mark.parametrize("case", sorted(VALID))
+def test_library_counts_the_same_slots(ctx, case):
+    ops, inputs, ins, outs = VALID[case]
+    seq = jitfuse.Sequence(ctx, _document(ops, inputs), "bf16")
+    e = seq.explain((24, H), training=True)
+    assert _caller_slots(e, "extra_in") == {f"extra_input[{k}]" for k in range(len(ins))}
+    assert _caller_slots(e, "extra_out") == {f"extra_output[{k}]" for k in range(len(outs))}
+    assert _caller_slots(e, "grad_extra_in") == {f"grad_extra_input[{k}]" for k in range(len(ins))}
+    assert _caller_slots(e, "grad_extra_out") == {f"grad_extra_output[{k}]" for k in range(len(outs))}
+    seq.close()
+
+
+@pytest.mark.parametrize("case", sorted(c for c in INVALID if c != "input_channels_string"))
+def test_library_refuses_the_same_documents(ctx, case):
+    ops, inputs, _ = INVALID[case]
+    with pytest.raises(ChannelError) as ours:
+        wire(ops, inputs)
+    with pytest.raises((jitfuse.InvalidArgumentError, jitfuse.ParseError)) as theirs:
+        jitfuse.Sequence(ctx, _document(ops, inputs), "bf16")
+    op = re.match(r"op \d+ \(\w+\)", str(ours.value))
+    if op:  # both name the same op
+        assert op.group(0) in theirs.value.message, (str(ours.value), theirs.value.message)
