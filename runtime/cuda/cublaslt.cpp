@@ -50,12 +50,29 @@ struct Pref {
   ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
 };
 
-uint32_t alignment(const void* p) {
-  auto v = reinterpret_cast<uintptr_t>(p);
+// Bytes of `t`'s elements (the types problem_of uses; FP8 included).
+size_t type_bytes(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_32F: return 4;
+    case CUDA_R_16F:
+    case CUDA_R_16BF: return 2;
+    default: return 1;  // E4M3, E5M2
+  }
+}
+
+}  // namespace
+
+uint32_t operand_alignment(const void* p, int64_t ld, size_t elem_bytes) {
+  uint64_t v = reinterpret_cast<uintptr_t>(p);
+  if (ld > 0) v |= static_cast<uint64_t>(ld) * elem_bytes;  // column i (a row-major row) starts at p + i ld
   uint32_t a = 16;
   while (a > 1 && (v % a)) a >>= 1;
   return a;
 }
+
+namespace {
+
+uint32_t alignment(const void* p) { return operand_alignment(p, 0, 1); }
 
 }  // namespace
 
@@ -151,13 +168,15 @@ struct GemmKey {
   int64_t m = 0, n = 0, k = 0;
   int dt = 0, epi = 0;
   bool beta = false;
-  uint32_t al_a = 0, al_b = 0, al_c = 0, al_d = 0, al_aux = 0;
+  // A, B, C, D: the alignment of every column start (pointer and leading dimension: operand_alignment);
+  // aux and bias: of the pointer, from which the heuristic infers what it may assume (cublasLt.h).
+  uint32_t al_a = 0, al_b = 0, al_c = 0, al_d = 0, al_aux = 0, al_bias = 0;
   bool fp8 = false;  // plain keys leave the FP8 fields below at their defaults
   int at = 0, bt = 0, bias_dt = -1;
   bool fast_accum = false, amax = false;
   auto tie() const {
-    return std::tie(kind, m, n, k, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, fp8, at, bt, bias_dt, fast_accum,
-                    amax);
+    return std::tie(kind, m, n, k, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, al_bias, fp8, at, bt, bias_dt,
+                    fast_accum, amax);
   }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
   bool operator==(const GemmKey& o) const { return tie() == o.tie(); }
@@ -246,11 +265,17 @@ GemmKey key_of(const GemmCall& g, const Problem& p) {
   k.dt = static_cast<int>(p.dt);
   k.epi = static_cast<int>(p.epi);
   k.beta = g.beta != 0.f;
-  k.al_a = alignment(p.A);
-  k.al_b = alignment(p.B);
-  k.al_c = alignment(p.C);
-  k.al_d = alignment(g.d);
+  // An odd K (or N) leaves the columns of a matrix whose pointer is 256-byte aligned at 2- or 4-byte
+  // offsets: the MIN_ALIGNMENT preferences below say so, so the heuristic offers only algorithms that load
+  // such columns (cuBLASLt sees the layouts too; the preferences do not rely on it).
+  k.al_a = operand_alignment(p.A, static_cast<int64_t>(p.lda), type_bytes(p.at));
+  k.al_b = operand_alignment(p.B, static_cast<int64_t>(p.ldb), type_bytes(p.bt));
+  k.al_c = operand_alignment(p.C, static_cast<int64_t>(p.ldd), type_bytes(p.ct));
+  k.al_d = operand_alignment(g.d, static_cast<int64_t>(p.ldd), type_bytes(p.dt));
   k.al_aux = g.aux ? alignment(g.aux) : 0;
+  // The heuristic takes the bias pointer's alignment from the descriptor (prepare passes 256-byte aligned
+  // stand-ins): a call with a less aligned bias, or bias gradient, must not reuse that plan.
+  k.al_bias = g.bias ? alignment(g.bias) : 0;
   if (g.fp8) {
     k.fp8 = true;
     k.at = static_cast<int>(p.at);

@@ -83,6 +83,11 @@ struct GemmCall {
 // it needs no GPU.
 void check_gemm_call(const GemmCall& call);
 
+// The alignment in bytes (1 to 16) that every column of a column-major matrix at `p` with leading
+// dimension `ld` elements of `elem_bytes` starts at (ld 0: `p` alone). What Blas passes as cuBLASLt's
+// MIN_ALIGNMENT preferences: with an odd K, a 256-byte aligned bf16 x [m, K] has rows at 2-byte offsets.
+uint32_t operand_alignment(const void* p, int64_t ld, size_t elem_bytes);
+
 // The cuBLASLt workspace every GEMM call gets (what cuBLAS recommends for Hopper).
 constexpr size_t kGemmWorkspace = 32u << 20;
 

@@ -173,6 +173,65 @@ TEST_CASE("GEMM groups on odd row counts and misaligned pointers", "[codegen]") 
         for (bool misalign : {false, true}) run_check(test::seq_json(ops), recipe, {rows, 64}, true, misalign);
 }
 
+TEST_CASE("cuBLASLt rules on any in_features and odd row counts (issue 27)", "[fusion]") {
+  // cuBLASLt runs these epilogues for any K in fp32/bf16: each rule is taken for K = 1, 5, 7, 13, 100
+  // (rows of x and W at 2- or 4-byte offsets) and matches float64 forward and backward. The GELU epilogues
+  // need their aux leading dimension (out_features; DGELU_BGRAD: the linear's in_features) to be a multiple
+  // of 8, so their cases keep it; odd out_features are run where nothing needs it.
+  struct KCase {
+    const char* rule;
+    std::string ops;
+    bool both_row_counts;  // rows 1 and 97; else 33
+  };
+  auto lin = [](int64_t in, int64_t out) {
+    return R"({"op": "linear", "in_features": )" + std::to_string(in) + R"(, "out_features": )" + std::to_string(out) + "}";
+  };
+  jf_context no_act_dbias = context_without("backward", {"act_dbias", "linear_bias_bwd"});
+  for (const int64_t k : {1, 5, 7, 13, 100}) {
+    const std::string n = std::to_string(k);
+    const std::vector<KCase> cases = {
+        {"linear_bias", "[" + lin(k, 48) + R"(, {"op": "bias"}])", true},
+        {"linear_bias_bwd", "[" + lin(k, 48) + R"(, {"op": "bias"}])", false},
+        {"linear_bias_gelu", "[" + lin(k, 48) + R"(, {"op": "bias"}, {"op": "gelu"}])", true},
+        {"linear_bias_relu", "[" + lin(k, 48) + R"(, {"op": "bias"}, {"op": "relu"}])", true},
+        {"linear_gelu", "[" + lin(k, 48) + R"(, {"op": "gelu", "approximate": "tanh"}])", false},
+        {"linear_relu", "[" + lin(k, 48) + R"(, {"op": "relu"}])", false},
+        {"linear_bias_residual", "[" + lin(k, 48) + R"(, {"op": "bias"}, {"op": "add_extra_input"}])", false},
+        {"linear_residual", "[" + lin(k, 48) + R"(, {"op": "add_extra_input"}])", false},
+        {"linear_scale_residual", "[" + lin(k, 48) + R"(, {"op": "scale", "value": 0.5}, {"op": "add_extra_input"}])", false},
+        {"extra_output_linear", R"([{"op": "make_extra_output"}, )" + lin(k, 32) + "]", false},
+        {"linear_scale_bwd", "[" + lin(k, 32) + R"(, {"op": "scale", "value": 0.125}])", false},
+        // Odd out_features (= k): BIAS and BGRADB with a bias of k entries, RELU_BIAS, the residual's C.
+        {"linear_bias", "[" + lin(64, k) + R"(, {"op": "bias"}])", true},
+        {"linear_bias_relu", "[" + lin(64, k) + R"(, {"op": "bias"}, {"op": "relu"}])", false},
+        {"linear_residual", "[" + lin(64, k) + R"(, {"op": "add_extra_input"}])", false},
+        {"linear_bias_relu", "[" + lin(k, k) + R"(, {"op": "bias"}, {"op": "relu"}])", false},
+    };
+    for (const auto& c : cases) {
+      const int64_t in = c.ops.find(R"("in_features": 64)") != std::string::npos ? 64 : k;
+      std::string seq = test::seq_json(c.ops, c.rule);
+      for (const int64_t rows : c.both_row_counts ? std::vector<int64_t>{1, 97} : std::vector<int64_t>{33}) {
+        INFO("rule " << c.rule << ", K " << k << ": " << c.ops << " rows " << rows);
+        CHECK(rule_taken(test::shared_context(), seq, {rows, in}, c.rule));
+        for (const char* recipe : {"fp32", "bf16"}) run_check(seq, recipe, {rows, in});
+      }
+    }
+    // DGELU_BGRAD with an odd out_features (its aux is dx's layout: in_features 72 keeps it a multiple of 8).
+    std::string dgelu = test::seq_json(R"([{"op": "bias"}, {"op": "gelu", "approximate": "tanh"}, )" + lin(72, k) +
+                                       R"(, {"op": "bias"}])");
+    INFO("bias_gelu_linear_bias_bwd, out_features " << n);
+    CHECK(rule_taken(no_act_dbias, dgelu, {33, 72}, "bias_gelu_linear_bias_bwd"));
+    for (const char* recipe : {"fp32", "bf16"}) run_check(dgelu, recipe, {33, 72}, true, false, 1, no_act_dbias);
+    // Odd K with misaligned pointers: cuBLASLt's alignment of each row start, pointer and ld together.
+    if (k == 5 || k == 100)
+      for (const char* recipe : {"fp32", "bf16"}) {
+        run_check(test::seq_json("[" + lin(k, 48) + R"(, {"op": "bias"}, {"op": "gelu"}])"), recipe, {33, k}, true, true);
+        run_check(test::seq_json("[" + lin(k, 48) + R"(, {"op": "bias"}])"), recipe, {33, k}, true, true);
+      }
+  }
+  jf_context_destroy(no_act_dbias);
+}
+
 TEST_CASE("Blas::column_sums (the BGRADB fallback) matches float64 column sums", "[ops]") {
   cuda::Blas blas;
   std::mt19937_64 rng(9);

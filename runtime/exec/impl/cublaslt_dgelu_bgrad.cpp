@@ -19,7 +19,9 @@ class DgeluBgrad final : public CublasEpilogue {
   std::optional<std::string> extra(const std::vector<OpUse>& w) const override {
     if (w[1].str("approximate") != "tanh")
       return "DGELU_BGRAD differentiates gelu_tanh only: the gelu needs \"approximate\": \"tanh\"";
-    return std::nullopt;
+    // The dgrad's D is dx [rows, in_features]: the aux matrix's leading dimension is the linear's K.
+    const ops::Op* lin = w[2].op;
+    return gelu_aux_ld_problem(name(), "reads", lin ? ops::cols_of(lin->in) : 0, "the linear's in_features");
   }
   void backward(Builder& b) const override {
     const auto& g = b.group();

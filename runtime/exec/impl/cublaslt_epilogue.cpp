@@ -1,6 +1,8 @@
 // The shared predicate and lowering of cuBLASLt epilogues: the GEMM part, then the generated tail.
 #include "exec/impl/cublaslt_epilogue.hpp"
 
+#include <fmt/format.h>
+
 namespace jitfuse::exec {
 
 std::string CublasEpilogue::covers_text() const {
@@ -60,6 +62,14 @@ int epilogue_saved_input(Builder& b, int op) {
   const auto& o = b.ops()[op];
   return b.saved_new(op, "input", b.recipe().dtype, ops::rows_of(o.in), ops::cols_of(o.in),
                      static_cast<size_t>(ops::numel(o.in)) * ops::dtype_bytes(b.recipe().dtype));
+}
+
+std::optional<std::string> gelu_aux_ld_problem(const std::string& epilogue, const char* role, int64_t ld,
+                                               const char* what) {
+  if (ld <= 0 || ld % 8 == 0) return std::nullopt;
+  return fmt::format("{} {} gelu's input as cuBLASLt's aux matrix, whose leading dimension is {} = {}; cuBLASLt "
+                     "needs it to be a multiple of 8 (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)",
+                     epilogue, role, what, ld);
 }
 
 }  // namespace jitfuse::exec

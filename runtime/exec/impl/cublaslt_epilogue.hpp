@@ -30,4 +30,11 @@ class CublasEpilogue : public Implementation {
 // The forward pass's saved copy of op `op`'s input, written by a GEMM epilogue (GELU_AUX*).
 int epilogue_saved_input(Builder& b, int op);
 
+// The shape condition of cuBLASLt's GELU epilogues for fp32/fp16/bf16 (cuBLASLt puts none on K or M, nor
+// on the other epilogues jitfuse uses): the aux matrix (gelu's input, written by GELU_AUX*, read by DGELU_BGRAD) has the GEMM's D
+// layout, and CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD "must be divisible by 8" (cublasLt.h). `ld` is that
+// leading dimension (0: unknown, a pattern at load), `what` names it.
+std::optional<std::string> gelu_aux_ld_problem(const std::string& epilogue, const char* role, int64_t ld,
+                                               const char* what);
+
 }  // namespace jitfuse::exec

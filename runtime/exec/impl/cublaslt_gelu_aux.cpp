@@ -16,7 +16,9 @@ class GeluAux final : public CublasEpilogue {
   std::optional<std::string> extra(const std::vector<OpUse>& w) const override {
     if (w[1].str("approximate") != "tanh")
       return "cuBLASLt's GELU epilogue computes gelu_tanh only: the gelu needs \"approximate\": \"tanh\"";
-    return std::nullopt;
+    // Inference runs GELU, without aux, but the legality predicate is not told whether a plan trains.
+    const ops::Op* lin = w[0].op;
+    return gelu_aux_ld_problem(name(), "saves", lin ? ops::cols_of(lin->out) : 0, "out_features");
   }
   void forward(Builder& b, int, int y) const override {
     const int lin = role(b, ops::Family::linear), act = role(b, ops::Family::pointwise);

@@ -48,6 +48,32 @@ std::vector<const Implementation*> implementations() {
   return out;
 }
 
+namespace {
+
+// The shapes FP8 GEMMs take (cuda::Fp8Gemm; check_fp8_linear refuses the others at lowering): cuBLASLt's
+// FP8 kernels need 16-byte aligned leading dimensions of the E4M3/E5M2 operands, so in_features and
+// out_features are multiples of 16, and so are the rows that the wgrad contracts over (the backward pass
+// exists only in training; a forward is not told whether it trains, and its lowering says it then).
+std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, rules::Pass pass) {
+  for (const auto& u : window) {
+    if (u.family() != ops::Family::linear || !u.op) continue;
+    struct Dim {
+      int64_t value;
+      const char* name;
+    };
+    const Dim dims[] = {{ops::cols_of(u.op->in), "in_features"}, {ops::cols_of(u.op->out), "out_features"},
+                        {ops::rows_of(u.op->in), "rows"}};
+    for (int i = 0; i < (pass == rules::Pass::backward ? 3 : 2); ++i)
+      if (dims[i].value % 16 != 0)
+        return fmt::format("FP8 GEMMs need {0} to be a multiple of 16 (cuBLASLt's FP8 kernels need 16-byte aligned "
+                           "leading dimensions{1}): {2} has {0} = {3}", dims[i].name,
+                           i == 2 ? "; the wgrad GEMM contracts over the rows" : "", u.op->label(), dims[i].value);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
                                        rules::Pass pass, bool fp8) {
   const Implementation* impl = find_implementation(rule.impl);
@@ -56,7 +82,8 @@ std::optional<std::string> check_legal(const rules::Rule& rule, const std::vecto
   if (auto why = impl->check(window, rule.impl, pass)) return why;
   const bool linear = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::linear; });
   if (!fp8 || !linear) return std::nullopt;
-  return impl->check_fp8(window, rule.impl, pass);
+  if (auto why = impl->check_fp8(window, rule.impl, pass)) return why;
+  return fp8_shape_problem(window, pass);
 }
 
 fuser::LegalityFn legality(bool fp8) {

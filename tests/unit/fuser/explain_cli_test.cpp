@@ -25,10 +25,12 @@ TEST_CASE("explain on the mlp example: candidates, reasons and final groups", "[
                                     "linear_bias_bwd at ops [1, 3)"));
 }
 
-TEST_CASE("explain --json and --arch; divisibility reasons", "[fuser][cli]") {
+TEST_CASE("explain --json and --arch; shape reasons", "[fuser][cli]") {
   jf_test::TempDir dir;
+  // Any in_features fuses (issue 27); an out_features that is not a multiple of 8 is refused by GELU_AUX_BIAS
+  // (cuBLASLt's aux leading dimension), with its reason, and [linear bias] takes the BIAS epilogue instead.
   std::string seq = dir.write("odd.json", R"J({"format": "jitfuse.sequence/1", "name": "odd", "ops": [
-    {"op": "linear", "in_features": 4098, "out_features": 1024}, {"op": "bias"}, {"op": "gelu"}]})J");
+    {"op": "linear", "in_features": 4098, "out_features": 1020}, {"op": "bias"}, {"op": "gelu"}]})J");
   auto r = run_cli("explain '" + seq + "' --recipe fp16 --shape 32x4098 --arch sm_80 --json", "", true);
   INFO(r.out);
   REQUIRE(r.status == 0);
@@ -41,14 +43,16 @@ TEST_CASE("explain --json and --arch; divisibility reasons", "[fuser][cli]") {
     if (d.at("rule") == "linear_bias_gelu") {
       found = true;
       CHECK(d.at("taken") == false);
-      CHECK(d.at("reason") == "condition cols % 8 == 0 failed: cols = 4098");
+      CHECK(d.at("reason") == "GELU_AUX_BIAS saves gelu's input as cuBLASLt's aux matrix, whose leading dimension is "
+                              "out_features = 1020; cuBLASLt needs it to be a multiple of 8 "
+                              "(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)");
     }
   CHECK(found);
   REQUIRE(j.at("forward").size() == 2);
-  CHECK(j.at("forward")[0].at("ops") == nlohmann::json{"linear"});
-  CHECK(j.at("forward")[1].at("rule") == "bias_act");
-  CHECK(j.at("forward")[1].at("begin") == 1);
-  CHECK(j.at("forward")[1].at("end") == 3);
+  CHECK(j.at("forward")[0].at("rule") == "linear_bias");
+  CHECK(j.at("forward")[0].at("begin") == 0);
+  CHECK(j.at("forward")[0].at("end") == 2);
+  CHECK(j.at("forward")[1].at("ops") == nlohmann::json{"gelu"});
 }
 
 TEST_CASE("explain --dot draws forward and backward with fused groups as clusters", "[fuser][cli]") {

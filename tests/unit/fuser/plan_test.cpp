@@ -173,11 +173,22 @@ TEST_CASE("conditions give reasons: divisibility, arch, recipe, dtype, legality"
     json seq = json::array({{{"op", "linear"}, {"in_features", in_f}, {"out_features", out_f}}, {{"op", "bias"}}});
     return make_ops(rs, seq, {16, in_f});
   };
+  // The built-in cuBLASLt rules take any in_features and out_features (issue 27).
   Plan p = jitfuse::fuser::plan(linear_bias(4098, 4096), bf16(), rs, kAllow);
-  CHECK(decision(p, Pass::forward, "linear_bias", 0, 2)->reason == "condition cols % 8 == 0 failed: cols = 4098");
-  CHECK(spans(p.forward) == "[0,1) [1,2)");
+  CHECK(spans(p.forward) == "[0,2):linear_bias");
   p = jitfuse::fuser::plan(linear_bias(4096, 4098), bf16(), rs, kAllow);
-  CHECK(decision(p, Pass::forward, "linear_bias", 0, 2)->reason == "condition out_cols % 8 == 0 failed: out_cols = 4098");
+  CHECK(spans(p.forward) == "[0,2):linear_bias");
+  // A rule's own divisibility conditions: cols is the window's input width, out_cols its output's.
+  RuleSet div = rules_of(R"J([{"name": "gate", "math": "y = swiglu(x + b)", "pass": "forward", "priority": 1,
+      "pattern": ["bias", "swiglu"], "conditions": {"divisible": [{"dim": "cols", "multiple_of": 8},
+      {"dim": "out_cols", "multiple_of": 8}]}, "impl": {"kind": "generated", "skeleton": "gated"}}])J");
+  auto gate = [&](int64_t cols) {
+    auto ops = make_ops(div, json::array({{{"op", "bias"}}, {{"op", "swiglu"}}}), {16, cols});
+    return decision(jitfuse::fuser::plan(ops, bf16(), div, kAllow), Pass::forward, "gate", 0, 2)->reason;
+  };
+  CHECK(gate(4098) == "condition cols % 8 == 0 failed: cols = 4098");
+  CHECK(gate(4104) == "condition out_cols % 8 == 0 failed: out_cols = 2052");
+  CHECK(gate(4096).empty());
   PlanInputs fp8 = bf16();
   fp8.recipe = "fp8_delayed";
   p = jitfuse::fuser::plan(linear_bias(64, 64), fp8, rs, kAllow);
