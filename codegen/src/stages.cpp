@@ -174,13 +174,31 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
     case Stage::Kind::extra_add: {
       std::string p = fmt::format("gei{}", s.op);
       args.ptr(Arg::Role::grad_extra_in, s.op, "extra", p, "ST", true);
-      w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", p, c.base, g);
+      if (!s.grad_accumulate) {
+        w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", p, c.base, g);
+        break;
+      }
+      // Another reader of the channel wrote its gradient first (the backward runs readers last to first).
+      w.line("{{");
+      w.open();
+      w.line("float t[8];");
+      w.line("jf_load8<DT, JF_VEC>({} + {}, t, n);", p, c.base);
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) t[e] += {}[e];", g);
+      w.line("jf_store8<DT, JF_VEC>({} + {}, t, n);", p, c.base);
+      w.close();
+      w.line("}}");
       break;
     }
     case Stage::Kind::extra_tap: {
       std::string p = fmt::format("geo{}", s.op);
       args.ptr(Arg::Role::grad_extra_out, s.op, "extra", p, "ST", false);
       add_loaded(w, c, p, g);
+      if (s.grad_two_parts) {
+        std::string q = fmt::format("gch{}", s.op);
+        args.ptr(Arg::Role::grad_extra_out, s.op, "channel", q, "ST", false);
+        add_loaded(w, c, q, g);
+      }
       break;
     }
     case Stage::Kind::dropout: {

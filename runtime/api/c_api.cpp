@@ -385,6 +385,7 @@ void forward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const j
   spans.push_back(jitfuse::api::span_of(a.input, SpanName{"input"}, false));
   spans.push_back(jitfuse::api::span_of(a.output, SpanName{"output"}, true));
   for (const auto& op : ops) {
+    if (op.extra_slot < 0) continue;  // a channel's op without a caller tensor of its own
     if (op.family == jitfuse::ops::Family::add_extra_input) {
       const SpanName name{"extra input", op.extra_slot, &op};
       fa.extra_in.push_back(check_tensor(a.extra_inputs[op.extra_slot], [&] { return name.str(); }, s.recipe.dtype,
@@ -439,6 +440,7 @@ void backward_tensors(const Sequence& s, const std::vector<jitfuse::ops::Op>& op
   ba.grad_output = tensor(a.grad_output, SpanName{"grad_output"}, s.recipe.dtype, ops.back().out, false);
   ba.grad_input = tensor(a.grad_input, SpanName{"grad_input"}, s.recipe.dtype, ops.front().in, true);
   for (const auto& op : ops) {
+    if (op.extra_slot < 0) continue;  // a channel's op without a caller tensor of its own
     const auto slot = static_cast<size_t>(op.extra_slot);
     if (op.family == jitfuse::ops::Family::add_extra_input) {
       ba.extra_in.push_back(tensor(a.extra_inputs[slot], SpanName{"extra input", op.extra_slot, &op},

@@ -139,7 +139,7 @@ const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared
   pi->outputs.push_back(tensor_info(*pi, "output", -1, output_dtype(), last.out,
                                     p.buffer(p.output).bytes, 0));
   for (const auto& op : p.ops) {
-    if (op.family == ops::Family::make_extra_output)
+    if (op.family == ops::Family::make_extra_output && op.extra_slot >= 0)  // a hidden channel is not an output
       pi->outputs.push_back(tensor_info(*pi, fmt::format("extra_output {}", op.extra_slot), op.index, dt, op.in,
                                         static_cast<size_t>(ops::numel(op.in)) * ops::dtype_bytes(dt), 0));
     for (const auto& prm : op.params)

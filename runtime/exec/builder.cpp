@@ -143,12 +143,70 @@ int Builder::extra(BufferRole role, int op) {
   auto key = std::make_pair(op, role);
   if (auto it = extra_.find(key); it != extra_.end()) return it->second;
   const auto& o = p_.ops.at(static_cast<size_t>(op));
+  if (const int routed = channel_route(role, o); routed != kNotRouted) return routed;
   const int id = caller(role, std::string(k->name) + "[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
                         p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
   auto& ids = p_.*(k->ids);
   if (static_cast<int>(ids.size()) <= o.extra_slot) ids.resize(o.extra_slot + 1, -1);
   ids[static_cast<size_t>(o.extra_slot)] = id;
   return extra_[key] = id;
+}
+
+// Channels (docs/ops.md#channels): a reader's value and gradient are its source's (the fork's buffers, or
+// the caller's channel's first reader's); a hidden fork's value and gradient are the program's own buffers.
+int Builder::channel_route(BufferRole role, const ops::Op& o) {
+  const bool reader = o.family == ops::Family::add_extra_input && o.channel_src >= 0 && o.channel_src != o.index;
+  if (reader) {
+    const auto& src = p_.ops.at(static_cast<size_t>(o.channel_src));
+    if (src.family != ops::Family::make_extra_output) return extra(role, src.index);  // the caller's channel
+    if (role == BufferRole::extra_in) return extra(BufferRole::extra_out, src.index);
+    if (role == BufferRole::grad_extra_in) return channel_grad(src.index);
+  }
+  if (o.family == ops::Family::make_extra_output && o.extra_slot < 0) {  // a hidden channel
+    if (role == BufferRole::grad_extra_out) return channel_grad(o.index);
+    if (role == BufferRole::extra_out) {
+      Buffer b;
+      b.role = BufferRole::activation;
+      b.storage = Storage::fwd_arena;
+      b.name = "channel " + o.channel;
+      b.op = o.index;
+      b.dtype = p_.recipe.dtype;
+      b.rows = ops::rows_of(o.in);
+      b.cols = ops::cols_of(o.in);
+      return extra_[std::make_pair(o.index, role)] = add(b);
+    }
+  }
+  return kNotRouted;
+}
+
+// The gradient a channel's readers write (the last one) and add into (the others), which its fork reads.
+int Builder::channel_grad(int fork) {
+  if (auto it = channel_grads_.find(fork); it != channel_grads_.end()) return it->second;
+  const auto& o = p_.ops.at(static_cast<size_t>(fork));
+  Buffer b;
+  b.role = BufferRole::gradient;
+  b.storage = Storage::bwd_arena;
+  b.name = "grad channel " + o.channel;
+  b.op = fork;
+  b.dtype = p_.recipe.dtype;
+  b.rows = ops::rows_of(o.in);
+  b.cols = ops::cols_of(o.in);
+  return channel_grads_[fork] = add(b);
+}
+
+bool Builder::pass_through_grad(int i) {
+  const auto& o = p_.ops.at(static_cast<size_t>(i));
+  if (forward_ || o.family != ops::Family::add_extra_input || o.channel_src < 0 || o.grad_accumulate) return false;
+  const int fork = o.channel_src;
+  if (p_.ops.at(static_cast<size_t>(fork)).family != ops::Family::make_extra_output) return false;
+  for (const auto& r : p_.ops)  // the only reader
+    if (r.index != i && r.family == ops::Family::add_extra_input && r.channel_src == fork) return false;
+  if (grad_.at(static_cast<size_t>(i)) >= 0 || channel_grads_.count(fork)) return false;
+  const int id = grad_of(i + 1);
+  grad_[static_cast<size_t>(i)] = id;
+  p_.gradients[static_cast<size_t>(i)] = id;
+  channel_grads_[fork] = id;
+  return true;
 }
 
 int Builder::fp8_state(int op, fp8::Operand operand, fp8::Part part) {
@@ -374,7 +432,9 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
       break;
     case Arg::Role::extra_in: k.buffer = extra_in(a.op); break;
     case Arg::Role::extra_out: k.buffer = extra_out(a.op); break;
-    case Arg::Role::grad_extra_out: k.buffer = grad_extra_out(a.op); break;
+    case Arg::Role::grad_extra_out:
+      k.buffer = a.name == "channel" ? channel_grad(a.op) : grad_extra_out(a.op);
+      break;
     case Arg::Role::grad_extra_in: k.buffer = grad_extra_in(a.op); break;
     case Arg::Role::partials: {
       // fp32 [parts, width]; parts is known once the launch shape is (lay_out, layout.hpp).

@@ -35,6 +35,13 @@ class Builder {
   int extra_out(int op) { return extra(BufferRole::extra_out, op); }
   int grad_extra_out(int op) { return extra(BufferRole::grad_extra_out, op); }
   int grad_extra_in(int op) { return extra(BufferRole::grad_extra_in, op); }
+  // The gradient of the channel make_extra_output `fork` writes: what its readers' backwards write and
+  // add into (ops::Op::grad_accumulate) and its own backward reads (a hidden channel's grad_extra_out).
+  int channel_grad(int fork);
+  // Backward: op i, the only reader of a fork's channel, passes its gradient through — dx = d_channel = dy
+  // are the same buffer and no kernel runs (PyTorch's residual add costs no kernel either). False (nothing
+  // done) for any other op: a caller's extra input, a channel with several readers (their sum is written).
+  bool pass_through_grad(int i);
   // FP8 recipe state of (op, operand) (none: a quantize op's): part scale, scale_inv or history.
   int fp8_state(int op, fp8::Operand operand, fp8::Part part);
   // An FP8 copy of linear `lin`'s operand: row-major codes, the transposed codes (training;
@@ -86,6 +93,8 @@ class Builder {
   bool forward() const { return forward_; }
 
  private:
+  static constexpr int kNotRouted = -2;
+  int channel_route(BufferRole role, const ops::Op& o);  // kNotRouted: the op's own caller tensor
   KArg bind_arg(const codegen::Arg& a, KernelStep& ks, int in, int out, fp8::Operand fp8_tensor);
   int add(Buffer b);
   int caller(BufferRole role, const std::string& name, int op, int slot, ops::DType dt, int64_t rows, int64_t cols);
@@ -102,6 +111,7 @@ class Builder {
   std::vector<int> act_, grad_;
   std::map<std::pair<int, std::string>, int> params_, grads_, saved_;
   std::map<std::pair<int, BufferRole>, int> extra_;
+  std::map<int, int> channel_grads_;  // by fork op
   std::map<std::pair<int, fp8::Operand>, Fp8Operand> fp8_;
   std::vector<int> batched_partials_;
   std::map<std::tuple<int, fp8::Operand, fp8::Part>, int> state_;

@@ -43,8 +43,14 @@ Stage stage_of(const std::vector<Op>& ops, int i, int b, int e, const ChainOptio
   s.math = op.info->math;
   switch (op.family) {
     case Family::bias: s.kind = Stage::Kind::bias; break;
-    case Family::add_extra_input: s.kind = Stage::Kind::extra_add; break;
-    case Family::make_extra_output: s.kind = Stage::Kind::extra_tap; break;
+    case Family::add_extra_input:
+      s.kind = Stage::Kind::extra_add;
+      s.grad_accumulate = !fwd && op.grad_accumulate;
+      break;
+    case Family::make_extra_output:
+      s.kind = Stage::Kind::extra_tap;
+      s.grad_two_parts = !fwd && op.grad_two_parts;
+      break;
     case Family::dropout:
       if (dropout_active(op)) {
         s.kind = Stage::Kind::dropout;

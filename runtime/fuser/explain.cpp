@@ -28,6 +28,51 @@ std::string group_ops(const Group& g, const std::vector<ops::Op>& ops) {
   return out;
 }
 
+std::string op_wiring(const ops::Op& op, const std::vector<ops::Op>& ops) {
+  const bool fork = op.family == ops::Family::make_extra_output, reader = op.family == ops::Family::add_extra_input;
+  if (!fork && !reader) return "";
+  const std::string slot = op.extra_slot < 0 ? ""
+                           : fmt::format("{} {}", fork ? "extra output" : "extra input", op.extra_slot);
+  if (op.channel.empty()) return slot;
+  if (fork) return fmt::format("-> channel '{}'{}", op.channel, slot.empty() ? " (hidden)" : ", also " + slot);
+  const ops::Op& src = ops.at(static_cast<size_t>(op.channel_src));
+  std::string from = src.family == ops::Family::make_extra_output ? fmt::format("from op {}", src.index)
+                                                                  : fmt::format("extra input {}", src.extra_slot);
+  return fmt::format("<- channel '{}' ({}{})", op.channel, from, op.grad_accumulate ? "; backward adds its gradient" : "");
+}
+
+nlohmann::json op_wiring_json(const ops::Op& op) {
+  nlohmann::json j = nlohmann::json::object();
+  if (op.extra_slot >= 0) j["extra_slot"] = op.extra_slot;
+  if (op.channel.empty()) return j;
+  j["channel"] = op.channel;
+  if (op.family == ops::Family::make_extra_output) j["returned"] = op.returned;
+  if (op.family == ops::Family::add_extra_input) {
+    j["source"] = op.channel_src;
+    j["grad_accumulate"] = op.grad_accumulate;
+  }
+  return j;
+}
+
+std::vector<Apart> kept_apart(const Plan& plan, const std::vector<ops::Op>& ops, rules::Pass pass) {
+  const auto& groups = pass == rules::Pass::backward ? plan.backward : plan.forward;
+  std::vector<Apart> out;
+  for (const auto& g : groups) {
+    const int i = g.end - 1;  // the last op of a group and the first of the next
+    if (i + 1 >= static_cast<int>(ops.size())) continue;
+    std::string why;
+    for (const auto& d : plan.decisions)
+      if ((d.pass == pass || d.pass == rules::Pass::joint) && !d.taken && d.begin <= i && d.end > i + 1) {
+        const std::string one = d.rule + ": " + d.reason;
+        if (why.find(one) == std::string::npos) why += (why.empty() ? "" : "; ") + one;
+      }
+    if (why.empty())
+      why = fmt::format("no rule of the {} pass matches a window holding both", rules::pass_name(pass));
+    out.push_back({i, why});
+  }
+  return out;
+}
+
 nlohmann::json groups_json(const std::vector<Group>& groups, const std::vector<ops::Op>& ops) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& g : groups) {
@@ -42,7 +87,11 @@ nlohmann::json groups_json(const std::vector<Group>& groups, const std::vector<o
 nlohmann::json plan_json(const Plan& p, const std::vector<ops::Op>& ops) {
   nlohmann::json out;
   out["ops"] = nlohmann::json::array();
-  for (const auto& op : ops) out["ops"].push_back({{"index", op.index}, {"op", op.kind}, {"in", op.in}, {"out", op.out}});
+  for (const auto& op : ops) {
+    nlohmann::json j = {{"index", op.index}, {"op", op.kind}, {"in", op.in}, {"out", op.out}};
+    j.update(op_wiring_json(op));
+    out["ops"].push_back(std::move(j));
+  }
   out["decisions"] = nlohmann::json::array();
   for (const auto& d : p.decisions) {
     nlohmann::json j = {{"pass", rules::pass_name(d.pass)}, {"rule", d.rule}, {"begin", d.begin},
@@ -59,6 +108,12 @@ nlohmann::json plan_json(const Plan& p, const std::vector<ops::Op>& ops) {
   }
   out["forward"] = groups_json(p.forward, ops);
   out["backward"] = groups_json(p.backward, ops);
+  for (auto pass : {rules::Pass::forward, rules::Pass::backward}) {
+    nlohmann::json apart = nlohmann::json::array();
+    for (const auto& a : kept_apart(p, ops, pass))
+      apart.push_back({{"ops", {a.left, a.left + 1}}, {"why", a.why}});
+    out[rules::pass_name(pass) + "_apart"] = apart;
+  }
   return out;
 }
 

@@ -94,7 +94,21 @@ struct Op {
   std::string functor;           // pointwise / gated: device functor
   std::string template_file;     // header that defines `functor`
   std::vector<double> consts;    // functor constants (from const_attrs)
-  int extra_slot = -1;           // add_extra_input: which extra input; make_extra_output: which output
+  // The caller's extra tensor this op owns: add_extra_input, which extra input; make_extra_output, which
+  // extra output; -1 for ops that own none (a hidden channel's fork, a channel's readers after the first).
+  int extra_slot = -1;
+  // Named channels (add_extra_input / make_extra_output with "channel"; docs/ops.md#channels).
+  std::string channel;           // "": the caller's extra tensor, as without channels
+  bool returned = false;         // make_extra_output of a channel: also the caller's extra output extra_slot
+  // add_extra_input of a channel: the op its value comes from — the make_extra_output writing it, or for a
+  // channel of the caller ("input_channels") the channel's first reader, which owns the extra input slot.
+  int channel_src = -1;
+  // add_extra_input of a channel with several readers: its backward adds its gradient into the channel's
+  // (every reader but the last; the last one, first in the backward, writes it).
+  bool grad_accumulate = false;
+  // make_extra_output of a returned channel that is also read: its backward adds the caller's gradient and
+  // the readers' (two tensors).
+  bool grad_two_parts = false;
 
   std::string label() const;  // "op 3 (gelu)"
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }

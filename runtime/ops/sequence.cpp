@@ -1,11 +1,125 @@
 // Parsing sequence files and inferring shapes op by op.
 #include "ops/sequence.hpp"
 
+#include <cctype>
+#include <functional>
+#include <map>
+
 #include "common/error.hpp"
 #include "common/json_util.hpp"
 #include "common/text.hpp"
 
 namespace jitfuse::ops {
+
+namespace {
+
+using At = std::function<std::string(const std::string&)>;  // JSON pointer -> "file:line:col"
+
+bool channel_name_ok(const std::string& n) {
+  if (n.empty() || n.size() > kMaxChannelName) return false;
+  for (char ch : n)
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '.' && ch != '-') return false;
+  return true;
+}
+
+std::string checked_channel_name(const nlohmann::json& v, const std::string& where) {
+  if (!v.is_string() || !channel_name_ok(v.get<std::string>()))
+    fail(Status::parse_error, "{}: a channel name is a string of 1 to {} characters from A-Z a-z 0-9 _ . -, not {}",
+         where, kMaxChannelName, jitfuse::text::shorten(v.dump()));
+  return v.get<std::string>();
+}
+
+// Takes "channel" and "returned" out of op i's object (they are the sequence's wiring, not attributes).
+void read_channel_keys(nlohmann::json& o, OpDef& d, const At& at, const std::string& ptr, size_t i) {
+  const Family fam = d.info->family;
+  const bool fork = fam == Family::make_extra_output, reader = fam == Family::add_extra_input;
+  for (const char* key : {"channel", "returned"}) {
+    if (!o.contains(key)) continue;
+    const std::string where = fmt::format("{}: op {} ({})", at(ptr + "/" + key), i, d.kind);
+    if (!fork && !reader)
+      fail(Status::parse_error, "{}: \"{}\" belongs to make_extra_output (writes a channel) and add_extra_input "
+           "(reads one), not to {}", where, key, d.kind);
+    if (std::string(key) == "channel") {
+      d.channel = checked_channel_name(o[key], where);
+    } else {
+      if (!fork) fail(Status::parse_error, "{}: \"returned\" belongs to make_extra_output", where);
+      if (!o[key].is_boolean()) fail(Status::parse_error, "{}: \"returned\" must be true or false", where);
+      d.returned = o[key].get<bool>();
+    }
+    o.erase(key);
+  }
+  if (d.returned && d.channel.empty())
+    fail(Status::parse_error, "{}: op {} ({}): \"returned\" needs a \"channel\" (a make_extra_output without one "
+         "is always the caller's extra output)", at(ptr + "/returned"), i, d.kind);
+}
+
+void read_input_channels(const nlohmann::json& j, SequenceDef& def, const At& at) {
+  if (!j.contains("input_channels")) return;
+  const auto& a = j["input_channels"];
+  if (!a.is_array() || a.size() > kMaxOps)
+    fail(Status::parse_error, "{}: \"input_channels\" must be an array of channel names", at("/input_channels"));
+  for (size_t k = 0; k < a.size(); ++k) {
+    const std::string where = at("/input_channels/" + std::to_string(k));
+    std::string n = checked_channel_name(a[k], where);
+    for (const auto& m : def.input_channels)
+      if (m == n) fail(Status::parse_error, "{}: channel '{}' is declared twice in \"input_channels\"", where, n);
+    def.input_channels.push_back(std::move(n));
+  }
+}
+
+// Every channel has one source (an earlier make_extra_output, or "input_channels") and at least one use;
+// counts the caller's extra tensors (SequenceDef::extra_inputs / extra_outputs).
+void check_channels(SequenceDef& def, const At& at) {
+  std::map<std::string, int> writer, reads;  // writer: op index (-1: the caller's)
+  for (const auto& n : def.input_channels) writer[n] = -1;
+  auto op_at = [&](const OpDef& d, const char* key) {
+    return fmt::format("{}: op {} ({})", at("/ops/" + std::to_string(d.index) + "/" + key), d.index, d.kind);
+  };
+  for (const auto& d : def.ops) {
+    const Family fam = d.info->family;
+    if (fam == Family::make_extra_output) {
+      if (d.channel.empty() || d.returned) ++def.extra_outputs;
+      if (d.channel.empty()) continue;
+      if (auto it = writer.find(d.channel); it != writer.end())
+        fail(Status::invalid_argument, "{}: channel '{}' already has a source ({}): a channel has one source; name "
+             "this one differently", op_at(d, "channel"), d.channel,
+             it->second < 0 ? std::string("\"input_channels\"") : "op " + std::to_string(it->second));
+      writer[d.channel] = d.index;
+    }
+    if (fam != Family::add_extra_input) continue;
+    if (d.channel.empty()) {
+      ++def.extra_inputs;
+      continue;
+    }
+    auto it = writer.find(d.channel);
+    if (it == writer.end()) {
+      int later = -1;
+      for (const auto& e : def.ops)
+        if (later < 0 && e.index > d.index && e.channel == d.channel && e.info->family == Family::make_extra_output)
+          later = e.index;
+      fail(Status::invalid_argument, "{}: channel '{}' is read before anything writes it: {}", op_at(d, "channel"),
+           d.channel,
+           later >= 0 ? fmt::format("its make_extra_output is op {}, after this reader; a source comes before its "
+                                    "readers", later)
+                      : std::string("write it with an earlier make_extra_output {\"channel\": \"...\"} or declare it "
+                                    "in \"input_channels\""));
+    }
+    if (it->second < 0 && reads[d.channel] == 0) ++def.extra_inputs;
+    ++reads[d.channel];
+  }
+  for (const auto& d : def.ops)
+    if (d.info->family == Family::make_extra_output && !d.channel.empty() && !d.returned && reads[d.channel] == 0)
+      fail(Status::invalid_argument, "{}: channel '{}' is never read: read it with add_extra_input {{\"channel\": "
+           "\"{}\"}} after this op, or set \"returned\": true to hand it to the caller", op_at(d, "channel"),
+           d.channel, d.channel);
+  for (size_t k = 0; k < def.input_channels.size(); ++k)
+    if (reads[def.input_channels[k]] == 0)
+      fail(Status::invalid_argument, "{}: input channel '{}' is never read: read it with add_extra_input "
+           "{{\"channel\": \"{}\"}} or remove it", at("/input_channels/" + std::to_string(k)), def.input_channels[k],
+           def.input_channels[k]);
+}
+
+}  // namespace
 
 SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry) {
   nlohmann::json j = json_util::parse(text, where);
@@ -66,21 +180,61 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
     auto where_attr = [&](const std::string& attr) {
       return fmt::format("{}: op {} ({})", o.contains(attr) ? at(ptr + "/" + attr) : at(ptr), i, kind);
     };
-    d.attrs = validate_attrs(*info, o, fmt::format("{} ({})", loc, kind), where_attr);
-    if (info->family == Family::add_extra_input) ++def.extra_inputs;
-    if (info->family == Family::make_extra_output) ++def.extra_outputs;
+    nlohmann::json attrs = o;
+    read_channel_keys(attrs, d, at, ptr, i);
+    d.attrs = validate_attrs(*info, attrs, fmt::format("{} ({})", loc, kind), where_attr);
     nlohmann::json c = d.attrs;
     c["op"] = kind;
+    if (!d.channel.empty()) c["channel"] = d.channel;
+    if (d.returned) c["returned"] = true;
     canon.push_back(c);
     def.ops.push_back(std::move(d));
   }
-  def.canonical = canon.dump();
+  read_input_channels(j, def, at);
+  check_channels(def, at);
+  def.canonical = def.input_channels.empty() ? canon.dump()
+                                             : nlohmann::json{{"input_channels", def.input_channels}, {"ops", canon}}.dump();
   return def;
 }
 
 SequenceDef parse_sequence_file(const std::string& path, const Registry& registry) {
   return parse_sequence(json_util::read_file(path), path, registry);
 }
+
+namespace {
+// Op `op`'s caller slot and channel wiring (check_channels made sure every channel has its source).
+void wire_extras(const OpDef& d, Op& op, std::vector<Op>& before, int& extra_in, int& extra_out) {
+  op.channel = d.channel;
+  op.returned = d.returned;
+  if (op.family == Family::make_extra_output && (d.channel.empty() || d.returned)) op.extra_slot = extra_out++;
+  if (op.family != Family::add_extra_input) return;
+  if (d.channel.empty()) {
+    op.extra_slot = extra_in++;
+    return;
+  }
+  Op* prev_reader = nullptr;  // the channel's reader before this one: it now accumulates
+  for (auto& p : before) {
+    if (p.channel != d.channel) continue;
+    if (p.family == Family::make_extra_output) op.channel_src = p.index;
+    if (p.family == Family::add_extra_input) prev_reader = &p;
+  }
+  if (prev_reader) {
+    prev_reader->grad_accumulate = true;
+    if (op.channel_src < 0) op.channel_src = prev_reader->channel_src;
+    if (auto& src = before[static_cast<size_t>(prev_reader->channel_src)]; src.family == Family::make_extra_output)
+      src.grad_two_parts = src.returned;
+  } else if (op.channel_src < 0) {  // the first reader of a caller's channel owns its extra input
+    op.channel_src = op.index;
+    op.extra_slot = extra_in++;
+  } else if (auto& src = before[static_cast<size_t>(op.channel_src)]; src.returned) {
+    src.grad_two_parts = true;
+  }
+  const Op& src = op.channel_src == op.index ? op : before[static_cast<size_t>(op.channel_src)];
+  if (src.in != op.in)
+    shape_error(op, fmt::format("channel '{}' holds {} (from {}), this op's input is {}", op.channel,
+                                shape_str(src.in), src.label(), shape_str(op.in)));
+}
+}  // namespace
 
 std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
   if (input.empty() || input.size() > kMaxDims)
@@ -109,8 +263,7 @@ std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
       op.template_file = d.info->template_file;
       for (auto& a : d.info->const_attrs) op.consts.push_back(op.num(a.c_str()));
     }
-    if (op.family == Family::add_extra_input) op.extra_slot = extra_in++;
-    if (op.family == Family::make_extra_output) op.extra_slot = extra_out++;
+    wire_extras(d, op, ops, extra_in, extra_out);
     if (d.info->infer) d.info->infer(op);
     cur = op.out;
     ops.push_back(std::move(op));

@@ -14,12 +14,16 @@ struct OpDef {
   std::string kind;
   nlohmann::json attrs;  // validated, defaults filled
   const OpKind* info = nullptr;
+  std::string channel;    // "channel" (add_extra_input / make_extra_output), "" if none
+  bool returned = false;  // "returned" (make_extra_output of a channel)
 };
 
 struct SequenceDef {
   std::string name;
   std::vector<OpDef> ops;
-  int extra_inputs = 0, extra_outputs = 0;
+  int extra_inputs = 0, extra_outputs = 0;  // the caller's extra tensors (slots; channels count per rules below)
+  // Channels the caller provides ("input_channels"): each is one extra input, numbered at its first reader.
+  std::vector<std::string> input_channels;
   std::string canonical;  // canonical JSON of the ops: part of plan cache keys
   // "fp8": {"amax_history_len": N, "margin": M} (FP8 recipes; 0 / -1: the recipe's defaults, 1024 and 0).
   int fp8_amax_history = 0;
@@ -31,6 +35,7 @@ inline constexpr int kMaxFp8Margin = 32;
 // Ops per sequence: a real model's longest sequence is a few hundred ops.
 inline constexpr size_t kMaxOps = 100000;
 inline constexpr size_t kMaxNameBytes = 256;  // the sequence's "name"
+inline constexpr size_t kMaxChannelName = 64;  // [A-Za-z0-9_.-]{1,64}
 SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry);
 SequenceDef parse_sequence_file(const std::string& path, const Registry& registry);
 

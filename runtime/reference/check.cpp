@@ -216,6 +216,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   std::vector<DeviceTensor*> ein, eout, gein, geout;
   std::vector<Vec> gext_out;
   for (auto& op : ops) {
+    if (op.extra_slot < 0) continue;  // a channel's op without a caller tensor of its own
     if (op.family == ops::Family::add_extra_input) {
       in.extra_in.push_back(random_vec(rng, ops::numel(op.in), -2, 2, rc));
       ein.push_back(dev(op.in));

@@ -1,6 +1,7 @@
 // Chaining the per-op float64 references through a sequence: values forward, gradients backward.
 #include "reference/sequence.hpp"
 
+#include <map>
 #include <stdexcept>
 
 namespace jitfuse::reference {
@@ -30,6 +31,7 @@ bool dropout_active(const ops::Op& op) { return op.flag("training") && op.num("p
 SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in) {
   SeqForward f;
   Vec v = in.input;
+  std::map<int, Vec> channels;  // by fork op: the value it wrote into its channel
   for (const auto& op : ops) {
     f.values.push_back(v);
     const int64_t rows = ops::rows_of(op.in), cols = ops::cols_of(op.in);
@@ -74,11 +76,15 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
         }
         break;
       case Family::add_extra_input: {
-        const Vec& e = in.extra_in.at(op.extra_slot);
+        const int src = op.channel_src >= 0 ? op.channel_src : op.index;  // a channel's source, else its own
+        const Vec& e = ops[src].family == Family::make_extra_output ? channels.at(src)
+                                                                     : in.extra_in.at(ops[src].extra_slot);
         for (size_t i = 0; i < v.size(); ++i) v[i] += e[i];
         break;
       }
       case Family::make_extra_output:
+        if (!op.channel.empty()) channels[op.index] = v;
+        if (op.extra_slot < 0) break;
         if (f.extra_out.size() <= static_cast<size_t>(op.extra_slot)) f.extra_out.resize(op.extra_slot + 1);
         f.extra_out[op.extra_slot] = v;
         break;
@@ -94,6 +100,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
   SeqGrads g;
   g.grad_extra_in.resize(in.extra_in.size());
   Vec dy = grad_output;
+  std::map<int, Vec> channel_grads;  // by fork op: the sum of its channel's readers' gradients
   for (int i = static_cast<int>(ops.size()) - 1; i >= 0; --i) {
     const auto& op = ops[i];
     const Vec& x = fwd.values[i];
@@ -140,10 +147,21 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
           dy = dropout_bwd(dy, mask, op.num("p"));
         }
         break;
-      case Family::add_extra_input: g.grad_extra_in.at(op.extra_slot) = dy; break;
+      case Family::add_extra_input: {  // a channel's readers sum their gradients at its source
+        const int src = op.channel_src >= 0 ? op.channel_src : op.index;
+        Vec& acc = ops[src].family == Family::make_extra_output ? channel_grads[src]
+                                                                : g.grad_extra_in.at(ops[src].extra_slot);
+        if (acc.empty()) acc.assign(dy.size(), 0.0);
+        for (size_t j = 0; j < dy.size(); ++j) acc[j] += dy[j];
+        break;
+      }
       case Family::make_extra_output: {
-        const Vec& de = grad_extra_out.at(op.extra_slot);
-        for (size_t j = 0; j < dy.size(); ++j) dy[j] += de[j];
+        if (op.extra_slot >= 0) {
+          const Vec& de = grad_extra_out.at(op.extra_slot);
+          for (size_t j = 0; j < dy.size(); ++j) dy[j] += de[j];
+        }
+        if (auto it = channel_grads.find(op.index); it != channel_grads.end())
+          for (size_t j = 0; j < dy.size(); ++j) dy[j] += it->second[j];
         break;
       }
     }

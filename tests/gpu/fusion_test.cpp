@@ -34,6 +34,8 @@ const RuleCase kCases[] = {
     {"linear_scale_residual", R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "scale", "value": 0.5}, {"op": "add_extra_input"}])", {96, 64}},
     {"add_norm", R"([{"op": "add_extra_input"}, {"op": "layernorm"}])", {50, 264}},
     {"add_norm", R"([{"op": "add_extra_input"}, {"op": "rmsnorm", "zero_centered_gamma": true}])", {50, 264}},
+    {"fork_norm", R"([{"op": "add_extra_input"}, {"op": "make_extra_output"}, {"op": "rmsnorm"}])", {50, 264}},
+    {"fork_norm", R"([{"op": "make_extra_output"}, {"op": "layernorm"}])", {33, 1024}},
     {"norm_pointwise", R"([{"op": "layernorm"}, {"op": "gelu"}, {"op": "scale", "value": 2.0}])", {33, 1024}},
     {"norm_pointwise", R"([{"op": "rmsnorm"}, {"op": "silu"}, {"op": "dropout", "p": 0.2, "seed": 7}])", {33, 200}},
     {"bias_act", R"([{"op": "bias"}, {"op": "gelu", "approximate": "tanh"}])", {100, 72}},

@@ -73,8 +73,25 @@ inline const std::vector<const char*>& builtin_chain_sequences() {
   return v;
 }
 
+// Whole blocks and named channels (after the chain list, for the same reason): the Llama- and GPT-2-style
+// MLP blocks, and a channel's fan-out and returned forms, under bf16 and both FP8 recipes.
+inline const std::vector<const char*>& builtin_block_sequences() {
+  static const std::vector<const char*> v = {
+      R"([{"op": "make_extra_output", "channel": "r"}, {"op": "rmsnorm"},
+          {"op": "linear", "in_features": 64, "out_features": 128}, {"op": "swiglu"},
+          {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "add_extra_input", "channel": "r"}])",
+      R"([{"op": "add_extra_input"}, {"op": "make_extra_output"}, {"op": "layernorm"},
+          {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"}, {"op": "gelu"},
+          {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"}, {"op": "add_extra_input"}])",
+      R"([{"op": "make_extra_output", "channel": "r", "returned": true}, {"op": "gelu"},
+          {"op": "add_extra_input", "channel": "r"}, {"op": "silu"}, {"op": "add_extra_input", "channel": "r"}])",
+  };
+  return v;
+}
+
 struct BuiltinCase {
-  int seq = 0;  // index into builtin_sequences(), then builtin_fp8_sequences(), then builtin_chain_sequences()
+  int seq = 0;  // index into builtin_sequences(), builtin_fp8_sequences(), builtin_chain_sequences(), then
+                // builtin_block_sequences()
   std::string ops_json;
   std::string recipe;
   bool training = true;
@@ -101,6 +118,7 @@ inline std::vector<BuiltinCase> builtin_cases() {
   for (const char* s : builtin_sequences()) add(s, {"fp32", "fp16", "bf16"});
   for (const char* s : builtin_fp8_sequences()) add(s, {"fp8_delayed", "fp8_current"});
   for (const char* s : builtin_chain_sequences()) add(s, {"fp32", "fp16", "bf16"});
+  for (const char* s : builtin_block_sequences()) add(s, {"bf16", "fp8_delayed", "fp8_current"});
   return out;
 }
 

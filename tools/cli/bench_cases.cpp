@@ -3,6 +3,9 @@
 // per precision, shared by every case that uses them.
 #include "bench_cases.hpp"
 
+#include <algorithm>
+#include <memory>
+
 #include <fmt/format.h>
 
 #include "cuda/cublaslt.hpp"
@@ -177,13 +180,14 @@ constexpr TnGemm kMlpTnGemms[] = {{"fc1 fwd", R, F, H, true},    {"fc2 fwd", R, 
 // B, a bf16 D, the two scale-inverses (1; their value does not change the time) in separate 16-byte slots
 // (cuBLASLt refuses a scale pointer that is not), and the workspace.
 struct TnOperands {
-  static constexpr int64_t kMost = F * R;  // elements of the largest operand and output
-  DeviceTensor a8{{kMost}, "e4m3"}, b8{{kMost}, "e4m3"}, d16{{kMost}, "bf16"}, ones{{8}, "fp32"},
-      ws{{static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32"};
+  static constexpr int64_t kMost = F * R;  // elements of the MLP's largest operand and output
+  int64_t most;
+  DeviceTensor a8, b8, d16, ones{{8}, "fp32"}, ws{{static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32"};
 
-  explicit TnOperands(CUstream s) {
-    a8.upload(random_operand_bytes(static_cast<size_t>(kMost), true, 13), s);
-    b8.upload(random_operand_bytes(static_cast<size_t>(kMost), true, 14), s);
+  explicit TnOperands(CUstream s, int64_t most_elements = kMost)
+      : most(most_elements), a8({most}, "e4m3"), b8({most}, "e4m3"), d16({most}, "bf16") {
+    a8.upload(random_operand_bytes(static_cast<size_t>(most), true, 13), s);
+    b8.upload(random_operand_bytes(static_cast<size_t>(most), true, 14), s);
     ones.upload_values({1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0}, s);
   }
   // The problem in bf16 on A and B (bf16 output).
@@ -232,6 +236,83 @@ std::vector<Row> mlp_fp8(const BenchEnv& env) {
       if (!fp8) bf16_ms = r.ms;
       if (fp8 && bf16_ms > 0) r.speedup = bf16_ms / r.ms;
       if (fp8 && unchanged) r.baseline_ms = mlp_fp8_baseline_ms(env);
+      rows.push_back(r);
+    }
+  }
+  return rows;
+}
+
+// Whole blocks (issue 27): the Llama-style MLP half-block (fork "residual" -> rmsnorm -> linear 4096 ->
+// 2*14336 -> swiglu -> linear 14336 -> 4096 -> add "residual") and the GPT-2-style one (fork -> layernorm ->
+// linear 4096 -> 16384 -> bias -> gelu -> linear -> bias -> dropout -> add), each ONE sequence with a hidden
+// channel, forward + backward at 8192 tokens, against their six GEMMs alone on bare cuBLASLt (bf16: the
+// same problems in bf16; FP8: E4M3 x E4M3 -> bf16, as the FP8 program runs them).
+constexpr int64_t kLlamaI = 14336;
+
+struct Block {
+  const char* name;
+  int64_t n1, k2;  // linear 1: H -> n1; linear 2: k2 -> H
+};
+constexpr Block kLlamaBlock{"llama block", 2 * kLlamaI, kLlamaI}, kGpt2Block{"gpt2 block", F, F};
+
+SeqBench block_seq(const BenchEnv& env, const Block& b, const char* recipe) {
+  if (b.n1 == b.k2) {  // GPT-2
+    const std::string ops = fmt::format(
+        R"([{{"op": "make_extra_output", "channel": "residual"}}, {{"op": "layernorm"}},
+            {{"op": "linear", "in_features": {0}, "out_features": {1}}}, {{"op": "bias"}},
+            {{"op": "gelu", "approximate": "tanh"}}, {{"op": "linear", "in_features": {1}, "out_features": {0}}},
+            {{"op": "bias"}}, {{"op": "dropout", "p": 0.1}}, {{"op": "add_extra_input", "channel": "residual"}}])",
+        H, F);
+    return SeqBench(env.ctx, env.stream, ops, {R, H}, {R, H},
+                    {{1, "weight", {H}}, {1, "bias", {H}}, {2, "weight", {F, H}}, {3, "bias", {F}},
+                     {5, "weight", {H, F}}, {6, "bias", {H}}},
+                    0, 0, recipe);
+  }
+  const std::string ops = fmt::format(
+      R"([{{"op": "make_extra_output", "channel": "residual"}}, {{"op": "rmsnorm"}},
+          {{"op": "linear", "in_features": {0}, "out_features": {1}}}, {{"op": "swiglu"}},
+          {{"op": "linear", "in_features": {2}, "out_features": {0}}}, {{"op": "add_extra_input", "channel": "residual"}}])",
+      H, b.n1, b.k2);
+  return SeqBench(env.ctx, env.stream, ops, {R, H}, {R, H},
+                  {{1, "weight", {H}}, {2, "weight", {b.n1, H}}, {4, "weight", {H, b.k2}}}, 0, 0, recipe);
+}
+
+// The block's six GEMMs alone as TN problems D[M,N] = A[M,K] B[N,K]^T, bf16 or FP8 (fast accumulation in
+// the forward only, as the FP8 program).
+double block_gemms_ms(const BenchEnv& env, const Block& b, bool fp8) {
+  const TnGemm gemms[] = {{"fc1 fwd", R, b.n1, H, true},    {"fc2 fwd", R, H, b.k2, true},
+                          {"fc2 dgrad", R, b.k2, H, false}, {"fc2 wgrad", H, b.k2, R, false},
+                          {"fc1 dgrad", R, H, b.n1, false}, {"fc1 wgrad", b.n1, H, R, false}};
+  const int64_t most = std::max(b.n1, b.k2) * R;
+  TnOperands o(env.stream, most);
+  std::unique_ptr<DeviceTensor> a16, b16;
+  if (!fp8) {
+    a16 = std::make_unique<DeviceTensor>(ops::Shape{most}, "bf16");
+    b16 = std::make_unique<DeviceTensor>(ops::Shape{most}, "bf16");
+    a16->upload(random_operand_bytes(static_cast<size_t>(most), false, 11), env.stream);
+    b16->upload(random_operand_bytes(static_cast<size_t>(most), false, 12), env.stream);
+  }
+  cuda::Blas blas;
+  std::vector<cuda::GemmCall> calls;
+  for (const auto& g : gemms) {
+    calls.push_back(fp8 ? o.fp8(g, g.forward) : o.bf16(g, ptr(*a16), ptr(*b16)));
+    blas.prepare(calls.back(), env.stream);
+  }
+  return median_ms(env.stream, [&] {
+    for (const auto& c : calls) blas.gemm(c, env.stream);
+  }, env.opts);
+}
+
+std::vector<Row> blocks(const BenchEnv& env) {
+  std::vector<Row> rows;
+  for (const Block* b : {&kLlamaBlock, &kGpt2Block}) {
+    const double flops = 3 * 2.0 * R * H * static_cast<double>(b->n1 + b->k2);
+    const std::string shape = fmt::format("8192: 4096->{}->4096", b->n1);
+    for (const char* recipe : {"bf16", "fp8_delayed"}) {
+      SeqBench s = block_seq(env, *b, recipe);
+      const bool fp8 = std::string(recipe) != "bf16";
+      Row r{fmt::format("{} {} fwd+bwd", b->name, recipe), shape, step_ms(env, s, fp8), 0, flops};
+      r.baseline_ms = block_gemms_ms(env, *b, fp8);
       rows.push_back(r);
     }
   }
@@ -328,6 +409,7 @@ const BenchCase kCases[] = {
     {"mlp_fp8", false, mlp_fp8},
     {"mlp_relu", true, [](const BenchEnv& env) { return mlp_train(env, "relu", "mlp_relu fwd+bwd"); }},
     {"gemm_fp8", false, gemm_fp8},
+    {"blocks", false, blocks},
     {"decode", false, decode},
 };
 

@@ -57,6 +57,13 @@ void print_dot(const ops::SequenceDef& def, const std::vector<ops::Op>& ops, con
       size_t a = reverse ? ops.size() - 1 - i : i, b = reverse ? a - 1 : a + 1;
       std::printf("    %s_%zu -> %s_%zu;\n", id, a, id, b);
     }
+    for (const auto& op : ops)  // channels: source -> reader (its gradient flows back the other way)
+      if (op.family == ops::Family::add_extra_input && op.channel_src >= 0 &&
+          ops[static_cast<size_t>(op.channel_src)].family == ops::Family::make_extra_output) {
+        const int a = reverse ? op.index : op.channel_src, b = reverse ? op.channel_src : op.index;
+        std::printf("    %s_%d -> %s_%d [style=dashed, color=\"#1a73e8\", label=\"%s\"];\n", id, a, id, b,
+                    dot_escape(op.channel).c_str());
+      }
     std::printf("  }\n");
   };
   direction("forward", "forward", p.forward, false);
@@ -73,9 +80,11 @@ void print_text(const ExplainOpts& o, const ops::SequenceDef& def, const std::ve
   std::printf("%zu rules loaded%s\n", rs.rules().size(),
               rs.errors().empty() ? "" : fmt::format(" ({} skipped with errors, listed on stderr)", rs.errors().size()).c_str());
   std::printf("\nops:\n");
-  for (const auto& op : ops)
-    std::printf("  %3d  %-18s %s -> %s\n", op.index, op.kind.c_str(), ops::shape_str(op.in).c_str(),
-                ops::shape_str(op.out).c_str());
+  for (const auto& op : ops) {
+    const std::string wiring = fuser::op_wiring(op, ops);
+    std::printf("  %3d  %-18s %s -> %s%s\n", op.index, op.kind.c_str(), ops::shape_str(op.in).c_str(),
+                ops::shape_str(op.out).c_str(), wiring.empty() ? "" : ("   " + wiring).c_str());
+  }
   for (auto pass : {rules::Pass::joint, rules::Pass::forward, rules::Pass::backward}) {
     std::printf("\n%s pass:\n", rules::pass_name(pass).c_str());
     size_t shown = 0;
@@ -108,6 +117,15 @@ void print_text(const ExplainOpts& o, const ops::SequenceDef& def, const std::ve
   };
   groups("forward", p.forward);
   groups("backward", p.backward);
+  for (auto pass : {rules::Pass::forward, rules::Pass::backward}) {
+    if (pass == rules::Pass::backward && !in.training) break;
+    const auto apart = fuser::kept_apart(p, ops, pass);
+    if (apart.empty()) continue;
+    std::printf("\nadjacent ops kept apart (%s):\n", rules::pass_name(pass).c_str());
+    for (const auto& a : apart)
+      std::printf("  ops %d, %d (%s, %s): %s\n", a.left, a.left + 1, ops[a.left].kind.c_str(),
+                  ops[a.left + 1].kind.c_str(), a.why.c_str());
+  }
 }
 
 void run(const ExplainOpts& o) {

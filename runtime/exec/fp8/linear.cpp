@@ -61,11 +61,12 @@ void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bg
   }
   spec.vec = (bgn < e ? opt.vec : true) && cols % 8 == 0;
   spec.fp8 = q;
-  // A norm kernel writes one row at a time, so it writes the row-major codes only; in training the
-  // transposed copy is a transpose of those codes (1 byte read per element, not the 2-byte activation).
-  const bool norm = spec.skeleton == codegen::Skeleton::rownorm;
-  const bool codes_transpose = norm && b.training();
-  if ((b.training() || !b.forward()) && !norm) {
+  // A norm or gated kernel writes the row-major codes only (a norm works a row at a time; a gated kernel's
+  // output is half its input's width); in training the transposed copy is a transpose of those codes (1 byte
+  // read per element, not the 2-byte activation).
+  const bool row_codes = spec.skeleton == codegen::Skeleton::rownorm || spec.skeleton == codegen::Skeleton::gated;
+  const bool codes_transpose = row_codes && b.training();
+  if ((b.training() || !b.forward()) && !row_codes) {
     spec.skeleton = codegen::Skeleton::cast_transpose;
     spec.label += "_transpose";
     spec.vec = spec.vec && rows % 16 == 0;  // the transposed 16-byte stores: 16 rows of one column

@@ -9,6 +9,9 @@ namespace {
 class Residual final : public CublasEpilogue {
  public:
   std::string name() const override { return "RESIDUAL"; }
+  std::optional<std::string> check_fp8(const std::vector<OpUse>&, const rules::Impl&, rules::Pass) const override {
+    return std::nullopt;  // FP8 GEMMs take a bf16 C with beta = 1 (D bf16), the BIAS epilogue and alpha
+  }
 
  protected:
   rules::Pass pass() const override { return rules::Pass::forward; }

@@ -1,15 +1,16 @@
 // generated fp8_cast: the hand-off TransformerEngine's fuser makes between a linear and the ops next to
 // it under an FP8 recipe. The op before a linear writes the linear's FP8 input directly, and the ops after
 // it write its FP8 output gradient in their backward, so no bf16 copy of either is written and read back:
-//   forward  [chain..., linear, bias?]   the chain's kernel writes x as E4M3, row-major + transposed
-//                                         (training), then y = x W^T (+ b in the GEMM's BIAS epilogue)
+//   forward  [chain..., linear, bias?, add_extra_input?]   the chain's kernel writes x as E4M3, row-major
+//                                         + transposed (training), then y = x W^T (+ b in the GEMM's BIAS
+//                                         epilogue) (+ e: the residual as the GEMM's C, beta = 1)
 //            [..., linear, bias?, quantize]  (fp8_delayed) the GEMM writes the quantize's E4M3 output
 //                                         itself: D scale = the quantize's stored scale, its amax from the
 //                                         GEMM (cuBLASLt's AMAX_D), the state rolled by the pass's update
 //   backward [linear, chain...]          the chain's backward kernel (dbias, dact, ...) writes dy as
 //                                         E5M2, row-major + transposed, then dgrad and wgrad
-// The chain is any generated chain (elementwise; a norm forward, which writes the row-major codes only, so
-// in training a transpose of its codes follows); empty, the cast stands alone.
+// The chain is any generated chain (elementwise; a norm or gated forward, which writes the row-major codes
+// only, so in training a transpose of its codes follows); empty, the cast stands alone.
 #include "common/error.hpp"
 #include "exec/impl/generated_chain.hpp"
 #include "exec/impl/registrar.hpp"
@@ -48,20 +49,23 @@ class GeneratedFp8Cast final : public Implementation {
     codegen::Skeleton sk = codegen::Skeleton::elementwise;
     if (pass == rules::Pass::forward) {
       size_t after = w.size() - static_cast<size_t>(lin) - 1;
-      if (after > 0 && w.back().name() == "quantize") --after;  // the GEMM writes the E4M3 output
+      // The GEMM writes the E4M3 output, or adds the residual (C = the extra input, beta = 1).
+      if (after > 0 && (w.back().name() == "quantize" || w.back().family() == ops::Family::add_extra_input)) --after;
       if (after > 1 || (after == 1 && w[static_cast<size_t>(lin) + 1].family() != ops::Family::bias))
         return "in the forward, fp8_cast takes at most a bias after the linear (its GEMM's BIAS epilogue), "
-               "then a quantize (the GEMM's FP8 output)";
+               "then a quantize (the GEMM's FP8 output) or an add_extra_input (the GEMM's C, beta = 1)";
       std::vector<OpUse> chain(w.begin(), w.begin() + lin);
       if (chain.empty()) return std::nullopt;
       if (auto p = chain_problem(chain, 0, &sk)) return p;
-      if (sk == codegen::Skeleton::gated) return "fp8_cast cannot write a gated kernel's output as FP8";
       return std::nullopt;
     }
     if (lin != 0) return "in the backward, fp8_cast's window starts with the linear";
     std::vector<OpUse> chain(w.begin() + 1, w.end());
     if (chain.empty()) return std::nullopt;
     if (auto p = chain_problem(chain, 0, &sk)) return p;
+    if (sk == codegen::Skeleton::gated)
+      return "in the backward, a gated op's backward kernel (its gradient twice its output's width) does not "
+             "write FP8 gradients: the linear casts its E5M2 gradient with its own cast + transpose kernel";
     if (sk != codegen::Skeleton::elementwise) return "in the backward, fp8_cast's chain must be elementwise";
     return std::nullopt;
   }
@@ -77,18 +81,24 @@ class GeneratedFp8Cast final : public Implementation {
     if (b.forward()) {
       check_fp8_linear(b, lin);
       if (g.begin < lin) fp8_cast_operand(b, lin, fp8::Operand::input, b.act(g.begin), g.begin, lin);
-      const int q = b.ops()[static_cast<size_t>(g.end - 1)].kind == "quantize" ? g.end - 1 : -1;
-      const int gemm_end = q >= 0 ? q : g.end;
+      const auto& last = b.ops()[static_cast<size_t>(g.end - 1)];
+      const int q = last.kind == "quantize" ? g.end - 1 : -1;
+      const int add = last.family == ops::Family::add_extra_input && lin < g.end - 1 ? g.end - 1 : -1;
+      const int gemm_end = q >= 0 ? q : add >= 0 ? add : g.end;
       const bool bias = lin + 1 < gemm_end;
       // Current scaling needs the output's amax before its cast, which one GEMM cannot give: there the
       // GEMM writes the recipe's dtype and the quantize runs as its own kernel (the built-in rules that
       // end in a quantize ask for fp8_delayed; this serves a user rule that names both recipes).
       const bool gemm_quantizes = q >= 0 && b.recipe().kind == ops::RecipeKind::fp8_delayed;
-      GemmStep gs = linear_forward(b, lin, b.act(lin), b.act(gemm_quantizes ? g.end : gemm_end),
+      GemmStep gs = linear_forward(b, lin, b.act(lin), b.act(gemm_quantizes || add >= 0 ? g.end : gemm_end),
                                    bias ? cuda::Epilogue::bias : cuda::Epilogue::none);
       if (bias) gs.bias = b.param(lin + 1, "bias");
       if (gemm_quantizes) quantize_output(b, gs, q);
-      b.gemm(gs, g.rule + ": FP8 GEMM " + b.ops()[lin].label() + (bias ? " + BIAS" : "") +
+      if (add >= 0) {  // y = x W^T (+ b) + e: the residual is the GEMM's C (bf16, as D)
+        gs.call.beta = 1.f;
+        gs.c = b.extra_in(add);
+      }
+      b.gemm(gs, g.rule + ": FP8 GEMM " + b.ops()[lin].label() + (bias ? " + BIAS" : "") + (add >= 0 ? " + residual" : "") +
                      (gemm_quantizes ? " -> E4M3 output of " + b.ops()[static_cast<size_t>(q)].label() : ""));
       if (q >= 0 && !gemm_quantizes) lower_chain(b, q, g.end, chain_options(b), ops::rows_of(b.ops()[q].in));
       b.boundary_saves(g.begin, g.end);

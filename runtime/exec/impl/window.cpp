@@ -52,6 +52,11 @@ std::optional<std::string> chain_problem(const std::vector<OpUse>& w, size_t fro
       sk = u.family() == Family::norm ? Skeleton::rownorm : Skeleton::gated;
     }
   }
+  for (int i = static_cast<int>(from); i < n; ++i)  // one kernel's pointers are __restrict__: never alias
+    for (int j = i + 1; j < n && w[i].op && !w[i].op->channel.empty(); ++j)
+      if (w[j].op && w[j].op->channel == w[i].op->channel)
+        return "ops " + std::to_string(w[i].op->index) + " and " + std::to_string(w[j].op->index) + " use channel '" +
+               w[i].op->channel + "': one kernel does not both write and read a channel (they run apart)";
   for (int i = static_cast<int>(from); i < n; ++i) {
     if (sk == Skeleton::rownorm && w[i].family() == Family::bias) return "a rownorm kernel holds no bias stage";
     if (sk == Skeleton::gated && i < anchor && w[i].family() == Family::dropout)

@@ -5,6 +5,7 @@
 // change regenerates them with JITFUSE_UPDATE_GOLDEN=1 and shows up in review.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -61,15 +62,21 @@ TEST_CASE("generated sources of the built-in rules match the golden files", "[co
   std::map<std::string, std::string> manifest;  // kernel name -> sha256 of its stitched source
   std::map<std::string, std::string> full;
   for (const auto& c : test::builtin_cases()) {
+    std::map<std::string, std::vector<std::string>> in_case;  // name -> the distinct sources this case gave it
     for (const auto& [spec, meta] : test::case_kernels(c, rs)) {
       {
         const bool vec = spec.vec;
         const std::string source = lib.request(spec, target, meta, vec).source;  // one source, both variants
-        const std::string name = "s" + std::to_string(c.seq) + " " + c.recipe + (c.training ? " train " : " infer ") +
-                                 ops::shape_str(c.shape) + " " +
-                                 spec.label + (spec.dir == codegen::Direction::forward ? " fwd" : " bwd") +
-                                 (vec ? " vec" : " scalar");
+        std::string name = "s" + std::to_string(c.seq) + " " + c.recipe + (c.training ? " train " : " infer ") +
+                           ops::shape_str(c.shape) + " " +
+                           spec.label + (spec.dir == codegen::Direction::forward ? " fwd" : " bwd") +
+                           (vec ? " vec" : " scalar");
         const std::string hash = cache::to_hex(cache::sha256(source));
+        // A case with two kernels of one label (a block's two linears' casts): numbered in step order.
+        auto& seen = in_case[name];
+        size_t k = std::find(seen.begin(), seen.end(), hash) - seen.begin();
+        if (k == seen.size()) seen.push_back(hash);
+        if (k > 0) name += " #" + std::to_string(k + 1);
         auto [it, fresh] = manifest.emplace(name, hash);
         INFO(name << " from case " << c.id());
         CHECK(it->second == hash);  // one name, one source, whatever case produced it

@@ -1,5 +1,6 @@
 // Position-independent kernels (issue 14): a 64-layer model as one sequence plans in milliseconds and needs
-// exactly the distinct kernels of one layer, each kernel shared by the groups of every layer.
+// exactly the distinct kernels of two layers (one layer's and a boundary's), each kernel shared by the groups
+// of every layer.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -32,17 +33,21 @@ size_t kernel_steps(const exec::Program& p) {
 
 }  // namespace
 
-TEST_CASE("64 layers need exactly the distinct kernels of one layer", "[exec][position]") {
+TEST_CASE("64 layers need exactly the distinct kernels of two layers", "[exec][position]") {
+  // A layer ends in a residual add and begins with a fork and a norm: across a boundary the three run as
+  // one kernel (fork_norm), which one layer alone does not have. Two layers hold every kernel of any depth.
   for (const char* recipe : {"bf16", "fp8_current"})
     for (bool training : {true, false}) {
       INFO(recipe << (training ? " training" : " inference"));
-      const Planned one = plan_layers(1, recipe, training), deep = plan_layers(64, recipe, training);
+      const Planned one = plan_layers(1, recipe, training), two = plan_layers(2, recipe, training),
+                    deep = plan_layers(64, recipe, training);
       REQUIRE(deep.ops.size() == 64 * one.ops.size());
-      const auto one_kernels = exec::program_kernels(*one.program), deep_kernels = exec::program_kernels(*deep.program);
-      // Every layer launches its kernels (64x the steps), but they are the one layer's kernels, listed once.
-      CHECK(kernel_steps(*deep.program) == 64 * kernel_steps(*one.program));
-      CHECK(deep_kernels.size() == one_kernels.size());
-      CHECK(sources(*deep.program) == sources(*one.program));
+      const auto two_kernels = exec::program_kernels(*two.program), deep_kernels = exec::program_kernels(*deep.program);
+      // Every layer launches its kernels, but they are the two layers' kernels, listed once.
+      const size_t per_layer = kernel_steps(*two.program) - kernel_steps(*one.program);
+      CHECK(kernel_steps(*deep.program) == kernel_steps(*one.program) + 63 * per_layer);
+      CHECK(deep_kernels.size() == two_kernels.size());
+      CHECK(sources(*deep.program) == sources(*two.program));
     }
 }
 
@@ -62,7 +67,9 @@ TEST_CASE("a kernel shared by several layers binds each layer's own tensors", "[
   std::set<uint64_t> seeds;
   for (const auto& [source, uses] : by_source) {
     INFO(uses.front().k->gen.kernel);
-    CHECK(uses.size() % 3 == 0);  // every layer runs it
+    // Every layer runs it, or every boundary between two (fork_norm), or only the first or last layer.
+    CHECK(uses.size() >= 1);
+    CHECK(uses.size() <= 3);
     std::set<std::vector<int>> bindings;
     for (const auto& [k, g] : uses) {
       std::vector<int> ids;

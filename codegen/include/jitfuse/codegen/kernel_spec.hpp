@@ -34,6 +34,9 @@ struct Stage {
   double dropout_p = 0;
   bool dropout_regenerate = false;  // backward: regenerate the mask from (seed, offset) (joint groups)
   bool dropout_save_mask = false;   // forward: write the bit-packed mask
+  bool grad_accumulate = false;  // extra_add backward: de += g (a channel's readers but its last one)
+  bool grad_two_parts = false;   // extra_tap backward: g += d_extra + d_channel (a returned channel also read:
+                                 // the second tensor is the Role::grad_extra_out argument named "channel")
 };
 
 struct NormSpec {
@@ -103,8 +106,10 @@ struct Arg {
     saved,         // (op, name: "input"|"output"|"mean"|"rstd"|"mask") saved context
     extra_in,      // (op) add_extra_input's tensor (forward)
     extra_out,     // (op) make_extra_output's tensor (forward)
-    grad_extra_out,  // (op) grad of make_extra_output's extra output (backward, read)
-    grad_extra_in,   // (op) grad of add_extra_input's extra input (backward, write)
+    grad_extra_out,  // (op) grad of make_extra_output's extra output (backward, read); name "channel": the
+                     //      gradient its channel's readers summed (Stage::grad_two_parts)
+    grad_extra_in,   // (op) grad of add_extra_input's extra input (backward, write; read too when
+                     //      Stage::grad_accumulate)
     partials,      // (op, name) fp32 [parts, cols] partial column sums of a parameter grad
     rows,          // jf_i64
     seed,          // jf_u64 (dropout op): the op's seed attribute

@@ -1,0 +1,90 @@
+// Named channels on the GPU (docs/ops.md#channels): every channel shape (hidden, fan-out, returned, from
+// the caller) and the Llama- and GPT-2-style MLP blocks as one sequence each, forward and backward against
+// the float64 reference (reference/check: fresh random inputs, outputs poisoned, the recipe's tolerances),
+// fused and with fusion off, on odd row counts and misaligned pointers.
+#include "gpu/gpu_check.hpp"
+
+using namespace jitfuse;
+using jitfuse::test::run_check;
+
+namespace {
+
+std::string seq(const std::string& ops_json, const std::string& inputs = "") {
+  return R"({"format": "jitfuse.sequence/1", "name": "channels", )" +
+         (inputs.empty() ? std::string() : R"("input_channels": )" + inputs + ", ") + R"("ops": )" + ops_json + "}";
+}
+
+// Hidden 64, intermediate 96 (FP8 GEMMs need multiples of 16).
+const std::string kLlama = seq(R"([{"op": "make_extra_output", "channel": "residual"}, {"op": "rmsnorm"},
+    {"op": "linear", "in_features": 64, "out_features": 192}, {"op": "swiglu"},
+    {"op": "linear", "in_features": 96, "out_features": 64}, {"op": "add_extra_input", "channel": "residual"}])");
+const std::string kGpt2 = seq(R"([{"op": "make_extra_output", "channel": "residual"}, {"op": "layernorm"},
+    {"op": "linear", "in_features": 64, "out_features": 256}, {"op": "bias"}, {"op": "gelu", "approximate": "tanh"},
+    {"op": "linear", "in_features": 256, "out_features": 64}, {"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 11},
+    {"op": "add_extra_input", "channel": "residual"}])");
+// The residual of the attention half comes in from the caller and feeds both halves' residual adds.
+const std::string kLlamaWithSkip = seq(R"([{"op": "add_extra_input", "channel": "skip"},
+    {"op": "make_extra_output", "channel": "residual"}, {"op": "rmsnorm"},
+    {"op": "linear", "in_features": 64, "out_features": 192}, {"op": "swiglu"},
+    {"op": "linear", "in_features": 96, "out_features": 64}, {"op": "add_extra_input", "channel": "residual"},
+    {"op": "add_extra_input", "channel": "skip"}])", R"(["skip"])");
+
+struct Shape {
+  const char* what;
+  std::string json;
+};
+
+const Shape kShapes[] = {
+    {"hidden, one reader", seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "gelu"}, {"op": "scale", "value": 0.5},
+                                   {"op": "add_extra_input", "channel": "r"}])")},
+    {"fan-out: three readers", seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "gelu"},
+                                       {"op": "add_extra_input", "channel": "r"}, {"op": "silu"},
+                                       {"op": "add_extra_input", "channel": "r"}, {"op": "relu"},
+                                       {"op": "add_extra_input", "channel": "r"}])")},
+    {"fan-out, two readers side by side", seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "gelu"},
+                                                  {"op": "add_extra_input", "channel": "r"},
+                                                  {"op": "add_extra_input", "channel": "r"}])")},
+    {"returned and read", seq(R"([{"op": "make_extra_output", "channel": "r", "returned": true}, {"op": "silu"},
+                                  {"op": "add_extra_input", "channel": "r"}])")},
+    {"returned and read, through a linear", seq(R"([{"op": "make_extra_output", "channel": "r", "returned": true},
+                                                    {"op": "linear", "in_features": 64, "out_features": 64},
+                                                    {"op": "add_extra_input", "channel": "r"}])")},
+    {"hidden through a linear (cuBLASLt accumulates)", seq(R"([{"op": "make_extra_output", "channel": "r"},
+                                                    {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"},
+                                                    {"op": "add_extra_input", "channel": "r"}])")},
+    {"from the caller, two readers, beside plain extras",
+     seq(R"([{"op": "add_extra_input", "channel": "skip"}, {"op": "gelu"}, {"op": "add_extra_input"},
+             {"op": "make_extra_output"}, {"op": "silu"}, {"op": "add_extra_input", "channel": "skip"}])", R"(["skip"])")},
+    {"add, fork, norm (the new residual and the normalised output)",
+     seq(R"([{"op": "add_extra_input", "channel": "skip"}, {"op": "make_extra_output", "channel": "r"},
+             {"op": "rmsnorm"}, {"op": "gelu"}, {"op": "add_extra_input", "channel": "r"}])", R"(["skip"])")},
+};
+
+}  // namespace
+
+TEST_CASE("every channel shape matches the float64 reference, fused and unfused", "[channels]") {
+  for (const auto& s : kShapes) {
+    INFO(s.what);
+    for (const char* recipe : {"fp32", "bf16"})
+      for (ops::Shape shape : {ops::Shape{33, 64}, ops::Shape{8, 64}}) {
+        run_check(s.json, recipe, shape);
+        run_check(s.json, recipe, shape, true, /*misalign=*/true, 3);
+      }
+    test::ScopedEnv off("JITFUSE_DISABLE_FUSION", "1");
+    run_check(s.json, "bf16", {33, 64}, true, false, 5);
+  }
+}
+
+TEST_CASE("the Llama and GPT-2 MLP blocks, one sequence each, match the reference in every recipe", "[channels]") {
+  for (const std::string* block : {&kLlama, &kGpt2, &kLlamaWithSkip}) {
+    for (const char* recipe : {"fp32", "bf16"}) {
+      run_check(*block, recipe, {33, 64});
+      run_check(*block, recipe, {4, 2, 64}, true, false, 2);
+    }
+    // FP8 GEMMs take rows in multiples of 16 in training.
+    for (const char* recipe : {"fp8_delayed", "fp8_current"}) run_check(*block, recipe, {48, 64});
+    test::ScopedEnv off("JITFUSE_DISABLE_FUSION", "1");
+    run_check(*block, "bf16", {33, 64}, true, false, 7);
+    run_check(*block, "fp8_delayed", {48, 64}, true, false, 7);
+  }
+}

@@ -1,0 +1,136 @@
+// Named channels in the sequence format (docs/ops.md#channels): parsing, every refusal with its
+// file:line:col and op index, the caller's slots, and the wiring infer gives each op.
+#include <catch2/catch.hpp>
+
+#include "common/error.hpp"
+#include "ops/sequence.hpp"
+
+using namespace jitfuse;
+
+namespace {
+
+std::string seq(const std::string& ops_json, const std::string& top = "") {
+  return "{\"format\": \"jitfuse.sequence/1\",\n" + top + "\"ops\": " + ops_json + "}";
+}
+
+std::string error_of(const std::string& text, const ops::Shape& shape = {4, 8}) {
+  ops::Registry reg;
+  try {
+    auto def = ops::parse_sequence(text, "seq.json", reg);
+    ops::infer(def, shape);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<ops::Op> wired(const std::string& text, ops::SequenceDef* out = nullptr, ops::Shape shape = {4, 8}) {
+  ops::Registry reg;
+  auto def = ops::parse_sequence(text, "seq.json", reg);
+  if (out) *out = def;
+  return ops::infer(def, shape);
+}
+
+}  // namespace
+
+TEST_CASE("a hidden channel: one input, one output, its reader wired to its fork", "[ops][channels]") {
+  ops::SequenceDef def;
+  auto ops = wired(seq(R"([{"op": "make_extra_output", "channel": "residual"}, {"op": "gelu"},
+                           {"op": "add_extra_input", "channel": "residual"}])"), &def);
+  CHECK(def.extra_inputs == 0);
+  CHECK(def.extra_outputs == 0);
+  CHECK(ops[0].channel == "residual");
+  CHECK(ops[0].extra_slot == -1);
+  CHECK_FALSE(ops[0].grad_two_parts);
+  CHECK(ops[2].channel_src == 0);
+  CHECK(ops[2].extra_slot == -1);
+  CHECK_FALSE(ops[2].grad_accumulate);
+  CHECK(def.canonical.find("\"channel\":\"residual\"") != std::string::npos);
+}
+
+TEST_CASE("fan-out, returned and caller channels number the caller's slots as documented", "[ops][channels]") {
+  ops::SequenceDef def;
+  // ops: 0 add(skip: caller, slot 0) 1 fork r (returned: extra output 0) 2 fork (plain: extra output 1)
+  //      3 gelu 4 add r 5 add (plain: extra input 1) 6 add r 7 add skip
+  auto ops = wired(seq(R"([{"op": "add_extra_input", "channel": "skip"},
+                           {"op": "make_extra_output", "channel": "r", "returned": true},
+                           {"op": "make_extra_output"}, {"op": "gelu"},
+                           {"op": "add_extra_input", "channel": "r"}, {"op": "add_extra_input"},
+                           {"op": "add_extra_input", "channel": "r"},
+                           {"op": "add_extra_input", "channel": "skip"}])",
+                       R"("input_channels": ["skip"],)"),
+                   &def);
+  CHECK(def.extra_inputs == 2);
+  CHECK(def.extra_outputs == 2);
+  CHECK(ops[0].extra_slot == 0);
+  CHECK(ops[0].channel_src == 0);       // the caller's channel: its first reader owns the slot
+  CHECK(ops[0].grad_accumulate);        // op 7 writes the gradient first, op 0 adds to it
+  CHECK(ops[1].extra_slot == 0);
+  CHECK(ops[1].returned);
+  CHECK(ops[1].grad_two_parts);         // returned and read: the caller's gradient and the readers'
+  CHECK(ops[2].extra_slot == 1);
+  CHECK(ops[4].channel_src == 1);
+  CHECK(ops[4].grad_accumulate);
+  CHECK(ops[5].extra_slot == 1);
+  CHECK(ops[6].channel_src == 1);
+  CHECK_FALSE(ops[6].grad_accumulate);  // the last reader: first in the backward
+  CHECK(ops[7].channel_src == 0);
+  CHECK(ops[7].extra_slot == -1);
+  CHECK_FALSE(ops[7].grad_accumulate);
+}
+
+TEST_CASE("sequences without channels parse exactly as before", "[ops][channels]") {
+  ops::SequenceDef def;
+  auto ops = wired(seq(R"([{"op": "make_extra_output"}, {"op": "add_extra_input"}, {"op": "add_extra_input"}])"), &def);
+  CHECK(def.extra_inputs == 2);
+  CHECK(def.extra_outputs == 1);
+  CHECK(ops[1].extra_slot == 0);
+  CHECK(ops[2].extra_slot == 1);
+  CHECK(ops[1].channel_src == -1);
+  CHECK(def.canonical.find("channel") == std::string::npos);
+}
+
+TEST_CASE("every channel refusal names the file:line:col, the op and what to do", "[ops][channels]") {
+  struct Case {
+    std::string text;
+    std::vector<const char*> needles;
+  } cases[] = {
+      {seq(R"([{"op": "gelu"}, {"op": "add_extra_input", "channel": "r"}])"),
+       {"seq.json:2:", "op 1 (add_extra_input)", "channel 'r' is read before anything writes it", "input_channels"}},
+      {seq(R"([{"op": "add_extra_input", "channel": "r"}, {"op": "make_extra_output", "channel": "r", "returned": true}])"),
+       {"op 0 (add_extra_input)", "its make_extra_output is op 1, after this reader"}},
+      {seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "make_extra_output", "channel": "r"},
+               {"op": "add_extra_input", "channel": "r"}])"),
+       {"op 1 (make_extra_output)", "channel 'r' already has a source (op 0)", "one source"}},
+      {seq(R"([{"op": "make_extra_output", "channel": "skip"}, {"op": "add_extra_input", "channel": "skip"}])",
+           R"("input_channels": ["skip"],)"),
+       {"op 0 (make_extra_output)", "already has a source (\"input_channels\")"}},
+      {seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "gelu"}])"),
+       {"op 0 (make_extra_output)", "channel 'r' is never read", "\"returned\": true"}},
+      {seq(R"([{"op": "gelu"}])", R"("input_channels": ["skip"],)"),
+       {"seq.json:2:", "input channel 'skip' is never read"}},
+      {seq(R"([{"op": "add_extra_input", "channel": "a"}])", R"("input_channels": ["a", "a"],)"),
+       {"channel 'a' is declared twice"}},
+      {seq(R"([{"op": "add_extra_input", "channel": "a"}])", R"("input_channels": "a",)"),
+       {"\"input_channels\" must be an array"}},
+      {seq(R"([{"op": "make_extra_output", "channel": "bad name"}, {"op": "add_extra_input", "channel": "bad name"}])"),
+       {"op 0 (make_extra_output)", "a channel name is a string of 1 to 64 characters", "\"bad name\""}},
+      {seq(R"([{"op": "make_extra_output", "channel": 3}])"), {"op 0", "a channel name", "3"}},
+      {seq(R"([{"op": "make_extra_output", "channel": ""}])"), {"op 0", "a channel name"}},
+      {seq(R"([{"op": "make_extra_output", "channel": ")" + std::string(65, 'x') + R"("}])"), {"a channel name"}},
+      {seq(R"([{"op": "gelu", "channel": "r"}])"),
+       {"op 0 (gelu)", "\"channel\" belongs to make_extra_output", "not to gelu"}},
+      {seq(R"([{"op": "add_extra_input", "returned": true}])"), {"op 0 (add_extra_input)", "\"returned\" belongs to make_extra_output"}},
+      {seq(R"([{"op": "make_extra_output", "returned": true}])"), {"op 0 (make_extra_output)", "\"returned\" needs a \"channel\""}},
+      {seq(R"([{"op": "make_extra_output", "channel": "r", "returned": 1}])"), {"\"returned\" must be true or false"}},
+      {seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "linear", "in_features": 8, "out_features": 4},
+               {"op": "add_extra_input", "channel": "r"}])"),
+       {"op 2 (add_extra_input)", "channel 'r' holds 4x8 (from op 0 (make_extra_output)), this op's input is 4x4"}},
+  };
+  for (const auto& c : cases) {
+    const std::string e = error_of(c.text);
+    INFO(c.text << "\n-> " << e);
+    REQUIRE_FALSE(e.empty());
+    for (const char* n : c.needles) CHECK(e.find(n) != std::string::npos);
+  }
+}
