@@ -88,3 +88,37 @@ TEST_CASE("the Llama and GPT-2 MLP blocks, one sequence each, match the referenc
     run_check(*block, "fp8_delayed", {48, 64}, true, false, 7);
   }
 }
+
+TEST_CASE("under the FP8 recipes the residual is the GEMM's C and a fork's gradient the dgrad's C", "[channels]") {
+  // linear_residual / linear_bias_residual / linear_scale_residual (cuBLASLt RESIDUAL on FP8 operands) and
+  // extra_output_linear (DGRAD_ACCUMULATE on the FP8 dgrad), each checked taken in the plan.
+  struct Case {
+    const char* rule;
+    std::string json;
+  } cases[] = {
+      {"linear_residual", seq(R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "add_extra_input"}])")},
+      {"linear_bias_residual", seq(R"([{"op": "linear", "in_features": 64, "out_features": 48}, {"op": "bias"},
+                                       {"op": "add_extra_input"}])")},
+      {"linear_scale_residual", seq(R"([{"op": "linear", "in_features": 64, "out_features": 48},
+                                        {"op": "scale", "value": 0.5}, {"op": "add_extra_input"}])")},
+      {"extra_output_linear", seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "gelu"},
+                                      {"op": "make_extra_output", "channel": "s"},
+                                      {"op": "linear", "in_features": 64, "out_features": 64},
+                                      {"op": "add_extra_input", "channel": "s"}, {"op": "add_extra_input", "channel": "r"}])")},
+  };
+  for (const auto& c : cases)
+    for (const char* recipe : {"fp8_delayed", "fp8_current"}) {
+      INFO(c.rule << " " << recipe);
+      jf_sequence s = nullptr;
+      REQUIRE(jf_sequence_create(test::shared_context(), c.json.c_str(), recipe, &s) == JF_OK);
+      const ops::Shape shape{48, 64};
+      const char* js = nullptr;
+      REQUIRE(jf_sequence_explain(s, shape.data(), static_cast<int>(shape.size()), 1, 90, &js) == JF_OK);
+      bool taken = false;
+      for (const char* dir : {"forward", "backward"})
+        for (const auto& g : nlohmann::json::parse(js)[dir]) taken |= g["rule"] == c.rule;
+      jf_sequence_destroy(s);
+      CHECK(taken);
+      run_check(c.json, recipe, shape);
+    }
+}
