@@ -115,8 +115,9 @@ TEST_CASE("under the FP8 recipes the residual is the GEMM's C and a fork's gradi
       const char* js = nullptr;
       REQUIRE(jf_sequence_explain(s, shape.data(), static_cast<int>(shape.size()), 1, 90, &js) == JF_OK);
       bool taken = false;
+      const nlohmann::json plan = nlohmann::json::parse(js);  // kept: a range over a temporary's member dangles
       for (const char* dir : {"forward", "backward"})
-        for (const auto& g : nlohmann::json::parse(js)[dir]) taken |= g["rule"] == c.rule;
+        for (const auto& g : plan.at(dir)) taken |= g.at("rule") == c.rule;
       jf_sequence_destroy(s);
       CHECK(taken);
       run_check(c.json, recipe, shape);
