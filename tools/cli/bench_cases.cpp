@@ -207,17 +207,20 @@ struct TnOperands {
 };
 
 // Bare cuBLASLt FP8: the six TN GEMMs of the FP8 MLP program, as the program runs them.
-double mlp_fp8_baseline_ms(const BenchEnv& env) {
+// GEMMs alone on bare cuBLASLt, each planned once, then timed back to back as one step.
+double gemms_ms(const BenchEnv& env, const std::vector<cuda::GemmCall>& calls) {
   cuda::Blas blas;
-  TnOperands o(env.stream);
-  std::vector<cuda::GemmCall> calls;
-  for (const auto& g : kMlpTnGemms) {
-    calls.push_back(o.fp8(g, g.forward));
-    blas.prepare(calls.back(), env.stream);
-  }
+  for (const auto& c : calls) blas.prepare(c, env.stream);
   return median_ms(env.stream, [&] {
     for (const auto& c : calls) blas.gemm(c, env.stream);
   }, env.opts);
+}
+
+double mlp_fp8_baseline_ms(const BenchEnv& env) {
+  TnOperands o(env.stream);
+  std::vector<cuda::GemmCall> calls;
+  for (const auto& g : kMlpTnGemms) calls.push_back(o.fp8(g, g.forward));
+  return gemms_ms(env, calls);
 }
 
 // The MLP fwd+bwd under bf16, fp8_delayed and fp8_current in one run. FP8: every GEMM on E4M3 / E5M2
@@ -292,15 +295,9 @@ double block_gemms_ms(const BenchEnv& env, const Block& b, bool fp8) {
     a16->upload(random_operand_bytes(static_cast<size_t>(most), false, 11), env.stream);
     b16->upload(random_operand_bytes(static_cast<size_t>(most), false, 12), env.stream);
   }
-  cuda::Blas blas;
   std::vector<cuda::GemmCall> calls;
-  for (const auto& g : gemms) {
-    calls.push_back(fp8 ? o.fp8(g, g.forward) : o.bf16(g, ptr(*a16), ptr(*b16)));
-    blas.prepare(calls.back(), env.stream);
-  }
-  return median_ms(env.stream, [&] {
-    for (const auto& c : calls) blas.gemm(c, env.stream);
-  }, env.opts);
+  for (const auto& g : gemms) calls.push_back(fp8 ? o.fp8(g, g.forward) : o.bf16(g, ptr(*a16), ptr(*b16)));
+  return gemms_ms(env, calls);
 }
 
 std::vector<Row> blocks(const BenchEnv& env) {
