@@ -10,8 +10,13 @@ namespace jitfuse::codegen::detail {
 
 // Chunks of 8 elements each thread keeps in registers. 8 per thread in the forward (64 threads for a
 // 4096-wide row, more rows in flight) measured slower on an H200 (layernorm 57.9 % of copy bandwidth
-// vs 74.5 % with 4); the backward also keeps dgamma/dbeta accumulators, where 8 would spill.
-constexpr int64_t kChunksPerThreadFwd = 4, kChunksPerThreadBwd = 4;
+// vs 74.5 % with 4); the backward also keeps dgamma/dbeta accumulators, where 8 would spill. Layernorm's
+// backward (two accumulators per column, two row sums) takes 2: twice the threads per row, half the
+// registers each; H100, bf16, 201 MB per call, % of copy at hidden 4096 / 1024 / 2048 / 8192 / 12288:
+// 4 chunks 65.4 / 66.3 / 67.5 / 53.9 / 58.4, 2 chunks 67.1 / 72.8 / 72.6 / 63.3 / 64.4, 1 chunk
+// 64.7 / 70.6 / 67.5 / 61.4 / 46.0. Rmsnorm's backward (one accumulator, one row sum) stays at 4: with 2
+// it measured 81.4 / 73.8 / 77.8 / 70.0 / 75.4 against 80.5 / 73.0 / 80.9 / 80.0 / 71.0 (docs/benchmarks.md).
+constexpr int64_t kChunksPerThreadFwd = 4, kChunksPerThreadBwdLayernorm = 2, kChunksPerThreadBwdRmsnorm = 4;
 
 namespace {
 
@@ -22,7 +27,9 @@ class Rownorm {
   explicit Rownorm(const KernelSpec& spec)
       : spec_(spec), ns_(*spec.norm), fwd_(spec.dir == Direction::forward), cols_(spec.cols) {
     const int64_t chunks = (cols_ + 7) / 8;
-    const int64_t per_thread = fwd_ ? kChunksPerThreadFwd : kChunksPerThreadBwd;
+    const int64_t per_thread = fwd_ ? kChunksPerThreadFwd
+                               : ns_.rms ? kChunksPerThreadBwdRmsnorm
+                                         : kChunksPerThreadBwdLayernorm;
     threads_ = static_cast<int>(std::clamp<int64_t>(((chunks + per_thread - 1) / per_thread + 31) / 32 * 32, 32, 1024));
     nch_ = (chunks + threads_ - 1) / threads_;
     gamma_ = fmt::format("p{}_weight", ns_.op);
