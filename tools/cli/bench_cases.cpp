@@ -71,12 +71,17 @@ std::vector<Row> norm_sweep(const BenchEnv& env, const std::string& norm) {
 // FP8: the norm with its E4M3 cast. fp8_delayed is one pass (a bf16 read and a 1-byte write per element);
 // fp8_current needs the amax before the first byte is cast, so it reads the input twice by necessity (the
 // amax pass, then the cast pass) and its bytes count both reads.
+// One row per hidden size, at the norm sweep's element count (issue 32).
 std::vector<Row> layernorm_fp8(const BenchEnv& env, const std::string& recipe) {
-  const int64_t C = 4096;
-  SeqBench b(env.ctx, env.stream, R"([{"op": "layernorm"}, {"op": "quantize"}])", {R, C}, {R, C},
-             {{0, "weight", {C}}, {0, "bias", {C}}}, 0, 0, recipe.c_str());
-  const double bytes = (recipe == "fp8_current" ? 5.0 : 3.0) * R * C;
-  return {{"layernorm_" + recipe + " fwd", "8192x4096 -> e4m3", forward_ms(env, b), bytes}};
+  std::vector<Row> rows;
+  for (int64_t C : {4096, 1024, 2048, 8192, 12288}) {
+    const int64_t M = R * 4096 / C;
+    SeqBench b(env.ctx, env.stream, R"([{"op": "layernorm"}, {"op": "quantize"}])", {M, C}, {M, C},
+               {{0, "weight", {C}}, {0, "bias", {C}}}, 0, 0, recipe.c_str());
+    const double bytes = (recipe == "fp8_current" ? 5.0 : 3.0) * M * C;
+    rows.push_back({"layernorm_" + recipe + " fwd", fmt::format("{}x{} -> e4m3", M, C), forward_ms(env, b), bytes});
+  }
+  return rows;
 }
 
 std::vector<Row> swiglu(const BenchEnv& env) {
@@ -88,7 +93,10 @@ std::vector<Row> bias_dropout_add(const BenchEnv& env) {
   const int64_t C = 4096;
   SeqBench b(env.ctx, env.stream, R"([{"op": "bias"}, {"op": "dropout", "p": 0.1, "seed": 5}, {"op": "add_extra_input"}])",
              {R, C}, {R, C}, {{0, "bias", {C}}}, 1, 0);
-  return {{"bias_dropout_add fwd", "8192x4096", forward_ms(env, b), e * (3.0 * R * C + C)}};
+  // Backward (the joint rule regenerates the mask): reads dy, writes dx and the residual's gradient; the
+  // bias gradient's partials are under 1 %.
+  return {{"bias_dropout_add fwd", "8192x4096", forward_ms(env, b), e * (3.0 * R * C + C)},
+          {"bias_dropout_add bwd", "8192x4096", backward_ms(env, b), e * (3.0 * R * C + C)}};
 }
 
 // ---- GEMM cases
