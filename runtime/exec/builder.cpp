@@ -16,6 +16,7 @@ Builder::Builder(Program& p, const std::string& seq) : p_(p), seq_(seq) {
   grad_.assign(n + 1, -1);
   p.values.assign(n + 1, -1);
   p.gradients.assign(n + 1, -1);
+  p.channel_grads.assign(n, -1);
 }
 
 void Builder::begin_group(bool forward, int gi, const fuser::Group& g) {
@@ -191,7 +192,7 @@ int Builder::channel_grad(int fork) {
   b.dtype = p_.recipe.dtype;
   b.rows = ops::rows_of(o.in);
   b.cols = ops::cols_of(o.in);
-  return channel_grads_[fork] = add(b);
+  return channel_grads_[fork] = p_.channel_grads.at(static_cast<size_t>(fork)) = add(b);
 }
 
 bool Builder::pass_through_grad(int i) {
@@ -205,7 +206,7 @@ bool Builder::pass_through_grad(int i) {
   const int id = grad_of(i + 1);
   grad_[static_cast<size_t>(i)] = id;
   p_.gradients[static_cast<size_t>(i)] = id;
-  channel_grads_[fork] = id;
+  channel_grads_[fork] = p_.channel_grads.at(static_cast<size_t>(fork)) = id;
   return true;
 }
 

@@ -160,6 +160,9 @@ struct Program {
   int rng = -1;  // the Philox state a forward copies in first (saved block when training), -1 without dropout
   std::vector<int> extra_in, extra_out, grad_extra_out, grad_extra_in;
   std::vector<int> values, gradients;  // by op boundary i (0..n): the forward value / its gradient, -1 if none
+  // By op: the buffer holding the gradient of the channel a make_extra_output writes (what its readers'
+  // backwards write or pass through, and its own backward reads); -1 for other ops and channels unread.
+  std::vector<int> channel_grads;
   // The saved set: ids of the buffers a training forward leaves for the backward (in the saved block, or
   // the caller's forward tensors). "Saved" names four things, each its own word: Storage::saved_block (the
   // memory), BufferRole::saved_context (an op's (op, name) context), Builder::saved_context (its lookup),

@@ -193,10 +193,19 @@ void Shadow::forward_input(int gi, const std::vector<void*>& fused_ptr, CUstream
 
 void Shadow::backward_input(int gi, const std::vector<void*>& fused_ptr, CUstream stream) {
   const Program& f = *fused_->program;
+  const Program& r = *ref_->program;
   const auto& g = f.plan.backward.at(static_cast<size_t>(gi));
-  if (g.rule.empty() || g.end == static_cast<int>(f.ops.size())) return;  // grad_output is the caller's
-  copy_in(f.gradients[static_cast<size_t>(g.end)], ref_->program->gradients[static_cast<size_t>(g.end)], fused_ptr,
-          stream);
+  if (g.rule.empty()) return;
+  // A fork in the group reads its channel's gradient, which readers in groups the shadow does not run
+  // (unfused ones, pass-throughs) produced: the fused run's, as its other input.
+  for (int i = g.begin; i < g.end; ++i) {
+    const int fc = f.channel_grads[static_cast<size_t>(i)], rc = r.channel_grads[static_cast<size_t>(i)];
+    if (fc >= 0 && rc >= 0 && r.buffer(rc).storage != Storage::caller && fused_ptr[static_cast<size_t>(fc)] &&
+        ptr_[static_cast<size_t>(rc)])  // never into a caller's tensor (a pass-through's grad_output)
+      copy_in(fc, rc, fused_ptr, stream);
+  }
+  if (g.end == static_cast<int>(f.ops.size())) return;  // grad_output is the caller's
+  copy_in(f.gradients[static_cast<size_t>(g.end)], r.gradients[static_cast<size_t>(g.end)], fused_ptr, stream);
 }
 
 void Shadow::copy_in(int fused_id, int ref_id, const std::vector<void*>& fused_ptr, CUstream stream) {
@@ -244,8 +253,13 @@ void Shadow::run_group(bool forward, int gi, const std::vector<void*>& fused_ptr
         if (fb.role == BufferRole::grad && fb.op == rb.op && fb.key == rb.key)
           compare(pass, gi, rb.name, fused_ptr[fb.id], ptr_[rb.id], rb.id, gemm, stream);
     }
-    if (!forward && rb.role == BufferRole::grad_extra_in)
+    if (!forward && rb.role == BufferRole::grad_extra_in) {
+      if (f.ops[rb.op].grad_accumulate) {  // a caller's channel: its readers' sum is complete only at the end
+        log_.note_skip(f.ops[rb.op].label() + "'s channel sums several readers' gradients: not compared per group");
+        continue;
+      }
       compare(pass, gi, rb.name, fused_ptr[f.grad_extra_in.at(rb.slot)], ptr_[rb.id], rb.id, gemm, stream);
+    }
   }
 }
 

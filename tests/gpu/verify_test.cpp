@@ -41,6 +41,26 @@ TEST_CASE("JITFUSE_VERIFY compares every fused group with the unfused ops and fi
   jf_context_destroy(ctx);
 }
 
+TEST_CASE("JITFUSE_VERIFY follows channels: a fused fork reads the gradient its readers produced", "[verify]") {
+  jf_context ctx = verifying_context();
+  const auto* log = api::context_of(ctx).verify_log();
+  REQUIRE(log);
+  // Llama's half-block (fork_norm / norm_residual_bwd read and write the channel; the add's backward is a
+  // pass-through) and a fan-out whose readers run unfused beside a fused fork.
+  const char* llama = R"([{"op": "make_extra_output", "channel": "r"}, {"op": "rmsnorm"},
+                          {"op": "linear", "in_features": 64, "out_features": 192}, {"op": "swiglu"},
+                          {"op": "linear", "in_features": 96, "out_features": 64}, {"op": "add_extra_input", "channel": "r"}])";
+  const char* fan = R"([{"op": "make_extra_output", "channel": "r"}, {"op": "layernorm"}, {"op": "gelu"},
+                        {"op": "add_extra_input", "channel": "r"}, {"op": "linear", "in_features": 64, "out_features": 64},
+                        {"op": "add_extra_input", "channel": "r"}])";
+  for (const char* ops_json : {llama, fan})
+    for (const char* recipe : {"fp32", "bf16"}) run_check(test::seq_json(ops_json), recipe, {96, 64}, true, false, 1, ctx);
+  INFO(log->first);
+  CHECK(log->groups_compared >= 8);
+  CHECK(log->failures == 0);
+  jf_context_destroy(ctx);
+}
+
 TEST_CASE("JITFUSE_VERIFY reports the first fused group that differs beyond the tolerance", "[verify]") {
   // frac(1000 x): fused, bias + frac sees x + b in fp32; unfused, x + b is rounded to bf16 first.
   const auto dir = std::filesystem::temp_directory_path() / "jf_verify_frac";
