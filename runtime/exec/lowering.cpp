@@ -167,8 +167,13 @@ void lower_spec(Builder& b, const KernelSpec& spec, const nlohmann::json& meta, 
     amax.fp8->amax_only = true;
     if (amax.norm) amax.norm->save_stats = amax.norm->save_input = false;
     if (amax.gated) amax.gated->save_input = false;
-    for (auto* stages : {&amax.pre, &amax.post})
+    for (auto* stages : {&amax.pre, &amax.post}) {
       for (auto& st : *stages) st.save_input = st.save_output = st.dropout_save_mask = false;
+      // A residual add's backward only writes the gradient (de = g, g unchanged): the cast pass writes it.
+      // Run here too, a channel reader that adds its gradient into the channel's would add it twice.
+      if (amax.dir == codegen::Direction::backward)
+        std::erase_if(*stages, [](const codegen::Stage& st) { return st.kind == codegen::Stage::Kind::extra_add; });
+    }
     amax.label += "_amax";
     nlohmann::json m = meta;
     m["pass"] = meta.value("pass", std::string()) + " (amax)";

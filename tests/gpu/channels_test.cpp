@@ -89,6 +89,19 @@ TEST_CASE("the Llama and GPT-2 MLP blocks, one sequence each, match the referenc
   }
 }
 
+TEST_CASE("a fan-out channel whose readers sit in FP8 backward chains sums each gradient once", "[channels]") {
+  // Op 3 reads the channel and accumulates: its backward runs inside fp8_linear_pointwise_bwd's E5M2 cast
+  // kernel, which under fp8_current is preceded by an amax pass over the same stages.
+  const std::string fan = seq(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "rmsnorm"},
+      {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "add_extra_input", "channel": "r"},
+      {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "bias"}, {"op": "add_extra_input", "channel": "r"}])");
+  const std::string skip = seq(R"([{"op": "add_extra_input", "channel": "skip"}, {"op": "rmsnorm"},
+      {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "add_extra_input", "channel": "skip"},
+      {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "add_extra_input", "channel": "skip"}])", R"(["skip"])");
+  for (const std::string* s : {&fan, &skip})
+    for (const char* recipe : {"fp8_current", "fp8_delayed", "bf16"}) run_check(*s, recipe, {48, 64});
+}
+
 TEST_CASE("under the FP8 recipes the residual is the GEMM's C and a fork's gradient the dgrad's C", "[channels]") {
   // linear_residual / linear_bias_residual / linear_scale_residual (cuBLASLt RESIDUAL on FP8 operands) and
   // extra_output_linear (DGRAD_ACCUMULATE on the FP8 dgrad), each checked taken in the plan.
