@@ -199,9 +199,8 @@ bool Builder::pass_through_grad(int i) {
   const auto& o = p_.ops.at(static_cast<size_t>(i));
   if (forward_ || o.family != ops::Family::add_extra_input || o.channel_src < 0 || o.grad_accumulate) return false;
   const int fork = o.channel_src;
-  if (p_.ops.at(static_cast<size_t>(fork)).family != ops::Family::make_extra_output) return false;
-  for (const auto& r : p_.ops)  // the only reader
-    if (r.index != i && r.family == ops::Family::add_extra_input && r.channel_src == fork) return false;
+  const auto& src = p_.ops.at(static_cast<size_t>(fork));
+  if (src.family != ops::Family::make_extra_output || src.channel_readers != 1) return false;  // the only reader
   if (grad_.at(static_cast<size_t>(i)) >= 0 || channel_grads_.count(fork)) return false;
   const int id = grad_of(i + 1);
   grad_[static_cast<size_t>(i)] = id;

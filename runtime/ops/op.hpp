@@ -109,6 +109,8 @@ struct Op {
   // make_extra_output of a returned channel that is also read: its backward adds the caller's gradient and
   // the readers' (two tensors).
   bool grad_two_parts = false;
+  // The channel's source (a make_extra_output, or a caller's channel's first reader): how many ops read it.
+  int channel_readers = 0;
 
   std::string label() const;  // "op 3 (gelu)"
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }

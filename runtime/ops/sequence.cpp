@@ -203,36 +203,37 @@ SequenceDef parse_sequence_file(const std::string& path, const Registry& registr
 
 namespace {
 // Op `op`'s caller slot and channel wiring (check_channels made sure every channel has its source).
-void wire_extras(const OpDef& d, Op& op, std::vector<Op>& before, int& extra_in, int& extra_out) {
+// The channels seen so far while inferring: by name, the op holding the channel's value (its fork, or the
+// first reader of a caller's channel) and its latest reader. One lookup per op: linear in the sequence.
+struct ChannelState {
+  int src = -1, last_reader = -1;
+};
+
+void wire_extras(const OpDef& d, Op& op, std::vector<Op>& before, int& extra_in, int& extra_out,
+                 std::map<std::string, ChannelState>& channels) {
   op.channel = d.channel;
   op.returned = d.returned;
   if (op.family == Family::make_extra_output && (d.channel.empty() || d.returned)) op.extra_slot = extra_out++;
+  if (op.family == Family::make_extra_output && !d.channel.empty()) channels[d.channel].src = op.index;
   if (op.family != Family::add_extra_input) return;
   if (d.channel.empty()) {
     op.extra_slot = extra_in++;
     return;
   }
-  Op* prev_reader = nullptr;  // the channel's reader before this one: it now accumulates
-  for (auto& p : before) {
-    if (p.channel != d.channel) continue;
-    if (p.family == Family::make_extra_output) op.channel_src = p.index;
-    if (p.family == Family::add_extra_input) prev_reader = &p;
-  }
-  if (prev_reader) {
-    prev_reader->grad_accumulate = true;
-    if (op.channel_src < 0) op.channel_src = prev_reader->channel_src;
-    if (auto& src = before[static_cast<size_t>(prev_reader->channel_src)]; src.family == Family::make_extra_output)
-      src.grad_two_parts = src.returned;
-  } else if (op.channel_src < 0) {  // the first reader of a caller's channel owns its extra input
-    op.channel_src = op.index;
+  ChannelState& ch = channels[d.channel];
+  if (ch.src < 0) {  // the first reader of a caller's channel owns its extra input
+    ch.src = op.index;
     op.extra_slot = extra_in++;
-  } else if (auto& src = before[static_cast<size_t>(op.channel_src)]; src.returned) {
-    src.grad_two_parts = true;
   }
-  const Op& src = op.channel_src == op.index ? op : before[static_cast<size_t>(op.channel_src)];
-  if (src.in != op.in)
+  op.channel_src = ch.src;
+  Op* src = ch.src == op.index ? &op : &before[static_cast<size_t>(ch.src)];
+  ++src->channel_readers;
+  if (ch.last_reader >= 0) before[static_cast<size_t>(ch.last_reader)].grad_accumulate = true;  // now not the last
+  ch.last_reader = op.index;
+  if (src->family == Family::make_extra_output && src->returned) src->grad_two_parts = true;
+  if (src->in != op.in)
     shape_error(op, fmt::format("channel '{}' holds {} (from {}), this op's input is {}", op.channel,
-                                shape_str(src.in), src.label(), shape_str(op.in)));
+                                shape_str(src->in), src->label(), shape_str(op.in)));
 }
 }  // namespace
 
@@ -248,6 +249,7 @@ std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
   std::vector<Op> ops;
   Shape cur = input;
   int extra_in = 0, extra_out = 0;
+  std::map<std::string, ChannelState> channels;
   for (const auto& d : def.ops) {
     Op op;
     op.index = d.index;
@@ -263,7 +265,7 @@ std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
       op.template_file = d.info->template_file;
       for (auto& a : d.info->const_attrs) op.consts.push_back(op.num(a.c_str()));
     }
-    wire_extras(d, op, ops, extra_in, extra_out);
+    wire_extras(d, op, ops, extra_in, extra_out, channels);
     if (d.info->infer) d.info->infer(op);
     cur = op.out;
     ops.push_back(std::move(op));
