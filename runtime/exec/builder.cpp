@@ -165,34 +165,32 @@ int Builder::channel_route(BufferRole role, const ops::Op& o) {
   }
   if (o.family == ops::Family::make_extra_output && o.extra_slot < 0) {  // a hidden channel
     if (role == BufferRole::grad_extra_out) return channel_grad(o.index);
-    if (role == BufferRole::extra_out) {
-      Buffer b;
-      b.role = BufferRole::activation;
-      b.storage = Storage::fwd_arena;
-      b.name = "channel " + o.channel;
-      b.op = o.index;
-      b.dtype = p_.recipe.dtype;
-      b.rows = ops::rows_of(o.in);
-      b.cols = ops::cols_of(o.in);
-      return extra_[std::make_pair(o.index, role)] = add(b);
-    }
+    if (role == BufferRole::extra_out)
+      return extra_[std::make_pair(o.index, role)] = channel_buffer(o, BufferRole::activation, Storage::fwd_arena,
+                                                                    "channel ");
   }
   return kNotRouted;
 }
 
-// The gradient a channel's readers write (the last one) and add into (the others), which its fork reads.
-int Builder::channel_grad(int fork) {
-  if (auto it = channel_grads_.find(fork); it != channel_grads_.end()) return it->second;
-  const auto& o = p_.ops.at(static_cast<size_t>(fork));
+// A buffer of fork `o`'s channel: its value (forward arena) or its gradient (backward arena).
+int Builder::channel_buffer(const ops::Op& o, BufferRole role, Storage storage, const char* prefix) {
   Buffer b;
-  b.role = BufferRole::gradient;
-  b.storage = Storage::bwd_arena;
-  b.name = "grad channel " + o.channel;
-  b.op = fork;
+  b.role = role;
+  b.storage = storage;
+  b.name = prefix + o.channel;
+  b.op = o.index;
   b.dtype = p_.recipe.dtype;
   b.rows = ops::rows_of(o.in);
   b.cols = ops::cols_of(o.in);
-  return channel_grads_[fork] = p_.channel_grads.at(static_cast<size_t>(fork)) = add(b);
+  return add(b);
+}
+
+// The gradient a channel's readers write (the last one) and add into (the others), which its fork reads.
+int Builder::channel_grad(int fork) {
+  int& id = p_.channel_grads.at(static_cast<size_t>(fork));
+  if (id < 0) id = channel_buffer(p_.ops.at(static_cast<size_t>(fork)), BufferRole::gradient, Storage::bwd_arena,
+                                  "grad channel ");
+  return id;
 }
 
 bool Builder::pass_through_grad(int i) {
@@ -201,11 +199,12 @@ bool Builder::pass_through_grad(int i) {
   const int fork = o.channel_src;
   const auto& src = p_.ops.at(static_cast<size_t>(fork));
   if (src.family != ops::Family::make_extra_output || src.channel_readers != 1) return false;  // the only reader
-  if (grad_.at(static_cast<size_t>(i)) >= 0 || channel_grads_.count(fork)) return false;
+  int& channel = p_.channel_grads.at(static_cast<size_t>(fork));
+  if (grad_.at(static_cast<size_t>(i)) >= 0 || channel >= 0) return false;
   const int id = grad_of(i + 1);
   grad_[static_cast<size_t>(i)] = id;
   p_.gradients[static_cast<size_t>(i)] = id;
-  channel_grads_[fork] = p_.channel_grads.at(static_cast<size_t>(fork)) = id;
+  channel = id;
   return true;
 }
 

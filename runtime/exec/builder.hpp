@@ -95,6 +95,7 @@ class Builder {
  private:
   static constexpr int kNotRouted = -2;
   int channel_route(BufferRole role, const ops::Op& o);  // kNotRouted: the op's own caller tensor
+  int channel_buffer(const ops::Op& fork, BufferRole role, Storage storage, const char* prefix);
   KArg bind_arg(const codegen::Arg& a, KernelStep& ks, int in, int out, fp8::Operand fp8_tensor);
   int add(Buffer b);
   int caller(BufferRole role, const std::string& name, int op, int slot, ops::DType dt, int64_t rows, int64_t cols);
@@ -111,7 +112,6 @@ class Builder {
   std::vector<int> act_, grad_;
   std::map<std::pair<int, std::string>, int> params_, grads_, saved_;
   std::map<std::pair<int, BufferRole>, int> extra_;
-  std::map<int, int> channel_grads_;  // by fork op
   std::map<std::pair<int, fp8::Operand>, Fp8Operand> fp8_;
   std::vector<int> batched_partials_;
   std::map<std::tuple<int, fp8::Operand, fp8::Part>, int> state_;
