@@ -1,6 +1,6 @@
 # Training-step timings of jitfuse.torch against PyTorch eager and torch.compile (MLP block and the
 # transformer-layer skeleton), and the host overhead per custom-op call at small M. GPU only.
-"""python -m jitfuse.bench [--iters N] [--markdown]
+"""python -m jitfuse.bench [--iters N] [--case default|paths|stack]
 
 Cases (bf16): the MLP block of tools/examples/mlp.json at 8192x4096 -> 16384 -> 4096 and the transformer
 layer of tools/examples/transformer_layer.json at 8192x1024, one training step (forward + backward, no
@@ -166,8 +166,21 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-steps", action="store_true", help="only the host-overhead table")
+    ap.add_argument("--case", choices=("default", "paths", "stack"), default="default",
+                    help="paths: host time per call, C++ extension vs pure-Python vs PyTorch (one process); "
+                         "stack: 4-layer Llama/GPT-2 block stacks, training step wall and GPU time")
     a = ap.parse_args()
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"jitfuse.torch C++ extension: {'loaded' if jt.extension_active() else 'not loaded'}")
+    if a.case != "default":
+        from . import bench_stack
+        if a.case == "paths":
+            print("\nhost us per call (median of interleaved rounds; M = 16, hidden 1024, bf16):\n")
+            print(table(bench_stack.bench_paths(calls=a.calls // 2)))
+        else:
+            print("\ntraining step of a 4-layer block stack (forward, loss, backward, AdamW):\n")
+            print(table(bench_stack.bench_stack()))
+        return
     if not a.skip_steps:
         print("\ntraining step (forward + backward), median ms:\n")
         print(table(bench_steps(a.iters)))

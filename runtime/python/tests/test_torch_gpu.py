@@ -472,21 +472,23 @@ def test_op_without_grad_calls_its_kernel_directly_and_matches_redispatch(monkey
     randomize(model)
     x = torch.randn(24, 128, device=DEV, dtype=torch.bfloat16)
     e = torch.randn_like(x)
+    from jitfuse.torch import _ext
     direct = []
     real = _ops.forward_op
     monkeypatch.setattr(_ops, "forward_op", lambda *a: direct.append(1) or real(*a))
+    once = [] if _ext.active() else [1]  # the C++ op's Autograd kernel calls its C++ kernel, not forward_op
     args = _op_args(model, x, [e], False)
     with torch.no_grad():
         poison = torch.full_like(x, float("nan"))  # freed: the op's output takes this block from the allocator
         del poison
         y_direct = torch.ops.jitfuse.forward.default(*args)
-        assert direct == [1] and len(y_direct) == 1
+        assert direct == once and len(y_direct) == 1
         seen = Seen()
         poison = torch.full_like(x, float("nan"))
         del poison
         with seen:
             y_redispatch = torch.ops.jitfuse.forward.default(*args)
-        assert direct == [1], "a call under a TorchDispatchMode must redispatch"
+        assert direct == once, "a call under a TorchDispatchMode must redispatch"
         assert any("jitfuse.forward" in o for o in seen.ops), seen.ops
     assert torch.equal(y_direct[0], y_redispatch[0])
     r_outs, *_ = reference(model, x, [e], torch.zeros_like(x), [])

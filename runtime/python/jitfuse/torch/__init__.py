@@ -9,6 +9,7 @@
 """
 
 from ._calls import fp8_weights_unchanged
+from ._ext import active as extension_active
 from ._ops import backward_op, forward_op
 from .float8 import Float8Tensor
 from .._channels import ChannelError, Wiring
@@ -20,5 +21,5 @@ __all__ = [
     "Sequential", "BasicOp", "Op", "Linear", "Bias", "GELU", "ReLU", "SiLU", "QGELU", "SReLU", "SwiGLU", "GEGLU",
     "ReGLU", "LayerNorm", "RMSNorm", "Dropout", "Scale", "Identity", "Reshape", "Quantize", "AddExtraInput",
     "MakeExtraOutput", "Fork", "AddChannel", "ChannelError", "Wiring", "forward_op", "backward_op", "Fp8Sequential",
-    "Float8Tensor", "fp8_weights_unchanged",
+    "Float8Tensor", "fp8_weights_unchanged", "extension_active",
 ]

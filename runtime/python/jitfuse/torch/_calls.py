@@ -154,10 +154,20 @@ class fp8_weights_unchanged:
     def __enter__(self) -> "fp8_weights_unchanged":
         self._was = _fp8_promise.active
         _fp8_promise.active = True
+        ext = _ext_module()
+        self._ext_was = ext.set_fp8_promise(True) if ext is not None else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _fp8_promise.active = self._was
+        if self._ext_was is not None:
+            _ext_module().set_fp8_promise(self._ext_was)
+
+
+def _ext_module() -> Any:
+    """The C++ extension module (its ops read the promise from C++), or None."""
+    from . import _ext
+    return _ext.EXT
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Sequence as Sequence_
 import torch
 from torch import Tensor
 
+from . import _ext
 from ._calls import DIRECT, GRAD, _functorch_active, direct_call_ok, route, traced_device_index
 from ._dtypes import torch_dtype
 from ._registry import DeviceProgram, device_program, program_of
@@ -33,11 +34,17 @@ from .float8 import Float8Tensor
 # both give the same schema, fake kernels and autograd registration, but custom_op's Python wrapper cost
 # about 175 us per call on an H100 host (cProfile of a bias+gelu step, 2026-11-23), more than the rest of
 # the call together.
-_LIB = torch.library.Library("jitfuse", "DEF")
-_LIB.define("forward(int key, Tensor input, Tensor[] extra_inputs, Tensor[] params, Tensor? rng_state, "
-            "bool training) -> Tensor[]")  # [output, *extra_outputs] + [saved] when training
-_LIB.define("backward(int key, Tensor input, Tensor[] extra_inputs, Tensor output, Tensor[] extra_outputs, "
-            "Tensor[] params, Tensor saved, Tensor grad_output, Tensor[] grad_extra_outputs) -> Tensor[]")
+#
+# With the C++ extension (runtime/torch, see _ext) the ops, their CUDA kernels and their autograd are C++;
+# this file then registers their fake kernels only, and the Python kernels below serve the pure-Python path.
+if _ext.EXT is not None:
+    _LIB = torch.library.Library("jitfuse", "FRAGMENT")
+else:
+    _LIB = torch.library.Library("jitfuse", "DEF")
+    _LIB.define("forward(int key, Tensor input, Tensor[] extra_inputs, Tensor[] params, Tensor? rng_state, "
+                "bool training) -> Tensor[]")  # [output, *extra_outputs] + [saved] when training
+    _LIB.define("backward(int key, Tensor input, Tensor[] extra_inputs, Tensor output, Tensor[] extra_outputs, "
+                "Tensor[] params, Tensor saved, Tensor grad_output, Tensor[] grad_extra_outputs) -> Tensor[]")
 
 
 def _concrete(shape: Any) -> Tuple[int, ...]:
@@ -243,8 +250,9 @@ def _forward_autograd(keyset, key, input, extra_inputs, params, rng_state, train
                                                             extra_inputs, params, rng_state, training)
 
 
-_LIB.impl("forward", forward_op, "CUDA")
-_LIB.impl("backward", backward_op, "CUDA")
+if _ext.EXT is None:
+    _LIB.impl("forward", forward_op, "CUDA")
+    _LIB.impl("backward", backward_op, "CUDA")
+    _LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
 torch.library.register_fake("jitfuse::forward", _forward_fake, lib=_LIB)
 torch.library.register_fake("jitfuse::backward", _backward_fake, lib=_LIB)
-_LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)

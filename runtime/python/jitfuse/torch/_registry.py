@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..errors import JitfuseError
 from ..lib import Context, ProgramInfo, Sequence
-from . import _calls
+from . import _calls, _ext
 from ._dtypes import FP8_RECIPES
 
 
@@ -116,6 +116,11 @@ def forget(keys: Sequence_[int]) -> None:
     """Drops the definitions of ``keys`` and closes their programs (the library's sequences: prepared
     programs, FP8 recipe state and weight copies). For a module whose keys are its own (FP8, salted per
     module): called when it is garbage-collected. The library's free waits for work still using the memory."""
+    if _ext.EXT is not None:
+        try:
+            _ext.EXT.forget(list(keys))  # before the sequences are destroyed (the C++ side borrows them)
+        except Exception:  # interpreter shutdown
+            pass
     with _registry_lock:
         for k in keys:
             _definitions.pop(k, None)
@@ -161,6 +166,12 @@ class DeviceProgram:
         self.fp8_output = self.fp8 and bool(d.ops) and json.loads(d.ops[-1]).get("op") == "quantize"
         # Its jitfuse.torch._ops.EagerCall, made on the first eager call (that module builds on this one).
         self.eager_call: Optional[Any] = None
+        if _ext.EXT is not None and device_index >= 0:
+            # The C++ ops run this jf_sequence too (one FP8 recipe state, one set of prepared programs).
+            dtype = {"fp32": "float32", "fp16": "float16"}.get(d.recipe, "bfloat16")
+            _ext.EXT.register_sequence(d.key, device_index, int(self._handle), d.name, dtype, list(d.params),
+                                       list(d.accumulate), d.n_extra_inputs, d.n_extra_outputs, self.fp8,
+                                       self.fp8_output, len(d.ops) - 1)
 
     def info(self, shape: Tuple[int, ...], training: bool) -> ProgramInfo:
         """The prepared program of (shape, training); prepares it (plan, compile or load) on first use.
@@ -233,3 +244,16 @@ class DeviceProgram:
         self._fp8_views = None
         self._tls = _calls.CallCache()
         self.sequence.close()
+
+
+def _resolve(key: int, device_index: int) -> bool:
+    """The C++ ops' resolver: a key they have not seen on a device (a compiled graph's first call there)."""
+    if key not in _definitions:
+        return False  # the C++ op raises "unknown sequence key"
+    device_program(key, device_index)  # registers it with the extension (DeviceProgram.__init__)
+    return True
+
+
+if _ext.EXT is not None:
+    _ext.EXT.set_resolver(_resolve)
+    _ext.EXT.set_error_class(JitfuseError)

@@ -23,6 +23,7 @@ from .._channels import ChannelError, Wiring, check_channel_name, wire
 from ..lib import Explanation
 from ._calls import DIRECT, check_arguments, needs_grad, route
 from ._dtypes import FP8_RECIPES, RECIPE_OF_DTYPE
+from ._ext import EXT as _EXT
 from ._ops import eager_call
 from ._registry import DeviceProgram, _programs, define, device_program, existing_programs, forget
 from .float8 import Float8Tensor
@@ -43,6 +44,11 @@ _FAST_CALL = (_tracing_state is not None and all(isinstance(h, dict) for h in _G
 _gfp, _gf, _gbp, _gb = _GLOBAL_HOOKS
 
 _fp8_salt = itertools.count()
+
+# Sequential's eager call through the C++ extension (jitfuse.torch._ext): one call from Python into the op
+# (dispatcher, C++ autograd, C ABI), or None: the pure-Python path. A module attribute, so that a benchmark can
+# time both paths in one process (set it to None and back).
+ext_forward = _EXT.module_forward if _EXT is not None else None
 
 try:  # PyTorch >= 2.4 takes the device type; older ones answer for CUDA without an argument
     torch.is_autocast_enabled("cuda")
@@ -664,8 +670,9 @@ class Sequential(nn.Module):
 
     # -- running -----------------------------------------------------------------------------------
 
-    def _params(self) -> List[Tensor]:
-        """Every op's parameters in the sequence's order, read live (an op's parameter may be replaced)."""
+    def _params(self, row_major: bool = True) -> List[Tensor]:
+        """Every op's parameters in the sequence's order, read live (an op's parameter may be replaced).
+        ``row_major=False``: as they are (the C++ entry makes the copies itself)."""
         refs = self._jf_param_refs
         ps = None
         if refs is not None:
@@ -675,6 +682,8 @@ class Sequential(nn.Module):
                 pass
         if ps is None:
             ps = [p for op in self._ops for _, p in op.jf_params()]
+        if not row_major:
+            return ps
         for i, p in enumerate(ps):
             if not p.is_contiguous():  # e.g. nn.Parameter(w.t()): a row-major copy, its gradient flows back to p
                 ps[i] = p.contiguous()
@@ -702,10 +711,21 @@ class Sequential(nn.Module):
         module's :class:`~jitfuse.torch._ops.EagerCall`. Anything unusual (a wrong dtype or device, a tensor
         subclass, a dispatch mode, the profiler) takes the custom op, which also raises the errors."""
         training = self.training
-        params = self._params()
+        ext = ext_forward is not None and self.recipe is None
+        params = self._params(not ext)
         if _autocast_on():
             input, extra_inputs, params = _autocast(input, extra_inputs, params)
         key = self._jf_keys[training].get(input.dtype)
+        if ext:
+            # The C++ op does the rest (contiguity, grad, autograd, checks); None: a call the checked path
+            # must answer (an input off CUDA, tensors of another dtype or device).
+            if key is not None and len(extra_inputs) == self._n_extra_inputs:
+                out = ext_forward(key, input, extra_inputs, params,
+                                  _draw_rng(input) if self._jf_uses_rng[training] and input.is_cuda else None,
+                                  training, self._n_extra_outputs)
+                if out is not None:
+                    return out
+            return self._forward_op(input, extra_inputs, [p if p.is_contiguous() else p.contiguous() for p in params])
         r = route(input, extra_inputs, params)
         if key is None or len(extra_inputs) != self._n_extra_inputs or not r & DIRECT:
             return self._forward_op(input, extra_inputs, params)

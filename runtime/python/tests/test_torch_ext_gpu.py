@@ -1,0 +1,179 @@
+# GPU tests of jitfuse.torch's C++ extension (runtime/torch): the path chosen by JITFUSE_TORCH_EXTENSION, the C++
+# eager call against the pure-Python one in the same process (bit-identical) and float64, the C++ autograd
+# under saved-tensor hooks and checkpointing, hostile calls of the C++ ops, and torch.compile with zero breaks.
+# Run twice: JITFUSE_TORCH_EXTENSION=1 and =0 (the other tests of the package run on whichever path is loaded).
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import jitfuse.torch as jt  # noqa: E402
+from jitfuse.errors import JitfuseError  # noqa: E402
+from jitfuse.torch import _ext, modules  # noqa: E402
+from test_torch_gpu import DEV, check, mlp, randomize, reference, transformer_layer  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+needs_ext = pytest.mark.skipif(not _ext.active(), reason="the C++ extension is not loaded in this process")
+
+
+def test_the_environment_variable_selects_the_path():
+    mode = os.environ.get("JITFUSE_TORCH_EXTENSION")
+    if mode == "1":
+        assert jt.extension_active() and modules.ext_forward is not None
+        assert _ext.EXT.built_for_torch() == torch.__version__
+    elif mode == "0":
+        assert not jt.extension_active() and modules.ext_forward is None
+    else:
+        pytest.skip("JITFUSE_TORCH_EXTENSION not set: either path may serve")
+
+
+def _step(model, x, e, dy):
+    x = x.detach().requires_grad_()
+    e = e.detach().requires_grad_()
+    for p in model.parameters():
+        p.grad = None
+    y = model(x, e)
+    y.backward(dy)
+    return y.detach(), x.grad, e.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_cpp_and_python_eager_paths_agree_bitwise_and_with_float64(monkeypatch, dtype):
+    """The same programs run either way: the C++ entry + C++ autograd, and the Python direct call + Python
+    autograd.Function (modules.ext_forward = None), give the same bits; both match float64."""
+    model = mlp(128, 256, dtype)
+    randomize(model)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(37, 128, device=DEV, dtype=dtype, generator=g)
+    e = torch.randn(37, 128, device=DEV, dtype=dtype, generator=g)
+    dy = torch.randn(37, 128, device=DEV, dtype=dtype, generator=g)
+    cpp = _step(model, x, e, dy)
+    monkeypatch.setattr(modules, "ext_forward", None)
+    py = _step(model, x, e, dy)
+    for a, b in zip(cpp[:3], py[:3]):
+        assert torch.equal(a, b)
+    for n in cpp[3]:
+        assert torch.equal(cpp[3][n], py[3][n]), n
+    (r_y,), r_dx, (r_de,), r_dp = reference(model, x, [e], dy, [])
+    check("output", cpp[0], r_y, dtype, gemm=True)
+    check("grad_input", cpp[1], r_dx, dtype, gemm=True)
+    check("grad_extra", cpp[2], r_de, dtype, gemm=True)
+    for n in r_dp:
+        check(f"grad {n}", cpp[3][n], r_dp[n], dtype, gemm=True)
+
+
+def test_cpp_autograd_under_saved_tensor_hooks_and_checkpoint():
+    """The C++ node saves real tensors: saved-tensor hooks see them (packed and unpacked), and a reentrant and
+    a non-reentrant checkpoint of a dropout sequence give the gradients of the plain run (same masks)."""
+    model = transformer_layer(128, 256, BF16, p=0.1)
+    randomize(model)
+    x = torch.randn(16, 128, device=DEV, dtype=BF16)
+    e0, e1 = torch.randn_like(x), torch.randn_like(x)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    def unpack(t):
+        unpacked.append(t.shape)
+        return t
+
+    xg = x.clone().requires_grad_()
+    torch.manual_seed(7)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y, r0, r1 = model(xg, e0, e1)
+    (y.float().sum() + r1.float().sum()).backward()
+    n_params = len(list(model.parameters()))
+    assert len(packed) >= 1 + 2 + n_params + 1 and len(unpacked) == len(packed)
+    ref_grad = xg.grad.clone()
+    from torch.utils.checkpoint import checkpoint
+    for reentrant in (False, True):
+        xc = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        y2, _, r1b = checkpoint(lambda a: model(a, e0, e1), xc, use_reentrant=reentrant)
+        (y2.float().sum() + r1b.float().sum()).backward()
+        assert torch.equal(y2, y), f"use_reentrant={reentrant}: the recompute drew other dropout masks"
+        check(f"grad_input, use_reentrant={reentrant}", xc.grad, ref_grad, BF16, gemm=True)
+
+
+@needs_ext
+def test_hostile_calls_of_the_ops_raise_clear_errors():
+    model = mlp(64, 128, BF16)
+    x = torch.randn(8, 64, device=DEV, dtype=BF16)
+    e = torch.randn_like(x)
+    key = model._jf_keys[True][BF16]
+    params = list(model._params())
+    with pytest.raises(Exception, match="unknown sequence key"):
+        torch.ops.jitfuse.forward.default(123456789, x, [e], params, None, False)
+    with pytest.raises(Exception, match="extra input"):
+        torch.ops.jitfuse.forward.default(key, x, [], params, None, False)
+    with pytest.raises(Exception, match="not contiguous|contiguous"):
+        torch.ops.jitfuse.forward.default(key, x.t().contiguous().t(), [e], params, None, False)
+    with pytest.raises(Exception, match=r"has shape \[32\]|shape"):
+        torch.ops.jitfuse.forward.default(key, x, [e], params[:2] + [params[2][:32]] + params[3:], None, False)
+    with pytest.raises(Exception, match="float16|dtype"):
+        torch.ops.jitfuse.forward.default(key, x.half(), [e.half()], [p.half() for p in params], None, False)
+    with torch.no_grad():
+        outs = torch.ops.jitfuse.forward.default(key, x, [e], params, None, True)
+    with pytest.raises(Exception, match="saved buffer"):
+        torch.ops.jitfuse.backward.default(key, x, [e], outs[0], [], params, outs[-1][:-1], torch.ones_like(x), [])
+    # The process survives every one of them: a good call still runs and matches float64.
+    with torch.no_grad():
+        y = model(x, e)
+    (r,), *_ = reference(model, x, [e], torch.zeros_like(x), [])
+    check("output after errors", y, r, BF16, gemm=True)
+
+
+def test_module_errors_keep_their_types():
+    model = jt.Sequential(jt.Linear(64, 32), jt.Bias(32), device=DEV, dtype=BF16)
+    x = torch.randn(8, 64, device=DEV, dtype=BF16)
+    with pytest.raises(ValueError, match="CUDA"):
+        model(x.cpu())
+    with pytest.raises(TypeError, match="extra input"):
+        model(x, x)
+    model(x)
+    model[1].bias = torch.nn.Parameter(torch.randn(16, device=DEV, dtype=BF16))
+    with pytest.raises(JitfuseError, match=r"op 1 bias has shape \[16\]"):
+        model(x)
+
+
+def test_compiled_fullgraph_and_reduce_overhead_have_no_breaks():
+    torch._dynamo.reset()
+    model = mlp(128, 256, BF16)
+    randomize(model)
+    x = torch.randn(32, 128, device=DEV, dtype=BF16)
+    e = torch.randn_like(x)
+    with torch.no_grad():
+        ref = model(x, e)
+    explain = torch._dynamo.explain(model)(x, e)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        cm = torch.compile(model, fullgraph=True, mode=mode)
+        for _ in range(3):
+            xg = x.clone().requires_grad_()
+            y = cm(xg, e)
+            y.float().sum().backward()
+        with torch.no_grad():
+            for _ in range(3):
+                yc = cm(x, e)
+        assert torch.equal(yc, ref), mode
+        assert xg.grad is not None and torch.isfinite(xg.grad).all()
+
+
+def test_version_mismatch_message(tmp_path, monkeypatch):
+    d = tmp_path / "ext"
+    d.mkdir()
+    (d / _ext.LIB_NAME).write_bytes(b"")
+    (d / _ext.BUILD_INFO).write_text('{"format": "jitfuse.torch_build/1", "torch": "1.0.0+other"}')
+    monkeypatch.setenv("JITFUSE_TORCH_EXTENSION_DIR", str(d))
+    monkeypatch.setattr(_ext, "candidate_dirs", lambda: [d])
+    found, why = _ext.find(torch.__version__)
+    assert found is None
+    assert "built for torch 1.0.0+other" in why and torch.__version__ in why and "JITFUSE_TORCH_EXTENSION=0" in why

@@ -1,0 +1,437 @@
+// The jitfuse::forward / jitfuse::backward ops in C++: their CUDA kernels (the C ABI's jf_program calls on the
+// current stream, outputs and workspaces from the caching allocator), the forward's autograd (a C++
+// torch::autograd::Function saving real tensors) and Sequential's eager entry.
+#include "jitfuse_torch.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/SmallVector.h>
+#include <cuda_runtime_api.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <sstream>
+
+namespace jitfuse_torch {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::string dims_str(c10::IntArrayRef d) {
+  std::ostringstream o;
+  o << '[';
+  for (size_t i = 0; i < d.size(); ++i) o << (i ? ", " : "") << d[i];
+  o << ']';
+  return o.str();
+}
+
+// The names Python prints (the messages match the pure-Python path's).
+const char* py_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kByte: return "torch.uint8";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    default: return c10::toString(t);
+  }
+}
+
+DLDataType dl_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return {2, 32, 1};
+    case at::kHalf: return {2, 16, 1};
+    case at::kBFloat16: return {4, 16, 1};
+    case at::kByte: return {1, 8, 1};
+    case at::kLong: return {0, 64, 1};
+    case at::kFloat8_e4m3fn: return {10, 8, 1};
+    case at::kDouble: return {2, 64, 1};
+    case at::kInt: return {0, 32, 1};
+    default: TORCH_CHECK_TYPE(false, "jitfuse: tensors of ", py_dtype(t), " cannot be passed to jitfuse");
+  }
+}
+
+DLTensor dl(const at::Tensor& t, int device) {
+  DLTensor d{};
+  d.data = t.data_ptr();
+  d.device = DLDevice{kDLCUDA, device};
+  d.ndim = static_cast<int>(t.dim());
+  d.dtype = dl_of(t.scalar_type());
+  d.shape = const_cast<int64_t*>(t.sizes().data());
+  d.strides = nullptr;  // compact row-major: checked before
+  d.byte_offset = 0;
+  return d;
+}
+
+// One tensor against what the program reads: a clear error naming it, never a kernel reading wrong memory.
+void check(const Sequence& s, const std::string& label, const at::Tensor& t, int device, at::ScalarType dtype,
+           const std::vector<int64_t>* shape) {
+  TORCH_CHECK(t.defined(), "jitfuse: sequence '", s.name, "': ", label, " is an undefined tensor");
+  TORCH_CHECK_TYPE(t.is_cuda() && t.get_device() == device, "jitfuse: sequence '", s.name, "': ", label, " is on ",
+                   t.device().str(), ", the call runs on cuda:", device);
+  TORCH_CHECK(shape == nullptr || t.sizes() == c10::IntArrayRef(*shape), "jitfuse: sequence '", s.name, "': ", label,
+              " has shape ", dims_str(t.sizes()), ", the program expects ", dims_str(*shape),
+              " (a parameter replaced by one of another shape?)");
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "jitfuse: sequence '", s.name, "': ", label, " is ",
+                   py_dtype(t.scalar_type()), ", the program runs ", py_dtype(dtype));
+  TORCH_CHECK(t.is_contiguous(), "jitfuse: sequence '", s.name, "': ", label, " is not contiguous (strides ",
+              dims_str(t.strides()), "): jitfuse reads row-major tensors; pass .contiguous()");
+}
+
+[[noreturn]] void fail_call(const char* fn, const Sequence& s) {
+  const char* msg = jf_last_error();
+  TORCH_CHECK(false, "jitfuse: ", fn, " (sequence '", s.name, "'): ", msg ? msg : "");
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
+
+at::Tensor bytes(size_t n, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(n)}, like.options().dtype(at::kByte));
+}
+
+// ---- the CUDA kernels ------------------------------------------------------------------------------
+
+std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
+                                     at::TensorList params, const std::optional<at::Tensor>& rng_state,
+                                     bool training) {
+  TORCH_CHECK_VALUE(input.is_cuda(), "jitfuse::forward: jitfuse runs on CUDA tensors; the input is on ",
+                    input.device().str());
+  const int dev = input.get_device();
+  c10::cuda::CUDAGuard guard(input.device());
+  auto sp = sequence(key, dev);
+  const Sequence& s = *sp;
+  TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs, "jitfuse: sequence '", s.name,
+                   "': expected ", s.n_extra_inputs, " extra input(s), got ", extra_inputs.size());
+  TORCH_CHECK_TYPE(params.size() == s.params.size(), "jitfuse: sequence '", s.name, "': expected ",
+                   s.params.size(), " parameters, got ", params.size());
+  check(s, "input", input, dev, s.dtype, nullptr);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+  auto pp = sp->program(input.sizes(), training, stream);
+  const Program& p = *pp;
+  for (size_t i = 0; i < extra_inputs.size(); ++i)
+    check(s, "extra input " + std::to_string(i), extra_inputs[i], dev, s.dtype, nullptr);
+  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev, s.dtype, &p.param_shapes[i]);
+  if (rng_state.has_value() && rng_state->defined()) {
+    const at::Tensor& r = *rng_state;
+    TORCH_CHECK(r.is_cuda() && r.get_device() == dev && r.scalar_type() == at::kLong && r.numel() == 2 &&
+                    r.is_contiguous(),
+                "jitfuse: sequence '", s.name, "': rng_state must be a contiguous int64 tensor of 2 elements on cuda:",
+                dev, " ({seed, offset})");
+  }
+
+  std::vector<at::Tensor> outs;
+  outs.reserve(3 + p.extra_outputs.size());
+  outs.push_back(at::empty(p.out_shape, input.options().dtype(p.out_dtype)));
+  for (auto& [shape, dt] : p.extra_outputs) outs.push_back(at::empty(shape, input.options().dtype(dt)));
+  at::Tensor saved_block = training ? bytes(p.saved_bytes, input) : at::Tensor();
+  at::Tensor workspace = p.forward_workspace ? bytes(p.forward_workspace, input) : at::Tensor();
+
+  const size_t ne = extra_inputs.size(), neo = p.extra_outputs.size(), np = params.size();
+  c10::SmallVector<DLTensor, 16> t;
+  t.reserve(2 + ne + neo + np);
+  c10::SmallVector<const DLTensor*, 8> extra_in;
+  c10::SmallVector<DLTensor*, 8> extra_out;
+  c10::SmallVector<jf_param, 16> jp;
+  t.push_back(dl(input, dev));
+  for (auto& e : extra_inputs) t.push_back(dl(e, dev));
+  for (size_t i = 0; i <= neo; ++i) t.push_back(dl(outs[i], dev));
+  for (auto& q : params) t.push_back(dl(q, dev));
+  for (size_t i = 0; i < ne; ++i) extra_in.push_back(&t[1 + i]);
+  for (size_t i = 0; i < neo; ++i) extra_out.push_back(&t[2 + ne + i]);
+  for (size_t i = 0; i < np; ++i) jp.push_back(jf_param{s.params[i].first, s.params[i].second.c_str(), &t[2 + ne + neo + i]});
+
+  jf_forward_args a{};
+  a.input = &t[0];
+  a.extra_inputs = extra_in.data();
+  a.n_extra_inputs = static_cast<int>(ne);
+  a.output = &t[1 + ne];
+  a.extra_outputs = extra_out.data();
+  a.n_extra_outputs = static_cast<int>(neo);
+  a.params = jp.data();
+  a.n_params = static_cast<int>(np);
+  a.training = training ? 1 : 0;
+  a.rng_state = rng_state.has_value() && rng_state->defined()
+                    ? static_cast<const uint64_t*>(rng_state->data_ptr()) : nullptr;
+  a.saved = p.saved_bytes ? saved_block.data_ptr() : nullptr;
+  a.saved_bytes = p.saved_bytes;
+  a.workspace = p.forward_workspace ? workspace.data_ptr() : nullptr;
+  a.workspace_bytes = p.forward_workspace;
+  a.fp8_weights_unchanged = s.fp8 && fp8_promise() && !capturing(stream) ? 1 : 0;
+  jf_saved saved_handle = nullptr;
+  if (jf_program_forward(p.handle, &a, &saved_handle, stream) != JF_OK) fail_call("jf_program_forward", s);
+  if (saved_handle) jf_saved_release(saved_handle, stream);  // training with nothing to save
+  if (s.fp8_output) {  // the scale_inv that decodes this call's codes, copied before the next call moves it
+    jf_fp8_state st{};
+    if (jf_sequence_fp8_state(s.seq, s.last_op, &st) != JF_OK) fail_call("jf_sequence_fp8_state", s);
+    outs.push_back(at::from_blob(st.scale_inv, {1}, input.options().dtype(at::kFloat)).clone());
+  }
+  if (training) outs.push_back(std::move(saved_block));
+  return outs;
+}
+
+std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
+                                      const at::Tensor& output, at::TensorList extra_outputs, at::TensorList params,
+                                      const at::Tensor& saved, const at::Tensor& grad_output,
+                                      at::TensorList grad_extra_outputs) {
+  TORCH_CHECK_VALUE(input.is_cuda(), "jitfuse::backward: the input is on ", input.device().str());
+  const int dev = input.get_device();
+  c10::cuda::CUDAGuard guard(input.device());
+  auto sp = sequence(key, dev);
+  const Sequence& s = *sp;
+  TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs &&
+                       params.size() == s.params.size() &&
+                       static_cast<int>(extra_outputs.size()) == s.n_extra_outputs &&
+                       grad_extra_outputs.size() == extra_outputs.size(),
+                   "jitfuse::backward: sequence '", s.name, "' takes ", s.n_extra_inputs, " extra inputs, ",
+                   s.n_extra_outputs, " extra outputs (and their gradients) and ", s.params.size(),
+                   " parameters; got ", extra_inputs.size(), ", ", extra_outputs.size(), " (",
+                   grad_extra_outputs.size(), ") and ", params.size());
+  check(s, "input", input, dev, s.dtype, nullptr);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+  auto pp = sp->program(input.sizes(), true, stream);
+  const Program& p = *pp;
+  for (size_t i = 0; i < extra_inputs.size(); ++i)
+    check(s, "extra input " + std::to_string(i), extra_inputs[i], dev, s.dtype, nullptr);
+  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev, s.dtype, &p.param_shapes[i]);
+  check(s, "grad_output", grad_output, dev, s.dtype, &p.out_shape);
+  for (size_t i = 0; i < grad_extra_outputs.size(); ++i)
+    check(s, "grad of extra output " + std::to_string(i), grad_extra_outputs[i], dev, s.dtype,
+          &p.extra_outputs[i].first);
+  TORCH_CHECK(saved.defined() && saved.is_cuda() && saved.scalar_type() == at::kByte &&
+                  static_cast<size_t>(saved.numel()) == p.saved_bytes,
+              "jitfuse: sequence '", s.name, "': the saved buffer has ", saved.defined() ? saved.numel() : 0,
+              " bytes, the program of input ", dims_str(input.sizes()), " saves ", p.saved_bytes,
+              ": was the forward run with training=True?");
+
+  const size_t ne = extra_inputs.size(), neo = extra_outputs.size(), np = params.size();
+  std::vector<at::Tensor> res;
+  res.reserve(1 + ne + np);
+  res.push_back(at::empty_like(input));
+  for (auto& e : extra_inputs) res.push_back(at::empty_like(e));
+  for (size_t i = 0; i < np; ++i) res.push_back(s.accumulate[i] ? at::zeros_like(params[i]) : at::empty_like(params[i]));
+  at::Tensor workspace = p.backward_workspace ? bytes(p.backward_workspace, input) : at::Tensor();
+
+  // input, extras, output, extra outputs, params, grad_output, grad extra outputs, grad_input, grad extras, grads
+  c10::SmallVector<DLTensor, 32> t;
+  t.reserve(4 + 3 * ne + 2 * neo + 2 * np);
+  t.push_back(dl(input, dev));
+  for (auto& e : extra_inputs) t.push_back(dl(e, dev));
+  t.push_back(dl(output, dev));
+  for (auto& e : extra_outputs) t.push_back(dl(e, dev));
+  for (auto& q : params) t.push_back(dl(q, dev));
+  t.push_back(dl(grad_output, dev));
+  for (auto& g : grad_extra_outputs) t.push_back(dl(g, dev));
+  for (auto& r : res) t.push_back(dl(r, dev));
+  const size_t at_out = 1 + ne, at_par = at_out + 1 + neo, at_go = at_par + np, at_gi = at_go + 1 + neo,
+               at_grads = at_gi + 1 + ne;
+  c10::SmallVector<const DLTensor*, 8> extra_in, extra_out_v, grad_extra_out;
+  c10::SmallVector<DLTensor*, 8> grad_extra_in;
+  c10::SmallVector<jf_param, 16> jp, jg;
+  for (size_t i = 0; i < ne; ++i) extra_in.push_back(&t[1 + i]);
+  for (size_t i = 0; i < neo; ++i) extra_out_v.push_back(&t[at_out + 1 + i]);
+  for (size_t i = 0; i < neo; ++i) grad_extra_out.push_back(&t[at_go + 1 + i]);
+  for (size_t i = 0; i < ne; ++i) grad_extra_in.push_back(&t[at_gi + 1 + i]);
+  for (size_t i = 0; i < np; ++i) {
+    jp.push_back(jf_param{s.params[i].first, s.params[i].second.c_str(), &t[at_par + i]});
+    jg.push_back(jf_param{s.params[i].first, s.params[i].second.c_str(), &t[at_grads + i]});
+  }
+  jf_backward_args a{};
+  a.input = &t[0];
+  a.extra_inputs = extra_in.data();
+  a.n_extra_inputs = static_cast<int>(ne);
+  a.output = &t[at_out];
+  a.extra_outputs = extra_out_v.data();
+  a.n_extra_outputs = static_cast<int>(neo);
+  a.params = jp.data();
+  a.n_params = static_cast<int>(np);
+  a.saved = p.saved_bytes ? saved.data_ptr() : nullptr;
+  a.saved_bytes = p.saved_bytes;
+  a.grad_output = &t[at_go];
+  a.grad_extra_outputs = grad_extra_out.data();
+  a.n_grad_extra_outputs = static_cast<int>(neo);
+  a.grad_input = &t[at_gi];
+  a.grad_extra_inputs = grad_extra_in.data();
+  a.n_grad_extra_inputs = static_cast<int>(ne);
+  a.grads = jg.data();
+  a.n_grads = static_cast<int>(np);
+  a.workspace = p.backward_workspace ? workspace.data_ptr() : nullptr;
+  a.workspace_bytes = p.backward_workspace;
+  if (jf_program_backward(p.handle, &a, stream) != JF_OK) fail_call("jf_program_backward", s);
+  return res;
+}
+
+// ---- the ops through the dispatcher ----------------------------------------------------------------
+
+using ForwardSig = std::vector<at::Tensor>(int64_t, const at::Tensor&, at::TensorList, at::TensorList,
+                                           const std::optional<at::Tensor>&, bool);
+using BackwardSig = std::vector<at::Tensor>(int64_t, const at::Tensor&, at::TensorList, const at::Tensor&,
+                                            at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&,
+                                            at::TensorList);
+
+const c10::TypedOperatorHandle<ForwardSig>& forward_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("jitfuse::forward", "").typed<ForwardSig>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BackwardSig>& backward_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("jitfuse::backward", "").typed<BackwardSig>();
+  return op;
+}
+
+bool needs_grad(const at::Tensor& input, at::TensorList extra_inputs, at::TensorList params) {
+  if (!at::GradMode::is_enabled()) return false;
+  if (input.requires_grad()) return true;
+  for (auto& t : params)
+    if (t.requires_grad()) return true;
+  for (auto& t : extra_inputs)
+    if (t.requires_grad()) return true;
+  return false;
+}
+
+// ---- autograd -------------------------------------------------------------------------------------
+
+// The autograd node of a forward: saves the input, extra inputs, parameters and every output of the op (the
+// saved block too, so saved-tensor hooks see all the backward reads), and runs jitfuse::backward.
+struct ForwardFunction : public torch::autograd::Function<ForwardFunction> {
+  static variable_list forward(AutogradContext* ctx, int64_t key, const at::Tensor& input,
+                               at::TensorList extra_inputs, at::TensorList params,
+                               const std::optional<at::Tensor>& rng_state, bool training) {
+    std::vector<at::Tensor> outs;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      outs = forward_handle().call(key, input, extra_inputs, params, rng_state, training);
+    }
+    // [output, *extra_outputs, (scale_inv of an E4M3 output), (saved block)]: the tail is not differentiable.
+    const bool fp8_out = outs[0].scalar_type() == at::kFloat8_e4m3fn;
+    const size_t n_diff = outs.size() - (training ? 1 : 0) - (fp8_out ? 1 : 0);
+    variable_list non_diff(outs.begin() + n_diff, outs.end());
+    ctx->saved_data["key"] = key;
+    ctx->saved_data["ne"] = static_cast<int64_t>(extra_inputs.size());
+    ctx->saved_data["np"] = static_cast<int64_t>(params.size());
+    ctx->saved_data["training"] = training;
+    ctx->saved_data["n_diff"] = static_cast<int64_t>(n_diff);
+    if (training) {
+      variable_list keep;
+      keep.reserve(1 + extra_inputs.size() + params.size() + outs.size());
+      keep.push_back(input);
+      keep.insert(keep.end(), extra_inputs.begin(), extra_inputs.end());
+      keep.insert(keep.end(), params.begin(), params.end());
+      keep.insert(keep.end(), outs.begin(), outs.end());
+      ctx->save_for_backward(std::move(keep));
+    }
+    if (!non_diff.empty()) ctx->mark_non_differentiable(non_diff);
+    ctx->set_materialize_grads(false);  // no zero-filled gradient for the saved block or unused extra outputs
+    return outs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(ctx->saved_data["training"].toBool(),
+                "jitfuse: backward through a forward that ran with training=False (no saved context)");
+    const int64_t key = ctx->saved_data["key"].toInt();
+    const int64_t ne = ctx->saved_data["ne"].toInt(), np = ctx->saved_data["np"].toInt();
+    variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    std::vector<at::Tensor> extras(saved.begin() + 1, saved.begin() + 1 + ne);
+    std::vector<at::Tensor> params(saved.begin() + 1 + ne, saved.begin() + 1 + ne + np);
+    std::vector<at::Tensor> outs(saved.begin() + 1 + ne + np, saved.end());
+    const size_t n_diff = static_cast<size_t>(ctx->saved_data["n_diff"].toInt());
+    std::vector<at::Tensor> g;
+    g.reserve(n_diff);
+    for (size_t i = 0; i < n_diff; ++i) {
+      at::Tensor gi = i < grads.size() ? grads[i] : at::Tensor();
+      if (!gi.defined()) {
+        gi = at::zeros(outs[i].sizes(), x.options());
+      } else {
+        if (gi.scalar_type() != x.scalar_type()) gi = gi.to(x.scalar_type());
+        if (!gi.is_contiguous()) gi = gi.contiguous();
+      }
+      g.push_back(std::move(gi));
+    }
+    std::vector<at::Tensor> extra_outputs(outs.begin() + 1, outs.begin() + n_diff);
+    std::vector<at::Tensor> res = backward_handle().call(key, x, extras, outs[0], extra_outputs, params, outs.back(),
+                                                         g[0], at::TensorList(g).slice(1));
+    // One gradient per forward argument, tensor lists flattened: key, input, extras, params, rng_state, training.
+    variable_list out;
+    out.reserve(res.size() + 3);
+    out.emplace_back();
+    for (auto& r : res) out.push_back(std::move(r));
+    out.emplace_back();
+    out.emplace_back();
+    return out;
+  }
+};
+
+std::vector<at::Tensor> forward_autograd(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
+                                         at::TensorList params, const std::optional<at::Tensor>& rng_state,
+                                         bool training) {
+  if (needs_grad(input, extra_inputs, params))
+    return ForwardFunction::apply(key, input, extra_inputs, params, rng_state, training);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return forward_handle().call(key, input, extra_inputs, params, rng_state, training);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
+                                     at::TensorList params, const std::optional<at::Tensor>& rng_state, bool training) {
+  return forward_handle().call(key, input, extra_inputs, params, rng_state, training);
+}
+
+bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
+                    const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state, bool training,
+                    int n_extra_outputs, std::vector<at::Tensor>& out) {
+  if (!input.is_cuda()) return false;
+  const auto dt = input.scalar_type();
+  const auto dev = input.device();
+  for (auto& t : params)
+    if (t.scalar_type() != dt || t.device() != dev) return false;
+  for (auto& t : extra_inputs)
+    if (t.scalar_type() != dt || t.device() != dev) return false;
+  const bool grad = needs_grad(input, extra_inputs, params);
+  bool all_contiguous = input.is_contiguous();
+  for (auto& t : extra_inputs) all_contiguous = all_contiguous && t.is_contiguous();
+  for (auto& t : params) all_contiguous = all_contiguous && t.is_contiguous();
+  // Train mode runs the training program with or without grad (its plan may round differently from the
+  // inference program's; a checkpoint's recompute must match its first forward).
+  if (all_contiguous) {
+    out = call_forward(key, input, extra_inputs, params, rng_state, training || grad);
+  } else {
+    // Row-major copies (autograd ops: a gradient flows back to a non-contiguous parameter, e.g. w.t()).
+    std::vector<at::Tensor> extras, ps;
+    extras.reserve(extra_inputs.size());
+    ps.reserve(params.size());
+    for (auto& t : extra_inputs) extras.push_back(t.contiguous());
+    for (auto& t : params) ps.push_back(t.contiguous());
+    out = call_forward(key, input.contiguous(), extras, ps, rng_state, training || grad);
+  }
+  out.resize(1 + n_extra_outputs);  // the saved block (and an FP8 output's scale_inv) stay with the node
+  return true;
+}
+
+}  // namespace jitfuse_torch
+
+TORCH_LIBRARY(jitfuse, m) {
+  // The same schemas as the pure-Python ops (runtime/python/jitfuse/torch/_ops.py).
+  m.def("forward(int key, Tensor input, Tensor[] extra_inputs, Tensor[] params, Tensor? rng_state, "
+        "bool training) -> Tensor[]");
+  m.def("backward(int key, Tensor input, Tensor[] extra_inputs, Tensor output, Tensor[] extra_outputs, "
+        "Tensor[] params, Tensor saved, Tensor grad_output, Tensor[] grad_extra_outputs) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(jitfuse, CUDA, m) {
+  m.impl("forward", &jitfuse_torch::forward_cuda);
+  m.impl("backward", &jitfuse_torch::backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(jitfuse, Autograd, m) { m.impl("forward", &jitfuse_torch::forward_autograd); }
