@@ -607,19 +607,103 @@ jf_status jf_saved_release(jf_saved saved, jf_stream stream) {
   });
 }
 
-jf_status jf_sequence_explain(jf_sequence seq, const int64_t* shape, int ndim, int training, int arch,
-                              const char** json_out) {
+namespace {
+jf_status explain_for(jf_sequence seq, const int64_t* shape, int ndim, int training, int arch,
+                      const jitfuse::ops::Parallel* par, const char** json_out) {
   return guarded([&] {
     need(seq, "seq");
     auto in_shape = jitfuse::api::checked_shape(shape, ndim, "shape");
     need(json_out, "json_out");
     auto& s = *seq->impl;
-    auto program = s.compile(jitfuse::ops::infer(s.def, in_shape), training != 0, arch,
+    auto program = s.compile(jitfuse::ops::infer(s.def, in_shape, par ? *par : s.parallel()), training != 0, arch,
                              jitfuse::env::flag("JITFUSE_DISABLE_FUSION"));
     nlohmann::json j = jitfuse::fuser::plan_json(program->plan, program->ops);
     j["program"] = jitfuse::exec::program_json(*program, 0);
     s.explain_buffer = j.dump(2);
     *json_out = s.explain_buffer.c_str();
+  });
+}
+}  // namespace
+
+jf_status jf_sequence_explain(jf_sequence seq, const int64_t* shape, int ndim, int training, int arch,
+                              const char** json_out) {
+  return explain_for(seq, shape, ndim, training, arch, nullptr, json_out);
+}
+
+jf_status jf_sequence_explain_parallel(jf_sequence seq, const int64_t* shape, int ndim, int training, int arch,
+                                       int world_size, int rank, const char** json_out) {
+  jitfuse::ops::Parallel par;
+  par.world_size = world_size;
+  par.rank = rank;
+  return explain_for(seq, shape, ndim, training, arch, &par, json_out);
+}
+
+jf_status jf_nccl_version(int* version) {
+  return guarded([&] {
+    need(version, "version");
+    *version = jitfuse::cuda::nccl().version;
+  });
+}
+
+jf_status jf_comm_unique_id(uint8_t* id, size_t bytes) {
+  return guarded([&] {
+    need(id, "id");
+    if (bytes < JF_COMM_ID_BYTES)
+      fail(Status::invalid_argument, "id: {} bytes given, a unique id needs {}", bytes, JF_COMM_ID_BYTES);
+    ncclUniqueId u = jitfuse::cuda::Communicator::unique_id();
+    std::memcpy(id, u.internal, JF_COMM_ID_BYTES);
+  });
+}
+
+jf_status jf_comm_create(const uint8_t* id, size_t id_bytes, int world_size, int rank, jf_comm* out) {
+  return guarded([&] {
+    need(id, "id");
+    need(out, "out");
+    *out = nullptr;
+    if (id_bytes != JF_COMM_ID_BYTES)
+      fail(Status::invalid_argument, "id: {} bytes given, a unique id has {} (jf_comm_unique_id)", id_bytes,
+           JF_COMM_ID_BYTES);
+    if (world_size < 1 || world_size > jitfuse::ops::kMaxWorldSize || rank < 0 || rank >= world_size)
+      fail(Status::invalid_argument, "rank {} of world size {}: the world size is 1 to {}, the rank 0 to world size - 1",
+           rank, world_size, jitfuse::ops::kMaxWorldSize);
+    ncclUniqueId u;
+    std::memcpy(u.internal, id, JF_COMM_ID_BYTES);
+    auto c = std::make_unique<jf_comm_s>();
+    c->impl = jitfuse::cuda::Communicator::create(u, world_size, rank);
+    *out = c.release();
+  });
+}
+
+jf_status jf_comm_wrap(void* nccl_comm, jf_comm* out) {
+  return guarded([&] {
+    need(nccl_comm, "nccl_comm");
+    need(out, "out");
+    *out = nullptr;
+    auto c = std::make_unique<jf_comm_s>();
+    c->impl = jitfuse::cuda::Communicator::wrap(static_cast<ncclComm_t>(nccl_comm));
+    *out = c.release();
+  });
+}
+
+jf_status jf_comm_info(jf_comm comm, int* world_size, int* rank, int* device) {
+  return guarded([&] {
+    need(comm, "comm");
+    if (world_size) *world_size = comm->impl->world_size();
+    if (rank) *rank = comm->impl->rank();
+    if (device) *device = comm->impl->device();
+  });
+}
+
+jf_status jf_comm_destroy(jf_comm comm) {
+  return guarded([&] { delete comm; });
+}
+
+jf_status jf_sequence_set_comm(jf_sequence seq, const char* group, jf_comm comm) {
+  return guarded([&] {
+    need(seq, "seq");
+    need(group, "group");
+    need(comm, "comm");
+    seq->impl->set_comm(std::string(group, ::strnlen(group, 256)), comm->impl);
   });
 }
 

@@ -7,6 +7,7 @@
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/log.hpp"
+#include "common/text.hpp"
 #include "cuda/driver.hpp"
 #include "api/arg_check.hpp"
 #include "exec/compile.hpp"
@@ -91,10 +92,34 @@ std::shared_ptr<const std::vector<ops::Op>> Sequence::ops_for(const ops::Shape& 
     auto it = ops_.find(input);
     if (it != ops_.end()) return it->second;
   }
-  auto ops = std::make_shared<const std::vector<ops::Op>>(ops::infer(def, input));
+  auto ops = std::make_shared<const std::vector<ops::Op>>(ops::infer(def, input, parallel()));
   std::lock_guard<std::mutex> lock(mu_);
   if (ops_.size() >= 4096) ops_.clear();  // a host feeding endless shapes does not grow this without bound
   return ops_.emplace(input, ops).first->second;
+}
+
+void Sequence::set_comm(const std::string& group, std::shared_ptr<cuda::Communicator> comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (def.group.empty())
+    fail(Status::invalid_argument, "sequence '{}' has no comm op and no parallel linear: it needs no communicator",
+         def.name);
+  if (group != def.group)
+    fail(Status::invalid_argument, "sequence '{}' runs on group '{}', not '{}'", def.name, def.group,
+         text::shorten(group));
+  if (!programs_.empty() || !ops_.empty())
+    fail(Status::invalid_argument, "sequence '{}': the communicator is set before the first prepare or call (shapes "
+         "and programs depend on its world size); create another sequence for another communicator", def.name);
+  comm_ = std::move(comm);
+}
+
+ops::Parallel Sequence::parallel() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ops::Parallel p;
+  if (comm_) {
+    p.world_size = comm_->world_size();
+    p.rank = comm_->rank();
+  }
+  return p;
 }
 
 void Sequence::keep_shadow(const void* saved, std::shared_ptr<exec::Shadow> shadow) {
@@ -190,7 +215,7 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
   refuse_inside_capture(stream, input, training);
   exec::Runtime& rt = ctx.runtime();
   const int arch = cuda::current_device().arch_number();
-  auto program = compile(ops::infer(def, input), training, arch, no_fusion);
+  auto program = compile(ops::infer(def, input, parallel()), training, arch, no_fusion);
   for (const auto& d : program->plan.decisions)
     log().debug("[{}] {} ops [{}, {}) priority {}: {}", rules::pass_name(d.pass), d.rule.empty() ? "-" : d.rule,
                 d.begin, d.end, d.priority, d.taken ? "taken" : "not taken: " + d.reason);
@@ -198,8 +223,15 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
   const auto& plan = program->plan;
   const bool fused = std::any_of(plan.forward.begin(), plan.forward.end(), [](auto& g) { return !g.rule.empty(); }) ||
                      std::any_of(plan.backward.begin(), plan.backward.end(), [](auto& g) { return !g.rule.empty(); });
-  if (rt.verify && fused)  // the same ops, one group each: what every fused group is compared with
-    with.reference = exec::prepare(compile(program->ops, training, arch, true), rt);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    with.comm = comm_;
+  }
+  if (rt.verify && fused) {  // the same ops, one group each: what every fused group is compared with
+    exec::PrepareWith ref;
+    ref.comm = with.comm;
+    with.reference = exec::prepare(compile(program->ops, training, arch, true), rt, std::move(ref));
+  }
   // The FP8 state and weight copies are allocated here, never in a call.
   if (recipe.is_fp8()) with.sequence_state = fp8_state(stream).bind(*program);
   auto pp = exec::prepare(std::move(program), rt, std::move(with));

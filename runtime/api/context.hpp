@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "cache/kernel_cache.hpp"
+#include "cuda/nccl.hpp"
 #include "exec/executor.hpp"
 #include "exec/fp8/recipe_state.hpp"
 #include "exec/kernels.hpp"
@@ -75,6 +76,11 @@ class Sequence {
   // jf_sequence_info's answer for a prepared program (built once per program).
   const jf_program_info& info(const std::shared_ptr<const exec::Prepared>& pp);
 
+  // Tensor parallelism: the communicator of the sequence's group (jf_sequence_set_comm), fixed before the
+  // first prepare; its world size and rank are what shapes are inferred for.
+  void set_comm(const std::string& group, std::shared_ptr<cuda::Communicator> comm);
+  ops::Parallel parallel() const;
+
   Context& ctx;
   ops::SequenceDef def;
   ops::Recipe recipe;
@@ -94,7 +100,8 @@ class Sequence {
   // Fails with Status::not_prepared when `stream` is capturing a CUDA graph (prepare compiles and loads).
   void refuse_inside_capture(CUstream stream, const ops::Shape& input, bool training) const;
   std::map<int, std::unique_ptr<exec::fp8::RecipeState>> fp8_;  // device ordinal -> FP8 state
-  std::mutex mu_;
+  std::shared_ptr<cuda::Communicator> comm_;
+  mutable std::mutex mu_;
   // What a prepared program is for: input shape, training, rule-set generation, the fusion kill switch,
   // device ordinal (a struct, not a formatted string: looked up on every call).
   struct ProgramKey {

@@ -18,6 +18,10 @@ struct jf_program_s {
   std::shared_ptr<const jitfuse::exec::Prepared> prepared;
   bool training = false;
 };
+// A communicator the host holds (sequences bound to it share it).
+struct jf_comm_s {
+  std::shared_ptr<jitfuse::cuda::Communicator> impl;
+};
 // A saved block jf_forward allocated through the allocator (a host that passes its own has no handle).
 struct jf_saved_s {
   void* block = nullptr;

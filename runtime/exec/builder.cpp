@@ -208,6 +208,29 @@ bool Builder::pass_through_grad(int i) {
   return true;
 }
 
+bool Builder::pass_through(int i) {
+  const int n = static_cast<int>(p_.ops.size());
+  auto& ids = forward_ ? act_ : grad_;
+  auto& table = forward_ ? p_.values : p_.gradients;
+  const int from = forward_ ? i : i + 1, to = forward_ ? i + 1 : i;
+  if ((forward_ && to == n) || (!forward_ && to == 0) || ids.at(static_cast<size_t>(to)) >= 0) return false;
+  const int id = forward_ ? act(from) : grad_of(from);
+  ids[static_cast<size_t>(to)] = id;
+  table[static_cast<size_t>(to)] = id;
+  return true;
+}
+
+void Builder::comm(const CommStep& c, const std::string& what) {
+  Step s;
+  s.kind = Step::Kind::comm;
+  s.group = group_;
+  s.what = what;
+  s.comm = c;
+  touch(c.send);
+  touch(c.recv);
+  (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
+}
+
 int Builder::fp8_state(int op, fp8::Operand operand, fp8::Part part) {
   auto key = std::make_tuple(op, operand, part);
   if (auto it = state_.find(key); it != state_.end()) return it->second;

@@ -42,6 +42,11 @@ class Builder {
   // are the same buffer and no kernel runs (PyTorch's residual add costs no kernel either). False (nothing
   // done) for any other op: a caller's extra input, a channel with several readers (their sum is written).
   bool pass_through_grad(int i);
+  // Op i is the identity in this direction (a comm op's other half): the value after it is the value
+  // before it (forward), or the gradient before it is the one after it (backward) — one buffer, no step.
+  // False (nothing done) where a caller's tensor must be written (the output, grad_input) or the buffer
+  // exists already.
+  bool pass_through(int i);
   // FP8 recipe state of (op, operand) (none: a quantize op's): part scale, scale_inv or history.
   int fp8_state(int op, fp8::Operand operand, fp8::Part part);
   // An FP8 copy of linear `lin`'s operand: row-major codes, the transposed codes (training;
@@ -75,6 +80,8 @@ class Builder {
   // A cuBLASLt GEMM for linear op `lin` (dims from its shapes, dtype from the recipe).
   GemmStep linear_gemm(int lin, cuda::GemmKind kind) const;
   void gemm(const GemmStep& g, const std::string& what);
+  // A collective on the program's communicator (docs/parallel.md).
+  void comm(const CommStep& c, const std::string& what);
   // A generated kernel: `spec` over `rows` rows reading buffer `in` and writing buffer `out`.
   void kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
               const std::string& what);

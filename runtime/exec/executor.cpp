@@ -255,6 +255,31 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const Prep
 
 }  // namespace
 
+namespace {
+void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& ptr, CUstream stream) {
+  if (!pp.comm) fail(Status::internal, "a comm step without a communicator");
+  const cuda::Nccl& n = cuda::nccl();
+  const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
+  const char* send = static_cast<const char*>(ptr[static_cast<size_t>(c.send)]) + static_cast<size_t>(c.send_offset) * esz;
+  char* recv = static_cast<char*>(ptr[static_cast<size_t>(c.recv)]) + static_cast<size_t>(c.recv_offset) * esz;
+  const auto count = static_cast<size_t>(c.count);
+  const ncclDataType_t dt = cuda::nccl_dtype(c.dtype);
+  ncclComm_t comm = pp.comm->comm();
+  switch (c.op) {
+    case Collective::all_gather:
+      return cuda::check_nccl(n.ncclAllGather(send, recv, count, dt, comm, stream), "ncclAllGather");
+    case Collective::reduce_scatter:
+      return cuda::check_nccl(n.ncclReduceScatter(send, recv, count, dt, ncclSum, comm, stream), "ncclReduceScatter");
+    case Collective::all_reduce:
+      return cuda::check_nccl(n.ncclAllReduce(send, recv, count, dt, ncclSum, comm, stream), "ncclAllReduce");
+    case Collective::broadcast:
+      return cuda::check_nccl(n.ncclBroadcast(send, recv, count, dt, c.root, comm, stream), "ncclBroadcast");
+    case Collective::reduce:
+      return cuda::check_nccl(n.ncclReduce(send, recv, count, dt, ncclSum, c.root, comm, stream), "ncclReduce");
+  }
+}
+}  // namespace
+
 void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
   if (!p) return;
   if (a.free) {
@@ -277,6 +302,8 @@ void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<
       // the persistent FP8 copy of an unchanged weight is still valid
     } else if (s.kind == Step::Kind::gemm)
       run_gemm(rt, s.gemm, states[i], ptr, stream, batch);
+    else if (s.kind == Step::Kind::comm)
+      run_comm(pp, s.comm, ptr, stream);
     else
       run_kernel(pp, rt, *s.kernel, states[i], ptr, stream, batch);
     if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);

@@ -161,6 +161,19 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
   const Program& p = *pp->program;
   pp->device = cuda::current_device();
   pp->target = target_for_arch(pp->device.arch());
+  if (p.has_comm()) {  // before anything is compiled or loaded
+    const auto& c = with.comm;
+    if (!c)
+      fail(Status::invalid_argument, "the program runs collectives on group '{}' but the sequence has no "
+           "communicator: hand it one first (jf_sequence_set_comm; Python: jitfuse.torch.set_process_group)", p.group);
+    if (c->world_size() != p.world_size || c->rank() != p.rank)
+      fail(Status::internal, "program planned for rank {} of {}, communicator is rank {} of {}", p.rank, p.world_size,
+           c->rank(), c->world_size());
+    if (c->device() != pp->device.ordinal)
+      fail(Status::invalid_argument, "group '{}': the communicator runs on device {}, the current device is {}: make "
+           "its device current before calling", p.group, c->device(), pp->device.ordinal);
+    pp->comm = c;
+  }
   pp->forward.resize(p.forward.size());
   pp->backward.resize(p.backward.size());
   load_kernels(*pp, rt);

@@ -13,6 +13,7 @@
 
 #include "cuda/cublaslt.hpp"
 #include "cuda/driver.hpp"
+#include "cuda/nccl.hpp"
 #include "exec/kernels.hpp"
 #include "exec/layout.hpp"
 #include "exec/program.hpp"
@@ -82,6 +83,7 @@ struct Prepared {
   // FP8 recipe state and persistent buffers: fixed per (sequence, device), so bound once.
   std::vector<std::pair<int, void*>> sequence_state;
   std::shared_ptr<const Prepared> reference;  // JITFUSE_VERIFY: the unfused program of the same ops
+  std::shared_ptr<cuda::Communicator> comm;  // the program's comm steps run on it (null: it has none)
 
   const std::vector<PreparedStep>& steps(bool fwd) const { return fwd ? forward : backward; }
 };
@@ -91,6 +93,7 @@ struct Prepared {
 struct PrepareWith {
   std::vector<std::pair<int, void*>> sequence_state;
   std::shared_ptr<const Prepared> reference;
+  std::shared_ptr<cuda::Communicator> comm;  // the sequence's communicator (jf_sequence_set_comm)
 };
 
 // Compiles (in parallel, through the cache) and loads the kernel variants `rt.variants` asks for, looks up

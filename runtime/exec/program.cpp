@@ -93,6 +93,9 @@ std::vector<int> Program::saved_set() const {
     };
     if (s.kind == Step::Kind::gemm) {
       for (int i = 0; i < kGemmOperands; ++i) mark(s.gemm.operand(static_cast<GemmOperand>(i)));
+    } else if (s.kind == Step::Kind::comm) {
+      mark(s.comm.send);
+      mark(s.comm.recv);
     } else {
       for (const auto& a : s.kernel->args) mark(a.buffer);
     }
@@ -104,6 +107,37 @@ std::vector<int> Program::saved_set() const {
     if (fwd_side && bwd[static_cast<size_t>(b.id)]) out.push_back(b.id);
   }
   return out;
+}
+
+bool Program::has_comm() const {
+  for (const auto* steps : {&forward, &backward})
+    for (const auto& s : *steps)
+      if (s.kind == Step::Kind::comm) return true;
+  return false;
+}
+
+const char* collective_name(Collective c) {
+  switch (c) {
+    case Collective::all_gather: return "all_gather";
+    case Collective::reduce_scatter: return "reduce_scatter";
+    case Collective::all_reduce: return "all_reduce";
+    case Collective::broadcast: return "broadcast";
+    case Collective::reduce: return "reduce";
+  }
+  return "?";
+}
+
+int64_t CommStep::wire_bytes(int world_size) const {
+  const int64_t w = world_size, bytes = count * static_cast<int64_t>(ops::dtype_bytes(dtype));
+  if (w <= 1) return 0;
+  switch (op) {
+    case Collective::all_gather:                                 // (W-1)/W of the gathered W * count
+    case Collective::reduce_scatter: return bytes * (w - 1);     // (W-1)/W of the input W * count
+    case Collective::all_reduce: return 2 * (bytes / w) * (w - 1);
+    case Collective::broadcast:
+    case Collective::reduce: return bytes;  // a pipelined ring moves the chunk once over each link
+  }
+  return 0;
 }
 
 int Program::find(BufferRole role, int op, const std::string& name) const {
@@ -173,6 +207,12 @@ std::shared_ptr<const Program> make_program(std::vector<ops::Op> ops, fuser::Pla
   p->recipe = recipe;
   p->training = training;
   p->arch = dev.arch;
+  if (!p->ops.empty()) {
+    p->world_size = p->ops.front().world_size;
+    p->rank = p->ops.front().rank;
+  }
+  for (const auto& op : p->ops)
+    if (op.family == ops::Family::comm) p->group = op.str("group");
   Builder b(*p, seq);
   const int n = static_cast<int>(p->ops.size());
   b.act(0);

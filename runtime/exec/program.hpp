@@ -135,12 +135,34 @@ const char* gemm_operand_name(GemmOperand o);  // "a", "bias", "d_scale", ...
 // cuBLASLt's: no-op).
 void set_operand(cuda::GemmCall& call, GemmOperand o, void* ptr);
 
+// A collective over the group's ranks, run by NCCL on the caller's stream (docs/parallel.md). Counts are
+// elements of `dtype`; offsets are elements into the buffers (a chunk of a pipelined GEMM's operand).
+enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce };
+const char* collective_name(Collective c);
+// What explain's link times assume: NVLink 4 on an H100/H200, 18 links x 25 GB/s, one direction.
+inline constexpr double kNvlinkGbs = 450.0;
+struct CommStep {
+  Collective op = Collective::all_reduce;
+  int send = -1, recv = -1;
+  int64_t send_offset = 0, recv_offset = 0;
+  // NCCL's count: all_gather the elements each rank sends (its shard), reduce_scatter those each rank
+  // receives, all_reduce / broadcast / reduce the whole buffer (chunk).
+  int64_t count = 0;
+  ops::DType dtype = ops::DType::f32;
+  int root = -1;  // broadcast / reduce: the rank that sends / receives
+  int op_index = -1;  // the comm op it runs for
+  // Bytes over the links per rank, by NCCL's bus-bandwidth convention ((W-1)/W of the data for gathers and
+  // scatters, twice that for all-reduce); 0 at world size 1 (a local copy).
+  int64_t wire_bytes(int world_size) const;
+};
+
 struct Step {
-  enum class Kind { gemm, kernel } kind = Kind::gemm;
+  enum class Kind { gemm, kernel, comm } kind = Kind::gemm;
   int group = -1;              // index into the pass's groups
   std::string what;            // "linear_bias_gelu: cublaslt GELU_AUX_BIAS" (explain only; never dispatched on)
   GemmStep gemm;
   std::shared_ptr<KernelStep> kernel;  // written by make_program only
+  CommStep comm;
   // Casts a weight into its persistent FP8 copies: skipped by a call that says the weights did not change
   // since the last cast (ForwardArgs::weights_unchanged).
   bool weight_cast = false;
@@ -152,6 +174,10 @@ struct Program {
   ops::Recipe recipe;
   bool training = true;
   std::string arch;  // "sm_90a"
+  // Tensor parallelism: the communicator group its comm steps run on ("" if none), and the world size and
+  // rank it was planned for (a prepare binds a communicator of the same size).
+  std::string group;
+  int world_size = 1, rank = 0;
   std::vector<Buffer> buffers;
   std::vector<Step> forward, backward;  // the backward in execution order
   size_t fwd_arena = 0, bwd_arena = 0, saved_bytes = 0;
@@ -170,6 +196,7 @@ struct Program {
   std::vector<int> saved_set() const;
 
   const Buffer& buffer(int id) const { return buffers.at(static_cast<size_t>(id)); }
+  bool has_comm() const;  // any comm step, either direction
   int find(BufferRole role, int op, const std::string& name) const;  // -1 if absent
 };
 

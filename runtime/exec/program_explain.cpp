@@ -55,6 +55,34 @@ std::pair<int64_t, int64_t> gemm_bytes(const Program& p, const GemmStep& g) {
   return {r, w};
 }
 
+// A comm step's fields; returns the local bytes it reads and writes (each rank's side).
+std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json& j) {
+  const int64_t esz = ops::dtype_bytes(c.dtype), w = p.world_size;
+  const int64_t sent = c.count * esz * (c.op == Collective::reduce_scatter ? w : 1);
+  const int64_t got = c.count * esz * (c.op == Collective::all_gather ? w : 1);
+  const int64_t wire = c.wire_bytes(p.world_size);
+  j.update({{"kind", "comm"},
+            {"collective", collective_name(c.op)},
+            {"count", c.count},
+            {"dtype", ops::dtype_name(c.dtype)},
+            {"send", p.buffer(c.send).name},
+            {"recv", p.buffer(c.recv).name},
+            {"stream", "caller"},
+            {"world_size", p.world_size},
+            {"wire_bytes", wire},
+            {"link_us", static_cast<double>(wire) / (kNvlinkGbs * 1e3)}});
+  if (c.root >= 0) j["root"] = c.root;
+  return {sent, got};
+}
+
+std::string comm_line(const json& s) {
+  return fmt::format("comm  {} count={} {}{}\n             send={} recv={}; {} over the links, >= {:.1f} us",
+                     s["collective"].get<std::string>(), s["count"].get<int64_t>(), s["dtype"].get<std::string>(),
+                     s.contains("root") ? fmt::format(" root={}", s["root"].get<int>()) : std::string(),
+                     s["send"].get<std::string>(), s["recv"].get<std::string>(),
+                     bytes_text(s["wire_bytes"].get<double>()), s["link_us"].get<double>());
+}
+
 json step_json(const Program& p, const Step& s, double bw) {
   json j = {{"group", s.group}, {"what", s.what}};
   auto name = [&](int id) { return id >= 0 ? json(p.buffer(id).name) : json(nullptr); };
@@ -90,6 +118,8 @@ json step_json(const Program& p, const Step& s, double bw) {
       j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
                   {"fast_accum", g.call.fp8->fast_accum}};
     }
+  } else if (s.kind == Step::Kind::comm) {
+    std::tie(r, w) = comm_json(p, s.comm, j);
   } else {
     const auto& k = *s.kernel;
     r = k.bytes_read;
@@ -126,6 +156,8 @@ double pass_bytes(const json& steps) {
 
 json program_json(const Program& p, double bw) {
   json out = {{"arch", p.arch}, {"training", p.training}, {"recipe", ops::recipe_name(p.recipe.kind)}};
+  if (!p.group.empty()) out["parallel"] = {{"group", p.group}, {"world_size", p.world_size}, {"rank", p.rank},
+                                           {"nvlink_gbs", kNvlinkGbs}};
   for (const auto& [key, steps] : {std::pair<const char*, const std::vector<Step>*>{"forward", &p.forward},
                                    {"backward", &p.backward}}) {
     json list = json::array();
@@ -169,13 +201,18 @@ json program_json(const Program& p, double bw) {
     out["napkin_us"] = {{"forward", pass_bytes(out["forward"]) / (bw * 1e3)},
                         {"backward", pass_bytes(out["backward"]) / (bw * 1e3)}};
   }
+  if (!p.group.empty()) {
+    double f = 0, b = 0;
+    for (const auto& s : out["forward"]) f += s.value("link_us", 0.0);
+    for (const auto& s : out["backward"]) b += s.value("link_us", 0.0);
+    out["link_us"] = {{"forward", f}, {"backward", b}};
+  }
   return out;
 }
 
-std::string program_text(const Program& p, double bw) {
-  json j = program_json(p, bw);
-  std::string out = fmt::format("program ({}, {}, recipe {}; napkin times = bytes / {:.0f} GB/s):\n", p.arch,
-                                p.training ? "training" : "inference", ops::recipe_name(p.recipe.kind), bw);
+namespace {
+std::string steps_text(const json& j) {
+  std::string out;
   for (const char* pass : {"forward", "backward"}) {
     const auto& steps = j[pass];
     if (steps.empty()) continue;
@@ -197,6 +234,8 @@ std::string program_text(const Program& p, double bw) {
         for (const auto& [k, v] : s["operands"].items())
           if (!v.is_null()) ops_text += fmt::format(" {}={}", k, v.get<std::string>());
         line += "\n             " + ops_text.substr(1);
+      } else if (s["kind"] == "comm") {
+        line = comm_line(s);
       } else {
         line = fmt::format("kernel {} grid {}x{} block {}x{}{}", s["kernel"].get<std::string>(),
                            s["grid"][0].get<unsigned>(), s["grid"][1].get<unsigned>(), s["block"][0].get<unsigned>(),
@@ -217,7 +256,11 @@ std::string program_text(const Program& p, double bw) {
       out += fmt::format("  then  one FP8 recipe-state update kernel for the {} fp8_delayed operand cast(s){} of the pass\n",
                          casts, gemms ? fmt::format(" and the {} FP8 GEMM output(s)", gemms) : "");
   }
-  out += "\nbuffers:\n";
+  return out;
+}
+
+std::string buffers_text(const Program& p, const json& j, double bw) {
+  std::string out = "\nbuffers:\n";
   out += fmt::format("  {:>3}  {:<26} {:<14} {:<9} {:<5} {:>14} {:>11} {:>11}  steps\n", "id", "name", "role",
                      "storage", "dtype", "rows x cols", "bytes", "offset");  // steps: an arena buffer's lifetime
   for (const auto& b : p.buffers) {
@@ -243,6 +286,24 @@ std::string program_text(const Program& p, double bw) {
   if (j.contains("napkin_us"))
     out += fmt::format("napkin minimum at {:.0f} GB/s: forward {:.1f} us, backward {:.1f} us\n", bw,
                        j["napkin_us"]["forward"].get<double>(), j["napkin_us"]["backward"].get<double>());
+  if (j.contains("link_us"))
+    out += fmt::format("collectives at {:.0f} GB/s NVLink: forward {:.1f} us, backward {:.1f} us\n", kNvlinkGbs,
+                       j["link_us"]["forward"].get<double>(), j["link_us"]["backward"].get<double>());
+  return out;
+}
+
+}  // namespace
+
+std::string program_text(const Program& p, double bw) {
+  json j = program_json(p, bw);
+  std::string out = fmt::format("program ({}, {}, recipe {}; napkin times = bytes / {:.0f} GB/s):\n", p.arch,
+                                p.training ? "training" : "inference", ops::recipe_name(p.recipe.kind), bw);
+  if (!p.group.empty())
+    out += fmt::format("tensor parallel: group '{}', rank {} of {}; collectives run by NCCL on the caller's stream, "
+                       "link times = bytes over the links / {:.0f} GB/s (NVLink 4, one direction)\n",
+                       p.group, p.rank, p.world_size, kNvlinkGbs);
+  out += steps_text(j);
+  out += buffers_text(p, j, bw);
   return out;
 }
 

@@ -28,7 +28,26 @@ std::string group_ops(const Group& g, const std::vector<ops::Op>& ops) {
   return out;
 }
 
+namespace {
+// A parallel linear's shards and a comm op's collectives (docs/parallel.md).
+std::string parallel_text(const ops::Op& op) {
+  if (op.family == ops::Family::comm) {
+    std::string what = op.kind == "all_gather"       ? "gathers dim 0 (backward: reduce-scatters)"
+                       : op.kind == "reduce_scatter" ? "reduce-scatters dim 0 (backward: gathers)"
+                       : op.str("direction") == "forward" ? "sums over ranks (backward: identity)"
+                                                          : "identity (backward: sums over ranks)";
+    return fmt::format("{} over group '{}' of {}{}", what, op.str("group"), op.world_size,
+                       op.inserted_for >= 0 ? fmt::format(", inserted for op {}", op.inserted_for) : "");
+  }
+  if (op.family != ops::Family::linear || !op.attrs.contains("tensor_parallel")) return "";
+  return fmt::format("{}-parallel{}, group '{}', weight shard {}", op.str("tensor_parallel"),
+                     op.flag("sequence_parallel") ? " + sequence-parallel" : "", op.str("group"),
+                     ops::shape_str(op.params.at(0).shape));
+}
+}  // namespace
+
 std::string op_wiring(const ops::Op& op, const std::vector<ops::Op>& ops) {
+  if (std::string par = parallel_text(op); !par.empty()) return par;
   const bool fork = op.family == ops::Family::make_extra_output, reader = op.family == ops::Family::add_extra_input;
   if (!fork && !reader) return "";
   const std::string slot = op.extra_slot < 0 ? ""
@@ -43,6 +62,12 @@ std::string op_wiring(const ops::Op& op, const std::vector<ops::Op>& ops) {
 
 nlohmann::json op_wiring_json(const ops::Op& op) {
   nlohmann::json j = nlohmann::json::object();
+  if (op.family == ops::Family::comm || (op.family == ops::Family::linear && op.attrs.contains("tensor_parallel"))) {
+    j["group"] = op.str("group");
+    j["world_size"] = op.world_size;
+    j["rank"] = op.rank;
+    if (op.inserted_for >= 0) j["inserted_for"] = op.inserted_for;
+  }
   if (op.extra_slot >= 0) j["extra_slot"] = op.extra_slot;
   if (op.channel.empty()) return j;
   j["channel"] = op.channel;

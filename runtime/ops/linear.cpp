@@ -1,4 +1,8 @@
-// linear: y = x W^T with W [out_features, in_features]; saves its input x for wgrad.
+// linear: y = x W^T with W [out_features, in_features]; saves its input x for wgrad. Tensor parallel
+// (docs/parallel.md): in_features and out_features stay the full layer's; the weight is this rank's shard —
+// "column": [out_features / W, in_features], the output holds out_features / W columns; "row":
+// [out_features, in_features / W], the input holds in_features / W columns. The sequence's parser inserts
+// the collectives around it (ops::parse_sequence).
 #include "ops/op.hpp"
 
 namespace jitfuse::ops {
@@ -12,11 +16,26 @@ void register_linear(Registry& r) {
       {AttrSpec::Type::integer, "in_features", nullptr, {}, 1.0, {}},
       {AttrSpec::Type::integer, "out_features", nullptr, {}, 1.0, {}},
       {AttrSpec::Type::boolean, "accumulate_grad", false, {}, {}, {}},
+      {AttrSpec::Type::string, "tensor_parallel", "none", {"none", "column", "row"}, {}, {}},
+      {AttrSpec::Type::boolean, "sequence_parallel", false, {}, {}, {}},
+      {AttrSpec::Type::string, "group", "tp", {}, {}, {}},
   };
   k.infer = [](Op& op) {
     int64_t in_f = op.attrs["in_features"], out_f = op.attrs["out_features"];
+    const std::string tp = op.attrs.value("tensor_parallel", "none");  // absent: one rank's linear
+    const int64_t w = op.world_size;
+    auto shard = [&](int64_t features, const char* name) {
+      if (features % w != 0)
+        shape_error(op, fmt::format("{} = {} is not divisible by the world size {}: a {}-parallel linear splits it "
+                                    "into equal shards", name, features, w, tp));
+      return features / w;
+    };
+    if (tp == "column") out_f = shard(out_f, "out_features");
+    if (tp == "row") in_f = shard(in_f, "in_features");
     if (cols_of(op.in) != in_f)
-      shape_error(op, fmt::format("in_features = {} but the input's last dim is {}", in_f, cols_of(op.in)));
+      shape_error(op, tp == "row" ? fmt::format("a row-parallel linear takes this rank's in_features / {} = {} input "
+                                                "columns, the input's last dim is {}", w, in_f, cols_of(op.in))
+                                  : fmt::format("in_features = {} but the input's last dim is {}", in_f, cols_of(op.in)));
     op.out = op.in;
     op.out.back() = out_f;
     op.params = {{"weight", {out_f, in_f}}};

@@ -61,11 +61,15 @@ std::string family_name(Family f) {
     case Family::dropout: return "dropout";
     case Family::add_extra_input: return "add_extra_input";
     case Family::make_extra_output: return "make_extra_output";
+    case Family::comm: return "comm";
   }
   return "?";
 }
 
-std::string Op::label() const { return fmt::format("op {} ({})", index, kind); }
+std::string Op::label() const {
+  if (inserted_for >= 0) return fmt::format("op {} ({}, inserted for op {})", index, kind, inserted_for);
+  return fmt::format("op {} ({})", index, kind);
+}
 
 void shape_error(const Op& op, const std::string& what) {
   fail(Status::invalid_argument, "{}: shape mismatch: {} (input shape {})", op.label(), what, shape_str(op.in));
@@ -173,6 +177,7 @@ Registry::Registry() {
   register_norms(*this);
   register_dropout(*this);
   register_structural(*this);
+  register_comm(*this);
 }
 
 void Registry::add(OpKind kind) {

@@ -33,6 +33,7 @@ enum class Family {
   dropout,            // y = x * mask / (1 - p), Philox mask
   add_extra_input,    // y = x + e (residual)
   make_extra_output,  // y = x, extra = x (fork)
+  comm,               // a collective over the ranks of a tensor-parallel group (NCCL; docs/parallel.md)
 };
 std::string family_name(Family f);
 
@@ -112,6 +113,12 @@ struct Op {
   // The channel's source (a make_extra_output, or a caller's channel's first reader): how many ops read it.
   int channel_readers = 0;
 
+  // Tensor parallelism (docs/parallel.md): the group's world size and this rank, as the sequence was
+  // inferred for (1 and 0 without a communicator); what comm ops and parallel linears size their shards by.
+  int world_size = 1, rank = 0;
+  // An op the planner inserted (a parallel linear's collective): the op it serves; -1 for the sequence's own.
+  int inserted_for = -1;
+
   std::string label() const;  // "op 3 (gelu)"
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }
   bool flag(const char* attr) const { return attrs.at(attr).get<bool>(); }
@@ -137,6 +144,7 @@ void register_activations(Registry& r);
 void register_norms(Registry& r);
 void register_dropout(Registry& r);
 void register_structural(Registry& r);
+void register_comm(Registry& r);
 
 // Validates `attrs` against `kind.attrs` (unknown names, types, ranges, choices) and fills defaults.
 // Errors about one attribute name `where_attr(name)` when given (its own file:line:col), else `where`.

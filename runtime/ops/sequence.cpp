@@ -73,7 +73,7 @@ void check_channels(SequenceDef& def, const At& at) {
   std::map<std::string, int> writer, reads;  // writer: op index (-1: the caller's)
   for (const auto& n : def.input_channels) writer[n] = -1;
   auto op_at = [&](const OpDef& d, const char* key) {
-    return fmt::format("{}: op {} ({})", at("/ops/" + std::to_string(d.index) + "/" + key), d.index, d.kind);
+    return fmt::format("{}: op {} ({})", at("/ops/" + std::to_string(d.json_index) + "/" + key), d.index, d.kind);
   };
   for (const auto& d : def.ops) {
     const Family fam = d.info->family;
@@ -117,6 +117,53 @@ void check_channels(SequenceDef& def, const At& at) {
       fail(Status::invalid_argument, "{}: input channel '{}' is never read: read it with add_extra_input "
            "{{\"channel\": \"{}\"}} or remove it", at("/input_channels/" + std::to_string(k)), def.input_channels[k],
            def.input_channels[k]);
+}
+
+// A parallel linear's collectives, where Megatron puts them (docs/parallel.md): column + SP gathers its
+// input's sequence shards (backward: reduce-scatters dgrad); column alone copies its input to every rank
+// (backward: all-reduces dgrad); row + SP reduce-scatters its partial sums into sequence shards (backward:
+// gathers dy); row alone all-reduces them. A bias after a row-parallel linear follows the reduction, so it
+// is added once. Also checks that every comm op and parallel linear names the same group.
+void add_parallel(SequenceDef& def, OpDef d, const Registry& registry, const At& at) {
+  const std::string where = fmt::format("{}: op {} ({})", at("/ops/" + std::to_string(d.json_index)), d.index, d.kind);
+  std::string tp = "none";
+  bool sp = false;
+  if (d.info->family == Family::linear && d.attrs.contains("tensor_parallel")) {
+    tp = d.attrs["tensor_parallel"].get<std::string>();
+    sp = d.attrs["sequence_parallel"].get<bool>();
+  }
+  if (tp != "none" || d.info->family == Family::comm) {
+    const std::string g = d.attrs["group"].get<std::string>();
+    if (!channel_name_ok(g))
+      fail(Status::invalid_argument, "{}: group '{}': a group name is 1 to {} characters from A-Z a-z 0-9 _ . -", where,
+           jitfuse::text::shorten(g), kMaxChannelName);
+    if (!def.group.empty() && def.group != g)
+      fail(Status::invalid_argument, "{}: group '{}', but an earlier op of this sequence uses group '{}': one "
+           "sequence runs on one communicator; split it where the group changes", where, g, def.group);
+    def.group = g;
+  }
+  auto insert = [&](const char* kind, nlohmann::json attrs) {
+    OpDef c;
+    c.index = static_cast<int>(def.ops.size());
+    c.json_index = d.json_index;
+    c.inserted_for = d.index;
+    c.kind = kind;
+    c.info = registry.find(kind);
+    attrs["group"] = def.group;
+    c.attrs = validate_attrs(*c.info, attrs, where);
+    def.ops.push_back(std::move(c));
+  };
+  if (tp == "column") {
+    d.index = static_cast<int>(def.ops.size()) + 1;
+    insert(sp ? "all_gather" : "all_reduce", sp ? nlohmann::json::object() : nlohmann::json{{"direction", "backward"}});
+    def.ops.back().inserted_for = d.index;
+    def.ops.push_back(std::move(d));
+  } else if (tp == "row") {
+    def.ops.push_back(std::move(d));
+    insert(sp ? "reduce_scatter" : "all_reduce", sp ? nlohmann::json::object() : nlohmann::json{{"direction", "forward"}});
+  } else {
+    def.ops.push_back(std::move(d));
+  }
 }
 
 }  // namespace
@@ -173,7 +220,8 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
            loc, jitfuse::text::shorten(kind), known);
     }
     OpDef d;
-    d.index = static_cast<int>(i);
+    d.index = static_cast<int>(def.ops.size());
+    d.json_index = static_cast<int>(i);
     d.kind = kind;
     d.info = info;
     // Attribute errors point at the attribute itself (a key with '/' or '~' cannot be in the kind's list).
@@ -183,12 +231,19 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
     nlohmann::json attrs = o;
     read_channel_keys(attrs, d, at, ptr, i);
     d.attrs = validate_attrs(*info, attrs, fmt::format("{} ({})", loc, kind), where_attr);
+    // A linear on one rank keeps the attributes it had before tensor parallelism (plan and cache keys unchanged).
+    if (info->family == Family::linear && d.attrs["tensor_parallel"] == "none") {
+      if (d.attrs["sequence_parallel"].get<bool>())
+        fail(Status::invalid_argument, "{}: op {} (linear): \"sequence_parallel\": true needs \"tensor_parallel\": "
+             "\"column\" or \"row\"", where_attr("sequence_parallel"), d.index);
+      for (const char* k : {"tensor_parallel", "sequence_parallel", "group"}) d.attrs.erase(k);
+    }
     nlohmann::json c = d.attrs;
     c["op"] = kind;
     if (!d.channel.empty()) c["channel"] = d.channel;
     if (d.returned) c["returned"] = true;
     canon.push_back(c);
-    def.ops.push_back(std::move(d));
+    add_parallel(def, std::move(d), registry, at);
   }
   read_input_channels(j, def, at);
   check_channels(def, at);
@@ -237,7 +292,10 @@ void wire_extras(const OpDef& d, Op& op, std::vector<Op>& before, int& extra_in,
 }
 }  // namespace
 
-std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
+std::vector<Op> infer(const SequenceDef& def, const Shape& input, const Parallel& par) {
+  if (par.world_size < 1 || par.world_size > kMaxWorldSize || par.rank < 0 || par.rank >= par.world_size)
+    fail(Status::invalid_argument, "sequence '{}': rank {} of world size {}: the world size is 1 to {} and the rank "
+         "0 to world size - 1", def.name, par.rank, par.world_size, kMaxWorldSize);
   if (input.empty() || input.size() > kMaxDims)
     fail(Status::invalid_argument, "sequence '{}': the input shape has {} dims; it needs 1 to {}", def.name,
          input.size(), kMaxDims);
@@ -253,6 +311,9 @@ std::vector<Op> infer(const SequenceDef& def, const Shape& input) {
   for (const auto& d : def.ops) {
     Op op;
     op.index = d.index;
+    op.inserted_for = d.inserted_for;
+    op.world_size = par.world_size;
+    op.rank = par.rank;
     op.kind = d.kind;
     op.info = d.info;
     op.family = d.info->family;

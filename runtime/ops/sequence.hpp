@@ -10,7 +10,9 @@
 namespace jitfuse::ops {
 
 struct OpDef {
-  int index = 0;
+  int index = 0;       // position in the sequence (after the parser's inserted collectives)
+  int json_index = 0;  // position in the file's "ops" (what errors point at); an inserted op: its linear's
+  int inserted_for = -1;  // a collective the parser inserted for a parallel linear: that linear's index
   std::string kind;
   nlohmann::json attrs;  // validated, defaults filled
   const OpKind* info = nullptr;
@@ -28,7 +30,15 @@ struct SequenceDef {
   // "fp8": {"amax_history_len": N, "margin": M} (FP8 recipes; 0 / -1: the recipe's defaults, 1024 and 0).
   int fp8_amax_history = 0;
   int fp8_margin = -1;
+  // Tensor parallelism: the one communicator group its comm ops and parallel linears name ("" if none).
+  std::string group;
 };
+
+// The ranks a sequence is inferred for: the world size and this rank of its group (docs/parallel.md).
+struct Parallel {
+  int world_size = 1, rank = 0;
+};
+inline constexpr int kMaxWorldSize = 1 << 16;
 inline constexpr int kMaxAmaxHistory = 1024;  // one thread per entry in the update kernel
 inline constexpr int kMaxFp8Margin = 32;
 
@@ -45,6 +55,7 @@ SequenceDef parse_sequence_file(const std::string& path, const Registry& registr
 void apply_recipe(const SequenceDef& def, Recipe& recipe);
 
 // Shapes through the whole sequence; an error names the op where they stop fitting.
-std::vector<Op> infer(const SequenceDef& def, const Shape& input);
+// `par`: the group's world size and this rank (shards of parallel linears, shapes around collectives).
+std::vector<Op> infer(const SequenceDef& def, const Shape& input, const Parallel& par = {});
 
 }  // namespace jitfuse::ops

@@ -26,6 +26,13 @@ const Vec& param(const SeqInputs& in, const ops::Op& op, const char* name) {
 
 bool dropout_active(const ops::Op& op) { return op.flag("training") && op.num("p") > 0; }
 
+// One process holds one rank: the float64 reference of a collective exists at world size 1 (the identity).
+void one_rank(const ops::Op& op) {
+  if (op.world_size != 1)
+    throw std::invalid_argument(op.label() + ": the float64 reference runs one rank; at world size " +
+                                std::to_string(op.world_size) + " compare against the single-GPU sequence instead");
+}
+
 }  // namespace
 
 SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in) {
@@ -82,6 +89,7 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
         for (size_t i = 0; i < v.size(); ++i) v[i] += e[i];
         break;
       }
+      case Family::comm: one_rank(op); break;
       case Family::make_extra_output:
         if (!op.channel.empty()) channels[op.index] = v;
         if (op.extra_slot < 0) break;
@@ -155,6 +163,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
         for (size_t j = 0; j < dy.size(); ++j) acc[j] += dy[j];
         break;
       }
+      case Family::comm: one_rank(op); break;
       case Family::make_extra_output: {
         if (op.extra_slot >= 0) {
           const Vec& de = grad_extra_out.at(op.extra_slot);

@@ -38,12 +38,12 @@ std::string default_arch(const std::string& given) {
 }
 
 Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::string& recipe,
-                  const std::string& shape, int arch, bool training) {
+                  const std::string& shape, int arch, bool training, const ops::Parallel& par) {
   Planned p;
   p.def = ops::parse_sequence_file(file, rs.registry());
   p.recipe = ops::parse_recipe(recipe);
   ops::apply_recipe(p.def, p.recipe);
-  p.ops = ops::infer(p.def, ops::parse_shape(shape));
+  p.ops = ops::infer(p.def, ops::parse_shape(shape), par);
   exec::CompileOptions o;
   o.arch = arch;
   o.training = training;

@@ -28,7 +28,7 @@ struct Planned {
   std::shared_ptr<const exec::Program> program;  // laid out for the arch planned for (occupancy estimated)
 };
 Planned plan_file(const rules::RuleSet& rs, const std::string& file, const std::string& recipe,
-                  const std::string& shape, int arch, bool training);
+                  const std::string& shape, int arch, bool training, const ops::Parallel& par = {});
 
 // A template store with the user templates of `rs` added.
 exec::TemplateStore templates_for(const rules::RuleSet& rs);

@@ -25,6 +25,7 @@ struct ExplainOpts {
   std::vector<std::string> rules;
   bool json = false, dot = false, inference = false, arch_given = false, program = false;
   double bandwidth = 3350;  // GB/s: H100 SXM's HBM3 (pass the copy bandwidth measured by `jitfuse bench`)
+  int world_size = 1, rank = 0;  // the tensor-parallel group planned for (docs/parallel.md)
 };
 
 std::string dot_escape(const std::string& s) {
@@ -133,7 +134,10 @@ void run(const ExplainOpts& o) {
   // JITFUSE_LOG_LEVEL=debug still shows every decision in the log.
   if (!env::get("JITFUSE_LOG_LEVEL")) log().set_level(spdlog::level::err);
   rules::RuleSet rs = load_rules(o.rules);
-  Planned p = plan_file(rs, o.seq, o.recipe, o.shape, parse_arch(o.arch), !o.inference);
+  ops::Parallel par;
+  par.world_size = o.world_size;
+  par.rank = o.rank;
+  Planned p = plan_file(rs, o.seq, o.recipe, o.shape, parse_arch(o.arch), !o.inference, par);
   fuser::PlanInputs in;  // what plan_file planned with, for the header
   in.recipe = o.recipe;
   in.dtype = ops::dtype_name(p.recipe.dtype);
@@ -146,6 +150,7 @@ void run(const ExplainOpts& o) {
     json out = fuser::plan_json(p.plan, p.ops);
     json header = {{"sequence", p.def.name}, {"file", o.seq},   {"shape", o.shape},        {"recipe", in.recipe},
                    {"dtype", in.dtype},      {"arch", in.arch}, {"training", in.training}, {"disable_fusion", in.disable_fusion}};
+    if (!p.def.group.empty()) header["parallel"] = {{"group", p.def.group}, {"world_size", o.world_size}, {"rank", o.rank}};
     out.update(header);
     out["rule_errors"] = json::array();
     for (const auto& e : rs.errors()) out["rule_errors"].push_back(e.to_string());
@@ -175,6 +180,10 @@ void add_explain_command(CLI::App& app) {
                 "Also show the program: every GEMM and kernel step, buffers, saved set, arena and napkin time");
   cmd->add_option("--bandwidth", o->bandwidth, "GB/s for the napkin times of --program (default 3350)")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--world-size", o->world_size,
+                  "Plan one rank of a tensor-parallel group of this many GPUs (default 1; no GPU needed)")
+      ->check(CLI::Range(1, ops::kMaxWorldSize));
+  cmd->add_option("--rank", o->rank, "The rank planned for, 0 to world size - 1 (default 0)")->check(CLI::NonNegativeNumber);
   cmd->add_flag("--inference", o->inference, "Plan for inference (no backward; joint rules that need training fail)");
   cmd->callback([o, arch] {
     o->arch_given = arch->count() > 0;

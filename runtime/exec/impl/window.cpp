@@ -45,6 +45,7 @@ std::optional<std::string> chain_problem(const std::vector<OpUse>& w, size_t fro
   for (int i = static_cast<int>(from); i < n; ++i) {
     const OpUse& u = w[i];
     if (u.family() == Family::linear) return "a generated kernel cannot run linear";
+    if (u.family() == Family::comm) return "a collective runs on NCCL (a comm step), not in a generated kernel";
     if (u.name() == "reshape" && n - static_cast<int>(from) > 1) return "reshape changes the column layout and runs alone";
     if (u.family() == Family::norm || u.family() == Family::gated) {
       if (anchor >= 0) return "two anchors (" + w[anchor].name() + ", " + u.name() + ") in one kernel";

@@ -247,6 +247,36 @@ JF_API jf_status jf_saved_release(jf_saved saved, jf_stream stream);
 JF_API jf_status jf_sequence_explain(jf_sequence seq, const int64_t* shape, int ndim, int training, int arch,
                                      const char** json_out);
 
+/* ---- Tensor parallelism (docs/parallel.md) ----------------------------------------------------------
+ *
+ * A sequence with comm ops (all_gather, reduce_scatter, all_reduce) or parallel linears ("tensor_parallel":
+ * "column" | "row") runs its collectives through NCCL, loaded at run time (libnccl.so.2, or
+ * $JITFUSE_NCCL_LIBRARY): a build without NCCL runs everything else and fails these calls with
+ * JF_ERR_UNSUPPORTED saying so. The host hands each such sequence a communicator before its first prepare
+ * or call; every rank of the group prepares the same sequence and calls it in the same order. */
+typedef struct jf_comm_s* jf_comm;
+#define JF_COMM_ID_BYTES 128 /* NCCL's unique id: rank 0 makes it, the host sends it to every rank */
+
+/* The loaded NCCL's version code (22809 for 2.28.9); JF_ERR_UNSUPPORTED with the reason if none loads. */
+JF_API jf_status jf_nccl_version(int* version);
+/* A new unique id (rank 0), `bytes` >= JF_COMM_ID_BYTES. */
+JF_API jf_status jf_comm_unique_id(uint8_t* id, size_t bytes);
+/* Joins rank `rank` of `world_size` ranks sharing `id` on the calling thread's current device (blocks until
+ * every rank joined). jitfuse owns the NCCL communicator: it lives until the last jf_comm_destroy and the
+ * last sequence using it are gone. */
+JF_API jf_status jf_comm_create(const uint8_t* id, size_t id_bytes, int world_size, int rank, jf_comm* out);
+/* The host's ncclComm_t (as void*), borrowed: the host keeps it alive while sequences use it. */
+JF_API jf_status jf_comm_wrap(void* nccl_comm, jf_comm* out);
+JF_API jf_status jf_comm_info(jf_comm comm, int* world_size, int* rank, int* device);
+JF_API jf_status jf_comm_destroy(jf_comm comm);
+/* Binds `comm` to the sequence's group (the "group" its comm ops and parallel linears name, default "tp").
+ * Only before the sequence's first prepare, info or call: shapes depend on the world size. */
+JF_API jf_status jf_sequence_set_comm(jf_sequence seq, const char* group, jf_comm comm);
+/* jf_sequence_explain for rank `rank` of a group of `world_size` GPUs, with no communicator and no GPU:
+ * what `jitfuse explain --world-size N --rank R` prints. */
+JF_API jf_status jf_sequence_explain_parallel(jf_sequence seq, const int64_t* shape, int ndim, int training, int arch,
+                                              int world_size, int rank, const char** json_out);
+
 #ifdef __cplusplus
 }
 #endif

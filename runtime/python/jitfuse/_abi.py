@@ -85,6 +85,7 @@ jf_context = c_void_p
 jf_sequence = c_void_p
 jf_saved = c_void_p
 jf_program = c_void_p
+jf_comm = c_void_p
 jf_builder = c_void_p
 jf_stream = c_void_p
 
@@ -222,7 +223,18 @@ FUNCTIONS: List[Tuple[str, object, list]] = [
     ("jf_sequence_fp8_operand_state", _st, [jf_sequence, c_int, c_char_p, POINTER(jf_fp8_state)]),
     ("jf_saved_release", _st, [jf_saved, jf_stream]),
     ("jf_sequence_explain", _st, [jf_sequence, POINTER(c_int64), c_int, c_int, c_int, POINTER(c_char_p)]),
+    # Tensor parallelism (docs/parallel.md)
+    ("jf_nccl_version", _st, [POINTER(c_int)]),
+    ("jf_comm_unique_id", _st, [c_void_p, c_size_t]),
+    ("jf_comm_create", _st, [c_void_p, c_size_t, c_int, c_int, POINTER(jf_comm)]),
+    ("jf_comm_wrap", _st, [c_void_p, POINTER(jf_comm)]),
+    ("jf_comm_info", _st, [jf_comm, POINTER(c_int), POINTER(c_int), POINTER(c_int)]),
+    ("jf_comm_destroy", _st, [jf_comm]),
+    ("jf_sequence_set_comm", _st, [jf_sequence, c_char_p, jf_comm]),
+    ("jf_sequence_explain_parallel", _st,
+     [jf_sequence, POINTER(c_int64), c_int, c_int, c_int, c_int, c_int, POINTER(c_char_p)]),
 ]
+COMM_ID_BYTES = 128  # JF_COMM_ID_BYTES
 
 
 def declare(lib: ctypes.CDLL) -> List[str]:

@@ -1,0 +1,61 @@
+// NCCL, loaded at run time (dlopen) so that libjitfuse builds, loads and runs on one GPU without it:
+// $JITFUSE_NCCL_LIBRARY, else libnccl.so.2 through the loader (the copy PyTorch's nvidia-nccl wheel already
+// loaded into the process, or the system's), else the CUDA toolkit's. A Communicator wraps one ncclComm_t —
+// the host's (borrowed) or one jitfuse created from a unique id (owned) — and runs the comm steps of a
+// program on the caller's stream (docs/parallel.md).
+#pragma once
+#include <cuda.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ops/recipe.hpp"
+
+namespace jitfuse::cuda {
+
+struct Nccl {
+#define JF_NCCL_FN(name) decltype(&::name) name = nullptr;
+#include "cuda/nccl_fns.inc"
+#undef JF_NCCL_FN
+  int version = 0;  // NCCL_VERSION_CODE of the loaded library (22809: 2.28.9)
+  std::string path;
+};
+
+// The loaded NCCL, or nullptr; `why` says what is missing and what to do.
+const Nccl* try_nccl(std::string* why = nullptr);
+const Nccl& nccl();  // throws Error(unsupported) naming the problem
+
+// Throws Error(cuda_error) "<call> failed: <NCCL's error string> (<its last error>)" unless r == ncclSuccess.
+void check_nccl(ncclResult_t r, const char* call);
+
+// NCCL's type for a tensor dtype (E4M3 needs NCCL >= 2.24; the caller checks the version).
+ncclDataType_t nccl_dtype(ops::DType dt);
+
+class Communicator {
+ public:
+  // A new communicator: rank `rank` of `world_size` ranks that share `id` (from unique_id()), on the
+  // calling thread's current device. Every rank calls it at once (it blocks until all joined).
+  static std::shared_ptr<Communicator> create(const ncclUniqueId& id, int world_size, int rank);
+  // The host's ncclComm_t, borrowed: the host keeps it alive while jitfuse uses it and destroys it.
+  static std::shared_ptr<Communicator> wrap(ncclComm_t comm);
+  static ncclUniqueId unique_id();
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  ncclComm_t comm() const { return comm_; }
+  int world_size() const { return world_; }
+  int rank() const { return rank_; }
+  int device() const { return device_; }  // the CUDA device ordinal the communicator runs on
+  bool owned() const { return owned_; }
+
+ private:
+  Communicator() = default;
+  ncclComm_t comm_ = nullptr;
+  int world_ = 1, rank_ = 0, device_ = 0;
+  bool owned_ = false;
+};
+
+}  // namespace jitfuse::cuda
