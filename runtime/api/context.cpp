@@ -204,6 +204,12 @@ std::shared_ptr<const exec::Program> Sequence::compile(std::vector<ops::Op> ops,
 }
 
 std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& input, bool training, CUstream stream) {
+  if (!def.group.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!comm_)
+      fail(Status::invalid_argument, "sequence '{}' runs collectives on group '{}' but has no communicator: hand it "
+           "one first (jf_sequence_set_comm; Python: jitfuse.torch.set_process_group)", def.name, def.group);
+  }
   // Programs hold loaded kernels, which belong to the device of the current context.
   const bool no_fusion = env::flag("JITFUSE_DISABLE_FUSION");
   ProgramKey key{input, training, ctx.rules_generation(), no_fusion, cuda::current_ordinal()};

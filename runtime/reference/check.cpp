@@ -166,6 +166,10 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     jf_sequence s;
     ~SeqGuard() { jf_sequence_destroy(s); }
   } guard{seq};
+  if (!def.group.empty()) {
+    if (!opt.comm) throw Error(Status::invalid_argument, "sequence runs collectives: CheckOptions::comm is needed");
+    ok(jf_sequence_set_comm(seq, def.group.c_str(), opt.comm), "jf_sequence_set_comm");
+  }
 
   // The calls run on a non-blocking stream of their own (as a framework's would): every upload, poison and
   // download of the check goes on it too, so none can race the calls (issue 26).

@@ -52,6 +52,9 @@ struct CheckOptions {
   bool no_reference = false;
   // Forward (+ backward) calls before the compared one, same inputs (FP8: the recipe state advances).
   int calls = 1;
+  // Sequences with collectives (docs/parallel.md): the communicator the sequence runs on, a world size of
+  // one (the float64 reference holds one rank).
+  jf_comm comm = nullptr;
 };
 
 struct TensorCheck {

@@ -1,0 +1,291 @@
+// Tensor parallelism planned without GPUs (docs/parallel.md): the Llama and GPT-2 MLP blocks and the
+// post-attention half with column-/row-parallel linears, with and without sequence parallelism, at world
+// sizes 1, 2, 4 and 8, against golden programs (tests/golden/programs/parallel.txt; JITFUSE_UPDATE_GOLDEN=1
+// rewrites it): every collective where Megatron puts it, forward and backward; the errors of comm ops and
+// parallel linears.
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <sstream>
+
+#include "common/env.hpp"
+#include "common/error.hpp"
+#include "exec/compile.hpp"
+#include "fuser/explain.hpp"
+#include "jitfuse/jitfuse.h"
+#include "rules/rule.hpp"
+
+using namespace jitfuse;
+using nlohmann::json;
+
+namespace {
+
+const rules::RuleSet& builtins() {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  return rs;
+}
+
+std::string read(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// The example's linears made parallel: the first column-parallel, the last row-parallel.
+std::string parallel_block(const std::string& file, bool sp) {
+  json j = json::parse(read(std::string(JF_SOURCE_DIR) + "/tools/examples/" + file));
+  std::vector<size_t> linears;
+  for (size_t i = 0; i < j["ops"].size(); ++i)
+    if (j["ops"][i]["op"] == "linear") linears.push_back(i);
+  REQUIRE(linears.size() == 2);
+  j["ops"][linears[0]]["tensor_parallel"] = "column";
+  j["ops"][linears[1]]["tensor_parallel"] = "row";
+  for (size_t i : linears) j["ops"][i]["sequence_parallel"] = sp;
+  return j.dump();
+}
+
+std::shared_ptr<const exec::Program> program_of(const std::string& text, const std::string& recipe, bool training,
+                                                const ops::Shape& shape, int world, int rank = 0) {
+  auto def = ops::parse_sequence(text, "<test>", builtins().registry());
+  auto r = ops::parse_recipe(recipe);
+  ops::apply_recipe(def, r);
+  exec::CompileOptions o;
+  o.arch = 90;
+  o.training = training;
+  ops::Parallel par;
+  par.world_size = world;
+  par.rank = rank;
+  return exec::compile(ops::infer(def, shape, par), def.name, r, o, builtins());
+}
+
+// One line per step: what runs, in order, with the shapes that say where each collective sits.
+std::string steps_text(const exec::Program& p) {
+  std::string out;
+  for (const auto* dir : {&p.forward, &p.backward}) {
+    if (dir == &p.backward && !p.training) break;
+    out += dir == &p.forward ? "  forward:\n" : "  backward:\n";
+    for (const auto& s : *dir) {
+      if (s.kind == exec::Step::Kind::comm)
+        out += fmt::format("    comm {} {} -> {} count {}\n", exec::collective_name(s.comm.op), p.buffer(s.comm.send).name,
+                           p.buffer(s.comm.recv).name, s.comm.count);
+      else if (s.kind == exec::Step::Kind::gemm)
+        out += fmt::format("    gemm {} m={} n={} k={} {}\n", s.what.substr(0, s.what.find(':')), s.gemm.call.m,
+                           s.gemm.call.n, s.gemm.call.k, cuda::epilogue_name(s.gemm.call.epilogue));
+      else
+        out += fmt::format("    kernel {} rows={}\n", s.kernel->gen.kernel, s.kernel->rows);
+    }
+  }
+  return out;
+}
+
+int count_comm(const std::vector<exec::Step>& steps, exec::Collective c) {
+  int n = 0;
+  for (const auto& s : steps) n += s.kind == exec::Step::Kind::comm && s.comm.op == c;
+  return n;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("parallel MLP blocks and the post-attention half plan as their golden programs at world sizes 1-8",
+          "[exec][parallel][golden]") {
+  const std::string golden_path = JF_SOURCE_DIR "/tests/golden/programs/parallel.txt";
+  std::string text;
+  struct Case {
+    const char* name;
+    std::string seq;
+  };
+  std::vector<Case> cases;
+  for (bool sp : {true, false}) {
+    cases.push_back({sp ? "llama_mlp_block sp" : "llama_mlp_block", parallel_block("llama_mlp_block.json", sp)});
+    cases.push_back({sp ? "gpt2_mlp_block sp" : "gpt2_mlp_block", parallel_block("gpt2_mlp_block.json", sp)});
+  }
+  cases.push_back({"tp_mlp", read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json")});
+  cases.push_back({"tp_attn_out", read(JF_SOURCE_DIR "/tools/examples/tp_attn_out.json")});
+  for (const auto& c : cases)
+    for (int world : {1, 2, 4, 8}) {
+      const bool sp = c.seq.find("\"sequence_parallel\":true") != std::string::npos ||
+                      c.seq.find("\"sequence_parallel\": true") != std::string::npos;
+      // The sequence's input: this rank's shard of 4096 tokens with SP, all of them without; the
+      // post-attention half takes this rank's heads (1024 / world columns).
+      const int64_t rows = sp ? 4096 / world : 4096;
+      const int64_t cols = std::string(c.name) == "tp_attn_out" ? 1024 / world : 1024;
+      auto p = program_of(c.seq, "bf16", true, {rows, cols}, world, world - 1);
+      text += fmt::format("===== {} bf16 training, world size {}, rank {}, input {}x{}\n", c.name, world, world - 1,
+                          rows, cols);
+      std::string groups;
+      for (const auto& g : p->plan.forward)
+        groups += " [" + fuser::group_ops(g, p->ops) + (g.rule.empty() ? "" : " = " + g.rule) + "]";
+      text += "  groups:" + groups + "\n" + steps_text(*p);
+    }
+  if (env::flag("JITFUSE_UPDATE_GOLDEN")) {
+    std::ofstream(golden_path, std::ios::binary) << text;
+    WARN("golden programs rewritten: " << golden_path);
+    return;
+  }
+  INFO(text);
+  CHECK(read(golden_path) == text);
+}
+
+TEST_CASE("the collectives sit where Megatron puts them", "[exec][parallel]") {
+  using exec::Collective;
+  const std::string llama_sp = parallel_block("llama_mlp_block.json", true);
+  const std::string llama = parallel_block("llama_mlp_block.json", false);
+  for (int world : {2, 4, 8}) {
+    // Column + SP: all-gather before the GEMM, reduce-scatter of its dgrad; row + SP: reduce-scatter after
+    // the GEMM, all-gather of dy. The residual add and the norm run on the sequence shard.
+    auto p = program_of(llama_sp, "bf16", true, {4096 / world, 1024}, world, 1);
+    CHECK(count_comm(p->forward, Collective::all_gather) == 1);
+    CHECK(count_comm(p->forward, Collective::reduce_scatter) == 1);
+    CHECK(count_comm(p->backward, Collective::all_gather) == 1);
+    CHECK(count_comm(p->backward, Collective::reduce_scatter) == 1);
+    CHECK(count_comm(p->forward, Collective::all_reduce) + count_comm(p->backward, Collective::all_reduce) == 0);
+    CHECK(p->buffer(p->output).rows == 4096 / world);
+    for (const auto& op : p->ops)
+      if (op.kind == "linear") CHECK(ops::rows_of(op.in) == 4096);  // the GEMMs see the whole sequence
+    // No SP: the column linear's input is copied (its dgrad all-reduced), the row linear's output all-reduced.
+    auto q = program_of(llama, "bf16", true, {4096, 1024}, world, 0);
+    CHECK(count_comm(q->forward, Collective::all_reduce) == 1);
+    CHECK(count_comm(q->backward, Collective::all_reduce) == 1);
+    CHECK(count_comm(q->forward, Collective::all_gather) + count_comm(q->forward, Collective::reduce_scatter) == 0);
+    // The identity halves cost nothing: the forward's copy to the tensor-parallel region is the same buffer.
+    CHECK(q->forward.size() == p->forward.size() - 1);
+    // The reduction runs before the residual add: the down projection no longer folds the add into its
+    // GEMM (the residual would be added on every rank).
+    for (const auto& s : q->forward) CHECK((s.kind != exec::Step::Kind::gemm || s.gemm.call.beta == 0.f));
+    // Shards: gate_up [2 * 2816 / W, 1024], down [1024, 2816 / W].
+    CHECK(q->ops[3].params[0].shape == ops::Shape{5632 / world, 1024});
+    CHECK(q->ops[5].params[0].shape == ops::Shape{1024, 2816 / world});
+  }
+}
+
+TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]") {
+  // all_reduce -> add -> fork -> rmsnorm (vLLM's fusion after a row-parallel linear, decode): one kernel
+  // writes the new residual and the normalised output.
+  const std::string seq = R"({"format": "jitfuse.sequence/1", "name": "t", "input_channels": ["residual"], "ops": [
+      {"op": "linear", "in_features": 1024, "out_features": 1024, "tensor_parallel": "row"},
+      {"op": "add_extra_input", "channel": "residual"},
+      {"op": "make_extra_output", "channel": "next", "returned": true},
+      {"op": "rmsnorm"}]})";
+  for (bool training : {false, true}) {
+    auto p = program_of(seq, "bf16", training, {8, 512}, 2, 1);
+    REQUIRE(p->forward.size() == 3);
+    CHECK(p->forward[0].kind == exec::Step::Kind::gemm);
+    CHECK(p->forward[1].kind == exec::Step::Kind::comm);
+    CHECK(p->forward[1].comm.op == exec::Collective::all_reduce);
+    REQUIRE(p->forward[2].kind == exec::Step::Kind::kernel);
+    CHECK(p->plan.forward.back().rule == "fork_norm");
+    CHECK(p->plan.forward.back().begin == 2);  // add, fork and norm in one group
+    CHECK(p->plan.forward.back().end == 5);
+  }
+  // reduce_scatter -> bias -> dropout -> add: one kernel after the collective.
+  auto q = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_attn_out.json"), "bf16", true, {4096 / 4, 1024 / 4}, 4, 2);
+  CHECK(q->plan.forward[2].rule == "bias_dropout_add_joint");
+  CHECK(q->forward[1].kind == exec::Step::Kind::comm);
+  CHECK(q->forward[2].kind == exec::Step::Kind::kernel);
+}
+
+TEST_CASE("comm steps report their bytes over the links", "[exec][parallel]") {
+  auto p = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json"), "bf16", true, {1024, 1024}, 4, 3);
+  json j = exec::program_json(*p, 3350);
+  CHECK(j["parallel"]["world_size"] == 4);
+  CHECK(j["parallel"]["rank"] == 3);
+  bool saw = false;
+  for (const auto& s : j["forward"])
+    if (s["kind"] == "comm" && s["collective"] == "all_gather") {
+      saw = true;
+      // Each rank sends its 1024x1024 bf16 shard to the 3 others.
+      CHECK(s["wire_bytes"].get<int64_t>() == int64_t{1024} * 1024 * 2 * 3);
+      CHECK(s["bytes_written"].get<int64_t>() == int64_t{4096} * 1024 * 2);
+      CHECK(s["link_us"].get<double>() > 0);
+    }
+  CHECK(saw);
+  CHECK(exec::program_text(*p, 3350).find("rank 3 of 4") != std::string::npos);
+  // One rank: NCCL copies locally, nothing crosses a link.
+  auto one = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json"), "bf16", true, {1024, 1024}, 1);
+  for (const auto& s : exec::program_json(*one, 3350)["forward"])
+    if (s["kind"] == "comm") CHECK(s["wire_bytes"] == 0);
+}
+
+TEST_CASE("comm ops and parallel linears name what is wrong", "[exec][parallel][errors]") {
+  auto parse = [](const std::string& ops) {
+    return ops::parse_sequence(R"({"format": "jitfuse.sequence/1", "name": "t", "ops": )" + ops + "}", "<t>",
+                               builtins().registry());
+  };
+  // Mixed groups in one sequence.
+  std::string e = error_of([&] {
+    parse(R"([{"op": "all_gather", "group": "tp"}, {"op": "linear", "in_features": 8, "out_features": 8,
+              "tensor_parallel": "row", "group": "tp2"}])");
+  });
+  CHECK_THAT(e, Catch::Contains("group 'tp2', but an earlier op of this sequence uses group 'tp'"));
+  CHECK_THAT(e, Catch::Contains("<t>:1:92: op 1 (linear)"));
+  // A group name that is no name.
+  e = error_of([&] { parse(R"([{"op": "all_reduce", "group": "a b"}])"); });
+  CHECK_THAT(e, Catch::Contains("group 'a b'"));
+  // sequence_parallel alone.
+  e = error_of([&] { parse(R"([{"op": "linear", "in_features": 8, "out_features": 8, "sequence_parallel": true}])"); });
+  CHECK_THAT(e, Catch::Contains("needs \"tensor_parallel\""));
+  e = error_of([&] { parse(R"([{"op": "linear", "in_features": 8, "out_features": 8, "tensor_parallel": "rows"}])"); });
+  CHECK_THAT(e, Catch::Contains("none|column|row"));
+  e = error_of([&] { parse(R"([{"op": "all_reduce", "direction": "sideways"}])"); });
+  CHECK_THAT(e, Catch::Contains("forward|backward"));
+  // Shards that do not divide.
+  auto col = parse(R"([{"op": "linear", "in_features": 64, "out_features": 100, "tensor_parallel": "column"}])");
+  e = error_of([&] { ops::infer(col, {16, 64}, {8, 0}); });
+  CHECK_THAT(e, Catch::Contains("op 1 (linear)"));
+  CHECK_THAT(e, Catch::Contains("out_features = 100 is not divisible by the world size 8"));
+  auto row = parse(R"([{"op": "linear", "in_features": 64, "out_features": 64, "tensor_parallel": "row"}])");
+  e = error_of([&] { ops::infer(row, {16, 64}, {4, 0}); });
+  CHECK_THAT(e, Catch::Contains("input columns, the input's last dim is 64"));
+  auto rs = parse(R"([{"op": "reduce_scatter"}])");
+  e = error_of([&] { ops::infer(rs, {6, 64}, {4, 1}); });
+  CHECK_THAT(e, Catch::Contains("op 0 (reduce_scatter)"));
+  CHECK_THAT(e, Catch::Contains("dim 0 (6) is not divisible by the world size 4"));
+  e = error_of([&] { ops::infer(rs, {8, 64}, {4, 4}); });
+  CHECK_THAT(e, Catch::Contains("rank 4 of world size 4"));
+  e = error_of([&] { ops::infer(rs, {8, 64}, {0, 0}); });
+  CHECK_THAT(e, Catch::Contains("world size 0"));
+  // A collective has no float64 reference on more than one rank; one rank's is the identity.
+  CHECK(ops::infer(rs, {8, 64}, {1, 0}).at(0).out == ops::Shape{8, 64});
+}
+
+TEST_CASE("the C ABI plans a rank without a GPU and refuses to run without a communicator", "[exec][parallel][abi]") {
+  jf_context ctx = nullptr;
+  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  const std::string text = read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json");
+  jf_sequence seq = nullptr;
+  REQUIRE(jf_sequence_create(ctx, text.c_str(), "bf16", &seq) == JF_OK);
+  const int64_t shape[2] = {512, 1024};
+  const char* out = nullptr;
+  REQUIRE(jf_sequence_explain_parallel(seq, shape, 2, 1, 90, 4, 2, &out) == JF_OK);
+  json j = json::parse(out);
+  CHECK(j["program"]["parallel"]["world_size"] == 4);
+  CHECK(j["program"]["parallel"]["rank"] == 2);
+  CHECK(jf_sequence_explain_parallel(seq, shape, 2, 1, 90, 4, 4, &out) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(jf_last_error()).find("rank 4 of world size 4") != std::string::npos);
+  CHECK(jf_sequence_explain_parallel(seq, shape, 2, 1, 90, -1, 0, &out) == JF_ERR_INVALID_ARGUMENT);
+  // No communicator: the prepare names the group and what to do, before touching a GPU.
+  CHECK(jf_sequence_prepare(seq, shape, 2, 1, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(jf_last_error()).find("group 'tp' but has no communicator") != std::string::npos);
+  CHECK(jf_sequence_set_comm(seq, "tp", nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(jf_comm_create(nullptr, 128, 1, 0, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  uint8_t id[128] = {};
+  jf_comm c = nullptr;
+  CHECK(jf_comm_create(id, 64, 1, 0, &c) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(jf_comm_create(id, 128, 2, 2, &c) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(c == nullptr);
+  CHECK(jf_comm_wrap(nullptr, &c) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(jf_comm_info(nullptr, nullptr, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(jf_comm_destroy(nullptr) == JF_OK);
+  jf_sequence_destroy(seq);
+  jf_context_destroy(ctx);
+}
