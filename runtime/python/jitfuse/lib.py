@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
 
 from . import _abi
-from .errors import (AbiMismatchError, JitfuseError, LibraryNotFoundError, RuleError, RuleLoadError,
-                     error_for_status, parse_rule_errors)
+from .errors import (AbiMismatchError, InvalidArgumentError, JitfuseError, LibraryNotFoundError, RuleError,
+                     RuleLoadError, error_for_status, parse_rule_errors)
 
 log = logging.getLogger("jitfuse")
 
@@ -235,6 +235,63 @@ class _Owned:
             self.close()
         except Exception:
             pass
+
+
+def nccl_version() -> int:
+    """The NCCL version code jitfuse loaded (22809 for 2.28.9); raises UnsupportedError saying why if none."""
+    lib = library()
+    v = ctypes.c_int()
+    lib.check(lib.cdll.jf_nccl_version(ctypes.byref(v)), "jf_nccl_version")
+    return int(v.value)
+
+
+class Communicator(_Owned):
+    """An NCCL communicator for sequences with collectives (docs/parallel.md): rank ``rank`` of
+    ``world_size`` ranks that share ``unique_id`` (from :meth:`unique_id` on one rank, sent to every rank),
+    created on the current CUDA device; or :meth:`wrap` of a host's ``ncclComm_t``."""
+
+    _DESTROY = "jf_comm_destroy"
+
+    def __init__(self, unique_id: bytes, world_size: int, rank: int, lib: Optional[Library] = None,
+                 _wrap: Optional[int] = None):
+        self._lib = lib or library()
+        h = _abi.jf_comm()
+        if _wrap is not None:
+            self._lib.check(self._lib.cdll.jf_comm_wrap(ctypes.c_void_p(_wrap), ctypes.byref(h)), "jf_comm_wrap")
+        else:
+            uid = bytes(unique_id)
+            if len(uid) != _abi.COMM_ID_BYTES:
+                raise InvalidArgumentError(f"jitfuse.Communicator: a unique id has {_abi.COMM_ID_BYTES} bytes, "
+                                           f"got {len(uid)}")
+            buf = ctypes.create_string_buffer(uid, len(uid))
+            self._lib.check(self._lib.cdll.jf_comm_create(buf, len(uid), int(world_size), int(rank),
+                                                          ctypes.byref(h)), "jf_comm_create")
+        self._handle = h.value
+        w, r, d = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        self._lib.check(self._lib.cdll.jf_comm_info(self._handle, ctypes.byref(w), ctypes.byref(r), ctypes.byref(d)),
+                        "jf_comm_info")
+        self.world_size, self.rank, self.device = int(w.value), int(r.value), int(d.value)
+
+    @staticmethod
+    def unique_id(lib: Optional[Library] = None) -> bytes:
+        lib = lib or library()
+        buf = ctypes.create_string_buffer(_abi.COMM_ID_BYTES)
+        lib.check(lib.cdll.jf_comm_unique_id(buf, _abi.COMM_ID_BYTES), "jf_comm_unique_id")
+        return buf.raw
+
+    @classmethod
+    def wrap(cls, nccl_comm: int, lib: Optional[Library] = None) -> "Communicator":
+        """Borrows a host's ``ncclComm_t`` (as an int); the host keeps it alive and destroys it."""
+        return cls(b"", 0, 0, lib, _wrap=int(nccl_comm))
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise InvalidArgumentError("jitfuse.Communicator is closed")
+        return self._handle
+
+    def __repr__(self) -> str:
+        return f"<jitfuse.Communicator rank {self.rank} of {self.world_size} on cuda:{self.device}>"
 
 
 class Context(_Owned):
@@ -579,14 +636,24 @@ class Sequence(_Owned):
     def __len__(self) -> int:
         return self.num_ops
 
-    def explain(self, shape: Iterable[int], training: bool = True, arch: int = 90) -> Explanation:
+    def explain(self, shape: Iterable[int], training: bool = True, arch: int = 90,
+                world_size: Optional[int] = None, rank: int = 0) -> Explanation:
         """The fusion decisions and the program for an input shape, without compiling or running anything
-        (no GPU needed). ``arch``: SM version as a number (90 for sm_90, 80 for sm_80)."""
+        (no GPU needed). ``arch``: SM version as a number (90 for sm_90, 80 for sm_80). ``world_size``,
+        ``rank``: plan one rank of a tensor-parallel group (docs/parallel.md; default: the sequence's
+        communicator's, or one rank)."""
         dims, nd = _shape_array(shape)
         out = ctypes.c_char_p()
+        cdll = self._lib.cdll
         with self._explain_lock:  # the JSON buffer belongs to the sequence until the next explain
-            self._lib.check(self._lib.cdll.jf_sequence_explain(self.handle, dims, nd, int(bool(training)), int(arch),
-                                                               ctypes.byref(out)), "jf_sequence_explain")
+            if world_size is None:
+                self._lib.check(cdll.jf_sequence_explain(self.handle, dims, nd, int(bool(training)), int(arch),
+                                                         ctypes.byref(out)), "jf_sequence_explain")
+            else:
+                self._lib.check(cdll.jf_sequence_explain_parallel(self.handle, dims, nd, int(bool(training)),
+                                                                  int(arch), int(world_size), int(rank),
+                                                                  ctypes.byref(out)),
+                                "jf_sequence_explain_parallel")
             doc = json.loads(out.value.decode())
         return Explanation.from_json(doc, tuple(dims), bool(training), int(arch))
 
@@ -635,6 +702,13 @@ class Sequence(_Owned):
     def backward(self, args: _abi.jf_backward_args, stream: Optional[int] = None) -> None:
         """jf_backward with a filled :class:`jitfuse._abi.jf_backward_args`."""
         self._lib.check(self._lib.cdll.jf_backward(self.handle, ctypes.byref(args), stream), "jf_backward")
+
+    def set_comm(self, comm: "Communicator", group: str = "tp") -> None:
+        """Binds the communicator of the sequence's tensor-parallel group (docs/parallel.md); before the first
+        prepare, info or call. The sequence keeps the communicator alive."""
+        self._lib.check(self._lib.cdll.jf_sequence_set_comm(self.handle, group.encode(), comm.handle),
+                        "jf_sequence_set_comm")
+        self._comm = comm
 
     def fp8_state(self, op_index: int) -> _abi.jf_fp8_state:
         """Device pointers of a quantize op's FP8 recipe state (scale, scale_inv, amax_history)."""

@@ -1,0 +1,43 @@
+# Tensor parallelism from Python without a GPU (docs/parallel.md): one rank of a group planned with
+# Sequence.explain(world_size=, rank=), the comm steps in its program, and the errors named.
+import json
+
+import pytest
+
+import jitfuse
+
+
+def _tp_mlp(repo):
+    return json.loads((repo / "tools/examples/tp_mlp.json").read_text())
+
+
+def test_explain_plans_one_rank_of_a_group(ctx, repo):
+    seq = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16")
+    e = seq.explain((1024, 1024), training=True, arch=90, world_size=4, rank=3)
+    steps = e.program.forward
+    comms = [s for s in steps if s["kind"] == "comm"]
+    assert [c["collective"] for c in comms] == ["all_gather", "reduce_scatter"]
+    # Each rank sends its 1024x1024 bf16 shard to 3 others.
+    assert comms[0]["wire_bytes"] == 1024 * 1024 * 2 * 3
+    back = [s["collective"] for s in e.program.backward if s["kind"] == "comm"]
+    assert back == ["all_gather", "reduce_scatter"]
+    # The GEMMs see the whole sequence: 4 shards of 1024 tokens.
+    gemms = [s for s in steps if s["kind"] == "gemm"]
+    assert all(g["m"] == 4096 for g in gemms)
+    # One rank (the default without a communicator): NCCL copies, nothing crosses a link.
+    one = seq.explain((1024, 1024), training=True, arch=90)
+    assert all(s["wire_bytes"] == 0 for s in one.program.forward if s["kind"] == "comm")
+
+
+def test_parallel_errors_are_named(ctx, repo):
+    seq = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16")
+    with pytest.raises(jitfuse.InvalidArgumentError, match="rank 4 of world size 4"):
+        seq.explain((1024, 1024), world_size=4, rank=4)
+    with pytest.raises(jitfuse.InvalidArgumentError, match="not divisible by the world size 3"):
+        seq.explain((1023, 1024), world_size=3, rank=0)
+    ops = [{"op": "all_gather", "group": "tp"},
+           {"op": "linear", "in_features": 8, "out_features": 8, "tensor_parallel": "row", "group": "other"}]
+    with pytest.raises(jitfuse.InvalidArgumentError, match="one sequence runs on one communicator"):
+        jitfuse.Sequence(ctx, ops, "bf16")
+    with pytest.raises(jitfuse.InvalidArgumentError, match="a unique id has 128 bytes"):
+        jitfuse.Communicator(b"short", 1, 0)
