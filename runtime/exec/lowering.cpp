@@ -77,8 +77,10 @@ Stage stage_of(const std::vector<Op>& ops, int i, int b, int e, const ChainOptio
 }  // namespace
 
 KernelSpec chain_spec(const std::vector<Op>& ops, int b, int e, const ChainOptions& opt) {
-  Skeleton sk;
-  if (auto p = chain_problem(window_of(ops, b, e), 0, &sk)) fail(Status::internal, "lowering an illegal chain: {}", *p);
+  Skeleton sk = Skeleton::elementwise;
+  const bool identity_half = opt.comm_identity && e == b + 1 && ops[static_cast<size_t>(b)].family == Family::comm;
+  if (!identity_half)
+    if (auto p = chain_problem(window_of(ops, b, e), 0, &sk)) fail(Status::internal, "lowering an illegal chain: {}", *p);
   KernelSpec spec;
   spec.skeleton = sk;
   spec.dir = opt.dir;

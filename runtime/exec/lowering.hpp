@@ -27,6 +27,9 @@ struct ChainOptions {
   bool regenerate_dropout = false;  // joint: forward saves no mask, backward regenerates it
   // FP8 recipes: a forward chain ending in quantize casts its output (fp8.op is filled in by chain_spec).
   std::optional<codegen::Fp8Spec> fp8;
+  // A comm op's identity half where it cannot alias (exec/impl/comm.cpp): one copy kernel of that op alone,
+  // which no rule may generate (chain_problem refuses collectives).
+  bool comm_identity = false;
 };
 
 codegen::KernelSpec chain_spec(const std::vector<ops::Op>& ops, int b, int e, const ChainOptions& opt);

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # gpu:concurrent_check: 16 `jitfuse check` processes at once on one GPU (issue 26, item 10: uploads of the
 # reference harness not ordered with its non-blocking stream made half of them FAIL under load).
-# Usage: concurrent_check.sh JITFUSE_BIN EXAMPLE_JSON [N]; exits 77 (CTest's skip) without a GPU, 1 when any
+# Usage: concurrent_check.sh JITFUSE_BIN EXAMPLE_JSON [N] [SHAPE]; exits 77 (CTest's skip) without a GPU, 1 when any
 # run does not end in PASS (FAIL, an error, a crash).
 set -u
-bin="$1" example="$2" n="${3:-16}"
+bin="$1" example="$2" n="${3:-16}" shape="${4:-100x72}"
 if absent="$("$bin" doctor | grep -o "no GPU present.*")"; then
   echo "SKIP: $absent"
   exit 77
@@ -14,7 +14,7 @@ trap 'rm -rf "$out"' EXIT
 export JITFUSE_CACHE_DIR="$out/cache"  # one cache shared by the 16, as ranks share one
 pids=()
 for i in $(seq 1 "$n"); do
-  "$bin" check "$example" --recipe fp32 --shape 100x72 >"$out/$i.log" 2>&1 &
+  "$bin" check "$example" --recipe fp32 --shape "$shape" >"$out/$i.log" 2>&1 &
   pids+=("$!")
 done
 failed=0

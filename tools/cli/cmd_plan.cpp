@@ -251,6 +251,17 @@ int run_check(const PlanOpts& o) {
   co.shape = ops::parse_shape(o.shapes[0]);
   co.backward = !o.inference;
   co.no_reference = !user_ops.empty();
+  // A sequence with collectives runs on a one-rank NCCL communicator (the float64 reference holds one rank).
+  struct CommGuard {
+    jf_comm c = nullptr;
+    ~CommGuard() { jf_comm_destroy(c); }
+  } comm;
+  if (!p.def.group.empty()) {
+    uint8_t id[JF_COMM_ID_BYTES];
+    if (jf_comm_unique_id(id, sizeof id) != JF_OK || jf_comm_create(id, sizeof id, 1, 0, &comm.c) != JF_OK)
+      fail(Status::unsupported, "the sequence runs collectives on group '{}': {}", p.def.group, jf_last_error());
+    co.comm = comm.c;
+  }
   auto rep = reference::check_sequence(ctx, rs.registry(), json_util::read_file(o.seqs[0]), co);
   if (co.no_reference)
     std::printf("ran on %s; the sequence uses user-declared ops (%s), which have no float64 reference: every "

@@ -27,6 +27,7 @@ void lower_comm(Builder& b, int i) {
       if (b.pass_through(i)) return;
       // The caller's output or grad_input must be written: an identity kernel copies it.
       ChainOptions opt = chain_options(b);
+      opt.comm_identity = true;
       lower_chain(b, i, i + 1, opt, ops::rows_of(op.in));
       return;
     }

@@ -1,0 +1,147 @@
+"""Tensor parallelism on several GPUs (docs/parallel.md): numerics and bench of jitfuse's parallel MLP blocks.
+
+Launch one process per GPU:
+
+    torchrun --nproc-per-node 2 tools/multigpu/tp.py check            # TP=2 and TP=2+SP vs one GPU
+    torchrun --nproc-per-node 8 tools/multigpu/tp.py bench --hidden 4096 --tokens 8192
+
+`check`: every rank builds the single-GPU Llama and GPT-2 MLP blocks from one seed, cuts Megatron's shards
+out of their weights (column: rows of the weight, a gated op's gate and up halves each; row: columns), runs
+the tensor-parallel Sequential on its token shard (SP) or on all tokens (TP alone) and compares output,
+input gradient and every weight gradient with the single-GPU sequence's (the sequence-parallel parameters'
+gradients after their all-reduce). Exit status 1 on any mismatch.
+`bench`: forward + backward of the TP MLP block per rank, CUDA events, median of 50 after 10 warm-ups,
+against the same block on one GPU with the whole weights (rank 0 prints).
+Needs PyTorch, NCCL and JITFUSE_LIBRARY / PYTHONPATH=runtime/python as for the package.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+import jitfuse.torch as jt
+
+
+def blocks(kind, h, f, tp, sp, world, dtype):
+    kw = (lambda mode: dict(tensor_parallel=mode, sequence_parallel=sp, world_size=world)) if tp else (lambda m: {})
+    if kind == "llama":
+        ops = [jt.Fork("residual"), jt.RMSNorm(h), jt.Linear(h, 2 * f, **kw("column")), jt.SwiGLU(),
+               jt.Linear(f, h, **kw("row")), jt.AddChannel("residual")]
+    else:
+        ops = [jt.Fork("residual"), jt.LayerNorm(h), jt.Linear(h, f, **kw("column")), jt.Bias(f // (world if tp else 1)),
+               jt.GELU(), jt.Linear(f, h, **kw("row")), jt.Bias(h), jt.AddChannel("residual")]
+    return jt.Sequential(*ops, device="cuda", dtype=dtype)
+
+
+def shard_state(named, ops, kind, rank, world):
+    """Megatron's shards for ``rank`` of the single-GPU block's tensors ``named`` (parameters or gradients)."""
+    out = {}
+    for name, p in named.items():
+        idx = int(name.split(".")[0])
+        op = ops[idx]
+        if isinstance(op, jt.Linear):
+            col = idx == 2
+            if col and kind == "llama":  # [gate; up]: each half's rows r
+                g, u = p.chunk(2, dim=0)
+                p = torch.cat([g.chunk(world, 0)[rank], u.chunk(world, 0)[rank]])
+            else:
+                p = p.chunk(world, dim=0 if col else 1)[rank]
+        elif isinstance(op, jt.Bias) and idx == 3:  # the column-parallel bias
+            p = p.chunk(world, 0)[rank]
+        out[name] = p.contiguous()
+    return out
+
+
+def check(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jt.distributed.set_process_group(None, "tp")
+    bad = 0
+    for kind in ("llama", "gpt2"):
+        for sp in (False, True):
+            torch.manual_seed(1234)
+            full = blocks(kind, args.hidden, args.ffn, False, False, 1, torch.float32)
+            x = torch.randn(args.tokens, args.hidden, device="cuda")
+            dy = torch.randn(args.tokens, args.hidden, device="cuda")
+            xf = x.clone().requires_grad_(True)
+            yf = full(xf)
+            yf.backward(dy)
+            tp = blocks(kind, args.hidden, args.ffn, True, sp, world, torch.float32)
+            tp.load_state_dict(shard_state(full.state_dict(), full._ops, kind, rank, world))
+            rows = slice(rank * args.tokens // world, (rank + 1) * args.tokens // world) if sp else slice(None)
+            xt = x[rows].clone().requires_grad_(True)
+            yt = tp(xt)
+            yt.backward(dy[rows])
+            jt.distributed.allreduce_sequence_parallel_grads(tp)
+            ref_grads = shard_state({n: p.grad for n, p in full.named_parameters()}, full._ops, kind, rank, world)
+            pairs = [("output", yt, yf[rows]), ("grad_input", xt.grad, xf.grad[rows])]
+            pairs += [(f"grad {n}", p.grad, ref_grads[n]) for n, p in tp.named_parameters()]
+            for what, got, ref in pairs:
+                err = (got.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
+                ok = err < 1e-4
+                bad += not ok
+                if not ok or rank == 0:
+                    print(f"rank {rank} {kind} TP={world}{'+SP' if sp else ''} {what}: max rel err {err:.2e} "
+                          f"{'ok' if ok else 'MISMATCH'}", flush=True)
+    flag = torch.tensor([bad], device="cuda")
+    dist.all_reduce(flag)
+    return 1 if flag.item() else 0
+
+
+def bench(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jt.distributed.set_process_group(None, "tp")
+    dt = torch.bfloat16
+
+    def timed(model, x, dy):
+        times = []
+        for i in range(60):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            y = model(x)
+            y.backward(dy)
+            b.record()
+            b.synchronize()
+            if i >= 10:
+                times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    for kind in ("llama", "gpt2"):
+        for sp in (False, True):
+            tp = blocks(kind, args.hidden, args.ffn, True, sp, world, dt)
+            rows = args.tokens // world if sp else args.tokens
+            x = torch.randn(rows, args.hidden, device="cuda", dtype=dt, requires_grad=True)
+            dy = torch.randn(rows, args.hidden, device="cuda", dtype=dt)
+            ms = timed(tp, x, dy)
+            if rank == 0:
+                print(f"{kind} TP={world}{'+SP' if sp else ''} tokens {args.tokens} hidden {args.hidden} ffn "
+                      f"{args.ffn}: {ms:.3f} ms per forward+backward", flush=True)
+        if rank == 0:
+            one = blocks(kind, args.hidden, args.ffn, False, False, 1, dt)
+            x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=dt, requires_grad=True)
+            print(f"{kind} one GPU: {timed(one, x, torch.randn_like(x)):.3f} ms", flush=True)
+        dist.barrier()
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["check", "bench"])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=512)
+    args = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    try:
+        rc = check(args) if args.mode == "check" else bench(args)
+    finally:
+        dist.destroy_process_group()
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
