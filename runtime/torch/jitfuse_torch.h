@@ -74,7 +74,11 @@ void set_resolver(std::function<bool(int64_t key, int device)> resolver);
 // created on every device it runs on.
 void define(int64_t key, const std::string& document, const std::string& recipe,
             const std::vector<std::pair<int, std::string>>& params, const std::vector<bool>& accumulate,
-            int n_extra_inputs, int n_extra_outputs);
+            int n_extra_inputs, int n_extra_outputs, const std::string& name = "", bool fp8_output = false);
+// The definitions file jitfuse.torch.export_definitions writes ("jitfuse.torch_sequences/1": one line per
+// key). Returns how many it defined; throws naming the file and line on a malformed one. The registry also
+// reads every file named in $JITFUSE_TORCH_SEQUENCES (':'-separated) on its first unknown key.
+int load_definitions(const std::string& path);
 
 // FP8: this thread's promise that no weight changed since the last forward (jitfuse.torch.fp8_weights_unchanged).
 bool set_fp8_promise(bool on);

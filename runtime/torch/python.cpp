@@ -6,8 +6,12 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <pybind11/functional.h>
 #include <pybind11/stl.h>
+
+#include <execinfo.h>
+#include <csignal>
+#include <cstdlib>
+#include <unistd.h>
 
 namespace py = pybind11;
 
@@ -101,10 +105,25 @@ bool resolve(int64_t key, int device) {
   return ok;
 }
 
+// JITFUSE_TORCH_SEGV_TRACE=1: a crash prints its C++ frames to stderr (diagnosis on machines without gdb).
+void segv_trace(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  const char msg[] = "jitfuse_torch: fatal signal, C++ frames:\n";
+  (void)!write(2, msg, sizeof(msg) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_jitfuse_torch_C, m) {
   m.doc() = "jitfuse.torch's C++ extension: hooks of the Python package and Sequential's eager entry";
+  if (const char* e = std::getenv("JITFUSE_TORCH_SEGV_TRACE"); e && *e == '1') {
+    signal(SIGSEGV, segv_trace);
+    signal(SIGABRT, segv_trace);
+  }
   m.def("built_for_torch", [] { return std::string(jitfuse_torch::built_for_torch()); });
   m.def("abi_version", [] { return JF_ABI_VERSION; });
   m.def("module_forward", &module_forward, py::arg("key"), py::arg("input"), py::arg("extra_inputs"),
@@ -114,6 +133,7 @@ PYBIND11_MODULE(_jitfuse_torch_C, m) {
     for (auto k : keys) jitfuse_torch::forget(k);
   });
   m.def("define", &jitfuse_torch::define);
+  m.def("load_definitions", &jitfuse_torch::load_definitions);
   m.def("set_error_class", [](py::object cls) {
     Py_XDECREF(g_error_class);
     g_error_class = cls.release().ptr();

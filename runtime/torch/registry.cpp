@@ -5,6 +5,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -45,6 +48,8 @@ struct Definition {
   std::vector<std::pair<int, std::string>> params;
   std::vector<bool> accumulate;
   int n_extra_inputs = 0, n_extra_outputs = 0;
+  std::string name;
+  bool fp8_output = false;
 };
 
 std::mutex g_mu;
@@ -52,6 +57,7 @@ std::map<std::pair<int64_t, int>, std::shared_ptr<Sequence>> g_sequences;
 std::map<int64_t, Definition> g_definitions;
 std::map<int, jf_context> g_contexts;  // C++ definitions' contexts, one per device, kept for the process
 std::function<bool(int64_t, int)> g_resolver;
+std::atomic<bool> g_env_loaded{false};  // $JITFUSE_TORCH_SEQUENCES read (on the first unknown key)
 thread_local bool t_fp8_promise = false;
 
 [[noreturn]] void fail_call(const char* fn, const std::string& seq_name) {
@@ -72,7 +78,7 @@ std::shared_ptr<Sequence> create_defined(int64_t key, int device, const Definiti
   auto s = std::make_shared<Sequence>();
   s->key = key;
   s->device = device;
-  s->name = "key " + std::to_string(key);
+  s->name = d.name.empty() ? "key " + std::to_string(key) : d.name;
   if (jf_sequence_create(ctx, d.document.c_str(), d.recipe.c_str(), &s->seq) != JF_OK)
     fail_call("jf_sequence_create", s->name);
   s->owns_seq = true;
@@ -84,6 +90,7 @@ std::shared_ptr<Sequence> create_defined(int64_t key, int device, const Definiti
   s->n_extra_inputs = d.n_extra_inputs;
   s->n_extra_outputs = d.n_extra_outputs;
   s->fp8 = d.recipe == "fp8_delayed" || d.recipe == "fp8_current";
+  s->fp8_output = d.fp8_output;
   s->last_op = jf_sequence_num_ops(s->seq) - 1;
   return s;
 }
@@ -167,10 +174,67 @@ void set_resolver(std::function<bool(int64_t, int)> resolver) {
 
 void define(int64_t key, const std::string& document, const std::string& recipe,
             const std::vector<std::pair<int, std::string>>& params, const std::vector<bool>& accumulate,
-            int n_extra_inputs, int n_extra_outputs) {
+            int n_extra_inputs, int n_extra_outputs, const std::string& name, bool fp8_output) {
   TORCH_CHECK(key > 0, "jitfuse: define: the key must be positive, got ", key);
   std::lock_guard<std::mutex> g(g_mu);
-  g_definitions[key] = Definition{document, recipe, params, accumulate, n_extra_inputs, n_extra_outputs};
+  g_definitions[key] =
+      Definition{document, recipe, params, accumulate, n_extra_inputs, n_extra_outputs, name, fp8_output};
+}
+
+namespace {
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream in(s);
+  while (std::getline(in, cur, sep)) out.push_back(cur);
+  if (!s.empty() && s.back() == sep) out.emplace_back();
+  return out;
+}
+
+int64_t parse_int(const std::string& t, const std::string& where) {
+  try {
+    size_t used = 0;
+    long long v = std::stoll(t, &used);
+    if (used == t.size()) return v;
+  } catch (const std::exception&) {
+  }
+  TORCH_CHECK(false, "jitfuse: ", where, ": '", t, "' is not an integer");
+}
+
+}  // namespace
+
+// One line per key, tab-separated: key, recipe, n_extra_inputs, n_extra_outputs, fp8_output (0/1), name,
+// parameters ("op:name:accumulate" joined by ',', or '-'), the sequence document (one-line JSON).
+int load_definitions(const std::string& path) {
+  std::ifstream f(path);
+  TORCH_CHECK(f.good(), "jitfuse: cannot read the sequence definitions file '", path, "'");
+  std::string line;
+  std::getline(f, line);
+  TORCH_CHECK(line == "jitfuse.torch_sequences/1", "jitfuse: '", path,
+              "' is not a jitfuse.torch_sequences/1 file (first line: '", line.substr(0, 40), "')");
+  int n = 0, lineno = 1;
+  while (std::getline(f, line)) {
+    ++lineno;
+    if (line.empty()) continue;
+    const std::string where = path + ":" + std::to_string(lineno);
+    auto fld = split(line, '\t');
+    TORCH_CHECK(fld.size() == 8, "jitfuse: ", where, ": expected 8 tab-separated fields, found ", fld.size());
+    std::vector<std::pair<int, std::string>> params;
+    std::vector<bool> acc;
+    if (fld[6] != "-") {
+      for (auto& p : split(fld[6], ',')) {
+        auto parts = split(p, ':');
+        TORCH_CHECK(parts.size() == 3, "jitfuse: ", where, ": parameter '", p, "' is not op:name:accumulate");
+        params.emplace_back(static_cast<int>(parse_int(parts[0], where)), parts[1]);
+        acc.push_back(parts[2] == "1");
+      }
+    }
+    define(parse_int(fld[0], where), fld[7], fld[1], params, acc, static_cast<int>(parse_int(fld[2], where)),
+           static_cast<int>(parse_int(fld[3], where)), fld[5], fld[4] == "1");
+    ++n;
+  }
+  return n;
 }
 
 std::shared_ptr<Sequence> sequence(int64_t key, int device) {
@@ -187,6 +251,20 @@ std::shared_ptr<Sequence> sequence(int64_t key, int device) {
       return s;
     }
     resolver = g_resolver;
+  }
+  if (!g_env_loaded) {  // a C++ host's definitions, named by the environment
+    std::string files;
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      if (!g_env_loaded) {
+        g_env_loaded = true;
+        const char* env = std::getenv("JITFUSE_TORCH_SEQUENCES");
+        files = env ? env : "";
+      }
+    }
+    for (auto& path : split(files, ':'))
+      if (!path.empty()) load_definitions(path);
+    if (!files.empty()) return sequence(key, device);
   }
   // The host defines it (the Python package registers the sequence of its module); outside the lock, since
   // the resolver registers.

@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-steps", action="store_true", help="only the host-overhead table")
-    ap.add_argument("--case", choices=("default", "paths", "stack"), default="default",
+    ap.add_argument("--case", choices=("default", "paths", "stack", "export"), default="default",
                     help="paths: host time per call, C++ extension vs pure-Python vs PyTorch (one process); "
                          "stack: 4-layer Llama/GPT-2 block stacks, training step wall and GPU time")
     a = ap.parse_args()
@@ -177,9 +177,13 @@ def main() -> None:
         if a.case == "paths":
             print("\nhost us per call (median of interleaved rounds; M = 16, hidden 1024, bf16):\n")
             print(table(bench_stack.bench_paths(calls=a.calls // 2)))
-        else:
+        elif a.case == "stack":
             print("\ntraining step of a 4-layer block stack (forward, loss, backward, AdamW):\n")
             print(table(bench_stack.bench_stack()))
+        else:
+            import tempfile
+            print("\nper-call latency, eager vs exported (AOTInductor):\n")
+            print(table(bench_stack.bench_export(tempfile.mkdtemp(prefix="jitfuse_export_"))))
         return
     if not a.skip_steps:
         print("\ntraining step (forward + backward), median ms:\n")

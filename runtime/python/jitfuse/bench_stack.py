@@ -263,3 +263,68 @@ def bench_stack(kinds=("llama", "gpt2"), layers: int = 4, h: int = 1024, b: int 
         del ref, jfm, variants
         torch.cuda.empty_cache()
     return rows
+
+
+# ---- the exported package ---------------------------------------------------------------------------
+
+
+def bench_export(workdir: str, h: int = 1024, rows: int = 1, calls: int = 2000) -> List[Dict[str, object]]:
+    """Per-call latency at batch `rows` of a two-Sequential model: eager jitfuse (module calls), its CUDA
+    graph replayed, and the AOTInductor package of its torch.export run from Python and from the C++ host
+    (runtime/torch/examples/aoti_run.cpp, when built beside the extension)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from jitfuse.torch import _ext
+
+    kw = {"device": DEV, "dtype": DT}
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = jt.Sequential(jt.LayerNorm(h), jt.Linear(h, 4 * h), jt.Bias(4 * h), jt.GELU(), name="up", **kw)
+            self.b = jt.Sequential(jt.Linear(4 * h, h), jt.Bias(h), jt.AddExtraInput(), name="down", **kw)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x), x)
+
+    model = Model().eval()
+    x = torch.randn(rows, h, device=DEV, dtype=DT)
+    out: Dict[str, float] = {}
+    with torch.no_grad():
+        for _ in range(20):
+            model(x)
+        out["eager module calls"] = _per_call_us(lambda: model(x), calls)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            model(x)
+        out["eager, CUDA graph replay"] = _per_call_us(g.replay, calls)
+        ep = torch.export.export(model, (x,))
+    d = Path(workdir)
+    d.mkdir(parents=True, exist_ok=True)
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(d / "model.pt2"))
+    jt.export_definitions(model, d / "model.jfseq")
+    runner = torch._inductor.aoti_load_package(pkg)
+    with torch.no_grad():
+        for _ in range(20):
+            runner(x)
+        out["AOTInductor package, from Python"] = _per_call_us(lambda: runner(x), calls)
+    exe = Path(_ext.EXT.path) / "jitfuse_aoti_run" if _ext.EXT is not None else None
+    if exe is not None and exe.exists():
+        (d / "x.bin").write_bytes(x.cpu().view(torch.int16).numpy().tobytes())
+        r = subprocess.run([str(exe), pkg, str(d / "model.jfseq"), str(d / "x.bin"), str(rows), str(h),
+                            str(d / "y.bin"), str(calls)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "JITFUSE_TORCH_SEQUENCES": str(d / "model.jfseq")})
+        for line in r.stdout.splitlines():
+            if "us per call" in line:
+                out["AOTInductor package, C++ host"] = float(line.split(":")[1].split()[0])
+        if r.returncode:
+            print(r.stdout + r.stderr)
+    return [{"call (batch %d, hidden %d)" % (rows, h): k, "us per call": v} for k, v in out.items()]

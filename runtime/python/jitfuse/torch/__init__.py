@@ -13,13 +13,15 @@ from ._ext import active as extension_active
 from ._ops import backward_op, forward_op
 from .float8 import Float8Tensor
 from .._channels import ChannelError, Wiring
-from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, BasicOp, Bias, Dropout, Fork, Fp8Sequential,
-                      Identity, LayerNorm, Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
-                      Sequential, SiLU, SReLU, SwiGLU)
+from . import distributed
+from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, AllGather, AllReduce, BasicOp, Bias, Dropout,
+                      Fork, Fp8Sequential, ReduceScatter, Identity, LayerNorm, Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
+                      Sequential, SiLU, SReLU, SwiGLU, export_definitions)
 
 __all__ = [
     "Sequential", "BasicOp", "Op", "Linear", "Bias", "GELU", "ReLU", "SiLU", "QGELU", "SReLU", "SwiGLU", "GEGLU",
     "ReGLU", "LayerNorm", "RMSNorm", "Dropout", "Scale", "Identity", "Reshape", "Quantize", "AddExtraInput",
     "MakeExtraOutput", "Fork", "AddChannel", "ChannelError", "Wiring", "forward_op", "backward_op", "Fp8Sequential",
-    "Float8Tensor", "fp8_weights_unchanged", "extension_active",
+    "Float8Tensor", "fp8_weights_unchanged", "extension_active", "export_definitions", "AllGather", "ReduceScatter",
+    "AllReduce", "distributed",
 ]

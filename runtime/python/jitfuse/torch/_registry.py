@@ -151,6 +151,8 @@ class DeviceProgram:
         self.definition = d
         self.device_index = device_index
         self.sequence = Sequence(context(device_index), d.document(), d.recipe)
+        from . import distributed  # tensor parallel: the group's communicator, before the first prepare
+        distributed.bind(self.sequence, d.document()["ops"], device_index)
         self.names = [(i, n.encode()) for i, n in d.params]
         self.last_shape: Optional[Tuple[int, ...]] = None
         self._tls = _calls.CallCache()
@@ -257,3 +259,26 @@ def _resolve(key: int, device_index: int) -> bool:
 if _ext.EXT is not None:
     _ext.EXT.set_resolver(_resolve)
     _ext.EXT.set_error_class(JitfuseError)
+
+
+DEFINITIONS_FORMAT = "jitfuse.torch_sequences/1"
+
+
+def write_definitions(path: str, keys: Sequence_[int]) -> int:
+    """Writes the definitions of ``keys`` in the format a C++ host reads (``jitfuse_torch::load_definitions``,
+    ``$JITFUSE_TORCH_SEQUENCES``): one line per key, tab-separated: key, recipe, extra inputs, extra outputs,
+    FP8 output (0/1), name, parameters (op:name:accumulate, or '-'), the sequence document as one-line JSON.
+    Returns how many it wrote."""
+    lines = [DEFINITIONS_FORMAT]
+    with _registry_lock:
+        defs = [_definitions[k] for k in sorted(set(keys)) if k in _definitions]
+    for d in defs:
+        params = ",".join(f"{i}:{n}:{int(a)}" for (i, n), a in zip(d.params, d.accumulate)) or "-"
+        fp8_output = d.recipe in FP8_RECIPES and bool(d.ops) and json.loads(d.ops[-1]).get("op") == "quantize"
+        name = " ".join(d.name.split()) or "sequence"
+        lines.append("\t".join([str(d.key), d.recipe, str(d.n_extra_inputs), str(d.n_extra_outputs),
+                                "1" if fp8_output else "0", name, params,
+                                json.dumps(d.document(), separators=(",", ":"))]))
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return len(defs)

@@ -122,6 +122,14 @@ class BasicOp(nn.Module):
     def spec(self, training: bool = True) -> Dict[str, Any]:
         return {"op": self.op, **self.attrs(training)}
 
+    def n_ops(self) -> int:
+        """How many ops of the library's sequence this module is (a parallel Linear: 2)."""
+        return 1
+
+    def param_op(self) -> int:
+        """Which of its n_ops() ops owns its parameters."""
+        return 0
+
     def forward(self, *args: Any) -> Any:
         raise RuntimeError(f"jitfuse.torch.{type(self).__name__} runs inside jitfuse.torch.Sequential: "
                            f"use Sequential({type(self).__name__}(...)) (a one-op sequence is fine)")
@@ -156,14 +164,38 @@ class Linear(BasicOp):
     op = "linear"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, accumulate_grad: bool = False,
-                 device: Any = None, dtype: Optional[torch.dtype] = None):
+                 tensor_parallel: str = "none", sequence_parallel: bool = False, group: str = "tp",
+                 world_size: Optional[int] = None, device: Any = None, dtype: Optional[torch.dtype] = None):
         if bias:
             raise ValueError(f"jitfuse's Linear has no bias: add the op Bias({int(out_features)}) after it "
                              f"(Linear(...), Bias(...)), as in the sequence format")
+        if tensor_parallel not in ("none", "column", "row"):
+            raise ValueError(f"tensor_parallel must be 'none', 'column' or 'row', not {tensor_parallel!r}")
+        if sequence_parallel and tensor_parallel == "none":
+            raise ValueError("sequence_parallel=True needs tensor_parallel='column' or 'row'")
         super().__init__()
         self.in_features, self.out_features, self.accumulate_grad = int(in_features), int(out_features), accumulate_grad
-        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, **_factory(device, dtype)))
+        # Tensor parallel (docs/parallel.md): the weight is this rank's shard of the full [out, in] weight.
+        self.tensor_parallel, self.sequence_parallel, self.group = tensor_parallel, bool(sequence_parallel), group
+        w = 1
+        if tensor_parallel != "none":
+            from . import distributed
+            w = int(world_size) if world_size is not None else distributed.world_size(group)
+        out_local = self.out_features // w if tensor_parallel == "column" else self.out_features
+        in_local = self.in_features // w if tensor_parallel == "row" else self.in_features
+        if (tensor_parallel == "column" and self.out_features % w) or (tensor_parallel == "row" and self.in_features % w):
+            raise ValueError(f"a {tensor_parallel}-parallel Linear({self.in_features}, {self.out_features}) does not "
+                             f"split into {w} equal shards")
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, **_factory(device, dtype)))
         self.reset_parameters()
+
+    def n_ops(self) -> int:
+        """Ops this module is in the library's sequence: a parallel linear and its inserted collective."""
+        return 1 if self.tensor_parallel == "none" else 2
+
+    def param_op(self) -> int:
+        """The library op (within n_ops) that owns the weight: a column-parallel linear follows its collective."""
+        return 1 if self.tensor_parallel == "column" else 0
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -172,6 +204,8 @@ class Linear(BasicOp):
         a: Dict[str, Any] = {"in_features": self.in_features, "out_features": self.out_features}
         if self.accumulate_grad:
             a["accumulate_grad"] = True
+        if self.tensor_parallel != "none":
+            a.update(tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel, group=self.group)
         return a
 
     def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
@@ -526,6 +560,43 @@ class Reshape(BasicOp):
         return {"shape": list(self.shape)}
 
 
+class _Collective(BasicOp):
+    def __init__(self, group: str = "tp"):
+        super().__init__()
+        self.group = group
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"group": self.group}
+
+
+class AllGather(_Collective):
+    """Concatenates every rank's input along dim 0 (backward: reduce-scatter); docs/parallel.md."""
+
+    op = "all_gather"
+
+
+class ReduceScatter(_Collective):
+    """This rank's dim-0 shard of the sum over ranks (backward: all-gather); docs/parallel.md."""
+
+    op = "reduce_scatter"
+
+
+class AllReduce(_Collective):
+    """``direction="forward"``: the sum over ranks (backward: identity); ``"backward"``: the identity whose
+    backward sums the gradient over ranks; docs/parallel.md."""
+
+    op = "all_reduce"
+
+    def __init__(self, group: str = "tp", direction: str = "forward"):
+        super().__init__(group)
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"AllReduce direction must be 'forward' or 'backward', not {direction!r}")
+        self.direction = direction
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"group": self.group, "direction": self.direction}
+
+
 class Op(BasicOp):
     """Any op by name, e.g. a pointwise op declared in a rules file: ``Op("softplus", beta=2.0)``.
     ``params``: {ABI name: shape or tensor} for ops that declare parameters (zero-initialised from a
@@ -622,7 +693,10 @@ class Sequential(nn.Module):
         self.input_channels: Tuple[str, ...] = self.wiring.input_channels
         self._n_extra_inputs = self.wiring.n_extra_inputs
         self._n_extra_outputs = self.wiring.n_extra_outputs
-        self._param_index = [(i, n) for i, op in enumerate(ops) for n, _ in op.jf_params()]
+        # (library op index, name) of each parameter: a parallel Linear is two ops of the library's sequence
+        # (its inserted collective, docs/parallel.md), so indices count n_ops().
+        starts = [sum(o.n_ops() for o in ops[:i]) for i in range(len(ops))]
+        self._param_index = [(starts[i] + op.param_op(), n) for i, op in enumerate(ops) for n, _ in op.jf_params()]
         self._jf_param_refs: Optional[List[Tuple[BasicOp, str]]] = None  # set after .to() below
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
@@ -724,6 +798,7 @@ class Sequential(nn.Module):
                                   _draw_rng(input) if self._jf_uses_rng[training] and input.is_cuda else None,
                                   training, self._n_extra_outputs)
                 if out is not None:
+                    self.__dict__["_jf_last_shape"] = input.shape  # what explain() shows (a plain dict store)
                     return out
             return self._forward_op(input, extra_inputs, [p if p.is_contiguous() else p.contiguous() for p in params])
         r = route(input, extra_inputs, params)
@@ -797,6 +872,8 @@ class Sequential(nn.Module):
         if self.recipe:
             dtype = torch.bfloat16
         key = self._jf_keys[self.training][dtype]
+        if shape is None:
+            shape = self.__dict__.get("_jf_last_shape")  # set by the C++ extension's eager call
         if shape is None:
             shape = next((p.last_shape for p in existing_programs(key) if p.last_shape), None)
             if shape is None:
@@ -949,3 +1026,14 @@ class Fp8Sequential(Sequential):
         self._jf_pending_state = None
         if pending is not None:
             self.set_extra_state(pending)
+
+
+def export_definitions(model: nn.Module, path: Any) -> int:
+    """Writes the sequence definitions of every :class:`Sequential` in ``model`` (both modes, every dtype) to
+    ``path``, for a host that runs an exported model without this package: the C++ ops read the file named in
+    ``$JITFUSE_TORCH_SEQUENCES`` (or ``jitfuse_torch::load_definitions(path)``) to know what each key of the
+    graph's ``jitfuse::forward`` calls means. Returns how many definitions it wrote (docs/deploy.md)."""
+    from ._registry import write_definitions
+    keys = [k for m in model.modules() if isinstance(m, Sequential)
+            for by_dtype in m._jf_keys.values() for k in by_dtype.values()]
+    return write_definitions(str(path), keys)
