@@ -179,7 +179,9 @@ def main() -> None:
             print(table(bench_stack.bench_paths(calls=a.calls // 2)))
         elif a.case == "stack":
             print("\ntraining step of a 4-layer block stack (forward, loss, backward, AdamW):\n")
-            print(table(bench_stack.bench_stack()))
+            import os
+            print(table(bench_stack.bench_stack(steps=int(os.environ.get("JF_STACK_STEPS", 20)),
+                                                rounds=int(os.environ.get("JF_STACK_ROUNDS", 3)))))
         else:
             import tempfile
             print("\nper-call latency, eager vs exported (AOTInductor):\n")

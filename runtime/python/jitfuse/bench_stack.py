@@ -260,6 +260,7 @@ def bench_stack(kinds=("llama", "gpt2"), layers: int = 4, h: int = 1024, b: int 
         for k, fn in variants.items():
             rows.append({"stack": f"{kind} {layers}x(h {h}, {b}x{s})", "variant": k,
                          "wall ms/step": statistics.median(wall[k]), "GPU ms/step": _gpu_ms_per_step(fn)})
+            print(rows[-1], flush=True)  # partial results survive a time limit
         del ref, jfm, variants
         torch.cuda.empty_cache()
     return rows
