@@ -20,6 +20,7 @@ Builder::Builder(Program& p, const std::string& seq) : p_(p), seq_(seq) {
 }
 
 void Builder::begin_group(bool forward, int gi, const fuser::Group& g) {
+  end_side_lifetimes();
   forward_ = forward;
   group_ = gi;
   g_ = g;
@@ -231,6 +232,26 @@ void Builder::comm(const CommStep& c, const std::string& what) {
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
 
+void Builder::place_last(int stream, std::vector<int> waits) {
+  auto& steps = forward_ ? p_.forward : p_.backward;
+  if (steps.empty()) fail(Status::internal, "place_last: no step yet");
+  steps.back().stream = stream;
+  steps.back().waits = std::move(waits);
+  if (stream != 0 && steps.back().kind == Step::Kind::comm)
+    for (int id : {steps.back().comm.send, steps.back().comm.recv}) side_buffers_.push_back(id);
+}
+
+// A side-stream step may still run while later steps of its group start on the caller's stream: the arena
+// packer must not hand its buffers to them, so they live to the group's last step (the join).
+void Builder::end_side_lifetimes() {
+  const int last = static_cast<int>(steps()) - 1;
+  for (int id : side_buffers_) {
+    auto& b = p_.buffers.at(static_cast<size_t>(id));
+    b.last = std::max(b.last, last);
+  }
+  side_buffers_.clear();
+}
+
 int Builder::fp8_state(int op, fp8::Operand operand, fp8::Part part) {
   auto key = std::make_tuple(op, operand, part);
   if (auto it = state_.find(key); it != state_.end()) return it->second;
@@ -407,6 +428,7 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
 }
 
 void Builder::end_pass() {
+  end_side_lifetimes();
   const int last = static_cast<int>(steps()) - 1;
   for (int id : batched_partials_) {
     auto& b = p_.buffers.at(static_cast<size_t>(id));

@@ -82,6 +82,8 @@ class Builder {
   void gemm(const GemmStep& g, const std::string& what);
   // A collective on the program's communicator (docs/parallel.md).
   void comm(const CommStep& c, const std::string& what);
+  // Puts the step added last on `stream` (0: the caller's, 1: the side stream) after steps `waits`.
+  void place_last(int stream, std::vector<int> waits);
   // A generated kernel: `spec` over `rows` rows reading buffer `in` and writing buffer `out`.
   void kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
               const std::string& what);
@@ -121,6 +123,8 @@ class Builder {
   std::map<std::pair<int, BufferRole>, int> extra_;
   std::map<std::pair<int, fp8::Operand>, Fp8Operand> fp8_;
   std::vector<int> batched_partials_;
+  std::vector<int> side_buffers_;  // touched by the current group's side-stream steps: live to its end
+  void end_side_lifetimes();
   std::map<std::tuple<int, fp8::Operand, fp8::Part>, int> state_;
 };
 

@@ -110,6 +110,11 @@ void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std:
     const auto o = static_cast<GemmOperand>(i);
     set_operand(c, o, at(g.operand(o)));
   }
+  if (g.a_offset || g.d_offset) {  // a row chunk (plain recipes only: the element size is the call's dtype)
+    const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
+    c.a = static_cast<const char*>(c.a) + static_cast<size_t>(g.a_offset) * esz;
+    c.d = static_cast<char*>(c.d) + static_cast<size_t>(g.d_offset) * esz;
+  }
   if (g.d_amax >= 0) {  // the FP8 output's state: rolled by the pass's batched update
     fp8::UpdateEntry e;
     e.partials = static_cast<const float*>(at(g.d_amax));
@@ -294,19 +299,45 @@ void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<
   const auto& steps = forward ? pp.program->forward : pp.program->backward;
   const auto& states = pp.steps(forward);
   fp8::UpdateBatch batch;
+  // Collectives pipelined with GEMMs (docs/parallel.md): a group's side-stream steps fork from the caller's
+  // stream at their first step, each step records its event, and the caller's stream joins at the group's end.
+  const SideStream* side = pp.side.get();
+  const std::vector<CUevent>* events = side ? (forward ? &side->forward : &side->backward) : nullptr;
+  const auto& d = cuda::driver();
+  bool forked = false;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
     if (s.group < filter.group_begin || s.group >= filter.group_end) continue;
     if (hook && (i == 0 || steps[i - 1].group != s.group)) hook(s.group, true);
+    CUstream on = stream;
+    if (s.stream != 0) {
+      on = side->stream;
+      if (!forked) {
+        cuda::check(d.cuEventRecord(side->fork, stream), "cuEventRecord(fork)");
+        cuda::check(d.cuStreamWaitEvent(on, side->fork, 0), "cuStreamWaitEvent(fork)");
+        forked = true;
+      }
+    }
+    for (int w : s.waits) cuda::check(d.cuStreamWaitEvent(on, (*events)[static_cast<size_t>(w)], 0), "cuStreamWaitEvent");
     if (s.weight_cast && filter.skip_weight_casts) {
       // the persistent FP8 copy of an unchanged weight is still valid
     } else if (s.kind == Step::Kind::gemm)
-      run_gemm(rt, s.gemm, states[i], ptr, stream, batch);
+      run_gemm(rt, s.gemm, states[i], ptr, on, batch);
     else if (s.kind == Step::Kind::comm)
-      run_comm(pp, s.comm, ptr, stream);
+      run_comm(pp, s.comm, ptr, on);
     else
-      run_kernel(pp, rt, *s.kernel, states[i], ptr, stream, batch);
-    if (hook && (i + 1 == steps.size() || steps[i + 1].group != s.group)) hook(s.group, false);
+      run_kernel(pp, rt, *s.kernel, states[i], ptr, on, batch);
+    if (events) cuda::check(d.cuEventRecord((*events)[i], on), "cuEventRecord");
+    const bool group_ends = i + 1 == steps.size() || steps[i + 1].group != s.group;
+    if (group_ends && forked) {  // the caller's stream waits for the group's side-stream work
+      for (size_t j = i + 1; j-- > 0 && steps[j].group == s.group;)
+        if (steps[j].stream != 0) {
+          cuda::check(d.cuStreamWaitEvent(stream, (*events)[j], 0), "cuStreamWaitEvent(join)");
+          break;
+        }
+      forked = false;
+    }
+    if (hook && group_ends) hook(s.group, false);
   }
   batch.launch(stream);
 }

@@ -155,6 +155,35 @@ const Variant& LateVariant::get(const std::function<Variant()>& make) const {
   return *owned_;
 }
 
+SideStream::~SideStream() {
+  const cuda::Driver* d = cuda::try_driver();
+  if (!d) return;
+  for (auto* evs : {&forward, &backward})
+    for (CUevent e : *evs)
+      if (e) d->cuEventDestroy(e);
+  if (fork) d->cuEventDestroy(fork);
+  if (stream) d->cuStreamDestroy(stream);
+}
+
+namespace {
+std::shared_ptr<SideStream> make_side_stream(const Program& p) {
+  bool any = false;
+  for (const auto* steps : {&p.forward, &p.backward})
+    for (const auto& s : *steps) any |= s.stream != 0;
+  if (!any) return nullptr;
+  const auto& d = cuda::driver();
+  auto side = std::make_shared<SideStream>();
+  cuda::check(d.cuStreamCreate(&side->stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate(side stream)");
+  cuda::check(d.cuEventCreate(&side->fork, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  for (const bool fwd : {true, false}) {
+    auto& evs = fwd ? side->forward : side->backward;
+    evs.resize((fwd ? p.forward : p.backward).size(), nullptr);
+    for (auto& e : evs) cuda::check(d.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  }
+  return side;
+}
+}  // namespace
+
 std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, Runtime& rt, PrepareWith with) {
   auto pp = std::make_shared<Prepared>();
   pp->program = std::move(program);
@@ -176,6 +205,7 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
   }
   pp->forward.resize(p.forward.size());
   pp->backward.resize(p.backward.size());
+  pp->side = make_side_stream(p);
   load_kernels(*pp, rt);
   GemmTuner tuner;
   for (const bool fwd : {true, false}) {

@@ -67,6 +67,20 @@ struct PreparedStep {
   bool use_fallback = false;
 };
 
+// The side stream of a program whose collectives are pipelined with GEMMs (docs/parallel.md), and one event
+// per step of each pass (recorded after the step, waited on by the steps that name it and at the group's
+// end) plus the fork event a group's first side-stream step waits on. Calls of such a program come from one
+// thread at a time, as NCCL requires of a communicator anyway.
+struct SideStream {
+  CUstream stream = nullptr;
+  std::vector<CUevent> forward, backward;
+  CUevent fork = nullptr;
+  SideStream() = default;
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream();
+};
+
 // A parameter or gradient buffer and the slot of the call's arrays it is bound from.
 struct SlotBind {
   int buffer = -1;
@@ -84,6 +98,7 @@ struct Prepared {
   std::vector<std::pair<int, void*>> sequence_state;
   std::shared_ptr<const Prepared> reference;  // JITFUSE_VERIFY: the unfused program of the same ops
   std::shared_ptr<cuda::Communicator> comm;  // the program's comm steps run on it (null: it has none)
+  std::shared_ptr<SideStream> side;          // null unless a step runs on the side stream
 
   const std::vector<PreparedStep>& steps(bool fwd) const { return fwd ? forward : backward; }
 };

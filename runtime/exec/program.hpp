@@ -127,6 +127,8 @@ struct GemmStep {
   // BGRADB may have no cuBLASLt algorithm for a problem: then the plain wgrad and db = ones^T dy.
   int ones = -1;
   bool bias_grad_fallback = false;  // the fallback is possible (ones is allocated); prepare decides
+  // Elements into a and d: a row chunk of a GEMM pipelined with its collective (docs/parallel.md).
+  int64_t a_offset = 0, d_offset = 0;
   int64_t flops() const { return 2 * call.m * call.n * call.k; }
   int operand(GemmOperand o) const;  // its buffer id, -1: none
 };
@@ -166,6 +168,11 @@ struct Step {
   // Casts a weight into its persistent FP8 copies: skipped by a call that says the weights did not change
   // since the last cast (ForwardArgs::weights_unchanged).
   bool weight_cast = false;
+  // 0: the caller's stream; 1: the prepared program's side stream, where a collective pipelined with GEMMs
+  // runs (docs/parallel.md). A group's side-stream steps start after everything before the group on the
+  // caller's stream and the caller's stream waits for them at the group's end.
+  int stream = 0;
+  std::vector<int> waits;  // steps of this pass, on the other stream, that must finish before this one
 };
 
 struct Program {

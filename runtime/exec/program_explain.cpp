@@ -40,6 +40,11 @@ std::string bytes_text(double b) {
 // Napkin bytes of a GEMM: every operand read once, the output written once.
 std::pair<int64_t, int64_t> gemm_bytes(const Program& p, const GemmStep& g) {
   int64_t r = 0, w = 0;
+  if (g.a_offset || g.d_offset || (g.d >= 0 && g.call.m < p.buffer(g.d).rows)) {  // a row chunk: its own rows
+    const int64_t e = ops::dtype_bytes(g.call.dtype), m = g.call.m, n = g.call.n, k = g.call.k;
+    const bool dgrad = g.call.kind == cuda::GemmKind::dgrad;
+    return {(m * (dgrad ? n : k) + n * k) * e, m * (dgrad ? k : n) * e};
+  }
   for (int id : {g.a, g.b, g.c, g.bias, g.aux}) {
     if (id < 0) continue;
     const bool out = (id == g.bias && (g.call.epilogue == cuda::Epilogue::bgradb ||
@@ -72,15 +77,19 @@ std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json&
             {"wire_bytes", wire},
             {"link_us", static_cast<double>(wire) / (kNvlinkGbs * 1e3)}});
   if (c.root >= 0) j["root"] = c.root;
+  if (c.send_offset || c.recv_offset) j["offsets"] = {c.send_offset, c.recv_offset};
   return {sent, got};
 }
 
 std::string comm_line(const json& s) {
+  auto at = [&](const char* key, int i) {
+    const int64_t off = s.contains("offsets") ? s["offsets"][i].get<int64_t>() : 0;
+    return s[key].get<std::string>() + (off ? fmt::format("+{}", off) : "");
+  };
   return fmt::format("comm  {} count={} {}{}\n             send={} recv={}; {} over the links, >= {:.1f} us",
                      s["collective"].get<std::string>(), s["count"].get<int64_t>(), s["dtype"].get<std::string>(),
-                     s.contains("root") ? fmt::format(" root={}", s["root"].get<int>()) : std::string(),
-                     s["send"].get<std::string>(), s["recv"].get<std::string>(),
-                     bytes_text(s["wire_bytes"].get<double>()), s["link_us"].get<double>());
+                     s.contains("root") ? fmt::format(" root={}", s["root"].get<int>()) : std::string(), at("send", 0),
+                     at("recv", 1), bytes_text(s["wire_bytes"].get<double>()), s["link_us"].get<double>());
 }
 
 json step_json(const Program& p, const Step& s, double bw) {
@@ -142,6 +151,8 @@ json step_json(const Program& p, const Step& s, double bw) {
   }
   j["bytes_read"] = r;
   j["bytes_written"] = w;
+  if (s.stream != 0) j["stream"] = "side";
+  if (!s.waits.empty()) j["waits"] = s.waits;
   if (bw > 0) j["napkin_us"] = static_cast<double>(r + w) / (bw * 1e3);
   return j;
 }
@@ -244,6 +255,12 @@ std::string steps_text(const json& j) {
         for (const auto& a : s["args"])
           if (!a.is_null()) args += " " + a.get<std::string>();
         line += "\n             args:" + args;
+      }
+      if (s.contains("stream") || s.contains("waits")) {
+        std::string waits;
+        for (const auto& w : s.value("waits", json::array())) waits += (waits.empty() ? "" : ", ") + w.dump();
+        line += fmt::format("\n             on the {} stream{}", s.contains("stream") ? "side" : "caller's",
+                            waits.empty() ? std::string() : ", after step " + waits);
       }
       out += fmt::format("  {:>3}  g{:<3} {}\n             {} | reads {}, writes {}, >= {:.1f} us\n", i++,
                          s["group"].get<int>(), line, s["what"].get<std::string>(),

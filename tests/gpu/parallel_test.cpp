@@ -147,6 +147,24 @@ TEST_CASE("parallel linears on one rank match the reference and their plain sequ
   }
 }
 
+TEST_CASE("a GEMM pipelined with its collective in row chunks matches the reference", "[parallel]") {
+  // Rows divisible by 4: the SP blocks take all_gather_linear_overlap and linear_reduce_scatter_overlap
+  // (4 chunks at one rank; broadcasts and reduces on the side stream, GEMM chunks on the caller's).
+  for (const std::string& block : {llama("column", "row", true), gpt2("column", "row", true)}) {
+    jf_sequence s = nullptr;
+    REQUIRE(jf_sequence_create(test::shared_context(), block.c_str(), "bf16", &s) == JF_OK);
+    const ops::Shape shape{64, 64};
+    const char* js = nullptr;
+    REQUIRE(jf_sequence_explain(s, shape.data(), 2, 1, 90, &js) == JF_OK);
+    const std::string plan = js;
+    jf_sequence_destroy(s);
+    CHECK(plan.find("\"all_gather_linear_overlap\"") != std::string::npos);
+    CHECK(plan.find("\"linear_reduce_scatter_overlap\"") != std::string::npos);
+    for (const char* recipe : {"fp32", "bf16"})
+      for (ops::Shape sh : {ops::Shape{64, 64}, ops::Shape{256, 64}, ops::Shape{1024, 64}}) check(block, recipe, sh);
+  }
+}
+
 TEST_CASE("a sequence with comm steps replays from a CUDA graph bit-identical to its eager calls", "[parallel]") {
   cuda::current_device();
   jf_sequence s = nullptr;

@@ -46,13 +46,14 @@ std::string parallel_block(const std::string& file, bool sp) {
 }
 
 std::shared_ptr<const exec::Program> program_of(const std::string& text, const std::string& recipe, bool training,
-                                                const ops::Shape& shape, int world, int rank = 0) {
+                                                const ops::Shape& shape, int world, int rank = 0, bool fuse = true) {
   auto def = ops::parse_sequence(text, "<test>", builtins().registry());
   auto r = ops::parse_recipe(recipe);
   ops::apply_recipe(def, r);
   exec::CompileOptions o;
   o.arch = 90;
   o.training = training;
+  o.disable_fusion = !fuse;
   ops::Parallel par;
   par.world_size = world;
   par.rank = rank;
@@ -142,8 +143,9 @@ TEST_CASE("the collectives sit where Megatron puts them", "[exec][parallel]") {
   const std::string llama = parallel_block("llama_mlp_block.json", false);
   for (int world : {2, 4, 8}) {
     // Column + SP: all-gather before the GEMM, reduce-scatter of its dgrad; row + SP: reduce-scatter after
-    // the GEMM, all-gather of dy. The residual add and the norm run on the sequence shard.
-    auto p = program_of(llama_sp, "bf16", true, {4096 / world, 1024}, world, 1);
+    // the GEMM, all-gather of dy. The residual add and the norm run on the sequence shard. (Unfused: the
+    // collectives themselves, not their pipelined chunks.)
+    auto p = program_of(llama_sp, "bf16", true, {4096 / world, 1024}, world, 1, false);
     CHECK(count_comm(p->forward, Collective::all_gather) == 1);
     CHECK(count_comm(p->forward, Collective::reduce_scatter) == 1);
     CHECK(count_comm(p->backward, Collective::all_gather) == 1);
@@ -153,7 +155,7 @@ TEST_CASE("the collectives sit where Megatron puts them", "[exec][parallel]") {
     for (const auto& op : p->ops)
       if (op.kind == "linear") CHECK(ops::rows_of(op.in) == 4096);  // the GEMMs see the whole sequence
     // No SP: the column linear's input is copied (its dgrad all-reduced), the row linear's output all-reduced.
-    auto q = program_of(llama, "bf16", true, {4096, 1024}, world, 0);
+    auto q = program_of(llama, "bf16", true, {4096, 1024}, world, 0, false);
     CHECK(count_comm(q->forward, Collective::all_reduce) == 1);
     CHECK(count_comm(q->backward, Collective::all_reduce) == 1);
     CHECK(count_comm(q->forward, Collective::all_gather) + count_comm(q->forward, Collective::reduce_scatter) == 0);
@@ -188,14 +190,62 @@ TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]"
     CHECK(p->plan.forward.back().end == 5);
   }
   // reduce_scatter -> bias -> dropout -> add: one kernel after the collective.
+  // With the GEMM and its reduce-scatter pipelined, the tail is still one kernel after them.
   auto q = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_attn_out.json"), "bf16", true, {4096 / 4, 1024 / 4}, 4, 2);
-  CHECK(q->plan.forward[2].rule == "bias_dropout_add_joint");
-  CHECK(q->forward[1].kind == exec::Step::Kind::comm);
-  CHECK(q->forward[2].kind == exec::Step::Kind::kernel);
+  REQUIRE(q->plan.forward.size() >= 2);
+  CHECK(q->plan.forward[0].rule == "linear_reduce_scatter_overlap");
+  CHECK(q->plan.forward[1].rule == "bias_dropout_add_joint");
+  size_t tail = 0;
+  while (tail < q->forward.size() && q->forward[tail].group == 0) ++tail;
+  REQUIRE(tail < q->forward.size());
+  CHECK(q->forward[tail - 1].kind == exec::Step::Kind::comm);
+  CHECK(q->forward[tail].kind == exec::Step::Kind::kernel);
+  CHECK(q->forward[tail].group == 1);
+}
+
+TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams", "[exec][parallel]") {
+  using exec::Collective;
+  const std::string llama_sp = parallel_block("llama_mlp_block.json", true);
+  for (int world : {1, 2, 4, 8}) {
+    INFO("world size " << world);
+    auto p = program_of(llama_sp, "bf16", true, {4096 / world, 1024}, world, world - 1);
+    const int chunks = std::max(world, 4);
+    // all_gather + gate_up: one broadcast per chunk (rank r's rows), each chunk's GEMM after its broadcast.
+    CHECK(count_comm(p->forward, Collective::broadcast) == chunks);
+    CHECK(count_comm(p->forward, Collective::reduce) == chunks);  // down + reduce_scatter
+    CHECK(count_comm(p->forward, Collective::all_gather) + count_comm(p->forward, Collective::reduce_scatter) == 0);
+    CHECK(count_comm(p->backward, Collective::broadcast) == chunks);
+    CHECK(count_comm(p->backward, Collective::reduce) == chunks);
+    int64_t gathered_rows = 0;
+    for (size_t i = 0; i < p->forward.size(); ++i) {
+      const auto& s = p->forward[i];
+      if (s.kind == exec::Step::Kind::comm) {
+        CHECK(s.stream == 1);
+        if (s.comm.op == Collective::broadcast) {
+          CHECK(s.comm.root == static_cast<int>(gathered_rows / (4096 / world)));  // the owner of the rows
+          CHECK(s.comm.recv_offset == gathered_rows * 1024);
+          gathered_rows += s.comm.count / 1024;
+        }
+      }
+      if (s.kind == exec::Step::Kind::gemm && !s.waits.empty()) {
+        REQUIRE(s.waits.size() == 1);
+        CHECK(p->forward[static_cast<size_t>(s.waits[0])].kind == exec::Step::Kind::comm);  // its chunk's transfer
+        CHECK(s.stream == 0);
+      }
+    }
+    CHECK(gathered_rows == 4096);  // every row gathered once
+    CHECK(exec::program_text(*p, 3350).find("on the side stream") != std::string::npos);
+  }
+  // FP8 GEMMs are not chunked (each chunk would need its own scaled operands): the plain collectives run.
+  auto q = program_of(llama_sp, "fp8_delayed", true, {1024, 1024}, 4, 0);
+  CHECK(count_comm(q->forward, Collective::all_gather) == 1);
+  // Rows that do not split: one chunk per rank at world size 2 (2 chunks), none at world size 1.
+  auto odd = program_of(llama_sp, "bf16", true, {33, 1024}, 1, 0);
+  CHECK(count_comm(odd->forward, Collective::all_gather) == 1);
 }
 
 TEST_CASE("comm steps report their bytes over the links", "[exec][parallel]") {
-  auto p = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json"), "bf16", true, {1024, 1024}, 4, 3);
+  auto p = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json"), "bf16", true, {1024, 1024}, 4, 3, false);
   json j = exec::program_json(*p, 3350);
   CHECK(j["parallel"]["world_size"] == 4);
   CHECK(j["parallel"]["rank"] == 3);
