@@ -34,7 +34,7 @@ class OverlapCollective final : public Implementation {
     if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
     const bool gather = w.size() == 2 && w[0].name() == "all_gather" && w[1].family() == ops::Family::linear;
     const bool scatter = w.size() == 2 && w[0].family() == ops::Family::linear && w[1].name() == "reduce_scatter";
-    if (!gather && !scatter) return "overlap_collective implements [all_gather, linear] or [linear, reduce_scatter]";
+    if (!gather && !scatter) return "the window is neither [all_gather, linear] nor [linear, reduce_scatter]";
     if (!w[0].op) return std::nullopt;  // the loader: the pattern can run
     const ops::Op& comm = gather ? *w[0].op : *w[1].op;
     if (comm.in.size() != 2) return "the pipelined GEMM takes 2-D activations (its rows are dim 0)";
