@@ -40,7 +40,8 @@ std::string bytes_text(double b) {
 // Napkin bytes of a GEMM: every operand read once, the output written once.
 std::pair<int64_t, int64_t> gemm_bytes(const Program& p, const GemmStep& g) {
   int64_t r = 0, w = 0;
-  if (g.a_offset || g.d_offset || (g.d >= 0 && g.call.m < p.buffer(g.d).rows)) {  // a row chunk: its own rows
+  const bool chunk = g.call.kind != cuda::GemmKind::wgrad && g.a >= 0 && g.call.m < p.buffer(g.a).rows;
+  if (chunk) {  // a row chunk of a pipelined GEMM (docs/parallel.md): its own rows
     const int64_t e = ops::dtype_bytes(g.call.dtype), m = g.call.m, n = g.call.n, k = g.call.k;
     const bool dgrad = g.call.kind == cuda::GemmKind::dgrad;
     return {(m * (dgrad ? n : k) + n * k) * e, m * (dgrad ? k : n) * e};

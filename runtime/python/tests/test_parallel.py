@@ -16,14 +16,22 @@ def test_explain_plans_one_rank_of_a_group(ctx, repo):
     e = seq.explain((1024, 1024), training=True, arch=90, world_size=4, rank=3)
     steps = e.program.forward
     comms = [s for s in steps if s["kind"] == "comm"]
-    assert [c["collective"] for c in comms] == ["all_gather", "reduce_scatter"]
-    # Each rank sends its 1024x1024 bf16 shard to 3 others.
-    assert comms[0]["wire_bytes"] == 1024 * 1024 * 2 * 3
+    # The gather pipelined with the column GEMM (a broadcast of each rank's rows, root = the owner), the
+    # reduce-scatter with the row GEMM (a reduce of each rank's rows to it), all on the side stream.
+    assert [c["collective"] for c in comms] == ["broadcast"] * 4 + ["reduce"] * 4
+    assert [c["root"] for c in comms] == [0, 1, 2, 3] * 2
+    assert all(c["stream"] == "side" for c in comms)
+    assert all(c["count"] == 1024 * 1024 for c in comms)
     back = [s["collective"] for s in e.program.backward if s["kind"] == "comm"]
-    assert back == ["all_gather", "reduce_scatter"]
-    # The GEMMs see the whole sequence: 4 shards of 1024 tokens.
+    assert back == ["broadcast"] * 4 + ["reduce"] * 4
+    # The GEMMs see the whole sequence, 4 shards of 1024 tokens, in chunks of one shard.
     gemms = [s for s in steps if s["kind"] == "gemm"]
-    assert all(g["m"] == 4096 for g in gemms)
+    assert len(gemms) == 8 and sum(g["m"] for g in gemms) == 2 * 4096
+    # Under FP8 the GEMMs are not chunked: the collectives themselves; each rank sends its 1024x1024 bf16
+    # shard to 3 others.
+    f8 = jitfuse.Sequence(ctx, _tp_mlp(repo), "fp8_delayed").explain((1024, 1024), world_size=4, rank=3)
+    ag = [s for s in f8.program.forward if s["kind"] == "comm"][0]
+    assert ag["collective"] == "all_gather" and ag["wire_bytes"] == 1024 * 1024 * 2 * 3
     # One rank (the default without a communicator): NCCL copies, nothing crosses a link.
     one = seq.explain((1024, 1024), training=True, arch=90)
     assert all(s["wire_bytes"] == 0 for s in one.program.forward if s["kind"] == "comm")
