@@ -71,11 +71,12 @@ class OverlapCollective final : public Implementation {
   }
   static std::string who(const Builder& b) { return b.group().rule + ": overlap_collective"; }
 
-  // One chunk's broadcast (root r) of `count` elements: send at `send_off` (the root's), receive at `recv_off`.
-  static int bcast(Builder& b, int comm_op, int root, int send, int64_t send_off, int recv, int64_t recv_off,
-                   int64_t count, std::vector<int> waits) {
+  // One chunk's transfer on the side stream after `waits`: a broadcast from rank `root` (the all-gather's rows
+  // it owns) or a reduce to it (the reduce-scatter's), `count` elements, at the given element offsets.
+  static int transfer(Builder& b, Collective kind, int comm_op, int root, int send, int64_t send_off, int recv,
+                      int64_t recv_off, int64_t count, std::vector<int> waits) {
     CommStep c;
-    c.op = Collective::broadcast;
+    c.op = kind;
     c.root = root;
     c.op_index = comm_op;
     c.dtype = b.recipe().dtype;
@@ -84,23 +85,7 @@ class OverlapCollective final : public Implementation {
     c.recv = recv;
     c.recv_offset = recv_off;
     c.count = count;
-    b.comm(c, fmt::format("{} (broadcast of rows owned by rank {})", who(b), root));
-    b.place_last(1, std::move(waits));
-    return static_cast<int>(b.steps()) - 1;
-  }
-  static int reduce(Builder& b, int comm_op, int root, int send, int64_t send_off, int recv, int64_t recv_off,
-                    int64_t count, std::vector<int> waits) {
-    CommStep c;
-    c.op = Collective::reduce;
-    c.root = root;
-    c.op_index = comm_op;
-    c.dtype = b.recipe().dtype;
-    c.send = send;
-    c.send_offset = send_off;
-    c.recv = recv;
-    c.recv_offset = recv_off;
-    c.count = count;
-    b.comm(c, fmt::format("{} (reduce of rows owned by rank {})", who(b), root));
+    b.comm(c, fmt::format("{} ({} of rows owned by rank {})", who(b), collective_name(kind), root));
     b.place_last(1, std::move(waits));
     return static_cast<int>(b.steps()) - 1;
   }
@@ -138,7 +123,7 @@ class OverlapCollective final : public Implementation {
       for (int r = 0; r < c.world; ++r)
         for (int64_t j = 0; j < c.per_rank; ++j) {
           const int64_t row0 = c.row0(r, j);
-          const int bc = bcast(b, ag, r, x, j * c.rows * k, full, row0 * k, c.rows * k, {});
+          const int bc = transfer(b, Collective::broadcast, ag, r, x, j * c.rows * k, full, row0 * k, c.rows * k, {});
           chunk_gemm(b, lin, cuda::GemmKind::fwd, full, row0 * k, y, row0 * n_out, c.rows, {bc},
                      fmt::format("{}: rows {}..{} of {}", who(b), row0, row0 + c.rows, b.ops()[lin].label()));
         }
@@ -153,7 +138,7 @@ class OverlapCollective final : public Implementation {
         const int gm = chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, row0 * n_out, dfull, row0 * k, c.rows, {},
                                   fmt::format("{}: dgrad rows {}..{} of {}", who(b), row0, row0 + c.rows,
                                               b.ops()[lin].label()));
-        reduce(b, ag, r, dfull, row0 * k, dx, j * c.rows * k, c.rows * k, {gm});
+        transfer(b, Collective::reduce, ag, r, dfull, row0 * k, dx, j * c.rows * k, c.rows * k, {gm});
       }
     wgrad(b, lin, dy, b.saved_context(lin, "input"));
   }
@@ -171,7 +156,7 @@ class OverlapCollective final : public Implementation {
           const int gm = chunk_gemm(b, lin, cuda::GemmKind::fwd, x, row0 * k, partial, row0 * n_out, c.rows, {},
                                     fmt::format("{}: rows {}..{} of {}", who(b), row0, row0 + c.rows,
                                                 b.ops()[lin].label()));
-          reduce(b, rs, r, partial, row0 * n_out, y, j * c.rows * n_out, c.rows * n_out, {gm});
+          transfer(b, Collective::reduce, rs, r, partial, row0 * n_out, y, j * c.rows * n_out, c.rows * n_out, {gm});
         }
       b.boundary_saves(lin, rs + 1);
       return;
@@ -180,7 +165,7 @@ class OverlapCollective final : public Implementation {
     for (int r = 0; r < c.world; ++r)
       for (int64_t j = 0; j < c.per_rank; ++j) {
         const int64_t row0 = c.row0(r, j);
-        const int bc = bcast(b, rs, r, dy, j * c.rows * n_out, dfull, row0 * n_out, c.rows * n_out, {});
+        const int bc = transfer(b, Collective::broadcast, rs, r, dy, j * c.rows * n_out, dfull, row0 * n_out, c.rows * n_out, {});
         chunk_gemm(b, lin, cuda::GemmKind::dgrad, dfull, row0 * n_out, dx, row0 * k, c.rows, {bc},
                    fmt::format("{}: dgrad rows {}..{} of {}", who(b), row0, row0 + c.rows, b.ops()[lin].label()));
       }

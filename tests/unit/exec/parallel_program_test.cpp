@@ -10,6 +10,7 @@
 
 #include "common/env.hpp"
 #include "common/error.hpp"
+#include "common/json_util.hpp"
 #include "exec/compile.hpp"
 #include "fuser/explain.hpp"
 #include "jitfuse/jitfuse.h"
@@ -25,12 +26,7 @@ const rules::RuleSet& builtins() {
   return rs;
 }
 
-std::string read(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+std::string read(const std::string& path) { return json_util::read_file(path); }
 
 // The example's linears made parallel: the first column-parallel, the last row-parallel.
 std::string parallel_block(const std::string& file, bool sp) {
