@@ -258,7 +258,8 @@ TEST_CASE("comm steps report their bytes over the links", "[exec][parallel]") {
   CHECK(exec::program_text(*p, 3350).find("rank 3 of 4") != std::string::npos);
   // One rank: NCCL copies locally, nothing crosses a link.
   auto one = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json"), "bf16", true, {1024, 1024}, 1);
-  for (const auto& s : exec::program_json(*one, 3350)["forward"])
+  const json one_json = exec::program_json(*one, 3350);  // kept: a range over a temporary's member dangles
+  for (const auto& s : one_json["forward"])
     if (s["kind"] == "comm") CHECK(s["wire_bytes"] == 0);
 }
 
