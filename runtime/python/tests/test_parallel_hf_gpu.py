@@ -9,23 +9,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import jitfuse.torch as jt  # noqa: E402
+from test_parallel_gpu import one_rank_group  # noqa: E402,F401  (the one-rank group, autouse)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group(tmp_path_factory):
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("tp_hf") / "store"), 1)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                                device_id=torch.device("cuda", torch.cuda.current_device()))
-    jt.distributed.set_process_group(None, name="tp")
-    yield
 
 
 class TpLlamaMLP(nn.Module):
