@@ -100,9 +100,18 @@ at::Tensor bytes(size_t n, const at::Tensor& like) {
 
 // ---- the CUDA kernels ------------------------------------------------------------------------------
 
-std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
-                                     at::TensorList params, const std::optional<at::Tensor>& rng_state,
+// `Tensor[]? extra_inputs, Tensor[]? params`: an empty list and None mean the same. The lists are optional in
+// the schema because AOTInductor's proxy executor (torch/csrc/inductor/aoti_torch/oss_proxy_executor.cpp, torch
+// 2.11) leaves the stack slot of an empty `Tensor[]` argument None, which a `Tensor[]` kernel cannot take: the
+// call failed and the package's output stayed unfilled. None is what `Tensor[]?` expects.
+using OptTensors = std::optional<at::TensorList>;
+
+at::TensorList tensors_or_none(const OptTensors& l) { return l.has_value() ? *l : at::TensorList(); }
+
+std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, const OptTensors& extra_inputs_opt,
+                                     const OptTensors& params_opt, const std::optional<at::Tensor>& rng_state,
                                      bool training) {
+  const at::TensorList extra_inputs = tensors_or_none(extra_inputs_opt), params = tensors_or_none(params_opt);
   TORCH_CHECK_VALUE(input.is_cuda(), "jitfuse::forward: jitfuse runs on CUDA tensors; the input is on ",
                     input.device().str());
   const int dev = input.get_device();
@@ -271,7 +280,7 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
 
 // ---- the ops through the dispatcher ----------------------------------------------------------------
 
-using ForwardSig = std::vector<at::Tensor>(int64_t, const at::Tensor&, at::TensorList, at::TensorList,
+using ForwardSig = std::vector<at::Tensor>(int64_t, const at::Tensor&, const OptTensors&, const OptTensors&,
                                            const std::optional<at::Tensor>&, bool);
 using BackwardSig = std::vector<at::Tensor>(int64_t, const at::Tensor&, at::TensorList, const at::Tensor&,
                                             at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&,
@@ -372,9 +381,11 @@ struct ForwardFunction : public torch::autograd::Function<ForwardFunction> {
   }
 };
 
-std::vector<at::Tensor> forward_autograd(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
-                                         at::TensorList params, const std::optional<at::Tensor>& rng_state,
+std::vector<at::Tensor> forward_autograd(int64_t key, const at::Tensor& input, const OptTensors& extra_inputs_opt,
+                                         const OptTensors& params_opt, const std::optional<at::Tensor>& rng_state,
                                          bool training) {
+  // Plain lists for the node: autograd's apply takes its input edges from Tensor and TensorList arguments only.
+  const at::TensorList extra_inputs = tensors_or_none(extra_inputs_opt), params = tensors_or_none(params_opt);
   if (needs_grad(input, extra_inputs, params))
     return ForwardFunction::apply(key, input, extra_inputs, params, rng_state, training);
   at::AutoDispatchBelowADInplaceOrView below;
@@ -422,8 +433,9 @@ bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::
 }  // namespace jitfuse_torch
 
 TORCH_LIBRARY(jitfuse, m) {
-  // The same schemas as the pure-Python ops (runtime/python/jitfuse/torch/_ops.py).
-  m.def("forward(int key, Tensor input, Tensor[] extra_inputs, Tensor[] params, Tensor? rng_state, "
+  // The same schemas as the pure-Python ops (runtime/python/jitfuse/torch/_ops.py). forward's lists are optional
+  // for AOTInductor (see OptTensors); backward is never in an exported inference graph.
+  m.def("forward(int key, Tensor input, Tensor[]? extra_inputs, Tensor[]? params, Tensor? rng_state, "
         "bool training) -> Tensor[]");
   m.def("backward(int key, Tensor input, Tensor[] extra_inputs, Tensor output, Tensor[] extra_outputs, "
         "Tensor[] params, Tensor saved, Tensor grad_output, Tensor[] grad_extra_outputs) -> Tensor[]");

@@ -439,6 +439,41 @@ def test_opcheck_forward():
         assert len(outs) == n_out + 1 and outs[-1].dtype == torch.uint8 and outs[-1].numel() > 0
 
 
+@pytest.mark.parametrize("with_params", [True, False], ids=["params", "no-params"])
+def test_forward_op_takes_none_for_empty_lists(with_params):
+    """`Tensor[]? extra_inputs, Tensor[]? params`: None is an empty list (what AOTInductor's proxy executor passes
+    for one). Same bits as the module and as `[]`, against float64, forward and backward, outputs poisoned."""
+    ops = [jt.Linear(64, 96), jt.Bias(96), jt.GELU()] if with_params else [jt.Scale(0.5), jt.GELU()]
+    model = jt.Sequential(*ops, device=DEV, dtype=torch.bfloat16)
+    randomize(model)
+    x = torch.randn(24, 64, device=DEV, dtype=torch.bfloat16)
+    params = list(model._params())
+    assert bool(params) == with_params
+    key = model._jf_keys[model.training][x.dtype]
+    dy = torch.randn(24, 96 if with_params else 64, device=DEV, dtype=torch.bfloat16)
+    (ref_out,), ref_gx, _, ref_gp = reference(model, x, [], dy, [])
+    op = torch.ops.jitfuse.forward.default
+
+    def poisoned(fn):
+        torch.full_like(dy, float("nan"))  # freed at once: the output takes this block, NaN unless written
+        return fn()
+
+    with torch.no_grad():
+        y_none = poisoned(lambda: op(key, x, None, params or None, None, True)[0])
+        y_list = poisoned(lambda: op(key, x, [], params, None, True)[0])
+        y_mod = poisoned(lambda: model(x))
+    assert torch.equal(y_none, y_list) and torch.equal(y_none, y_mod)
+    check("op with None lists", y_none, ref_out, torch.bfloat16, gemm=with_params)
+    xg = x.detach().requires_grad_()
+    y = op(key, xg, None, params or None, None, True)[0]
+    grads = torch.autograd.grad(y, [xg, *params], dy)
+    check("grad_input", grads[0], ref_gx, torch.bfloat16, gemm=with_params)
+    for (n, _), g in zip(model.named_parameters(), grads[1:]):
+        check(f"grad {n}", g, ref_gp[n], torch.bfloat16, gemm=True)
+    torch.library.opcheck(op, (key, xg, None, params or None, None, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
 def test_opcheck_backward():
     model = mlp(128, 256, torch.bfloat16)
     x = torch.randn(16, 128, device=DEV, dtype=torch.bfloat16)

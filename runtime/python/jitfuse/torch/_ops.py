@@ -41,7 +41,9 @@ if _ext.EXT is not None:
     _LIB = torch.library.Library("jitfuse", "FRAGMENT")
 else:
     _LIB = torch.library.Library("jitfuse", "DEF")
-    _LIB.define("forward(int key, Tensor input, Tensor[] extra_inputs, Tensor[] params, Tensor? rng_state, "
+    # The lists are optional (None = []) for AOTInductor: its proxy executor passes None for an empty
+    # `Tensor[]` argument, which a `Tensor[]` schema refuses (runtime/torch/ops.cpp, OptTensors).
+    _LIB.define("forward(int key, Tensor input, Tensor[]? extra_inputs, Tensor[]? params, Tensor? rng_state, "
                 "bool training) -> Tensor[]")  # [output, *extra_outputs] + [saved] when training
     _LIB.define("backward(int key, Tensor input, Tensor[] extra_inputs, Tensor output, Tensor[] extra_outputs, "
                 "Tensor[] params, Tensor saved, Tensor grad_output, Tensor[] grad_extra_outputs) -> Tensor[]")
@@ -52,14 +54,14 @@ def _concrete(shape: Any) -> Tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-def forward_op(key: int, input: Tensor, extra_inputs: List[Tensor], params: List[Tensor],
+def forward_op(key: int, input: Tensor, extra_inputs: Optional[List[Tensor]], params: Optional[List[Tensor]],
                rng_state: Optional[Tensor], training: bool) -> List[Tensor]:
     """Runs a jitfuse sequence forward. Returns [output, *extra_outputs, saved] when ``training``, where
     ``saved`` is the uint8 saved-for-backward block, and [output, *extra_outputs] otherwise (an inference
     call allocates no saved block: one allocation less per call). An FP8 sequence ending in quantize
     returns the float32 [1] scale_inv of its E4M3 output after the extra outputs. ``rng_state``: int64 CUDA tensor
     {seed, offset} that the dropout ops read (not written)."""
-    return program_of(key, input).forward(input, list(extra_inputs), list(params), rng_state, training,
+    return program_of(key, input).forward(input, list(extra_inputs or ()), list(params or ()), rng_state, training,
                                           with_saved_block=training)
 
 
@@ -236,6 +238,8 @@ def _forward_autograd(keyset, key, input, extra_inputs, params, rng_state, train
     # The Autograd kernel of jitfuse::forward: what torch.library.register_autograd registers, without
     # its generic argument handling (pytree flatten/unflatten, default filling), which took ~280 us of
     # host time per call on an H100 host (torch.profiler, bias + gelu at M = 16, 2026-11-24).
+    extra_inputs = [] if extra_inputs is None else extra_inputs  # None: an AOTInductor package's empty list
+    params = [] if params is None else params
     r = route(input, extra_inputs, params)
     if r & GRAD:
         return list(eager_call(program_of(key, input)).node(False, training, input, list(extra_inputs),
