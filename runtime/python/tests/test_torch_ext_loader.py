@@ -59,3 +59,59 @@ def test_candidates_include_the_checkouts_build_trees(ext, monkeypatch):
     dirs = [str(p) for p in ext.candidate_dirs()]
     assert dirs[0] == "/opt/somewhere"
     assert any(p.endswith("build-torch") for p in dirs)
+
+
+def _build_for(d, torch_version):
+    d.mkdir()
+    (d / "libjitfuse_torch.so").write_bytes(b"")
+    (d / "jitfuse_torch_build.json").write_text(json.dumps({"format": "jitfuse.torch_build/1", "torch": torch_version,
+                                                            "cxx11_abi": 1, "jitfuse_abi": 2}))
+    return d
+
+
+@pytest.fixture
+def running_torch(monkeypatch):
+    """A stand-in `torch` module of a given version (load() reads torch.__version__ only, before loading)."""
+    import sys
+    import types
+
+    def set_version(v):
+        fake = types.ModuleType("torch")
+        fake.__version__ = v
+        monkeypatch.setitem(sys.modules, "torch", fake)
+    return set_version
+
+
+def test_load_falls_back_with_both_versions_when_the_build_serves_another_torch(ext, tmp_path, monkeypatch,
+                                                                               running_torch):
+    d = _build_for(tmp_path / "ext", "2.11.0+cu130")
+    monkeypatch.setattr(ext, "candidate_dirs", lambda: [d])
+    monkeypatch.setattr(ext, "_load", lambda d: pytest.fail(f"loaded {d} built for another torch"))
+    running_torch("2.10.1+cu128")
+    monkeypatch.setenv("JITFUSE_TORCH_EXTENSION", "auto")
+    with pytest.warns(RuntimeWarning) as rec:
+        assert ext.load() is None  # the pure-Python ops
+    msg = str(rec[0].message)
+    assert "built for torch 2.11.0+cu130" in msg and "this process runs torch 2.10.1+cu128" in msg
+    assert str(d) in msg and "rebuild it against this torch" in msg and "using the pure-Python ops" in msg
+
+
+def test_load_refuses_another_torchs_build_when_required(ext, tmp_path, monkeypatch, running_torch):
+    d = _build_for(tmp_path / "ext", "2.11.0+cu130")
+    monkeypatch.setattr(ext, "candidate_dirs", lambda: [d])
+    monkeypatch.setattr(ext, "_load", lambda d: pytest.fail(f"loaded {d} built for another torch"))
+    running_torch("2.12.0")
+    monkeypatch.setenv("JITFUSE_TORCH_EXTENSION", "1")
+    with pytest.raises(ext.ExtensionError, match=r"JITFUSE_TORCH_EXTENSION=1 but .* built for torch 2\.11\.0\+cu130, "
+                       r"but this process runs torch 2\.12\.0"):
+        ext.load()
+
+
+def test_load_takes_the_build_for_this_torch_after_one_for_another(ext, tmp_path, monkeypatch, running_torch):
+    old = _build_for(tmp_path / "old", "2.10.1+cu128")
+    new = _build_for(tmp_path / "new", "2.11.0+cu130")
+    monkeypatch.setattr(ext, "candidate_dirs", lambda: [old, new])
+    monkeypatch.setattr(ext, "_load", lambda d: ("loaded", d))
+    running_torch("2.11.0+cu130")
+    monkeypatch.setenv("JITFUSE_TORCH_EXTENSION", "auto")
+    assert ext.load() == ("loaded", new)
