@@ -315,10 +315,27 @@ void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const Kerne
     w.line("");
     emit_fp8_update(w, g.fp8_update, *spec.fp8);
   }
-  for (auto& f : setup.finalize) {
-    f.kernel = fmt::format("{}_fin{}_{}", g.kernel, f.op, f.name);
+  // One finalize launch per width: the gradients of the same width share it (blockIdx.y picks one).
+  std::vector<bool> done(setup.finalize.size(), false);
+  for (size_t i = 0; i < setup.finalize.size(); ++i) {
+    if (done[i]) continue;
+    std::vector<Finalize*> group;
+    for (size_t j = i; j < setup.finalize.size(); ++j)
+      if (!done[j] && setup.finalize[j].cols == setup.finalize[i].cols &&
+          group.size() < static_cast<size_t>(Finalize::kMaxCount)) {
+        group.push_back(&setup.finalize[j]);
+        done[j] = true;
+      }
+    std::string name = g.kernel + "_fin";
+    for (size_t s = 0; s < group.size(); ++s)
+      name += fmt::format("{}{}_{}", s ? "_" : "", group[s]->op, group[s]->name);
+    for (size_t s = 0; s < group.size(); ++s) {
+      group[s]->kernel = name;
+      group[s]->slot = static_cast<int>(s);
+      group[s]->count = static_cast<int>(group.size());
+    }
     w.line("");
-    emit_finalize(w, f.kernel, f.cols);
+    emit_finalize(w, name, group.front()->cols, static_cast<int>(group.size()));
   }
   g.finalize = setup.finalize;
   g.args = args.args();

@@ -146,7 +146,7 @@ void emit_variants(Writer& w, const KernelSpec& spec, const std::string& kernel,
   w = v;
 }
 
-void emit_finalize(Writer& w, const std::string& kernel, int64_t cols) {
+void emit_finalize(Writer& w, const std::string& kernel, int64_t cols, int count) {
   constexpr int kC = Finalize::kCols, kT = Finalize::kThreads;
   // A block of 256 threads takes 16 columns. Each thread owns V consecutive columns (V = 4, one 16-byte
   // load per part, when cols % 4 == 0; the partials buffer is 256-byte aligned) and every ny-th part,
@@ -158,9 +158,26 @@ void emit_finalize(Writer& w, const std::string& kernel, int64_t cols) {
   const int tx_n = kC / v, ny = kT / tx_n;
   w.line("// grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum");
   w.line("// launch: grid ceil({} / {}), block {}", cols, kC, kT);
-  w.line("extern \"C\" __global__ void __launch_bounds__({}) {}(const float* __restrict__ part, ST* __restrict__ grad, "
-         "int parts, int accumulate) {{", kT, kernel);
-  w.open();
+  if (count == 1) {
+    w.line("extern \"C\" __global__ void __launch_bounds__({}) {}(const float* __restrict__ part, ST* __restrict__ grad, "
+           "int parts, int accumulate) {{", kT, kernel);
+    w.open();
+  } else {
+    // Several gradients of this width in one launch (one fewer launch and tail each): blockIdx.y picks one.
+    std::string params;
+    for (int i = 0; i < count; ++i)
+      params += fmt::format("const float* __restrict__ part{0}, ST* __restrict__ grad{0}, ", i);
+    w.line("// launch: grid.y {} (one per gradient)", count);
+    w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}int parts, int accumulate) {{", kT, kernel, params);
+    w.open();
+    std::string part = "part" + std::to_string(count - 1), grad = "grad" + std::to_string(count - 1);
+    for (int i = count - 2; i >= 0; --i) {
+      part = fmt::format("blockIdx.y == {0} ? part{0} : {1}", i, part);
+      grad = fmt::format("blockIdx.y == {0} ? grad{0} : {1}", i, grad);
+    }
+    w.line("const float* __restrict__ part = {};", part);
+    w.line("ST* __restrict__ grad = {};", grad);
+  }
   w.line("__shared__ float jf_fs[{}][{}];", ny, kC);
   w.line("const int tx = threadIdx.x % {}, ty = threadIdx.x / {};", tx_n, tx_n);
   w.line("const int c = blockIdx.x * {} + tx * {};", kC, v);

@@ -62,7 +62,8 @@ void emit_prelude(Writer& w, const KernelSpec& spec, const std::vector<std::stri
 // branch of `#ifndef JF_SCALAR` (one variant per NVRTC program).
 void emit_variants(Writer& w, const KernelSpec& spec, const std::string& kernel, const std::string& scalar);
 std::vector<std::string> headers_for(const KernelSpec& spec);
-void emit_finalize(Writer& w, const std::string& kernel, int64_t cols);
+// A finalize kernel over `count` gradients of `cols` columns (Finalize): one (partials, grad) pair each.
+void emit_finalize(Writer& w, const std::string& kernel, int64_t cols, int count);
 std::string kernel_name(const KernelSpec& spec);
 
 }  // namespace jitfuse::codegen::detail

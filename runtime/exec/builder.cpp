@@ -488,7 +488,7 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
       k.buffer = temp("partials op" + std::to_string(a.op) + "." + a.name, ops::DType::f32, -1, width);
       for (const auto& f : ks.gen.finalize)
         if (f.op == a.op && f.name == a.name)
-          ks.finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel});
+          ks.finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel, f.slot, f.count});
       break;
   }
     case Arg::Role::rows: k.kind = KArg::Kind::rows; break;

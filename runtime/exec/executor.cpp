@@ -237,14 +237,27 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const Prep
   }
   cuda::check(d.cuLaunchKernel(v.kernel->fn, L.gx, L.gy, 1, L.bx, L.by, 1, 0, stream, n ? kparams : nullptr, nullptr),
               "cuLaunchKernel");
+  // One launch per finalize kernel: the gradients sharing it (codegen::Finalize::slot) are its argument pairs.
+  using F = codegen::Finalize;
   for (const auto& f : k.finalize) {
-    void* part = ptr[static_cast<size_t>(f.partials)];
-    void* g = ptr[static_cast<size_t>(f.grad)];
-    int np = L.parts, acc = 0;
-    void* fp[] = {&part, &g, &np, &acc};
-    using F = codegen::Finalize;
+    if (f.slot != 0) continue;
+    void* pairs[2 * F::kMaxCount] = {};
+    int np = L.parts, acc = 0, have = 0;
+    for (const auto& o : k.finalize)
+      if (o.key == f.key && o.slot >= 0 && o.slot < F::kMaxCount) {
+        pairs[2 * o.slot] = ptr[static_cast<size_t>(o.partials)];
+        pairs[2 * o.slot + 1] = ptr[static_cast<size_t>(o.grad)];
+        ++have;
+      }
+    if (have != f.count || f.count > F::kMaxCount)
+      fail(Status::internal, "kernel {}: finalize {} has {} of its {} gradients", k.gen.kernel, f.key, have, f.count);
+    void* fp[2 * F::kMaxCount + 2];
+    for (int i = 0; i < 2 * f.count; ++i) fp[i] = &pairs[i];
+    fp[2 * f.count] = &np;
+    fp[2 * f.count + 1] = &acc;
     const unsigned grid = static_cast<unsigned>((f.cols + F::kCols - 1) / F::kCols);
-    cuda::check(d.cuLaunchKernel(v.kernel->finalize.at(f.key), grid, 1, 1, F::kThreads, 1, 1, 0, stream, fp, nullptr),
+    cuda::check(d.cuLaunchKernel(v.kernel->finalize.at(f.key), grid, static_cast<unsigned>(f.count), 1, F::kThreads, 1,
+                                 1, 0, stream, fp, nullptr),
                 "cuLaunchKernel(finalize)");
   }
   if (!v.kernel->fp8_update) return;

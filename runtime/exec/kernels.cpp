@@ -111,7 +111,8 @@ cache::KernelRequest KernelLibrary::request(const codegen::Generated& g, const c
   // Every entry point of the module: the variant's, then the finalize and FP8 update kernels.
   nlohmann::json fns = nlohmann::json::array();
   fns.push_back(g.entry(vector));
-  for (const auto& f : g.finalize) fns.push_back(f.kernel);
+  for (const auto& f : g.finalize)
+    if (f.slot == 0) fns.push_back(f.kernel);  // a kernel shared by several gradients once
   if (!g.fp8_update.empty()) fns.push_back(g.fp8_update);
   r.meta["functions"] = fns;
   // NVRTC time on the 2-core machine (docs/cache.md, "Cold start"): kernels that reduce over rows into

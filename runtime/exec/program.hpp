@@ -99,6 +99,7 @@ struct KernelStep {
     int partials = -1, grad = -1;
     int64_t cols = 0;
     std::string key;  // LoadedKernel::finalize key: the finalize kernel's name (the same at any depth)
+    int slot = 0, count = 1;  // codegen::Finalize: this gradient's place in its kernel's one launch
   };
   std::vector<Follow> finalize;
   // FP8: the per-block amax partials and the recipe-state update kernel after the main kernel.

@@ -1,5 +1,7 @@
 // What `jitfuse explain --program` shows: every step (GEMM dims, layouts, epilogue; kernel grid and bytes),
 // every buffer, the saved set, the arenas, and the napkin minimum time at a given bandwidth.
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "exec/program.hpp"
@@ -135,6 +137,9 @@ json step_json(const Program& p, const Step& s, double bw) {
     r = k.bytes_read;
     w = k.bytes_written;
     const auto& L = k.spec.vec ? k.launch.vec : k.launch.scalar;
+    // Finalize launches: the gradients sharing a kernel (codegen::Finalize::slot) share its launch.
+    const auto launches = std::count_if(k.finalize.begin(), k.finalize.end(),
+                                        [](const KernelStep::Follow& f) { return f.slot == 0; });
     json args = json::array();
     for (const auto& a : k.args) args.push_back(a.kind == KArg::Kind::buffer ? name(a.buffer) : json(nullptr));
     j.update({{"kind", "kernel"},
@@ -145,7 +150,7 @@ json step_json(const Program& p, const Step& s, double bw) {
               {"block", {L.bx, L.by}},
               {"rows", k.rows},
               {"args", args},
-              {"finalize_kernels", k.finalize.size()},
+              {"finalize_kernels", launches},
               {"fp8_update", k.gen.fp8_update.empty() ? json("none")
                                                       : json(k.gen.fp8_batched ? "batched (after the pass)"
                                                                                : "after the kernel")}});

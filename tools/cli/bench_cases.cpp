@@ -349,6 +349,35 @@ std::vector<Row> gemm_fp8(const BenchEnv& env) {
   return rows;
 }
 
+// FP8 cast + transpose (+ amax) of a linear's input at 8192x4096 and 8192x16384 (issue 32). The kernel runs
+// as a step of a linear's training forward, so it is timed as that forward (the weight's FP8 copy reused:
+// a later microbatch) minus the bare cuBLASLt FP8 GEMM of the same TN problem in the same run. The linear
+// is narrow (256 outputs) so the subtracted GEMM is small against the cast. Bytes: the bf16 input read
+// (twice under fp8_current: the amax pass, then the cast), the E4M3 codes and their transpose written.
+std::vector<Row> cast_transpose(const BenchEnv& env) {
+  constexpr int64_t N = 256;
+  TnOperands o(env.stream);
+  std::vector<Row> rows;
+  for (const char* recipe : {"fp8_delayed", "fp8_current"})
+    for (int64_t K : {int64_t{4096}, int64_t{16384}}) {
+      SeqBench b(env.ctx, env.stream,
+                 fmt::format(R"([{{"op": "linear", "in_features": {}, "out_features": {}}}])", K, N), {R, K}, {R, N},
+                 {{0, "weight", {N, K}}}, 0, 0, recipe);
+      b.forward(env.stream, nullptr);  // plans, compiles and makes the weight's FP8 copy
+      const double fwd = median_ms(env.stream, [&] {
+        jf_saved saved = nullptr;
+        b.forward(env.stream, &saved, true);
+        jf_saved_release(saved, reinterpret_cast<jf_stream>(env.stream));
+      }, env.opts);
+      const double gemm = gemms_ms(env, {o.fp8(TnGemm{"fwd", R, N, K, true}, true)});
+      const bool current = std::string(recipe) == "fp8_current";
+      rows.push_back({fmt::format("cast_transpose {} (fwd {:.3f} - gemm {:.3f})", recipe, fwd, gemm),
+                      fmt::format("{}x{} -> e4m3 + T", R, K), std::max(fwd - gemm, 1e-6),
+                      (current ? 6.0 : 4.0) * R * K});
+    }
+  return rows;
+}
+
 // The median of replays of one captured forward (as a host holding a CUDA graph of the call runs it).
 double graph_ms(const BenchEnv& env, jf_sequence seq, const jf_forward_args& a) {
   const auto& d = cuda::driver();
@@ -414,6 +443,7 @@ const BenchCase kCases[] = {
     {"mlp_fp8", false, mlp_fp8},
     {"mlp_relu", true, [](const BenchEnv& env) { return mlp_train(env, "relu", "mlp_relu fwd+bwd"); }},
     {"gemm_fp8", false, gemm_fp8},
+    {"cast_transpose", false, cast_transpose},
     {"blocks", false, blocks},
     {"decode", false, decode},
 };

@@ -333,45 +333,10 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
 
 // grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum
 // launch: grid ceil(64 / 16), block 256
-extern "C" __global__ void __launch_bounds__(256) jf_layernorm_bwd_fin0_weight(const float* __restrict__ part, ST* __restrict__ grad, int parts, int accumulate) {
-  __shared__ float jf_fs[64][16];
-  const int tx = threadIdx.x % 4, ty = threadIdx.x / 4;
-  const int c = blockIdx.x * 16 + tx * 4;
-  float s[4][4];
-  #pragma unroll
-  for (int u = 0; u < 4; ++u) for (int e = 0; e < 4; ++e) s[u][e] = 0.f;
-  if (c < 64) {
-    for (int p0 = ty; p0 < parts; p0 += 512) {
-      const float4* q = reinterpret_cast<const float4*>(part + c);
-      float4 a[8];
-      #pragma unroll
-      for (int u = 0; u < 8; ++u) a[u] = p0 + u * 64 < parts ? q[(jf_i64)(p0 + u * 64) * 16] : make_float4(0.f, 0.f, 0.f, 0.f);
-      #pragma unroll
-      for (int u = 0; u < 8; ++u) { s[u & 3][0] += a[u].x; s[u & 3][1] += a[u].y; s[u & 3][2] += a[u].z; s[u & 3][3] += a[u].w; }
-    }
-  }
-  #pragma unroll
-  for (int e = 0; e < 4; ++e) jf_fs[ty][tx * 4 + e] = (s[0][e] + s[1][e]) + (s[2][e] + s[3][e]);
-  __syncthreads();
-  const int fc = threadIdx.x % 16, fg = threadIdx.x / 16;
-  float t = 0.f;
-  #pragma unroll
-  for (int y = 0; y < 4; ++y) t += jf_fs[fg * 4 + y][fc];
-  __syncthreads();
-  jf_fs[fg][fc] = t;
-  __syncthreads();
-  const int col = blockIdx.x * 16 + fc;
-  if (fg != 0 || col >= 64) return;
-  float r = 0.f;
-  #pragma unroll
-  for (int y = 0; y < 16; ++y) r += jf_fs[y][fc];
-  if (accumulate) r += DT::load(grad[col]);
-  grad[col] = DT::store(r);
-}
-
-// grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum
-// launch: grid ceil(64 / 16), block 256
-extern "C" __global__ void __launch_bounds__(256) jf_layernorm_bwd_fin0_bias(const float* __restrict__ part, ST* __restrict__ grad, int parts, int accumulate) {
+// launch: grid.y 2 (one per gradient)
+extern "C" __global__ void __launch_bounds__(256) jf_layernorm_bwd_fin0_weight_0_bias(const float* __restrict__ part0, ST* __restrict__ grad0, const float* __restrict__ part1, ST* __restrict__ grad1, int parts, int accumulate) {
+  const float* __restrict__ part = blockIdx.y == 0 ? part0 : part1;
+  ST* __restrict__ grad = blockIdx.y == 0 ? grad0 : grad1;
   __shared__ float jf_fs[64][16];
   const int tx = threadIdx.x % 4, ty = threadIdx.x / 4;
   const int c = blockIdx.x * 16 + tx * 4;

@@ -10,6 +10,8 @@
 #include <set>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "cache/kernel_cache.hpp"
 #include "common/error.hpp"
 #include "exec/kernels.hpp"
@@ -125,7 +127,8 @@ TEST_CASE("each kernel of the transformer layer is one source with a program per
     CHECK(sca.meta["variant"] == "scalar");
     for (bool vector : {true, false}) {
       std::vector<std::string> want = {g.entry(vector)};
-      for (const auto& f : g.finalize) want.push_back(f.kernel);
+      for (const auto& f : g.finalize)
+        if (f.slot == 0) want.push_back(f.kernel);  // a layernorm's dgamma and dbeta share one finalize
       if (!g.fp8_update.empty()) want.push_back(g.fp8_update);
       CHECK((vector ? vec : sca).meta["functions"] == nlohmann::json(want));
     }
@@ -299,4 +302,55 @@ TEST_CASE("a late scalar variant launches within the partial-sum buffers prepare
     // Laying out never writes the Program: its estimate is what explain prints, unchanged.
     CHECK(p->buffer(k->finalize[0].partials).rows == exec::lay_out(*p, dev).buffer(k->finalize[0].partials).rows);
   }
+}
+
+TEST_CASE("the gradients of one width finalize in one launch: a layernorm's dgamma and dbeta", "[exec][finalize]") {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  struct Want {
+    const char* ops;
+    std::vector<std::string> grads;  // in slot order
+  };
+  for (const Want& w : {Want{R"([{"op": "layernorm"}])", {"weight", "bias"}}, Want{R"([{"op": "rmsnorm"}])", {"weight"}},
+                        Want{R"([{"op": "bias"}, {"op": "gelu"}])", {"bias"}}})
+    for (const char* dtype : {"bf16", "fp32"}) {
+      INFO(w.ops << " " << dtype);
+      const test::BuiltinCase c{0, w.ops, dtype, true, {1000, 24}};
+      auto p = test::case_program(c, rs);
+      const exec::KernelStep* k = nullptr;
+      for (const auto& s : p->backward)
+        if (s.kind == exec::Step::Kind::kernel && !s.kernel->finalize.empty()) k = s.kernel.get();
+      REQUIRE(k);
+      REQUIRE(k->finalize.size() == w.grads.size());
+      REQUIRE(k->gen.finalize.size() == w.grads.size());
+      std::set<int> grads;
+      for (size_t i = 0; i < w.grads.size(); ++i) {
+        const auto& f = k->finalize[i];
+        const auto& g = k->gen.finalize[i];
+        CHECK(g.name == w.grads[i]);
+        CHECK(f.key == k->finalize[0].key);  // one kernel
+        CHECK(f.slot == static_cast<int>(i));
+        CHECK(f.count == static_cast<int>(w.grads.size()));
+        CHECK(g.slot == f.slot);
+        CHECK(f.cols == 24);
+        grads.insert(f.grad);
+      }
+      CHECK(grads.size() == w.grads.size());  // each slot writes its own gradient
+      // The source declares the kernel once, with one (partials, grad) pair per gradient and grid.y picking.
+      const std::string& src = k->gen.source;
+      CHECK(count(src, " " + k->finalize[0].key + "(") == 1);
+      if (w.grads.size() == 1) {
+        CHECK(count(src, "const float* __restrict__ part, ST* __restrict__ grad, int parts") == 1);
+        CHECK(count(src, "blockIdx.y ==") == 0);
+      } else {
+        for (size_t i = 0; i < w.grads.size(); ++i)
+          CHECK(count(src, fmt::format("const float* __restrict__ part{0}, ST* __restrict__ grad{0}, ", i)) == 1);
+        CHECK(count(src, "// launch: grid.y " + std::to_string(w.grads.size())) == 1);
+      }
+      // explain counts launches, not gradients.
+      const auto j = exec::program_json(*p, 0);
+      int launches = -1;
+      for (const auto& s : j["backward"])
+        if (s.value("kernel", "") == k->gen.kernel) launches = s["finalize_kernels"].get<int>();
+      CHECK(launches == 1);
+    }
 }

@@ -141,14 +141,19 @@ struct Launch {
   bool persistent = false;
 };
 
-// A finalize kernel sums [parts, cols] fp32 partials into a parameter grad. Launch: grid
-// ceil(cols / kCols), block kThreads.
+// A finalize kernel sums [parts, cols] fp32 partials into a parameter grad. The gradients of one kernel
+// with the same width share one launch (a layernorm's dgamma and dbeta): `count` of them, this one at
+// `slot`, its (partials, grad) pair the slot-th of the kernel's arguments and blockIdx.y == slot.
+// Launch: grid (ceil(cols / kCols), count), block kThreads; arguments (part_0, grad_0, ..., parts,
+// accumulate).
 struct Finalize {
-  static constexpr int kCols = 16, kThreads = 256;
-  std::string kernel;  // "<kernel>_fin<position>_<name>": unique in its module, the same at any depth
+  static constexpr int kCols = 16, kThreads = 256, kMaxCount = 8;
+  std::string kernel;  // "<kernel>_fin<position>_<name>[_<position>_<name>...]": unique in its module, the
+                       // same at any depth
   int op = -1;         // the op's index in the sequence
   std::string name;  // "bias", "weight"
   int64_t cols = 0;
+  int slot = 0, count = 1;
 };
 
 // The NVRTC option that compiles a source's scalar variant instead of its vector one.
