@@ -1,6 +1,6 @@
 # Export round trip (issue 28): torch.export of a model with jitfuse Sequentials, AOTInductor package, run in
 # this process, in a Python process that never imports jitfuse, and from the C++ host runtime/torch/examples/
-# aoti_run.cpp (libtorch + libjitfuse_torch + libjitfuse); outputs compared. Needs the C++ extension, and a
+# aoti_run.cpp (libtorch + libjitfuse_torch + libjitfuse); outputs compared with eager. Needs the C++ extension, and a
 # compiler that links libstdc++ dynamically for AOTInductor's wrapper (CXX; see docs/deploy.md).
 import os
 import subprocess
@@ -23,18 +23,20 @@ H, ROWS, BF16 = 128, 16, torch.bfloat16
 
 
 class Model(torch.nn.Module):
-    """Two Sequentials, each with an extra input (see test_export_sequence_without_extra_inputs), and a PyTorch op
-    between them that Inductor compiles."""
+    """Three Sequentials: one without extra inputs (`extra_inputs=[]`, what AOTInductor's proxy executor passes as
+    None), one without parameters either, one with an extra input; a PyTorch op between them that Inductor
+    compiles."""
 
     def __init__(self):
         super().__init__()
         kw = {"device": "cuda", "dtype": BF16}
-        self.a = jt.Sequential(jt.LayerNorm(H), jt.Linear(H, H), jt.Bias(H), jt.AddExtraInput(), name="attn", **kw)
-        self.b = jt.Sequential(jt.Linear(H, H), jt.Bias(H), jt.GELU(), jt.AddExtraInput(), name="mlp", **kw)
+        self.a = jt.Sequential(jt.LayerNorm(H), jt.Linear(H, H), jt.Bias(H), jt.GELU(), name="up", **kw)
+        self.s = jt.Sequential(jt.Scale(0.5), jt.SiLU(), name="no_params", **kw)
+        self.b = jt.Sequential(jt.Linear(H, H), jt.Bias(H), jt.GELU(), jt.AddExtraInput(), name="down", **kw)
 
     def forward(self, x):
-        h = self.a(x, x)
-        return self.b(torch.tanh(h), h)
+        h = self.s(self.a(x))
+        return self.b(torch.tanh(h), x)
 
 
 NO_JITFUSE_SCRIPT = textwrap.dedent("""
@@ -49,7 +51,10 @@ NO_JITFUSE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_export_aoti_package_runs_without_python_jitfuse(tmp_path):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The model, its input, its eager output, the AOTInductor package and the definitions file."""
+    tmp = tmp_path_factory.mktemp("export")
     torch.manual_seed(0)
     model = Model().eval()
     randomize(model)
@@ -58,41 +63,87 @@ def test_export_aoti_package_runs_without_python_jitfuse(tmp_path):
         ref = model(x)
         ep = torch.export.export(model, (x,))
     calls = [n for n in ep.graph.nodes if n.op == "call_function" and "jitfuse" in str(n.target)]
-    assert len(calls) == 2, ep.graph
-    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "model.pt2"))
-    seqs = tmp_path / "model.jfseq"
-    assert jt.export_definitions(model, seqs) >= 2
+    assert len(calls) == 3, ep.graph
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / "model.pt2"))
+    seqs = tmp / "model.jfseq"
+    assert jt.export_definitions(model, seqs) >= 3
     defined = {int(line.split("\t")[0]) for line in seqs.read_text().splitlines()[1:]}
     assert {int(n.args[0]) for n in calls} <= defined
+    return {"model": model, "x": x, "ref": ref, "pkg": pkg, "seqs": seqs, "tmp": tmp}
 
-    # 1. In this process.
-    runner = torch._inductor.aoti_load_package(pkg)
-    with torch.no_grad():
-        y = runner(x)
-    y = y[0] if isinstance(y, (list, tuple)) else y
-    check("AOTI in-process vs eager", y, ref, BF16, gemm=True, chain=2)
 
-    # 2. A Python process that loads the C++ ops and the package, never jitfuse's Python code.
-    torch.save(x.cpu(), tmp_path / "x.pt")
+def _no_pythonpath_env(seqs):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["JF_TORCH_LIB"] = str(Path(_ext.EXT.path) / _ext.LIB_NAME)
     env["JITFUSE_TORCH_SEQUENCES"] = str(seqs)
-    r = subprocess.run([sys.executable, "-c", NO_JITFUSE_SCRIPT, pkg, str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert torch.equal(torch.load(tmp_path / "y.pt"), y.cpu())
+    return env
 
-    # 3. The C++ host.
+
+def _in_process(exported):
+    runner = torch._inductor.aoti_load_package(exported["pkg"])
+    with torch.no_grad():
+        y = runner(exported["x"])
+    return y[0] if isinstance(y, (list, tuple)) else y
+
+
+def test_export_aoti_package_in_process(exported):
+    y = _in_process(exported)
+    check("AOTI in-process vs eager", y, exported["ref"], BF16, gemm=True, chain=3)
+
+
+def test_export_aoti_package_in_a_cuda_graph(exported):
+    """The package captured in a CUDA graph (the single-threaded runner: the default one queries CUDA events,
+    which a capture forbids) replays the package's output; the replay writes its output anew (poisoned first)."""
+    runner = torch._inductor.aoti_load_package(exported["pkg"], run_single_threaded=True)
+    x = exported["x"]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(s):
+        for _ in range(3):
+            runner(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        out = runner(x)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _in_process(exported))
+
+
+def test_export_aoti_package_runs_without_python_jitfuse(exported):
+    """A Python process that loads libjitfuse_torch.so (which finds libjitfuse.so itself) and the package, and
+    never imports jitfuse's Python code."""
+    tmp, x = exported["tmp"], exported["x"]
+    torch.save(x.cpu(), tmp / "x.pt")
+    env = _no_pythonpath_env(exported["seqs"])
+    env.pop("JITFUSE_LIBRARY", None)
+    env["JF_TORCH_LIB"] = str(Path(_ext.EXT.path) / _ext.LIB_NAME)
+    r = subprocess.run([sys.executable, "-c", NO_JITFUSE_SCRIPT, exported["pkg"], str(tmp / "x.pt"),
+                        str(tmp / "y.pt")], env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    assert r.returncode == 0, r.stdout + r.stderr
+    y = torch.load(tmp / "y.pt")
+    check("AOTI from Python without jitfuse vs eager", y, exported["ref"].cpu(), BF16, gemm=True, chain=3)
+    assert torch.equal(y, _in_process(exported).cpu())
+
+
+def test_export_aoti_package_runs_in_a_cpp_host(exported):
+    """runtime/torch/examples/aoti_run.cpp: libtorch + libjitfuse_torch + libjitfuse, no Python."""
     exe = Path(_ext.EXT.path) / "jitfuse_aoti_run"
     if not exe.exists():
         pytest.skip(f"{exe} not built (cmake -DJITFUSE_TORCH_AOTI_EXAMPLE=ON)")
-    (tmp_path / "x.bin").write_bytes(x.cpu().view(torch.int16).numpy().tobytes())
-    r = subprocess.run([str(exe), pkg, str(seqs), str(tmp_path / "x.bin"), str(ROWS), str(H),
-                        str(tmp_path / "y.bin"), "200"], env=env, capture_output=True, text=True, timeout=300)
+    tmp, x = exported["tmp"], exported["x"]
+    (tmp / "x.bin").write_bytes(x.cpu().view(torch.int16).numpy().tobytes())
+    env = _no_pythonpath_env(exported["seqs"])
+    env.pop("JITFUSE_LIBRARY", None)
+    r = subprocess.run([str(exe), exported["pkg"], str(exported["seqs"]), str(tmp / "x.bin"), str(ROWS), str(H),
+                        str(tmp / "y.bin"), "200"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     print(r.stdout)
-    yc = torch.frombuffer(bytearray((tmp_path / "y.bin").read_bytes()), dtype=torch.int16).view(BF16).view(ROWS, H)
-    assert torch.equal(yc, y.cpu())
+    yc = torch.frombuffer(bytearray((tmp / "y.bin").read_bytes()), dtype=torch.int16).view(BF16).view(ROWS, H)
+    check("AOTI from C++ vs eager", yc, exported["ref"].cpu(), BF16, gemm=True, chain=3)
+    assert torch.equal(yc, _in_process(exported).cpu())
+    assert "CUDA graph replay output identical: 1" in r.stdout  # the package captured in a CUDA graph
 
 
 def test_definitions_file_is_refused_when_malformed(tmp_path):
@@ -105,11 +156,12 @@ def test_definitions_file_is_refused_when_malformed(tmp_path):
         _ext.EXT.load_definitions(str(tmp_path / "other.txt"))
 
 
-@pytest.mark.xfail(strict=False, reason="AOTInductor (torch 2.11) leaves the output of a custom op called with an "
-                   "empty Tensor[] argument unfilled: 'aoti_torch_get_data_ptr ... failed' (H100 device run 5 of "
-                   "issue 28); a sequence without extra inputs passes extra_inputs=[]")
-def test_export_sequence_without_extra_inputs(tmp_path):
-    model = jt.Sequential(jt.Linear(H, H), jt.Bias(H), jt.GELU(), device="cuda", dtype=BF16).eval()
+@pytest.mark.parametrize("ops", ["linear_bias_gelu", "scale_gelu"])
+def test_export_sequence_without_extra_inputs(tmp_path, ops):
+    """A lone Sequential without extra inputs (and, for scale_gelu, without parameters): its empty lists reach
+    the op as None through AOTInductor's proxy executor (`Tensor[]?`)."""
+    mods = [jt.Linear(H, H), jt.Bias(H), jt.GELU()] if ops == "linear_bias_gelu" else [jt.Scale(0.25), jt.GELU()]
+    model = jt.Sequential(*mods, device="cuda", dtype=BF16).eval()
     randomize(model)
     x = torch.randn(ROWS, H, device="cuda", dtype=BF16)
     with torch.no_grad():
@@ -118,6 +170,7 @@ def test_export_sequence_without_extra_inputs(tmp_path):
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
     runner = torch._inductor.aoti_load_package(pkg)
     with torch.no_grad():
+        torch.full_like(ref, float("nan"))  # freed: the package's output takes this block, NaN unless written
         y = runner(x)
     y = y[0] if isinstance(y, (list, tuple)) else y
     assert torch.equal(y, ref)

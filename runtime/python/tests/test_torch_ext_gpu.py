@@ -177,3 +177,47 @@ def test_version_mismatch_message(tmp_path, monkeypatch):
     found, why = _ext.find(torch.__version__)
     assert found is None
     assert "built for torch 1.0.0+other" in why and torch.__version__ in why and "JITFUSE_TORCH_EXTENSION=0" in why
+
+
+MISMATCH_SCRIPT = """
+import math, sys, warnings
+import torch
+real = torch.__version__
+torch.__version__ = "2.0.0+elsewhere"  # the built extension now meets another torch
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    import jitfuse.torch as jt
+msgs = [str(m.message) for m in w if "built for torch" in str(m.message)]
+assert msgs, [str(m.message) for m in w]
+assert f"built for torch {real}" in msgs[0] and "runs torch 2.0.0+elsewhere" in msgs[0], msgs[0]
+assert "using the pure-Python ops" in msgs[0], msgs[0]
+assert not jt.extension_active()
+from jitfuse.torch import modules
+assert modules.ext_forward is None
+model = jt.Sequential(jt.Linear(64, 64), jt.Bias(64), jt.GELU(), device="cuda", dtype=torch.float32)
+g = torch.Generator(device="cuda").manual_seed(5)
+x = torch.randn(9, 64, device="cuda", generator=g)
+with torch.no_grad():
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, device="cuda", generator=g) / 8)
+    y = model(x)
+    w_, b_ = model._ops[0].weight.double(), model._ops[1].bias.double()
+    h = x.double() @ w_.T + b_
+    ref = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+err = (y.double() - ref).abs().max().item()
+assert err <= 1e-3 * ref.abs().max().item() + 1e-5, err  # fp32 GEMM tolerance (TF32)
+print("pure-Python path after the mismatch:", err)
+"""
+
+
+@needs_ext
+def test_a_build_meeting_another_torch_falls_back_to_the_pure_python_ops(tmp_path):
+    """A process whose torch is not the one the extension was built for (its version faked before import): the
+    loader warns naming both versions and what to do, loads nothing, and the pure-Python ops run the module."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "JITFUSE_TORCH_EXTENSION"}
+    r = subprocess.run([sys.executable, "-c", MISMATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pure-Python path after the mismatch" in r.stdout
