@@ -10,13 +10,12 @@ namespace jitfuse::codegen::detail {
 
 // Chunks of 8 elements each thread keeps in registers. 8 per thread in the forward (64 threads for a
 // 4096-wide row, more rows in flight) measured slower on an H200 (layernorm 57.9 % of copy bandwidth
-// vs 74.5 % with 4); the backward also keeps dgamma/dbeta accumulators, where 8 would spill. Layernorm's
-// backward (two accumulators per column, two row sums) takes 2: twice the threads per row, half the
-// registers each; H100, bf16, 201 MB per call, % of copy at hidden 4096 / 1024 / 2048 / 8192 / 12288:
-// 4 chunks 65.4 / 66.3 / 67.5 / 53.9 / 58.4, 2 chunks 67.1 / 72.8 / 72.6 / 63.3 / 64.4, 1 chunk
-// 64.7 / 70.6 / 67.5 / 61.4 / 46.0. Rmsnorm's backward (one accumulator, one row sum) stays at 4: with 2
-// it measured 81.4 / 73.8 / 77.8 / 70.0 / 75.4 against 80.5 / 73.0 / 80.9 / 80.0 / 71.0 (docs/benchmarks.md).
-constexpr int64_t kChunksPerThreadFwd = 4, kChunksPerThreadBwdLayernorm = 2, kChunksPerThreadBwdRmsnorm = 4;
+// vs 74.5 % with 4). The backward takes 4 with gamma held in registers for the whole kernel (16-bit
+// dtypes, see backward_row): H100, bf16 row kernel alone, % of copy at hidden 4096 / 1024 / 2048 / 8192 /
+// 12288 (tools/microbench/norm_bwd.cu, session 30): layernorm 83.0 / 86.4 / 86.4 / 71.4 / 77.6 against
+// 74.0 / 84.7 / 83.2 / 68.0 / 73.2 for the 2 chunks and gamma re-read per pass it replaces; rmsnorm
+// 82.0 / 86.9 / 82.7 / 81.9 / 83.7 against 84.1 / 76.6 / 82.9 / 82.2 / 75.6 (docs/benchmarks.md).
+constexpr int64_t kChunksPerThreadFwd = 4, kChunksPerThreadBwd = 4;
 
 namespace {
 
@@ -27,9 +26,7 @@ class Rownorm {
   explicit Rownorm(const KernelSpec& spec)
       : spec_(spec), ns_(*spec.norm), fwd_(spec.dir == Direction::forward), cols_(spec.cols) {
     const int64_t chunks = (cols_ + 7) / 8;
-    const int64_t per_thread = fwd_ ? kChunksPerThreadFwd
-                               : ns_.rms ? kChunksPerThreadBwdRmsnorm
-                                         : kChunksPerThreadBwdLayernorm;
+    const int64_t per_thread = fwd_ ? kChunksPerThreadFwd : kChunksPerThreadBwd;
     threads_ = static_cast<int>(std::clamp<int64_t>(((chunks + per_thread - 1) / per_thread + 31) / 32 * 32, 32, 1024));
     nch_ = (chunks + threads_ - 1) / threads_;
     gamma_ = fmt::format("p{}_weight", ns_.op);
@@ -63,6 +60,12 @@ class Rownorm {
       k.line("#pragma unroll");
       k.line("for (int k = 0; k < {}; ++k) for (int e = 0; e < 8; ++e) {{ dgam[k][e] = 0.f; dbet[k][e] = 0.f; }}", nch_);
       if (prefetch_) {
+        // gamma in its storage dtype for the whole kernel (re-reading it per pass measured 3-10 points of
+        // copy bandwidth slower: two dependent L1 round trips per row).
+        k.line("jf_raw8<DT> jf_gr[{}];", nch_);
+        chunk_loop_open(k);
+        k.line("if (active) jf_load_raw8<DT, JF_VEC>({} + c0, jf_gr[k], n); else jf_zero_raw8<DT>(jf_gr[k]);", gamma_);
+        chunk_loop_close(k);
         // The first row of this block; each iteration then loads the next one (backward_row).
         k.line("jf_raw8<DT> jf_pg[{0}], jf_px[{0}];", nch_);
         k.line("if (blockIdx.x < rows) {{");
@@ -123,11 +126,16 @@ class Rownorm {
     w.close();
     w.line("}}");
   }
-  // gamma (and beta) are re-read per row: they stay in L1/L2, and keeping them in registers across rows
-  // costs occupancy that the row loads need more.
+  // gamma (and beta) as floats for chunk k. The forward re-reads them per row: they stay in L1/L2, and
+  // keeping them in registers across rows costs occupancy that the row loads need more. The backward of
+  // 16-bit dtypes holds gamma in registers (jf_gr, loaded once per block): there the per-pass loads sat
+  // in the dependent chain of every row.
   void load_gamma(Writer& w, const char* var) const {
     w.line("float {}[8];", var);
-    w.line("jf_load8<DT, JF_VEC>({} + c0, {}, n);", gamma_, var);
+    if (!fwd_ && prefetch_)
+      w.line("jf_unpack8<DT>(jf_gr[k], {});", var);  // held in registers (generate)
+    else
+      w.line("jf_load8<DT, JF_VEC>({} + c0, {}, n);", gamma_, var);
     if (ns_.zero_centered) w.line("for (int e = 0; e < 8; ++e) {}[e] += 1.f;", var);
   }
   // Backward: row `row`'s dy (into g[k]) and saved input (into x[k]) in the storage dtype; chunks past the

@@ -154,6 +154,14 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
   float dgam[1][8], dbet[1][8];
   #pragma unroll
   for (int k = 0; k < 1; ++k) for (int e = 0; e < 8; ++e) { dgam[k][e] = 0.f; dbet[k][e] = 0.f; }
+  jf_raw8<DT> jf_gr[1];
+  #pragma unroll
+  for (int k = 0; k < 1; ++k) {
+    const int c0 = (k * 32 + (int)threadIdx.x) * 8;
+    const bool active = c0 < 64;
+    const int n = active ? min(8, 64 - c0) : 0;
+    if (active) jf_load_raw8<DT, JF_VEC>(p0_weight + c0, jf_gr[k], n); else jf_zero_raw8<DT>(jf_gr[k]);
+  }
   jf_raw8<DT> jf_pg[1], jf_px[1];
   if (blockIdx.x < rows) {
     const jf_i64 rn = blockIdx.x;
@@ -196,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
         float gw[8];
-        jf_load8<DT, JF_VEC>(p0_weight + c0, gw, n);
+        jf_unpack8<DT>(jf_gr[k], gw);
         #pragma unroll
         for (int e = 0; e < 8; ++e) if (e < n) {
           const float xh = (xv[e] - mu) * rs;
@@ -217,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
       const int n = active ? min(8, 64 - c0) : 0;
       if (active) {
         float gw[8];
-        jf_load8<DT, JF_VEC>(p0_weight + c0, gw, n);
+        jf_unpack8<DT>(jf_gr[k], gw);
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
         float dx[8];
@@ -245,6 +253,14 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
   float dgam[1][8], dbet[1][8];
   #pragma unroll
   for (int k = 0; k < 1; ++k) for (int e = 0; e < 8; ++e) { dgam[k][e] = 0.f; dbet[k][e] = 0.f; }
+  jf_raw8<DT> jf_gr[1];
+  #pragma unroll
+  for (int k = 0; k < 1; ++k) {
+    const int c0 = (k * 32 + (int)threadIdx.x) * 8;
+    const bool active = c0 < 64;
+    const int n = active ? min(8, 64 - c0) : 0;
+    if (active) jf_load_raw8<DT, JF_VEC>(p0_weight + c0, jf_gr[k], n); else jf_zero_raw8<DT>(jf_gr[k]);
+  }
   jf_raw8<DT> jf_pg[1], jf_px[1];
   if (blockIdx.x < rows) {
     const jf_i64 rn = blockIdx.x;
@@ -287,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
         float gw[8];
-        jf_load8<DT, JF_VEC>(p0_weight + c0, gw, n);
+        jf_unpack8<DT>(jf_gr[k], gw);
         #pragma unroll
         for (int e = 0; e < 8; ++e) if (e < n) {
           const float xh = (xv[e] - mu) * rs;
@@ -308,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
       const int n = active ? min(8, 64 - c0) : 0;
       if (active) {
         float gw[8];
-        jf_load8<DT, JF_VEC>(p0_weight + c0, gw, n);
+        jf_unpack8<DT>(jf_gr[k], gw);
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
         float dx[8];

@@ -1,0 +1,303 @@
+// Microbenchmark of row-norm backward variants (bf16 layernorm/rmsnorm, dx with dgamma/dbeta partials)
+// against the copy bandwidth, to choose the codegen of skeletons/rownorm's backward (issue 32). Built and run
+// on the GPU machine: nvcc -O3 -std=c++17 -arch=sm_90a tools/microbench/norm_bwd.cu -o norm_bwd && ./norm_bwd
+// Bytes as jitfuse bench counts them: dy and x read, dx written (the partials and statistics not counted).
+//   reg  the generated kernel's structure (session 28): persistent grid, the next row's dy and x prefetched
+//        into registers, gamma re-read per pass, dgamma/dbeta in registers.
+//   cpS  the next S-1 rows of dy and x staged in shared memory by cp.async (each thread copies and reads its
+//        own 16-byte chunks, so the ring needs no barrier), the registers hold one row.
+//   +g   gamma (raw) held in registers for the whole kernel instead of re-read per pass.
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+typedef unsigned short u16;
+typedef long long i64;
+static float g_copy;
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
+
+__device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((unsigned)h) << 16); }
+__device__ __forceinline__ u16 tobf(float f) { u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[8]) {
+  const u16* h = reinterpret_cast<const u16*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = bf(h[e]);
+}
+__device__ __forceinline__ uint4 pack(const float (&v)[8]) {
+  uint4 raw; u16* h = reinterpret_cast<u16*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) h[e] = tobf(v[e]);
+  return raw;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+template <bool TWO>
+__device__ __forceinline__ float2 block_sum(float a, float b, float* sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  a = warp_sum(a);
+  if (TWO) b = warp_sum(b);
+  __syncthreads();
+  if (lane == 0) { sm[warp] = a; if (TWO) sm[32 + warp] = b; }
+  __syncthreads();
+  float ta = lane < nw ? sm[lane] : 0.f, tb = TWO && lane < nw ? sm[32 + lane] : 0.f;
+  return make_float2(warp_sum(ta), TWO ? warp_sum(tb) : 0.f);
+}
+__device__ __forceinline__ void cp16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// One row's math on dy (gr) and x in registers; accumulates dgamma/dbeta; writes dx.
+template <int C, int T, int NCH, bool RMS, bool GREG>
+__device__ __forceinline__ void row_math(const uint4 (&gq)[NCH], const uint4 (&xq)[NCH], const uint4 (&graw)[NCH],
+                                         const u16* __restrict__ g, float mu, float rs, i64 r, u16* __restrict__ dx,
+                                         float (&dgam)[NCH][8], float (&dbet)[NCH][8], float* sm) {
+  float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * T + (int)threadIdx.x) * 8;
+    if (c0 < C) {
+      float gw[8], dy[8], x[8];
+      unpack(GREG ? graw[k] : *reinterpret_cast<const uint4*>(g + c0), gw);
+      unpack(gq[k], dy);
+      unpack(xq[k], x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float xh = (x[e] - mu) * rs, wdy = gw[e] * dy[e];
+        s1 += wdy * xh; s2 += wdy;
+        dgam[k][e] += dy[e] * xh;
+        if (!RMS) dbet[k][e] += dy[e];
+      }
+    }
+  }
+  const float2 c = block_sum<!RMS>(s1, s2, sm);
+  const float c1 = c.x * (1.f / C), c2 = RMS ? 0.f : c.y * (1.f / C);
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * T + (int)threadIdx.x) * 8;
+    if (c0 < C) {
+      float gw[8], dy[8], x[8], d[8];
+      unpack(GREG ? graw[k] : *reinterpret_cast<const uint4*>(g + c0), gw);
+      unpack(gq[k], dy);
+      unpack(xq[k], x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d[e] = rs * (gw[e] * dy[e] - (x[e] - mu) * rs * c1 - c2);
+      *reinterpret_cast<uint4*>(dx + r * C + c0) = pack(d);
+    }
+  }
+}
+
+template <int C, int T, int NCH, bool RMS>
+__device__ __forceinline__ void flush(float (&dgam)[NCH][8], float (&dbet)[NCH][8], float* pg, float* pb) {
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * T + (int)threadIdx.x) * 8;
+    if (c0 < C) {
+      float4* q = reinterpret_cast<float4*>(pg + (i64)blockIdx.x * C + c0);
+      q[0] = make_float4(dgam[k][0], dgam[k][1], dgam[k][2], dgam[k][3]);
+      q[1] = make_float4(dgam[k][4], dgam[k][5], dgam[k][6], dgam[k][7]);
+      if (!RMS) {
+        float4* p = reinterpret_cast<float4*>(pb + (i64)blockIdx.x * C + c0);
+        p[0] = make_float4(dbet[k][0], dbet[k][1], dbet[k][2], dbet[k][3]);
+        p[1] = make_float4(dbet[k][4], dbet[k][5], dbet[k][6], dbet[k][7]);
+      }
+    }
+  }
+}
+
+// reg: today's generated structure.
+template <int C, int T, int NCH, bool RMS, bool GREG>
+__global__ void __launch_bounds__(T) k_reg(const u16* __restrict__ dy, const u16* __restrict__ xs, const float* __restrict__ mean,
+                                           const float* __restrict__ rstd, u16* __restrict__ dx, i64 rows,
+                                           const u16* __restrict__ g, float* __restrict__ pg, float* __restrict__ pb) {
+  __shared__ float sm[64];
+  float dgam[NCH][8], dbet[NCH][8];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) for (int e = 0; e < 8; ++e) { dgam[k][e] = 0.f; dbet[k][e] = 0.f; }
+  uint4 graw[NCH], pq[NCH], px[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * T + (int)threadIdx.x) * 8;
+    graw[k] = make_uint4(0, 0, 0, 0); pq[k] = graw[k]; px[k] = graw[k];
+    if (GREG && c0 < C) graw[k] = *reinterpret_cast<const uint4*>(g + c0);
+    if (c0 < C && blockIdx.x < rows) {
+      pq[k] = *reinterpret_cast<const uint4*>(dy + (i64)blockIdx.x * C + c0);
+      px[k] = *reinterpret_cast<const uint4*>(xs + (i64)blockIdx.x * C + c0);
+    }
+  }
+  for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    uint4 gq[NCH], xq[NCH];
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) { gq[k] = pq[k]; xq[k] = px[k]; }
+    const i64 rn = r + gridDim.x;
+    if (rn < rows) {
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) {
+        const int c0 = (k * T + (int)threadIdx.x) * 8;
+        if (c0 < C) { pq[k] = *reinterpret_cast<const uint4*>(dy + rn * C + c0); px[k] = *reinterpret_cast<const uint4*>(xs + rn * C + c0); }
+      }
+    }
+    const float mu = RMS ? 0.f : mean[r], rs = rstd[r];
+    row_math<C, T, NCH, RMS, GREG>(gq, xq, graw, g, mu, rs, r, dx, dgam, dbet, sm);
+  }
+  flush<C, T, NCH, RMS>(dgam, dbet, pg, pb);
+}
+
+// cpS: an S-row ring of dy and x in shared memory, filled by cp.async; thread-private slots.
+template <int C, int T, int NCH, bool RMS, bool GREG, int S>
+__global__ void __launch_bounds__(T) k_cp(const u16* __restrict__ dy, const u16* __restrict__ xs, const float* __restrict__ mean,
+                                          const float* __restrict__ rstd, u16* __restrict__ dx, i64 rows,
+                                          const u16* __restrict__ g, float* __restrict__ pg, float* __restrict__ pb) {
+  __shared__ float sm[64];
+  extern __shared__ uint4 ring[];  // [S][2][NCH][T]
+  float dgam[NCH][8], dbet[NCH][8];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) for (int e = 0; e < 8; ++e) { dgam[k][e] = 0.f; dbet[k][e] = 0.f; }
+  uint4 graw[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * T + (int)threadIdx.x) * 8;
+    graw[k] = make_uint4(0, 0, 0, 0);
+    if (GREG && c0 < C) graw[k] = *reinterpret_cast<const uint4*>(g + c0);
+  }
+  auto issue = [&](i64 row, int slot) {
+    if (row < rows) {
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) {
+        const int c0 = (k * T + (int)threadIdx.x) * 8;
+        if (c0 < C) {
+          cp16(&ring[((slot * 2 + 0) * NCH + k) * T + threadIdx.x], dy + row * C + c0);
+          cp16(&ring[((slot * 2 + 1) * NCH + k) * T + threadIdx.x], xs + row * C + c0);
+        }
+      }
+    }
+    cp_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) issue(blockIdx.x + (i64)s * gridDim.x, s);
+  int slot = 0;
+  for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    issue(r + (i64)(S - 1) * gridDim.x, (slot + S - 1) % S);
+    const float mu = RMS ? 0.f : mean[r], rs = rstd[r];
+    cp_wait<S - 1>();
+    uint4 gq[NCH], xq[NCH];
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      gq[k] = ring[((slot * 2 + 0) * NCH + k) * T + threadIdx.x];
+      xq[k] = ring[((slot * 2 + 1) * NCH + k) * T + threadIdx.x];
+    }
+    row_math<C, T, NCH, RMS, GREG>(gq, xq, graw, g, mu, rs, r, dx, dgam, dbet, sm);
+    slot = (slot + 1) % S;
+  }
+  cp_wait<0>();
+  flush<C, T, NCH, RMS>(dgam, dbet, pg, pb);
+}
+
+struct Bufs {
+  u16 *dy, *xs, *dx, *g;
+  float *mean, *rstd, *pg, *pb;
+  i64 rows;
+};
+
+template <typename K>
+static void run(const char* name, K kern, int C, int T, size_t smem, const Bufs& B, const char* norm) {
+  if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  int dev; cudaGetDevice(&dev); cudaDeviceProp p; cudaGetDeviceProperties(&p, dev);
+  int occ = 0; CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, T, smem));
+  if (occ == 0) { printf("%-10s %-22s cols %5d: does not fit\n", norm, name, C); return; }
+  cudaFuncAttributes fa; cudaFuncGetAttributes(&fa, kern);
+  const i64 grid = std::min<i64>(B.rows, (i64)p.multiProcessorCount * occ);
+  auto launch = [&] { kern<<<(unsigned)grid, T, smem>>>(B.dy, B.xs, B.mean, B.rstd, B.dx, B.rows, B.g, B.pg, B.pb); };
+  for (int i = 0; i < 20; ++i) launch();
+  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(202); for (auto& e : ev) cudaEventCreate(&e);
+  for (int i = 0; i < 101; ++i) { cudaEventRecord(ev[2 * i]); launch(); cudaEventRecord(ev[2 * i + 1]); }
+  CK(cudaDeviceSynchronize());
+  std::vector<float> t; for (int i = 0; i < 101; ++i) { float ms; cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]); t.push_back(ms); }
+  std::sort(t.begin(), t.end());
+  const double ms = t[50], bytes = 3.0 * B.rows * C * 2;
+  // A checksum of dx and the partials' first row (every variant must agree).
+  std::vector<u16> o((size_t)B.rows * C);
+  CK(cudaMemcpy(o.data(), B.dx, o.size() * 2, cudaMemcpyDeviceToHost));
+  double sum = 0; for (size_t i = 0; i < o.size(); i += 97) { unsigned u = (unsigned)o[i] << 16; float f; memcpy(&f, &u, 4); sum += f; }
+  std::vector<float> pgh((size_t)grid * C);
+  CK(cudaMemcpy(pgh.data(), B.pg, pgh.size() * 4, cudaMemcpyDeviceToHost));
+  double dg = 0; for (float v : pgh) dg += v;  // the whole dgamma, summed: the same for any grid
+  printf("%-10s %-22s cols %5d grid %5lld occ %2d regs %3d smem %6zu  %7.2f us  %5.1f %% copy  chk %.6g %.6g\n", norm, name, C, grid, occ,
+         fa.numRegs, smem, ms * 1e3, 100.0 * bytes / (ms * 1e-3) / 1e9 / g_copy, sum, dg);
+  for (auto& e : ev) cudaEventDestroy(e);
+}
+
+static float copy_gbs() {
+  const size_t bytes = 1ull << 30;
+  void *a, *b; CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes));
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  std::vector<float> t;
+  for (int i = 0; i < 12; ++i) {
+    cudaEventRecord(e0); cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice); cudaEventRecord(e1);
+    cudaEventSynchronize(e1); float ms; cudaEventElapsedTime(&ms, e0, e1); if (i >= 2) t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  cudaFree(a); cudaFree(b);
+  return (float)(2.0 * bytes / (t[t.size() / 2] * 1e-3) / 1e9);
+}
+
+template <int C>
+static void sweep() {
+  const i64 rows = 8192ll * 4096 / C;
+  Bufs B; B.rows = rows;
+  const size_t n = (size_t)rows * C;
+  CK(cudaMalloc(&B.dy, n * 2)); CK(cudaMalloc(&B.xs, n * 2)); CK(cudaMalloc(&B.dx, n * 2)); CK(cudaMalloc(&B.g, C * 2));
+  CK(cudaMalloc(&B.mean, rows * 4)); CK(cudaMalloc(&B.rstd, rows * 4));
+  CK(cudaMalloc(&B.pg, (size_t)132 * 32 * C * 4)); CK(cudaMalloc(&B.pb, (size_t)132 * 32 * C * 4));
+  {
+    std::vector<u16> h(n); unsigned s = 12345u;
+    for (auto& v : h) { s = s * 1664525u + 1013904223u; v = (u16)(0x3f00 + ((s >> 16) & 0xff)); if (s & 0x80000000u) v |= 0x8000; }
+    CK(cudaMemcpy(B.dy, h.data(), n * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(B.xs, h.data(), n * 2, cudaMemcpyHostToDevice));
+    std::vector<float> m(rows, 0.01f), r(rows, 1.3f);
+    CK(cudaMemcpy(B.mean, m.data(), rows * 4, cudaMemcpyHostToDevice)); CK(cudaMemcpy(B.rstd, r.data(), rows * 4, cudaMemcpyHostToDevice));
+    std::vector<u16> gh(C, 0x3f80); CK(cudaMemcpy(B.g, gh.data(), C * 2, cudaMemcpyHostToDevice));
+  }
+  constexpr int CH = C / 8;
+  // The generated geometry: threads = chunks / per_thread rounded up to warps; LN 2 chunks, RMS 4.
+  constexpr int T2 = std::min(1024, std::max(32, ((CH + 1) / 2 + 31) / 32 * 32)), N2 = (CH + T2 - 1) / T2;
+  constexpr int T4 = std::min(1024, std::max(32, ((CH + 3) / 4 + 31) / 32 * 32)), N4 = (CH + T4 - 1) / T4;
+  for (int rms = 0; rms < 2; ++rms) {
+    const char* norm = rms ? "rmsnorm" : "layernorm";
+#define VARIANTS(R)                                                                                                  \
+    run("reg 2ch", k_reg<C, T2, N2, R, false>, C, T2, 0, B, norm);                                                  \
+    run("reg 4ch", k_reg<C, T4, N4, R, false>, C, T4, 0, B, norm);                                                  \
+    run("reg 4ch +g", k_reg<C, T4, N4, R, true>, C, T4, 0, B, norm);                                                \
+    run("cp2 2ch", k_cp<C, T2, N2, R, false, 2>, C, T2, (size_t)2 * 2 * N2 * T2 * 16, B, norm);                     \
+    run("cp2 4ch", k_cp<C, T4, N4, R, false, 2>, C, T4, (size_t)2 * 2 * N4 * T4 * 16, B, norm);                     \
+    run("cp2 4ch +g", k_cp<C, T4, N4, R, true, 2>, C, T4, (size_t)2 * 2 * N4 * T4 * 16, B, norm);                   \
+    run("cp3 2ch", k_cp<C, T2, N2, R, false, 3>, C, T2, (size_t)3 * 2 * N2 * T2 * 16, B, norm);                     \
+    run("cp3 4ch", k_cp<C, T4, N4, R, false, 3>, C, T4, (size_t)3 * 2 * N4 * T4 * 16, B, norm);                     \
+    run("cp3 4ch +g", k_cp<C, T4, N4, R, true, 3>, C, T4, (size_t)3 * 2 * N4 * T4 * 16, B, norm);                   \
+    run("cp4 4ch", k_cp<C, T4, N4, R, false, 4>, C, T4, (size_t)4 * 2 * N4 * T4 * 16, B, norm);
+    if (rms) { VARIANTS(true) } else { VARIANTS(false) }
+#undef VARIANTS
+  }
+  cudaFree(B.dy); cudaFree(B.xs); cudaFree(B.dx); cudaFree(B.g); cudaFree(B.mean); cudaFree(B.rstd); cudaFree(B.pg); cudaFree(B.pb);
+}
+
+int main() {
+  cudaDeviceProp p; cudaGetDeviceProperties(&p, 0);
+  g_copy = copy_gbs();
+  printf("%s, %d SMs, copy %.0f GB/s (1 GiB DtoD, read+write)\n", p.name, p.multiProcessorCount, g_copy);
+  sweep<4096>();
+  sweep<1024>();
+  sweep<2048>();
+  sweep<8192>();
+  sweep<12288>();
+  return 0;
+}
