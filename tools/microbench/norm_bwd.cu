@@ -7,35 +7,7 @@
 //   cpS  the next S-1 rows of dy and x staged in shared memory by cp.async (each thread copies and reads its
 //        own 16-byte chunks, so the ring needs no barrier), the registers hold one row.
 //   +g   gamma (raw) held in registers for the whole kernel instead of re-read per pass.
-#include <cuda_runtime.h>
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-typedef unsigned short u16;
-typedef long long i64;
-static float g_copy;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
-
-__device__ __forceinline__ float bf(u16 h) { return __uint_as_float(((unsigned)h) << 16); }
-__device__ __forceinline__ u16 tobf(float f) { u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
-__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[8]) {
-  const u16* h = reinterpret_cast<const u16*>(&raw);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = bf(h[e]);
-}
-__device__ __forceinline__ uint4 pack(const float (&v)[8]) {
-  uint4 raw; u16* h = reinterpret_cast<u16*>(&raw);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) h[e] = tobf(v[e]);
-  return raw;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+#include "common.cuh"
 template <bool TWO>
 __device__ __forceinline__ float2 block_sum(float a, float b, float* sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
@@ -234,20 +206,6 @@ static void run(const char* name, K kern, int C, int T, size_t smem, const Bufs&
   printf("%-10s %-22s cols %5d grid %5lld occ %2d regs %3d smem %6zu  %7.2f us  %5.1f %% copy  chk %.6g %.6g\n", norm, name, C, grid, occ,
          fa.numRegs, smem, ms * 1e3, 100.0 * bytes / (ms * 1e-3) / 1e9 / g_copy, sum, dg);
   for (auto& e : ev) cudaEventDestroy(e);
-}
-
-static float copy_gbs() {
-  const size_t bytes = 1ull << 30;
-  void *a, *b; CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes));
-  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  std::vector<float> t;
-  for (int i = 0; i < 12; ++i) {
-    cudaEventRecord(e0); cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice); cudaEventRecord(e1);
-    cudaEventSynchronize(e1); float ms; cudaEventElapsedTime(&ms, e0, e1); if (i >= 2) t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  cudaFree(a); cudaFree(b);
-  return (float)(2.0 * bytes / (t[t.size() / 2] * 1e-3) / 1e9);
 }
 
 template <int C>

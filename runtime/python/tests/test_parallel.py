@@ -49,3 +49,44 @@ def test_parallel_errors_are_named(ctx, repo):
         jitfuse.Sequence(ctx, ops, "bf16")
     with pytest.raises(jitfuse.InvalidArgumentError, match="a unique id has 128 bytes"):
         jitfuse.Communicator(b"short", 1, 0)
+
+
+def _distributed_with_a_standin_torch(monkeypatch):
+    """jitfuse/torch/distributed.py loaded against a stand-in `torch` (is_initialized, group.WORLD): the group
+    registry is plain Python, testable without PyTorch."""
+    import importlib.util
+    import sys
+    import types
+
+    from conftest import PY_ROOT
+    fake = types.ModuleType("torch")
+    fake.distributed = types.ModuleType("torch.distributed")
+    fake.distributed.is_initialized = lambda: True
+    fake.distributed.group = types.SimpleNamespace(WORLD=object())
+    fake.nn = types.SimpleNamespace(Module=object, Parameter=object)  # annotations only
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake.distributed)
+    pkg = types.ModuleType("jitfuse.torch")
+    pkg.__path__ = [str(PY_ROOT / "jitfuse" / "torch")]
+    monkeypatch.setitem(sys.modules, "jitfuse.torch", pkg)
+    spec = importlib.util.spec_from_file_location("jitfuse.torch.distributed",
+                                                  PY_ROOT / "jitfuse" / "torch" / "distributed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, fake.distributed
+
+
+def test_registering_the_default_group_again_is_a_no_op(monkeypatch):
+    # Two test modules' fixtures (or two libraries of one process) each register the default group as "tp"
+    # after a communicator was made: None and group.WORLD are one group, not "another process group".
+    mod, dist = _distributed_with_a_standin_torch(monkeypatch)
+    mod.set_process_group(None, name="tp")
+    assert mod.process_group("tp") is dist.group.WORLD
+    mod._comms[("tp", 0)] = object()  # a communicator made: the group now runs sequences
+    mod.set_process_group(None, name="tp")
+    mod.set_process_group(dist.group.WORLD, name="tp")
+    with pytest.raises(RuntimeError, match="group 'tp' already runs sequences on another process group"):
+        mod.set_process_group(object(), name="tp")
+    other = object()
+    mod.set_process_group(other, name="dp")  # another name: fine
+    assert mod.process_group("dp") is other and mod.process_group("tp") is dist.group.WORLD

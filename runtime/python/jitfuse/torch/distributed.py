@@ -31,13 +31,13 @@ def set_process_group(group: Any = None, name: str = "tp") -> None:
     if not dist.is_initialized():
         raise RuntimeError("jitfuse.torch.distributed: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
+    group = group if group is not None else dist.group.WORLD  # None and WORLD are one group
     with _lock:
         old = _groups.get(name)
-        if old is not None and any(k[0] == name for k in _comms):
-            if old is not group:
-                raise RuntimeError(f"jitfuse.torch.distributed: group {name!r} already runs sequences on another "
-                                   f"process group; use another name")
-        _groups[name] = group if group is not None else dist.group.WORLD
+        if old is not None and old is not group and any(k[0] == name for k in _comms):
+            raise RuntimeError(f"jitfuse.torch.distributed: group {name!r} already runs sequences on another "
+                               f"process group; use another name")
+        _groups[name] = group
 
 
 def process_group(name: str = "tp") -> Any:
