@@ -18,6 +18,7 @@
 #include "cache/kernel_cache.hpp"
 #include "commands.hpp"
 #include "common/env.hpp"
+#include "cuda/cubin_info.hpp"
 #include "common/error.hpp"
 
 namespace jitfuse::cli {
@@ -160,6 +161,30 @@ void print_sass(const cache::Entry& e) {
     fail(Status::internal, "{} -sass failed on entry {} (exit status {})", tool, e.key.substr(0, 12), status);
 }
 
+// What each entry point costs an SM, read from the CUBIN (no GPU or cuobjdump needed).
+json resources_json(const cache::Entry& e) {
+  const cuda::CubinResources r = cuda::read_cubin_resources(e.cubin);
+  json ks = json::array();
+  for (const auto& k : r.kernels)
+    ks.push_back({{"name", k.name}, {"registers", k.registers}, {"frame_bytes", k.frame_bytes},
+                  {"static_shared_bytes", k.static_shared_bytes}});
+  json j = {{"kernels", ks}};
+  if (!r.error.empty()) j["error"] = r.error;
+  return j;
+}
+
+void print_resources(const cache::Entry& e) {
+  const cuda::CubinResources r = cuda::read_cubin_resources(e.cubin);
+  fmt::print("resources      as ptxas recorded them in the CUBIN (registers and stack frame per thread; static "
+             "shared per block, with the 1 KiB sm_80+ reserves)\n");
+  for (const auto& k : r.kernels)
+    fmt::print("  {}  registers {}  stack frame {}  static shared {}\n", k.name,
+               k.registers < 0 ? std::string("?") : std::to_string(k.registers),
+               k.frame_bytes < 0 ? std::string("?") : human_bytes(static_cast<uint64_t>(k.frame_bytes)),
+               human_bytes(static_cast<uint64_t>(k.static_shared_bytes)));
+  if (!r.error.empty()) fmt::print("  (not read: {})\n", r.error);
+}
+
 struct ShowArgs {
   std::string key;
   bool source = false, ptx = false, sass = false;
@@ -184,7 +209,8 @@ void cmd_show(const CacheArgs& a, const ShowArgs& s) {
               {"path", path},
               {"meta", e->meta},
               {"source_bytes", e->source.size()},
-              {"cubin_bytes", e->cubin.size()}};
+              {"cubin_bytes", e->cubin.size()},
+              {"resources", resources_json(*e)}};
     if (s.source) j["source"] = e->source;
     fmt::print("{}\n", j.dump(2, ' ', false, json::error_handler_t::replace));
     return;
@@ -199,6 +225,7 @@ void cmd_show(const CacheArgs& a, const ShowArgs& s) {
     if (k == "compile_log" || k == "ptx") continue;
     fmt::print("{:<15}{}\n", k, v.is_string() ? v.get<std::string>() : v.dump());
   }
+  print_resources(*e);
   if (e->meta.contains("compile_log")) fmt::print("compile log:\n{}\n", e->meta["compile_log"].get<std::string>());
 }
 

@@ -108,6 +108,12 @@ TEST_CASE("cli: cache show", "[cache][cli]") {
   CHECK(j["key"] == keys[1]);
   CHECK(j["meta"]["rule"] == "bias_gelu_1");
   CHECK(j["cubin_bytes"] == expected_cubin(make_request(1)).size());
+  // The fake CUBIN is no ELF file a reader can walk: said, nothing made up (real CUBINs: nvrtc tier,
+  // [cubin_info]).
+  CHECK(j["resources"]["kernels"].empty());
+  CHECK(j["resources"]["error"] == "not a 64-bit little-endian ELF file");
+  r = run_cli(tmp, "cache show " + keys[1] + d);
+  CHECK_THAT(r.out, Catch::Contains("resources") && Catch::Contains("(not read: not a 64-bit little-endian ELF file)"));
 
   r = run_cli(tmp, "cache show " + keys[2] + " --source" + d);
   REQUIRE(r.code == 0);
