@@ -7,7 +7,12 @@
 //   cpS  the next S-1 rows of dy and x staged in shared memory by cp.async (each thread copies and reads its
 //        own 16-byte chunks, so the ring needs no barrier), the registers hold one row.
 //   +g   gamma (raw) held in registers for the whole kernel instead of re-read per pass.
+//   cl2  (hidden >= 8192) a cluster of 2 CTAs per row, half the columns each, the row sums exchanged through
+//        distributed shared memory (Quack's layout for 8K < hidden <= 16K); written in session 31, not yet run.
+#include <cooperative_groups.h>
+
 #include "common.cuh"
+namespace cg = cooperative_groups;
 template <bool TWO>
 __device__ __forceinline__ float2 block_sum(float a, float b, float* sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
@@ -179,14 +184,111 @@ struct Bufs {
   i64 rows;
 };
 
+// cl2: Quack's backward layout for 8K < hidden <= 16K (quack/rmsnorm_config.py, read in session 31): a
+// cluster of 2 CTAs owns each row, each CTA half of its columns, so a thread carries half the dgamma/dbeta
+// accumulators and row registers. The row sums: a block reduction, then the two CTAs' sums exchanged through
+// distributed shared memory, one cluster barrier per row (slots alternate by row, so a slot is rewritten
+// only after the peer passed the next row's barrier). Partials: row blockIdx.x holds this CTA's half, zeros
+// in the other (the checksum sums every partial row). gamma held in registers.
+template <int C, int T, int NCH, bool RMS>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(T)
+    k_cl2(const u16* __restrict__ dy, const u16* __restrict__ xs, const float* __restrict__ mean, const float* __restrict__ rstd,
+          u16* __restrict__ dx, i64 rows, const u16* __restrict__ g, float* __restrict__ pg, float* __restrict__ pb) {
+  constexpr int H = C / 2;
+  __shared__ float sm[64];
+  __shared__ float2 slot[2];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank(), base = rank * H;
+  const i64 cid = blockIdx.x / 2, ncl = gridDim.x / 2;
+  float dgam[NCH][8], dbet[NCH][8];
+  uint4 graw[NCH], pq[NCH], px[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    for (int e = 0; e < 8; ++e) { dgam[k][e] = 0.f; dbet[k][e] = 0.f; }
+    const int c0 = (k * T + (int)threadIdx.x) * 8;
+    graw[k] = make_uint4(0, 0, 0, 0); pq[k] = graw[k]; px[k] = graw[k];
+    if (c0 < H) {
+      graw[k] = *reinterpret_cast<const uint4*>(g + base + c0);
+      if (cid < rows) {
+        pq[k] = *reinterpret_cast<const uint4*>(dy + cid * C + base + c0);
+        px[k] = *reinterpret_cast<const uint4*>(xs + cid * C + base + c0);
+      }
+    }
+  }
+  float2* peer_slot = cluster.map_shared_rank(slot, rank ^ 1);
+  int parity = 0;
+  for (i64 r = cid; r < rows; r += ncl, parity ^= 1) {
+    uint4 gq[NCH], xq[NCH];
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) { gq[k] = pq[k]; xq[k] = px[k]; }
+    const i64 rn = r + ncl;
+    if (rn < rows) {
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) {
+        const int c0 = (k * T + (int)threadIdx.x) * 8;
+        if (c0 < H) { pq[k] = *reinterpret_cast<const uint4*>(dy + rn * C + base + c0); px[k] = *reinterpret_cast<const uint4*>(xs + rn * C + base + c0); }
+      }
+    }
+    const float mu = RMS ? 0.f : mean[r], rs = rstd[r];
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c0 = (k * T + (int)threadIdx.x) * 8;
+      if (c0 < H) {
+        float gw[8], d[8], x[8];
+        unpack(graw[k], gw); unpack(gq[k], d); unpack(xq[k], x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float xh = (x[e] - mu) * rs, wdy = gw[e] * d[e];
+          s1 += wdy * xh; s2 += wdy;
+          dgam[k][e] += d[e] * xh;
+          if (!RMS) dbet[k][e] += d[e];
+        }
+      }
+    }
+    const float2 mine = block_sum<!RMS>(s1, s2, sm);
+    if (threadIdx.x == 0) slot[parity] = mine;
+    cluster.sync();
+    const float2 other = peer_slot[parity];
+    const float c1 = (mine.x + other.x) * (1.f / C), c2 = RMS ? 0.f : (mine.y + other.y) * (1.f / C);
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c0 = (k * T + (int)threadIdx.x) * 8;
+      if (c0 < H) {
+        float gw[8], d[8], x[8], o[8];
+        unpack(graw[k], gw); unpack(gq[k], d); unpack(xq[k], x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = rs * (gw[e] * d[e] - (x[e] - mu) * rs * c1 - c2);
+        *reinterpret_cast<uint4*>(dx + r * C + base + c0) = pack(o);
+      }
+    }
+  }
+  cluster.sync();  // the peer's last read of this CTA's slot is done before it exits
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * T + (int)threadIdx.x) * 8;
+    if (c0 < H) {
+      for (int half = 0; half < 2; ++half) {
+        const bool own = half == rank;
+        float* rowg = pg + (i64)blockIdx.x * C + half * H + c0;
+        float* rowb = pb + (i64)blockIdx.x * C + half * H + c0;
+        for (int e = 0; e < 8; ++e) {
+          rowg[e] = own ? dgam[k][e] : 0.f;
+          if (!RMS) rowb[e] = own ? dbet[k][e] : 0.f;
+        }
+      }
+    }
+  }
+}
+
 template <typename K>
-static void run(const char* name, K kern, int C, int T, size_t smem, const Bufs& B, const char* norm) {
+static void run(const char* name, K kern, int C, int T, size_t smem, const Bufs& B, const char* norm, int cluster = 1) {
   if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int dev; cudaGetDevice(&dev); cudaDeviceProp p; cudaGetDeviceProperties(&p, dev);
   int occ = 0; CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, T, smem));
   if (occ == 0) { printf("%-10s %-22s cols %5d: does not fit\n", norm, name, C); return; }
   cudaFuncAttributes fa; cudaFuncGetAttributes(&fa, kern);
-  const i64 grid = std::min<i64>(B.rows, (i64)p.multiProcessorCount * occ);
+  const i64 grid = std::min<i64>(B.rows * cluster, (i64)p.multiProcessorCount * occ) / cluster * cluster;
   auto launch = [&] { kern<<<(unsigned)grid, T, smem>>>(B.dy, B.xs, B.mean, B.rstd, B.dx, B.rows, B.g, B.pg, B.pb); };
   for (int i = 0; i < 20; ++i) launch();
   CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
@@ -244,6 +346,17 @@ static void sweep() {
     run("cp4 4ch", k_cp<C, T4, N4, R, false, 4>, C, T4, (size_t)4 * 2 * N4 * T4 * 16, B, norm);
     if (rms) { VARIANTS(true) } else { VARIANTS(false) }
 #undef VARIANTS
+    if constexpr (C >= 8192) {  // a cluster of 2 CTAs per row: half the columns each
+      constexpr int HC = C / 16, TC = std::min(1024, ((HC + 3) / 4 + 31) / 32 * 32), NC = (HC + TC - 1) / TC;
+      constexpr int NQ = (HC + 255) / 256;  // Quack's 256 threads
+      if (rms) {
+        run("cl2 4ch +g", k_cl2<C, TC, NC, true>, C, TC, 0, B, norm, 2);
+        run("cl2 256t +g", k_cl2<C, 256, NQ, true>, C, 256, 0, B, norm, 2);
+      } else {
+        run("cl2 4ch +g", k_cl2<C, TC, NC, false>, C, TC, 0, B, norm, 2);
+        run("cl2 256t +g", k_cl2<C, 256, NQ, false>, C, 256, 0, B, norm, 2);
+      }
+    }
   }
   cudaFree(B.dy); cudaFree(B.xs); cudaFree(B.dx); cudaFree(B.g); cudaFree(B.mean); cudaFree(B.rstd); cudaFree(B.pg); cudaFree(B.pb);
 }

@@ -382,16 +382,91 @@ __global__ void __launch_bounds__(T, MINB) k_packed(const u16* __restrict__ in, 
   }
 }
 
+// Q: Quack's forward geometry (quack/rmsnorm.py + rmsnorm_config.py, read in session 31): TPR threads per
+// row, RPB rows per block, each thread C / (8 TPR) chunks of 8 held packed; the row's sums are warp
+// shuffles, plus one shared-memory exchange between the row's warps when TPR > 32 (bf16 on sm90: TPR 32 up
+// to C 3072, 64 up to 6144, 128 up to 16K; 128 threads per block). No barrier is shared between rows
+// beyond the block's one __syncthreads pair per sum.
+template <int C, int TPR, int RPB, bool RMS>
+__device__ __forceinline__ float row_sum(float v, float* sm) {
+  v = warp_sum(v);
+  if (TPR == 32) return v;
+  constexpr int WPR = TPR / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row_warp0 = warp / WPR * WPR;
+  __syncthreads();
+  if (lane == 0) sm[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < WPR; ++w) t += sm[row_warp0 + w];
+  return t;
+}
+template <int C, int TPR, int RPB, bool RMS>
+__global__ void __launch_bounds__(TPR * RPB) k_rows(const u16* __restrict__ in, u16* __restrict__ out, i64 rows,
+                                                    const u16* __restrict__ g, const u16* __restrict__ b) {
+  constexpr int NCH = C / (8 * TPR);
+  static_assert(C % (8 * TPR) == 0, "whole chunks per thread");
+  __shared__ float sm[TPR * RPB / 32];
+  const int t = threadIdx.x % TPR;
+  const i64 r = (i64)blockIdx.x * RPB + threadIdx.x / TPR;
+  const bool live = r < rows;  // every thread reaches the barriers
+  uint4 x[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+    x[k] = live ? *reinterpret_cast<const uint4*>(in + r * C + (k * TPR + t) * 8) : make_uint4(0, 0, 0, 0);
+  float mu = 0.f, s2 = 0.f;
+  if (!RMS) {
+    float s1 = 0.f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) { float v[8]; unpack(x[k], v); for (int e = 0; e < 8; ++e) s1 += v[e]; }
+    mu = row_sum<C, TPR, RPB, RMS>(s1, sm) * (1.f / C);
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) { float v[8]; unpack(x[k], v); for (int e = 0; e < 8; ++e) { const float d = v[e] - mu; s2 += d * d; } }
+  } else {
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) { float v[8]; unpack(x[k], v); for (int e = 0; e < 8; ++e) s2 += v[e] * v[e]; }
+  }
+  const float rs = rsqrtf(row_sum<C, TPR, RPB, RMS>(s2, sm) * (1.f / C) + 1e-5f);
+  if (!live) return;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * TPR + t) * 8;
+    float gw[8], bw[8], v[8], xv[8];
+    unpack(x[k], xv);
+    unpack(*reinterpret_cast<const uint4*>(g + c0), gw);
+    if (!RMS) unpack(*reinterpret_cast<const uint4*>(b + c0), bw);
+    for (int e = 0; e < 8; ++e) v[e] = RMS ? xv[e] * rs * gw[e] : (xv[e] - mu) * rs * gw[e] + bw[e];
+    *reinterpret_cast<uint4*>(out + r * C + c0) = pack(v);
+  }
+}
+
+// The ceiling of the warp-per-row shape: the same loads and stores, nothing else.
+template <int C, int W>
+__global__ void __launch_bounds__(W * 32) k_copy_warprow(const u16* __restrict__ in, u16* __restrict__ out, i64 rows,
+                                                         const u16* __restrict__, const u16* __restrict__) {
+  constexpr int NCH = C / 256;
+  const int lane = threadIdx.x & 31;
+  const i64 r = (i64)blockIdx.x * W + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  uint4 x[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) x[k] = *reinterpret_cast<const uint4*>(in + r * C + (k * 32 + lane) * 8);
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) *reinterpret_cast<uint4*>(out + r * C + (k * 32 + lane) * 8) = x[k];
+}
+
 struct Bufs { u16 *in, *out, *g, *b; i64 rows; int cols; };
 static std::vector<u16> ref_out;
 
 template <typename K>
-static void run(const char* name, K kern, const Bufs& B, int T, size_t smem, bool persistent, bool check) {
+static void run(const char* name, K kern, const Bufs& B, int T, size_t smem, bool persistent, bool check,
+                int rows_per_block = 1) {
   if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   int dev; cudaGetDevice(&dev); cudaDeviceProp p; cudaGetDeviceProperties(&p, dev);
   int occ = 0; CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, T, smem));
   cudaFuncAttributes fa; cudaFuncGetAttributes(&fa, kern);
-  i64 grid = persistent ? std::min<i64>(B.rows, (i64)p.multiProcessorCount * occ) : B.rows;
+  i64 grid = persistent ? std::min<i64>(B.rows, (i64)p.multiProcessorCount * occ)
+                        : (B.rows + rows_per_block - 1) / rows_per_block;
   CK(cudaMemset(B.out, 0xff, (size_t)B.rows * B.cols * 2));
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
   std::vector<cudaEvent_t> ev(202); for (auto& e : ev) cudaEventCreate(&e);
@@ -445,23 +520,37 @@ static void sweep(const char* norm) {
     run("P packed T/2 2NCH + prefetch", k_packed<C, T / 2, NCH * 2, 1, RMS, true>, B, T / 2, 0, true, false);
     run("P packed T/2 2NCH, 2minb", k_packed<C, T / 2, NCH * 2, (MINB * 2 <= 32 ? MINB * 2 : 32), RMS, false>, B, T / 2, 0, false, false);
   }
+  if constexpr (C % 256 == 0 && C <= 2048) {  // at 4096 a lane's 16 chunks take 171-255 registers
+    run("Q warp per row, 4 rows/block", k_rows<C, 32, 4, RMS>, B, 128, 0, false, false, 4);
+    run("Q warp per row, 8 rows/block", k_rows<C, 32, 8, RMS>, B, 256, 0, false, false, 8);
+    run("copy, warp per row, 4 rows/block", k_copy_warprow<C, 4>, B, 128, 0, false, false, 4);
+  }
+  if constexpr (C % 512 == 0 && C >= 2048 && C <= 4096) run("Q 64 threads/row, 2 rows/block", k_rows<C, 64, 2, RMS>, B, 128, 0, false, false, 2);
+  if constexpr (C % 1024 == 0 && C >= 4096) run("Q 128 threads/row, 1 row/block", k_rows<C, 128, 1, RMS>, B, 128, 0, false, false, 1);
   cudaFree(B.in); cudaFree(B.out); cudaFree(B.g); cudaFree(B.b);
 }
 
-int main() {
+// ./norm_fwd        the forward variants at hidden 4096, 1024, 2048, 8192, 12288 (layernorm and rmsnorm)
+// ./norm_fwd bwd    also session 18's backward variants (tools/microbench/norm_bwd.cu has the current ones)
+int main(int argc, char** argv) {
   cudaDeviceProp p; cudaGetDeviceProperties(&p, 0);
   g_copy = copy_gbs();
   printf("%s, %d SMs, copy %.0f GB/s (1 GiB DtoD, read+write)\n", p.name, p.multiProcessorCount, g_copy);
   sweep<4096, false>("layernorm");
   sweep<4096, true>("rmsnorm");
-  sweep_bwd<4096>();
-  sweep_bwd<1024>();
-  sweep_bwd<8192>();
-  sweep_bwd<2048>();
   sweep<1024, false>("layernorm");
+  sweep<1024, true>("rmsnorm");
   sweep<2048, false>("layernorm");
+  sweep<2048, true>("rmsnorm");
   sweep<8192, false>("layernorm");
+  sweep<8192, true>("rmsnorm");
   sweep<12288, false>("layernorm");
   sweep<12288, true>("rmsnorm");
+  if (argc > 1 && strcmp(argv[1], "bwd") == 0) {
+    sweep_bwd<4096>();
+    sweep_bwd<1024>();
+    sweep_bwd<8192>();
+    sweep_bwd<2048>();
+  }
   return 0;
 }
