@@ -32,6 +32,16 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// cp.async of 16 bytes global -> shared (pred false: zero-fill), its group commit and wait.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred = true) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
 static float copy_gbs() {
   const size_t bytes = 1ull << 30;
   void *a, *b; CK(cudaMalloc(&a, bytes)); CK(cudaMalloc(&b, bytes));

@@ -24,13 +24,6 @@ __device__ __forceinline__ float2 block_sum(float a, float b, float* sm) {
   float ta = lane < nw ? sm[lane] : 0.f, tb = TWO && lane < nw ? sm[32 + lane] : 0.f;
   return make_float2(warp_sum(ta), TWO ? warp_sum(tb) : 0.f);
 }
-__device__ __forceinline__ void cp16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // One row's math on dy (gr) and x in registers; accumulates dgamma/dbeta; writes dx.
 template <int C, int T, int NCH, bool RMS, bool GREG>
@@ -151,8 +144,8 @@ __global__ void __launch_bounds__(T) k_cp(const u16* __restrict__ dy, const u16*
       for (int k = 0; k < NCH; ++k) {
         const int c0 = (k * T + (int)threadIdx.x) * 8;
         if (c0 < C) {
-          cp16(&ring[((slot * 2 + 0) * NCH + k) * T + threadIdx.x], dy + row * C + c0);
-          cp16(&ring[((slot * 2 + 1) * NCH + k) * T + threadIdx.x], xs + row * C + c0);
+          cp_async16(&ring[((slot * 2 + 0) * NCH + k) * T + threadIdx.x], dy + row * C + c0);
+          cp_async16(&ring[((slot * 2 + 1) * NCH + k) * T + threadIdx.x], xs + row * C + c0);
         }
       }
     }

@@ -121,13 +121,6 @@ __global__ void __launch_bounds__(T, MINB) k_regpf(const u16* __restrict__ in, u
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // C: persistent, a ring of D rows in shared memory filled by cp.async (each thread copies and later reads
 // only its own chunks, so no barrier guards the ring).
