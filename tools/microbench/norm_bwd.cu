@@ -25,16 +25,23 @@ __device__ __forceinline__ float2 block_sum(float a, float b, float* sm) {
   return make_float2(warp_sum(ta), TWO ? warp_sum(tb) : 0.f);
 }
 
-// One row's math on dy (gr) and x in registers; accumulates dgamma/dbeta; writes dx.
-template <int C, int T, int NCH, bool RMS, bool GREG>
+struct RowSums {  // the whole row's sums from this block's: one block per row
+  __device__ float2 operator()(float2 v) const { return v; }
+};
+// One row's math on dy (gr) and x in registers; accumulates dgamma/dbeta; writes dx. This block owns the W
+// columns from `base` (W < C: a cluster shares the row, `sums` adds the other blocks' sums).
+template <int C, int T, int NCH, bool RMS, bool GREG, int W = C, typename Sums = RowSums>
 __device__ __forceinline__ void row_math(const uint4 (&gq)[NCH], const uint4 (&xq)[NCH], const uint4 (&graw)[NCH],
                                          const u16* __restrict__ g, float mu, float rs, i64 r, u16* __restrict__ dx,
-                                         float (&dgam)[NCH][8], float (&dbet)[NCH][8], float* sm) {
+                                         float (&dgam)[NCH][8], float (&dbet)[NCH][8], float* sm, int base = 0,
+                                         Sums sums = {}) {
+  g += base;
+  dx += base;
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     const int c0 = (k * T + (int)threadIdx.x) * 8;
-    if (c0 < C) {
+    if (c0 < W) {
       float gw[8], dy[8], x[8];
       unpack(GREG ? graw[k] : *reinterpret_cast<const uint4*>(g + c0), gw);
       unpack(gq[k], dy);
@@ -48,12 +55,12 @@ __device__ __forceinline__ void row_math(const uint4 (&gq)[NCH], const uint4 (&x
       }
     }
   }
-  const float2 c = block_sum<!RMS>(s1, s2, sm);
+  const float2 c = sums(block_sum<!RMS>(s1, s2, sm));
   const float c1 = c.x * (1.f / C), c2 = RMS ? 0.f : c.y * (1.f / C);
 #pragma unroll
   for (int k = 0; k < NCH; ++k) {
     const int c0 = (k * T + (int)threadIdx.x) * 8;
-    if (c0 < C) {
+    if (c0 < W) {
       float gw[8], dy[8], x[8], d[8];
       unpack(GREG ? graw[k] : *reinterpret_cast<const uint4*>(g + c0), gw);
       unpack(gq[k], dy);
@@ -223,38 +230,14 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(T)
       }
     }
     const float mu = RMS ? 0.f : mean[r], rs = rstd[r];
-    float s1 = 0.f, s2 = 0.f;
-#pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      const int c0 = (k * T + (int)threadIdx.x) * 8;
-      if (c0 < H) {
-        float gw[8], d[8], x[8];
-        unpack(graw[k], gw); unpack(gq[k], d); unpack(xq[k], x);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float xh = (x[e] - mu) * rs, wdy = gw[e] * d[e];
-          s1 += wdy * xh; s2 += wdy;
-          dgam[k][e] += d[e] * xh;
-          if (!RMS) dbet[k][e] += d[e];
-        }
-      }
-    }
-    const float2 mine = block_sum<!RMS>(s1, s2, sm);
-    if (threadIdx.x == 0) slot[parity] = mine;
-    cluster.sync();
-    const float2 other = peer_slot[parity];
-    const float c1 = (mine.x + other.x) * (1.f / C), c2 = RMS ? 0.f : (mine.y + other.y) * (1.f / C);
-#pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      const int c0 = (k * T + (int)threadIdx.x) * 8;
-      if (c0 < H) {
-        float gw[8], d[8], x[8], o[8];
-        unpack(graw[k], gw); unpack(gq[k], d); unpack(xq[k], x);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = rs * (gw[e] * d[e] - (x[e] - mu) * rs * c1 - c2);
-        *reinterpret_cast<uint4*>(dx + r * C + base + c0) = pack(o);
-      }
-    }
+    // The row's sums: this CTA's, then the peer's through distributed shared memory.
+    auto with_peer = [&](float2 mine) {
+      if (threadIdx.x == 0) slot[parity] = mine;
+      cluster.sync();
+      const float2 other = peer_slot[parity];
+      return make_float2(mine.x + other.x, mine.y + other.y);
+    };
+    row_math<C, T, NCH, RMS, true, H>(gq, xq, graw, g, mu, rs, r, dx, dgam, dbet, sm, base, with_peer);
   }
   cluster.sync();  // the peer's last read of this CTA's slot is done before it exits
 #pragma unroll
