@@ -4,8 +4,8 @@
 # the same process tree (tools/torch_baselines/memory_bound.py), and Nsight Compute's DRAM throughput,
 # registers and occupancy of each generated kernel. On the GPU machine, from the checkout, after a build:
 #   tools/bench_memory_bound.sh [OUT_DIR]        (default: bench-out/; BUILD=build, ITERS=100)
-# Writes bench.txt, torch.json (+ torch.log) and ncu_<case>.csv; a missing torch or ncu skips its part
-# and says so. Nothing here is timed by tests: numbers go to docs/benchmarks.md by hand, with the GPU
+# Writes bench.txt, torch.json (+ torch.log), microbench_norm_{fwd,bwd}.txt and ncu_<case>.csv; a missing
+# torch, nvcc or ncu skips its part and says so. Nothing here is timed by tests: numbers go to docs/benchmarks.md by hand, with the GPU
 # and the date.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,6 +32,24 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   timeout 300 python3 tools/torch_baselines/memory_bound.py --json "$out/torch.json" > "$out/torch.log" 2>&1 || status=1
 else
   echo "bench_memory_bound: no PyTorch with CUDA here: the eager/compile baselines are skipped" | tee "$out/torch.log"
+fi
+
+# The hand-written variants of the norm kernels (tools/microbench): prebuilt in $MB (build them where nvcc
+# is quick: nvcc -O3 -std=c++17 -arch=sm_90a tools/microbench/norm_fwd.cu -o build/mb/norm_fwd, same for
+# norm_bwd), else built here when nvcc is found; MICROBENCH=0 skips them.
+mb="${MB:-$build/mb}"
+if [[ ${MICROBENCH:-1} != 0 ]]; then
+  nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+  for m in norm_fwd norm_bwd; do
+    if [[ ! -x $mb/$m && -x $nvcc ]]; then
+      mkdir -p "$mb" && "$nvcc" -O3 -std=c++17 -arch=sm_90a "tools/microbench/$m.cu" -o "$mb/$m" || status=1
+    fi
+    if [[ -x $mb/$m ]]; then
+      timeout 300 "$mb/$m" > "$out/microbench_$m.txt" 2>&1 || status=1
+    else
+      echo "bench_memory_bound: no $mb/$m and no nvcc: microbenchmark $m skipped" | tee "$out/microbench_$m.txt"
+    fi
+  done
 fi
 
 ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
