@@ -16,6 +16,7 @@
 #include "cache/sha256.hpp"
 #include "common/error.hpp"
 #include "common/file_read.hpp"
+#include "common/little_endian.hpp"
 
 namespace jitfuse::cache {
 
@@ -59,8 +60,7 @@ struct Reader {
     if (b.size() - pos < size_t(bytes))
       damaged(where, fmt::format("truncated at byte {} while reading the {} (file has {} bytes)", pos, what,
                                  b.size()));
-    uint64_t v = 0;
-    for (int i = 0; i < bytes; ++i) v |= uint64_t(uint8_t(b[pos + i])) << (8 * i);
+    const uint64_t v = load_le(b, pos, bytes);
     pos += bytes;
     return v;
   }
@@ -100,11 +100,7 @@ constexpr size_t kMetaLenAt = 8 + 4 + 8 + 64;
 // Metadata is a few hundred bytes; a header claiming more is damage, not something to allocate.
 constexpr uint64_t kMaxMetaBytes = 1 << 20;
 
-uint64_t le64(const std::string& b, size_t at) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t(uint8_t(b[at + i])) << (8 * i);
-  return v;
-}
+uint64_t le64(const std::string& b, size_t at) { return load_le(b, at, 8); }
 
 // The entry's layout from its header alone (a few preads): empty when magic, version and the field
 // lengths fit the file size exactly, else what is wrong. Nothing is read past the length fields.

@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "common/little_endian.hpp"
+
 namespace jitfuse::cuda {
 
 namespace {
@@ -21,9 +23,7 @@ struct Bytes {
   bool has(uint64_t off, uint64_t n) const { return off <= b.size() && n <= b.size() - off; }
   template <typename T>
   T get(uint64_t off) const {  // caller checked has(off, sizeof(T))
-    T v;
-    std::memcpy(&v, b.data() + off, sizeof(T));
-    return v;
+    return static_cast<T>(load_le(b, off, sizeof(T)));
   }
   // A NUL-terminated name inside [begin, begin + size); empty when it runs past.
   std::string_view cstr(uint64_t begin, uint64_t size, uint64_t off) const {
