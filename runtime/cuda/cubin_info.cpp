@@ -38,6 +38,7 @@ struct Section {
   std::string_view name;
   uint32_t type = 0, link = 0;
   uint64_t offset = 0, size = 0;
+  bool in_file = false;  // [offset, offset + size) lies in the file: its bytes may be read
 };
 
 constexpr uint32_t kShtNobits = 8;  // .nv.shared.*: a size, no bytes in the file
@@ -71,8 +72,8 @@ CubinResources read_cubin_resources(std::string_view elf) {
     s.offset = f.get<uint64_t>(h + 0x18);
     s.size = f.get<uint64_t>(h + 0x20);
     s.link = f.get<uint32_t>(h + 0x28);
-    if (s.type != kShtNobits && !f.has(s.offset, s.size))
-      return fail(fmt::format("section {} out of bounds", i));
+    s.in_file = f.has(s.offset, s.size);
+    if (s.type != kShtNobits && !s.in_file) return fail(fmt::format("section {} out of bounds", i));
   }
 
   // Entry points, and the symbol names the attributes refer to by index.
@@ -85,6 +86,7 @@ CubinResources read_cubin_resources(std::string_view elf) {
   std::vector<std::string_view> syms;
   for (const Section& s : secs) {
     if (s.name != ".symtab") continue;
+    if (!s.in_file) return fail("the symbol table has no bytes in the file");
     if (s.link >= secs.size()) return fail("symbol table's string table out of range");
     const Section& strs = secs[s.link];
     for (uint64_t o = 0; o + kSymSize <= s.size; o += kSymSize)
@@ -101,6 +103,7 @@ CubinResources read_cubin_resources(std::string_view elf) {
       if (auto it = by_name.find(s.name.substr(11)); it != by_name.end())
         out.kernels[it->second].static_shared_bytes = static_cast<int64_t>(s.size);
     if (s.name.substr(0, 8) != ".nv.info") continue;
+    if (!s.in_file) return fail(fmt::format("{} has no bytes in the file", s.name));
     // Each record is at least 4 bytes, so this walk ends within size / 4 steps.
     for (uint64_t p = 0; p + 4 <= s.size;) {
       const uint64_t at = s.offset + p;

@@ -5,6 +5,7 @@
 
 #include <random>
 
+#include "common/little_endian.hpp"
 #include "cuda/cubin_info.hpp"
 #include "cuda/nvrtc.hpp"
 
@@ -84,6 +85,25 @@ TEST_CASE("read_cubin_resources survives damaged CUBINs", "[nvrtc][cubin_info]")
     for (const auto& k : r.kernels) CHECK(k.registers <= 255);
   }
   CHECK(errors > good.size() / 2);  // most truncations cut the section table (at the end): reported
+  // Sections whose bytes are read, declared NOBITS (as .nv.shared.* legitimately are) with an offset past
+  // the end: refused, not read.
+  for (const char* victim : {".symtab", ".nv.info"}) {
+    std::string bad = good;
+    const uint64_t shoff = load_le(bad, 0x28, 8), shnum = load_le(bad, 0x3C, 2), shstrndx = load_le(bad, 0x3E, 2);
+    const uint64_t str_off = load_le(bad, shoff + shstrndx * 64 + 0x18, 8);
+    bool patched = false;
+    for (uint64_t i = 0; i < shnum; ++i) {
+      const uint64_t h = shoff + i * 64;
+      if (std::string(bad.c_str() + str_off + load_le(bad, h, 4)) != victim) continue;
+      bad[h + 4] = 8, bad[h + 5] = bad[h + 6] = bad[h + 7] = 0;  // SHT_NOBITS
+      for (int b = 0; b < 8; ++b) bad[h + 0x18 + b] = static_cast<char>(b < 7 ? 0xff : 0x0f);  // offset far away
+      patched = true;
+    }
+    INFO(victim);
+    REQUIRE(patched);
+    const auto r = cuda::read_cubin_resources(bad);
+    CHECK_THAT(r.error, Catch::Contains("has no bytes in the file"));
+  }
   std::mt19937 rng(20261126);
   for (int trial = 0; trial < 2000; ++trial) {  // byte flips anywhere, headers included
     std::string bad = good;
