@@ -18,22 +18,14 @@ using namespace jitfuse;
 
 
 TEST_CASE("every kernel of the built-in rules compiles with NVRTC for sm_80 and sm_90a", "[nvrtc]") {
-  rules::RuleSet rs = rules::RuleSet::with_builtins();
-  exec::TemplateStore templates;
-  cache::KernelCache cache(cache::Config{});
-  exec::KernelLibrary lib(cache, templates);
-  std::set<std::string> seen;
+  test::KernelRig rig;
   size_t compiled = 0;
-  for (const char* arch : {"sm_80", "sm_90a"}) {
-    exec::Target target = exec::target_for_arch(arch);
+  for (const char* arch : {"sm_80", "sm_90a"})
     for (const auto& c : test::builtin_cases())
-      for (const auto& [spec, meta] : test::case_kernels(c, rs, arch[3] == '9' ? 90 : 80)) {
-        const codegen::Generated g = codegen::generate(spec);
-        for (bool vector : exec::variants_of(spec, exec::Variants::all)) {
-          auto req = lib.request(g, spec, target, meta, vector);
-          if (!seen.insert(cache::cache_key(req)).second) continue;
-          INFO(arch << " " << c.id() << " kernel " << meta.dump() << (vector ? " vector" : " scalar"));
-          auto res = lib.compiler()(req);
+      compiled += rig.each_new_request(c, arch, [&](const codegen::KernelSpec& spec, const codegen::Generated& g,
+                                                    bool vector, const cache::KernelRequest& req) {
+          INFO(arch << " " << c.id() << " kernel " << req.meta.dump() << (vector ? " vector" : " scalar"));
+          auto res = rig.lib.compiler()(req);
           CHECK(res.cubin.size() > 1000);
           // One program per variant, every entry point a launch of it may need: a code section for each,
           // and none for the other variant.
@@ -43,10 +35,7 @@ TEST_CASE("every kernel of the built-in rules compiles with NVRTC for sm_80 and 
           }
           CHECK(req.meta["functions"][0] == g.entry(vector));
           if (spec.vec) CHECK(res.cubin.find(".text." + g.entry(!vector) + '\0') == std::string::npos);
-          ++compiled;
-        }
-      }
-  }
+        });
   INFO("compiled " << compiled << " distinct kernels");
   CHECK(compiled > 100);
 }

@@ -6,52 +6,37 @@
 // No GPU needed.
 #include <catch2/catch.hpp>
 
-#include <set>
-
-#include "cache/kernel_cache.hpp"
 #include "cuda/cubin_info.hpp"
-#include "exec/kernels.hpp"
 #include "support/builtin_cases.hpp"
 
 using namespace jitfuse;
 
 TEST_CASE("rownorm kernels at issue 32's hidden sizes compile and keep out of local memory", "[nvrtc][rownorm]") {
-  rules::RuleSet rs = rules::RuleSet::with_builtins();
-  exec::TemplateStore templates;
-  cache::KernelCache cache(cache::Config{});
-  exec::KernelLibrary lib(cache, templates);
-  const exec::Target target = exec::target_for_arch("sm_90a");
-  std::set<std::string> seen;
+  test::KernelRig rig;
   size_t compiled = 0;
   for (const char* norm : {R"([{"op": "layernorm"}])", R"([{"op": "rmsnorm"}])"})
     for (const char* recipe : {"fp32", "fp16", "bf16"})
       for (int64_t cols : {8, 24, 100, 1024, 4096, 4104, 8192, 12288}) {
-        test::BuiltinCase c{0, norm, recipe, true, ops::Shape{3, cols}};
-        for (const auto& [spec, meta] : test::case_kernels(c, rs, 90)) {
-          const codegen::Generated g = codegen::generate(spec);
-          for (bool vector : exec::variants_of(spec, exec::Variants::all)) {
-            auto req = lib.request(g, spec, target, meta, vector);
-            if (!seen.insert(cache::cache_key(req)).second) continue;
-            INFO(c.id() << (vector ? " vector" : " scalar"));
-            auto res = lib.compiler()(req);
-            const cuda::CubinResources r = cuda::read_cubin_resources(res.cubin);
-            INFO(r.error);
-            REQUIRE(r.error.empty());
-            REQUIRE_FALSE(r.kernels.empty());
-            for (const auto& k : r.kernels) {
-              INFO(k.name << ": " << k.registers << " registers, frame " << k.frame_bytes << " B");
-              CHECK(k.registers > 0);
-              CHECK(k.registers <= 255);
-              // Up to 8192 columns nothing lives in local memory. At 12288 the backward's one block of 384
-              // threads per SM caps it at 168 registers: the vector program spills a little (24 B), the scalar
-              // fallback for misaligned tensors more (160-288 B: its per-element bounds take registers).
-              if (cols <= 8192) CHECK(k.frame_bytes == 0);
-              else if (vector) CHECK(k.frame_bytes <= 64);
-              else CHECK(k.frame_bytes <= 512);
-            }
-            ++compiled;
+        const test::BuiltinCase c{0, norm, recipe, true, ops::Shape{3, cols}};
+        compiled += rig.each_new_request(c, "sm_90a", [&](const codegen::KernelSpec&, const codegen::Generated&,
+                                                          bool vector, const cache::KernelRequest& req) {
+          INFO(c.id() << (vector ? " vector" : " scalar"));
+          const cuda::CubinResources r = cuda::read_cubin_resources(rig.lib.compiler()(req).cubin);
+          INFO(r.error);
+          REQUIRE(r.error.empty());
+          REQUIRE_FALSE(r.kernels.empty());
+          for (const auto& k : r.kernels) {
+            INFO(k.name << ": " << k.registers << " registers, frame " << k.frame_bytes << " B");
+            CHECK(k.registers > 0);
+            CHECK(k.registers <= 255);
+            // Up to 8192 columns nothing lives in local memory. At 12288 the backward's one block of 384
+            // threads per SM caps it at 168 registers: the vector program spills a little (24 B), the scalar
+            // fallback for misaligned tensors more (160-288 B: its per-element bounds take registers).
+            if (cols <= 8192) CHECK(k.frame_bytes == 0);
+            else if (vector) CHECK(k.frame_bytes <= 64);
+            else CHECK(k.frame_bytes <= 512);
           }
-        }
+        });
       }
   CHECK(compiled >= 2 * 3 * 8 * 2);  // both norms, three dtypes, eight widths, forward and backward at least
 }

@@ -1,11 +1,14 @@
 // The sequences that exercise every built-in rule (and every op alone), shared by the nvrtc tier (they
 // all compile) and the golden-source test (their generated sources do not drift).
 #pragma once
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "cache/kernel_cache.hpp"
 #include "exec/compile.hpp"
+#include "exec/kernels.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
 #include "rules/rule.hpp"
@@ -144,5 +147,33 @@ inline std::vector<std::pair<codegen::KernelSpec, nlohmann::json>> case_kernels(
                                                                                int arch = 90) {
   return exec::program_kernels(*case_program(c, rs, arch));
 }
+
+// What a context uses to turn a case's kernels into compile requests (built-in rules, embedded templates,
+// an in-memory cache), and the requests already handed out, so that each distinct kernel is seen once.
+struct KernelRig {
+  rules::RuleSet rs = rules::RuleSet::with_builtins();
+  exec::TemplateStore templates;
+  cache::KernelCache cache{cache::Config{}};
+  exec::KernelLibrary lib{cache, templates};
+  std::set<std::string> seen;  // cache keys
+
+  // fn(spec, generated, vector, request) for every variant of every kernel of case `c` on `arch` ("sm_90a")
+  // not handed out before; returns how many.
+  template <typename Fn>
+  size_t each_new_request(const BuiltinCase& c, const char* arch, Fn&& fn) {
+    const exec::Target target = exec::target_for_arch(arch);
+    size_t n = 0;
+    for (const auto& [spec, meta] : case_kernels(c, rs, arch[3] == '9' ? 90 : 80)) {
+      const codegen::Generated g = codegen::generate(spec);
+      for (bool vector : exec::variants_of(spec, exec::Variants::all)) {
+        auto req = lib.request(g, spec, target, meta, vector);
+        if (!seen.insert(cache::cache_key(req)).second) continue;
+        fn(spec, g, vector, req);
+        ++n;
+      }
+    }
+    return n;
+  }
+};
 
 }  // namespace jitfuse::test
