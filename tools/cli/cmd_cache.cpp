@@ -18,8 +18,8 @@
 #include "cache/kernel_cache.hpp"
 #include "commands.hpp"
 #include "common/env.hpp"
-#include "cuda/cubin_info.hpp"
 #include "common/error.hpp"
+#include "cuda/cubin_info.hpp"
 
 namespace jitfuse::cli {
 namespace {
