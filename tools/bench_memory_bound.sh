@@ -4,6 +4,7 @@
 # the same process tree (tools/torch_baselines/memory_bound.py), and Nsight Compute's DRAM throughput,
 # registers and occupancy of each generated kernel. On the GPU machine, from the checkout, after a build:
 #   tools/bench_memory_bound.sh [OUT_DIR]        (default: bench-out/; BUILD=build, ITERS=100)
+# NCU_TIMEOUT (default 240 s) bounds each ncu run.
 # Writes bench.txt, torch.json (+ torch.log), microbench_norm_{fwd,bwd}.txt and ncu_<case>.csv; a missing
 # torch, nvcc or ncu skips its part and says so. Nothing here is timed by tests: numbers go to docs/benchmarks.md by hand, with the GPU
 # and the date.
@@ -59,7 +60,7 @@ if [[ -x $ncu ]]; then
   for spec in layernorm:40 rmsnorm:40 layernorm_fp8_delayed:20 layernorm_fp8_current:30 bias_dropout_add:8 cast_transpose:8; do
     c=${spec%%:*}
     n=${spec##*:}
-    timeout 240 "$ncu" --kernel-name regex:'^jf_' --launch-count "$n" --metrics "$metrics" --csv \
+    timeout "${NCU_TIMEOUT:-240}" "$ncu" --kernel-name regex:'^jf_' --launch-count "$n" --metrics "$metrics" --csv \
       "$jf" bench --case "$c" --warmup 0 --iters 1 > "$out/ncu_$c.csv" 2> "$out/ncu_$c.log" || status=1
   done
 else

@@ -90,10 +90,14 @@ class Rownorm {
 
     // Forward: ask for 1024 / threads resident blocks (at most 16), which caps registers at 64 per thread
     // when threads divides 1024: on an H200 the compiler otherwise used 72-95 and fit 5-7 rows per SM
-    // (layernorm 82 % of copy bandwidth capped vs 76 %). The backward keeps dgamma/dbeta accumulators in
-    // registers and is not capped.
-    const int min_blocks = std::clamp(65536 / (threads_ * 64), 1, 16);
-    const std::string bounds = fwd_ ? fmt::format("{}, {}", threads_, min_blocks) : std::to_string(threads_);
+    // (layernorm 82 % of copy bandwidth capped vs 76 %). Backward: dgamma/dbeta accumulate in registers;
+    // layernorm's is capped at 168 registers (3 blocks of 128 threads per SM instead of 2 at the 189-196
+    // ptxas picks; a 24-byte spill), rmsnorm's 154-161 fit 3 blocks uncapped. H100, bf16, % of copy at
+    // hidden 4096 / 1024 / 2048 / 8192 / 12288 (session 32, with jf_raw8's packed words and constant
+    // chunk bounds): layernorm 65.2 / 69.4 / 68.4 / 59.3 / 67.9 -> 75.7 / 78.0 / 78.9 / 69.4 / 68.5.
+    const int bwd_regs = ns_.rms ? 255 : 168;
+    const int min_blocks = std::clamp(65536 / (threads_ * (fwd_ ? 64 : bwd_regs)), 1, 16);
+    const std::string bounds = fmt::format("{}, {}", threads_, min_blocks);
     w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", bounds, g.kernel, args_.decl());
     w.raw(k.str());
     w.line("}}");
@@ -120,7 +124,12 @@ class Rownorm {
     w.open();
     w.line("const int c0 = (k * {} + (int)threadIdx.x) * 8;", threads_);
     w.line("const bool active = c0 < {};", cols_);
-    w.line("const int n = active ? min(8, {} - c0) : 0;", cols_);
+    // Whole chunks when the width is a multiple of 8: n is then a constant the compiler folds away (the
+    // per-element bounds took 20-30 registers in the backward and a block per SM; docs/benchmarks.md).
+    if (cols_ % 8 == 0)
+      w.line("constexpr int n = 8;");
+    else
+      w.line("const int n = active ? min(8, {} - c0) : 0;", cols_);
   }
   static void chunk_loop_close(Writer& w) {
     w.close();

@@ -80,20 +80,34 @@ __device__ __forceinline__ void jf_store8(typename DT::storage* __restrict__ p, 
 }
 
 // A chunk of 8 elements kept in the storage dtype: a row held in registers this way takes half the
-// registers of floats for fp16/bf16, so more rows are in flight per SM (rownorm forward).
-template <typename DT>
+// registers of floats for fp16/bf16, so more rows are in flight per SM (rownorm forward and backward).
+// 16-bit dtypes are kept as four 32-bit words (two elements each), so each word is one register from
+// the 16-byte load to the unpack: an array of eight 16-bit values let ptxas split them into a register
+// apiece (layernorm backward 189-196 registers against 167 for the packed form; docs/benchmarks.md).
+template <typename DT, int S = sizeof(typename DT::storage)>
 struct alignas(16) jf_raw8 {
   typename DT::storage h[8];
 };
+template <typename DT>
+struct alignas(16) jf_raw8<DT, 2> {
+  jf_u32 w[4];
+};
 template <typename DT, bool VEC>
 __device__ __forceinline__ void jf_load_raw8(const typename DT::storage* __restrict__ p, jf_raw8<DT>& r, int n = 8) {
-  if (VEC) {
-    if (sizeof(typename DT::storage) == 2) {
-      *reinterpret_cast<uint4*>(r.h) = *reinterpret_cast<const uint4*>(p);
+  if constexpr (sizeof(typename DT::storage) == 2) {
+    if (VEC) {
+      const uint4 q = *reinterpret_cast<const uint4*>(p);
+      r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
     } else {
-      reinterpret_cast<float4*>(r.h)[0] = reinterpret_cast<const float4*>(p)[0];
-      reinterpret_cast<float4*>(r.h)[1] = reinterpret_cast<const float4*>(p)[1];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const jf_u32 lo = 2 * i < n ? (jf_u32)p[2 * i] : 0u, hi = 2 * i + 1 < n ? (jf_u32)p[2 * i + 1] : 0u;
+        r.w[i] = lo | (hi << 16);
+      }
     }
+  } else if (VEC && sizeof(typename DT::storage) == 4) {
+    reinterpret_cast<float4*>(r.h)[0] = reinterpret_cast<const float4*>(p)[0];
+    reinterpret_cast<float4*>(r.h)[1] = reinterpret_cast<const float4*>(p)[1];
   } else {
 #pragma unroll
     for (int e = 0; e < 8; ++e) r.h[e] = e < n ? p[e] : typename DT::storage(0);
@@ -101,13 +115,26 @@ __device__ __forceinline__ void jf_load_raw8(const typename DT::storage* __restr
 }
 template <typename DT>
 __device__ __forceinline__ void jf_unpack8(const jf_raw8<DT>& r, float (&v)[8]) {
+  if constexpr (sizeof(typename DT::storage) == 2) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = DT::load(r.h[e]);
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = DT::load((jf_u16)(r.w[i] & 0xffffu));
+      v[2 * i + 1] = DT::load((jf_u16)(r.w[i] >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = DT::load(r.h[e]);
+  }
 }
 template <typename DT>
 __device__ __forceinline__ void jf_zero_raw8(jf_raw8<DT>& r) {
+  if constexpr (sizeof(typename DT::storage) == 2) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) r.h[e] = typename DT::storage(0);
+    for (int i = 0; i < 4; ++i) r.w[i] = 0u;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r.h[e] = typename DT::storage(0);
+  }
 }
 
 __device__ __forceinline__ float jf_warp_sum(float v) {
@@ -149,7 +176,7 @@ typedef DT::storage ST;
 
 #ifndef JF_SCALAR
 #define JF_VEC true
-extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_weight, const ST* __restrict__ p0_bias, const ST* __restrict__ s0_input, const float* __restrict__ s0_mean, const float* __restrict__ s0_rstd, float* __restrict__ part0_weight, float* __restrict__ part0_bias) {
+extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_weight, const ST* __restrict__ p0_bias, const ST* __restrict__ s0_input, const float* __restrict__ s0_mean, const float* __restrict__ s0_rstd, float* __restrict__ part0_weight, float* __restrict__ part0_bias) {
   __shared__ float jf_sm[64];
   float dgam[1][8], dbet[1][8];
   #pragma unroll
@@ -159,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    const int n = active ? min(8, 64 - c0) : 0;
+    constexpr int n = 8;
     if (active) jf_load_raw8<DT, JF_VEC>(p0_weight + c0, jf_gr[k], n); else jf_zero_raw8<DT>(jf_gr[k]);
   }
   jf_raw8<DT> jf_pg[1], jf_px[1];
@@ -169,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
         jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -186,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
       for (int k = 0; k < 1; ++k) {
         const int c0 = (k * 32 + (int)threadIdx.x) * 8;
         const bool active = c0 < 64;
-        const int n = active ? min(8, 64 - c0) : 0;
+        constexpr int n = 8;
         if (active) {
           jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
           jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -199,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
@@ -222,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         float gw[8];
         jf_unpack8<DT>(jf_gr[k], gw);
@@ -238,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    const int n = active ? min(8, 64 - c0) : 0;
+    constexpr int n = 8;
     if (active) {
       jf_store8<jf_f32, JF_VEC>(part0_weight + (jf_i64)blockIdx.x * 64 + c0, dgam[k], n);
       jf_store8<jf_f32, JF_VEC>(part0_bias + (jf_i64)blockIdx.x * 64 + c0, dbet[k], n);
@@ -248,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd(const ST* __re
 #undef JF_VEC
 #else
 #define JF_VEC false
-extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_weight, const ST* __restrict__ p0_bias, const ST* __restrict__ s0_input, const float* __restrict__ s0_mean, const float* __restrict__ s0_rstd, float* __restrict__ part0_weight, float* __restrict__ part0_bias) {
+extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd_scalar(const ST* __restrict__ in, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p0_weight, const ST* __restrict__ p0_bias, const ST* __restrict__ s0_input, const float* __restrict__ s0_mean, const float* __restrict__ s0_rstd, float* __restrict__ part0_weight, float* __restrict__ part0_bias) {
   __shared__ float jf_sm[64];
   float dgam[1][8], dbet[1][8];
   #pragma unroll
@@ -258,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    const int n = active ? min(8, 64 - c0) : 0;
+    constexpr int n = 8;
     if (active) jf_load_raw8<DT, JF_VEC>(p0_weight + c0, jf_gr[k], n); else jf_zero_raw8<DT>(jf_gr[k]);
   }
   jf_raw8<DT> jf_pg[1], jf_px[1];
@@ -268,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
         jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -285,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
       for (int k = 0; k < 1; ++k) {
         const int c0 = (k * 32 + (int)threadIdx.x) * 8;
         const bool active = c0 < 64;
-        const int n = active ? min(8, 64 - c0) : 0;
+        constexpr int n = 8;
         if (active) {
           jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
           jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -298,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
@@ -321,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         float gw[8];
         jf_unpack8<DT>(jf_gr[k], gw);
@@ -337,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(32) jf_layernorm_bwd_scalar(const S
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    const int n = active ? min(8, 64 - c0) : 0;
+    constexpr int n = 8;
     if (active) {
       jf_store8<jf_f32, JF_VEC>(part0_weight + (jf_i64)blockIdx.x * 64 + c0, dgam[k], n);
       jf_store8<jf_f32, JF_VEC>(part0_bias + (jf_i64)blockIdx.x * 64 + c0, dbet[k], n);

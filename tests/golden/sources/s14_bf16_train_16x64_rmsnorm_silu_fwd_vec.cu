@@ -80,20 +80,34 @@ __device__ __forceinline__ void jf_store8(typename DT::storage* __restrict__ p, 
 }
 
 // A chunk of 8 elements kept in the storage dtype: a row held in registers this way takes half the
-// registers of floats for fp16/bf16, so more rows are in flight per SM (rownorm forward).
-template <typename DT>
+// registers of floats for fp16/bf16, so more rows are in flight per SM (rownorm forward and backward).
+// 16-bit dtypes are kept as four 32-bit words (two elements each), so each word is one register from
+// the 16-byte load to the unpack: an array of eight 16-bit values let ptxas split them into a register
+// apiece (layernorm backward 189-196 registers against 167 for the packed form; docs/benchmarks.md).
+template <typename DT, int S = sizeof(typename DT::storage)>
 struct alignas(16) jf_raw8 {
   typename DT::storage h[8];
 };
+template <typename DT>
+struct alignas(16) jf_raw8<DT, 2> {
+  jf_u32 w[4];
+};
 template <typename DT, bool VEC>
 __device__ __forceinline__ void jf_load_raw8(const typename DT::storage* __restrict__ p, jf_raw8<DT>& r, int n = 8) {
-  if (VEC) {
-    if (sizeof(typename DT::storage) == 2) {
-      *reinterpret_cast<uint4*>(r.h) = *reinterpret_cast<const uint4*>(p);
+  if constexpr (sizeof(typename DT::storage) == 2) {
+    if (VEC) {
+      const uint4 q = *reinterpret_cast<const uint4*>(p);
+      r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
     } else {
-      reinterpret_cast<float4*>(r.h)[0] = reinterpret_cast<const float4*>(p)[0];
-      reinterpret_cast<float4*>(r.h)[1] = reinterpret_cast<const float4*>(p)[1];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const jf_u32 lo = 2 * i < n ? (jf_u32)p[2 * i] : 0u, hi = 2 * i + 1 < n ? (jf_u32)p[2 * i + 1] : 0u;
+        r.w[i] = lo | (hi << 16);
+      }
     }
+  } else if (VEC && sizeof(typename DT::storage) == 4) {
+    reinterpret_cast<float4*>(r.h)[0] = reinterpret_cast<const float4*>(p)[0];
+    reinterpret_cast<float4*>(r.h)[1] = reinterpret_cast<const float4*>(p)[1];
   } else {
 #pragma unroll
     for (int e = 0; e < 8; ++e) r.h[e] = e < n ? p[e] : typename DT::storage(0);
@@ -101,13 +115,26 @@ __device__ __forceinline__ void jf_load_raw8(const typename DT::storage* __restr
 }
 template <typename DT>
 __device__ __forceinline__ void jf_unpack8(const jf_raw8<DT>& r, float (&v)[8]) {
+  if constexpr (sizeof(typename DT::storage) == 2) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = DT::load(r.h[e]);
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = DT::load((jf_u16)(r.w[i] & 0xffffu));
+      v[2 * i + 1] = DT::load((jf_u16)(r.w[i] >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = DT::load(r.h[e]);
+  }
 }
 template <typename DT>
 __device__ __forceinline__ void jf_zero_raw8(jf_raw8<DT>& r) {
+  if constexpr (sizeof(typename DT::storage) == 2) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) r.h[e] = typename DT::storage(0);
+    for (int i = 0; i < 4; ++i) r.w[i] = 0u;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r.h[e] = typename DT::storage(0);
+  }
 }
 
 __device__ __forceinline__ float jf_warp_sum(float v) {
@@ -233,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 rmsnorm: statistics over 64 columns
@@ -242,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) s2 += xv[e] * xv[e];
@@ -254,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
@@ -281,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 rmsnorm: statistics over 64 columns
@@ -290,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) s2 += xv[e] * xv[e];
@@ -302,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      const int n = active ? min(8, 64 - c0) : 0;
+      constexpr int n = 8;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
