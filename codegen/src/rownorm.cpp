@@ -124,10 +124,11 @@ class Rownorm {
     w.open();
     w.line("const int c0 = (k * {} + (int)threadIdx.x) * 8;", threads_);
     w.line("const bool active = c0 < {};", cols_);
-    // Whole chunks when the width is a multiple of 8: n is then a constant the compiler folds away (the
-    // per-element bounds took 20-30 registers in the backward and a block per SM; docs/benchmarks.md).
+    // Whole chunks when the width is a multiple of 8: within `active` n is then the constant 8 and the
+    // per-element bounds fold away. Inactive chunks keep n = 0: layernorm's statistics loop runs on them
+    // (their zeroed registers minus the shift K must not count).
     if (cols_ % 8 == 0)
-      w.line("constexpr int n = 8;");
+      w.line("const int n = active ? 8 : 0;");
     else
       w.line("const int n = active ? min(8, {} - c0) : 0;", cols_);
   }

@@ -184,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load8<DT, JF_VEC>(in + r * 64 + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;
       if (active) {
         float (&v)[8] = x[k];
@@ -207,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       const float (&xv)[8] = x[k];
       #pragma unroll
       for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
@@ -221,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         const float (&xv)[8] = x[k];
         float gw[8];
@@ -246,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load8<DT, JF_VEC>(in + r * 64 + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;
       if (active) {
         float (&v)[8] = x[k];
@@ -269,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       const float (&xv)[8] = x[k];
       #pragma unroll
       for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
@@ -283,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_add_extra_input_layernor
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         const float (&xv)[8] = x[k];
         float gw[8];

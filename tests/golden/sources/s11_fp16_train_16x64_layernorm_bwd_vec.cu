@@ -186,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd(const ST* 
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    constexpr int n = 8;
+    const int n = active ? 8 : 0;
     if (active) jf_load_raw8<DT, JF_VEC>(p0_weight + c0, jf_gr[k], n); else jf_zero_raw8<DT>(jf_gr[k]);
   }
   jf_raw8<DT> jf_pg[1], jf_px[1];
@@ -196,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd(const ST* 
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
         jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -213,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd(const ST* 
       for (int k = 0; k < 1; ++k) {
         const int c0 = (k * 32 + (int)threadIdx.x) * 8;
         const bool active = c0 < 64;
-        constexpr int n = 8;
+        const int n = active ? 8 : 0;
         if (active) {
           jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
           jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -226,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd(const ST* 
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
@@ -249,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd(const ST* 
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float gw[8];
         jf_unpack8<DT>(jf_gr[k], gw);
@@ -265,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd(const ST* 
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    constexpr int n = 8;
+    const int n = active ? 8 : 0;
     if (active) {
       jf_store8<jf_f32, JF_VEC>(part0_weight + (jf_i64)blockIdx.x * 64 + c0, dgam[k], n);
       jf_store8<jf_f32, JF_VEC>(part0_bias + (jf_i64)blockIdx.x * 64 + c0, dbet[k], n);
@@ -285,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd_scalar(con
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    constexpr int n = 8;
+    const int n = active ? 8 : 0;
     if (active) jf_load_raw8<DT, JF_VEC>(p0_weight + c0, jf_gr[k], n); else jf_zero_raw8<DT>(jf_gr[k]);
   }
   jf_raw8<DT> jf_pg[1], jf_px[1];
@@ -295,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd_scalar(con
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
         jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -312,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd_scalar(con
       for (int k = 0; k < 1; ++k) {
         const int c0 = (k * 32 + (int)threadIdx.x) * 8;
         const bool active = c0 < 64;
-        constexpr int n = 8;
+        const int n = active ? 8 : 0;
         if (active) {
           jf_load_raw8<DT, JF_VEC>(in + rn * 64 + c0, jf_pg[k], n);
           jf_load_raw8<DT, JF_VEC>(s0_input + rn * 64 + c0, jf_px[k], n);
@@ -325,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd_scalar(con
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float g[8]; jf_unpack8<DT>(gq[k], g);
         float xv[8]; jf_unpack8<DT>(xq[k], xv);
@@ -348,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd_scalar(con
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float gw[8];
         jf_unpack8<DT>(jf_gr[k], gw);
@@ -364,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) jf_layernorm_bwd_scalar(con
   for (int k = 0; k < 1; ++k) {
     const int c0 = (k * 32 + (int)threadIdx.x) * 8;
     const bool active = c0 < 64;
-    constexpr int n = 8;
+    const int n = active ? 8 : 0;
     if (active) {
       jf_store8<jf_f32, JF_VEC>(part0_weight + (jf_i64)blockIdx.x * 64 + c0, dgam[k], n);
       jf_store8<jf_f32, JF_VEC>(part0_bias + (jf_i64)blockIdx.x * 64 + c0, dbet[k], n);

@@ -260,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 rmsnorm: statistics over 64 columns
@@ -269,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) s2 += xv[e] * xv[e];
@@ -281,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd(const S
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
@@ -308,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 rmsnorm: statistics over 64 columns
@@ -317,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) s2 += xv[e] * xv[e];
@@ -329,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_rmsnorm_silu_fwd_scalar(
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];

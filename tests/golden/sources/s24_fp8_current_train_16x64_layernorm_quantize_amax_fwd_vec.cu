@@ -467,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_amax_
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 layernorm: statistics over 64 columns
@@ -477,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_amax_
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
@@ -490,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_amax_
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
@@ -518,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_amax_
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 layernorm: statistics over 64 columns
@@ -528,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_amax_
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
@@ -541,7 +541,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_amax_
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];

@@ -468,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd(c
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 layernorm: statistics over 64 columns
@@ -478,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd(c
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
@@ -492,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd(c
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
@@ -522,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd_s
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) jf_load_raw8<DT, JF_VEC>(in + r * 64 + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);
     }
     // op 0 layernorm: statistics over 64 columns
@@ -532,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd_s
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       float xv[8]; jf_unpack8<DT>(xr[k], xv);
       #pragma unroll
       for (int e = 0; e < 8; ++e) if (e < n) { const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }
@@ -546,7 +546,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_layernorm_quantize_fwd_s
     for (int k = 0; k < 1; ++k) {
       const int c0 = (k * 32 + (int)threadIdx.x) * 8;
       const bool active = c0 < 64;
-      constexpr int n = 8;
+      const int n = active ? 8 : 0;
       if (active) {
         float xv[8]; jf_unpack8<DT>(xr[k], xv);
         float gw[8];
