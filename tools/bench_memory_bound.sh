@@ -30,6 +30,8 @@ for c in "${cases[@]}"; do
 done
 
 if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  # the baselines' harness imports jitfuse's Python package (session 32's run lost them without this)
+  PYTHONPATH="$PWD/runtime/python${PYTHONPATH:+:$PYTHONPATH}" JITFUSE_LIBRARY="${JITFUSE_LIBRARY:-$PWD/$build/runtime/libjitfuse.so}" \
   timeout 300 python3 tools/torch_baselines/memory_bound.py --json "$out/torch.json" > "$out/torch.log" 2>&1 || status=1
 else
   echo "bench_memory_bound: no PyTorch with CUDA here: the eager/compile baselines are skipped" | tee "$out/torch.log"
