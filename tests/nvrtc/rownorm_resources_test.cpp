@@ -1,8 +1,9 @@
 // The rownorm kernels (layernorm / rmsnorm, forward and backward with its finalize) at the hidden sizes
 // issue 32 names — odd ones (8, 24, 100, 4104) and the bench's (1024 … 12288) — in every dtype, vector and
 // scalar programs, compile with NVRTC for sm_90a; and what they cost an SM, read from the CUBIN
-// (cuda::read_cubin_resources): no stack frame (spills) up to 8192 columns but layernorm backward's capped one, bounded ones at 12288, where one
-// block of 384 threads per SM caps the backward at 168 registers (docs/benchmarks.md, issue 32).
+// (cuda::read_cubin_resources): no stack frame (spills) up to 8192 columns but layernorm backward's capped
+// one, bounded ones at 12288, where one block of 384 threads per SM caps the backward at 168 registers
+// (docs/benchmarks.md, issue 32).
 // No GPU needed.
 #include <catch2/catch.hpp>
 
