@@ -68,6 +68,8 @@ struct Sequence {
 std::shared_ptr<Sequence> sequence(int64_t key, int device);
 void register_sequence(std::shared_ptr<Sequence> s);
 void forget(int64_t key);
+// The lowest device `key` is registered on, or -1 (the Meta kernels prepare their program there).
+int registered_device(int64_t key);
 void set_resolver(std::function<bool(int64_t key, int device)> resolver);
 
 // C++ hosts (no Python): a sequence document ("jitfuse.sequence/1" JSON), its recipe and parameter order,

@@ -1,10 +1,12 @@
 // The jitfuse::forward / jitfuse::backward ops in C++: their CUDA kernels (the C ABI's jf_program calls on the
-// current stream, outputs and workspaces from the caching allocator), the forward's autograd (a C++
-// torch::autograd::Function saving real tensors) and Sequential's eager entry.
+// current stream, outputs and workspaces from the caching allocator), their Meta kernels (fake tensors), the
+// forward's autograd (a C++ torch::autograd::Function saving real tensors) and Sequential's eager entry.
 #include "jitfuse_torch.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/SmallVector.h>
@@ -278,6 +280,82 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
   return res;
 }
 
+// ---- the Meta kernels ------------------------------------------------------------------------------
+
+// What fake tensors see (torch.compile, torch.export, opcheck, FakeTensorMode): the outputs' shapes and dtypes
+// from the program of (shape, training), prepared on first use as a real call prepares it. A Meta kernel sees
+// no CUDA device, so the program is the one on the device the key is registered on (the Python package
+// registers a module's sequence on its device when it first runs or is traced), else the current device.
+// Symbolic sizes are specialised (a guard per dimension): programs are prepared per concrete shape.
+int meta_device(int64_t key) {
+  const int d = registered_device(key);
+  return d >= 0 ? d : static_cast<int>(c10::cuda::current_device());
+}
+
+// Fake tensor mode runs a Meta kernel with Meta in this thread's included dispatch keys, which would turn the
+// tensors a first-time sequence definition makes (the resolver: a tensor-parallel group's communicator, set up
+// through torch.distributed) into meta tensors. The definition and the preparation run without it.
+struct NoMetaInclude {
+  const bool was = c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta);
+  NoMetaInclude() { c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Meta, false); }
+  ~NoMetaInclude() { c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Meta, was); }
+  NoMetaInclude(const NoMetaInclude&) = delete;
+  NoMetaInclude& operator=(const NoMetaInclude&) = delete;
+};
+
+std::vector<int64_t> concrete_sizes(const at::Tensor& t) {
+  std::vector<int64_t> out;
+  out.reserve(t.dim());
+  for (const c10::SymInt& d : t.sym_sizes()) out.push_back(d.guard_int(__FILE__, __LINE__));
+  return out;
+}
+
+std::vector<at::Tensor> forward_meta(int64_t key, const at::Tensor& input, const OptTensors& extra_inputs_opt,
+                                     const OptTensors& params_opt, const std::optional<at::Tensor>& rng_state,
+                                     bool training) {
+  (void)rng_state;
+  const at::TensorList extra_inputs = tensors_or_none(extra_inputs_opt), params = tensors_or_none(params_opt);
+  const int dev = meta_device(key);
+  std::shared_ptr<Sequence> sp;
+  std::shared_ptr<Program> pp;
+  {
+    NoMetaInclude real;
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+    sp = sequence(key, dev);
+    const Sequence& s = *sp;
+    TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs, "jitfuse: sequence '", s.name,
+                     "': expected ", s.n_extra_inputs, " extra input(s), got ", extra_inputs.size());
+    TORCH_CHECK_TYPE(params.size() == s.params.size(), "jitfuse: sequence '", s.name, "': expected ",
+                     s.params.size(), " parameters, got ", params.size());
+    TORCH_CHECK_TYPE(input.scalar_type() == s.dtype, "jitfuse: sequence '", s.name, "': input is ",
+                     py_dtype(input.scalar_type()), ", the program runs ", py_dtype(s.dtype));
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+    pp = sp->program(concrete_sizes(input), training, stream);
+  }
+  const Sequence& s = *sp;
+  const Program& p = *pp;
+  std::vector<at::Tensor> outs;
+  outs.reserve(3 + p.extra_outputs.size());
+  outs.push_back(at::empty(p.out_shape, input.options().dtype(p.out_dtype)));
+  for (auto& [eshape, dt] : p.extra_outputs) outs.push_back(at::empty(eshape, input.options().dtype(dt)));
+  if (s.fp8_output) outs.push_back(at::empty({1}, input.options().dtype(at::kFloat)));
+  if (training) outs.push_back(bytes(p.saved_bytes, input));
+  return outs;
+}
+
+std::vector<at::Tensor> backward_meta(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
+                                      const at::Tensor& output, at::TensorList extra_outputs, at::TensorList params,
+                                      const at::Tensor& saved, const at::Tensor& grad_output,
+                                      at::TensorList grad_extra_outputs) {
+  (void)key, (void)output, (void)extra_outputs, (void)saved, (void)grad_output, (void)grad_extra_outputs;
+  std::vector<at::Tensor> res;
+  res.reserve(1 + extra_inputs.size() + params.size());
+  res.push_back(at::empty_like(input));
+  for (auto& e : extra_inputs) res.push_back(at::empty_like(e));
+  for (auto& q : params) res.push_back(at::empty_like(q));
+  return res;
+}
+
 // ---- the ops through the dispatcher ----------------------------------------------------------------
 
 using ForwardSig = std::vector<at::Tensor>(int64_t, const at::Tensor&, const OptTensors&, const OptTensors&,
@@ -444,6 +522,11 @@ TORCH_LIBRARY(jitfuse, m) {
 TORCH_LIBRARY_IMPL(jitfuse, CUDA, m) {
   m.impl("forward", &jitfuse_torch::forward_cuda);
   m.impl("backward", &jitfuse_torch::backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(jitfuse, Meta, m) {
+  m.impl("forward", &jitfuse_torch::forward_meta);
+  m.impl("backward", &jitfuse_torch::backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(jitfuse, Autograd, m) { m.impl("forward", &jitfuse_torch::forward_autograd); }

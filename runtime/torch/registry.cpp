@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -165,6 +166,12 @@ void forget(int64_t key) {
     }
   }
   g_definitions.erase(key);
+}
+
+int registered_device(int64_t key) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_sequences.lower_bound({key, std::numeric_limits<int>::min()});
+  return it != g_sequences.end() && it->first.first == key ? it->first.second : -1;
 }
 
 void set_resolver(std::function<bool(int64_t, int)> resolver) {

@@ -47,8 +47,9 @@ double median_ms(CUstream s, const std::function<void()>& fn, const BenchOpts& o
 std::vector<double> random_values(size_t n, uint64_t seed, double lo, double hi);
 // n random bytes for a GEMM operand: bf16 (2n bytes) or E4M3 codes, never zero, never overflowing.
 std::vector<uint8_t> random_operand_bytes(size_t n, bool fp8, uint64_t seed);
-// Device-to-device copy bandwidth in GB/s (read + write), the memory-bound cases' yardstick.
-double copy_bandwidth(CUstream s, const BenchOpts& o);
+// Device-to-device copy bandwidth in GB/s (read + write), the memory-bound cases' yardstick; with bytes > 0,
+// of a copy moving that many bytes (read + write), timed the same way.
+double copy_bandwidth(CUstream s, const BenchOpts& o, double bytes = 0);
 
 // A parameter of a sequence: the op it belongs to, its name, its shape.
 using ParamSpec = std::tuple<int, std::string, ops::Shape>;

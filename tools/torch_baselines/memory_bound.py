@@ -10,9 +10,12 @@ beside the copy bandwidth measured in the same run:
                                      (amax first) and delayed (given scale)
 Bytes are counted as jitfuse bench counts them (inputs read once, outputs written once, fp8_current's
 second read), so the % of copy columns compare directly. Timing as jitfuse bench does: CUDA events around
-each call, calls enqueued back to back, 10 warm-up calls, the median of 50. On the GPU machine:
+each call, calls enqueued back to back, 10 warm-up calls, the median of 50; and, beside it, the kernels'
+summed duration per call under torch.profiler ("kern ms"): a compiled call's host time (guards, the
+wrapper) exceeds the GPU time of one of these kernels, so its event time measures the host. On the GPU machine:
   python3 tools/torch_baselines/memory_bound.py [--json out.json]
-(jitfuse itself is not needed: its rows come from `jitfuse bench` in the same device run.) torch.compile
+(jitfuse's Python package must be importable, for the harness; its kernels' rows come from `jitfuse bench`
+in the same device run, tools/bench_memory_bound.sh.) torch.compile
 runs for the norms at hidden 4096 and every other kernel unless --compile-all.
 """
 import argparse
@@ -25,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from _harness import median_ms  # noqa: E402
+from jitfuse.bench_stack import _gpu_ms_per_step  # noqa: E402
 
 E4M3_MAX = 448.0
 ELEMS = 8192 * 4096
@@ -127,17 +131,19 @@ def cast_transpose_cases(dev, dt):
 
 
 def timed(case, compiled):
-    """(ms eager or compiled) for one case; backward cases carry (bwd, fn) and compile fn only."""
+    """(ms, kernel ms) eager or compiled for one case; backward cases carry (bwd, fn) and compile fn only.
+    ms: CUDA events around each call, as jitfuse bench times; kernel ms: the summed duration of the kernels
+    one call launches (torch.profiler), which a compiled call's host time (guards, wrapper) cannot inflate
+    when it exceeds the GPU time of these single kernels."""
     name, shape, nbytes, call = case
     if isinstance(call, tuple):
         bwd, fn = call
         g = torch.compile(fn) if compiled else fn
-        return median_ms(lambda: bwd(g))
-    if compiled:
-        # Compile the function the lambda closes over: re-run through a compiled wrapper.
-        g = torch.compile(call)
-        return median_ms(g)
-    return median_ms(call)
+        run = lambda: bwd(g)  # noqa: E731
+    else:
+        # Compiled: the function the lambda closes over, re-run through a compiled wrapper.
+        run = torch.compile(call) if compiled else call
+    return median_ms(run), _gpu_ms_per_step(run, steps=20)
 
 
 def main():
@@ -152,20 +158,25 @@ def main():
     torch.manual_seed(0)
     gbs = copy_gbs(dev)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, copy {gbs:.0f} GB/s")
-    print(f"{'kernel':34s} {'shape':22s} {'eager ms':>9s} {'% copy':>7s} {'compiled ms':>12s} {'% copy':>7s}")
+    print(f"{'kernel':34s} {'shape':22s} {'eager ms':>9s} {'% copy':>7s} {'kern ms':>8s} {'% copy':>7s} "
+          f"{'compiled ms':>12s} {'% copy':>7s} {'kern ms':>8s} {'% copy':>7s}")
     rows = []
     for gen in (norm_cases, fp8_norm_cases, bda_cases, cast_transpose_cases):
         for case in gen(dev, dt):
             name, shape, nbytes, _ = case
-            eager = timed(case, False)
+            eager, eager_k = timed(case, False)
             sweep_row = (name.startswith("layernorm") or name.startswith("rmsnorm")) and "x4096" not in shape
-            comp = None if args.no_compile or (sweep_row and not args.compile_all) else timed(case, True)
+            comp, comp_k = (None, None) if args.no_compile or (sweep_row and not args.compile_all) else timed(case, True)
             pct = lambda ms: 100.0 * nbytes / (ms * 1e6) / gbs  # noqa: E731
             rows.append({"kernel": name, "shape": shape, "bytes": nbytes, "eager_ms": eager,
-                         "eager_pct_copy": pct(eager), "compiled_ms": comp,
-                         "compiled_pct_copy": pct(comp) if comp else None})
-            cs = f"{comp:12.3f} {pct(comp):7.1f}" if comp else f"{'-':>12s} {'-':>7s}"
-            print(f"{name:34s} {shape:22s} {eager:9.3f} {pct(eager):7.1f} {cs}", flush=True)
+                         "eager_pct_copy": pct(eager), "eager_kernel_ms": eager_k,
+                         "eager_kernel_pct_copy": pct(eager_k), "compiled_ms": comp,
+                         "compiled_pct_copy": pct(comp) if comp else None, "compiled_kernel_ms": comp_k,
+                         "compiled_kernel_pct_copy": pct(comp_k) if comp_k else None})
+            cs = (f"{comp:12.3f} {pct(comp):7.1f} {comp_k:8.3f} {pct(comp_k):7.1f}" if comp
+                  else f"{'-':>12s} {'-':>7s} {'-':>8s} {'-':>7s}")
+            print(f"{name:34s} {shape:22s} {eager:9.3f} {pct(eager):7.1f} {eager_k:8.3f} {pct(eager_k):7.1f} {cs}",
+                  flush=True)
             torch._dynamo.reset()
     if args.json:
         with open(args.json, "w") as f:

@@ -167,6 +167,79 @@ def test_compiled_fullgraph_and_reduce_overhead_have_no_breaks():
         assert torch.equal(yc, ref), mode
 
 
+@needs_ext
+def test_the_fake_kernels_are_the_extensions_meta_kernels():
+    """On the extension path the ops' fake kernels are its C++ Meta kernels (no Python fake registered): under
+    FakeTensorMode a forward (inference and training, with the saved block) and a backward give the shapes,
+    dtypes and devices of the real calls; a symbolic batch size specialises; opcheck's fake-tensor check
+    passes through them; torch.export traces through them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from jitfuse.torch import _ops
+    assert not _ops.FAKE_IN_PYTHON
+    for op in ("jitfuse::forward", "jitfuse::backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "Meta")
+    model = transformer_layer(128, 256, BF16, p=0.1)
+    x = torch.randn(24, 128, device=DEV, dtype=BF16)
+    extras = [torch.randn_like(x), torch.randn_like(x)]
+    key = model._jf_keys[model.training][BF16]
+    params = list(model._params())
+    rng = torch.randint(0, 1 << 62, (2,), dtype=torch.int64, device=DEV)
+    rng = rng if model._jf_uses_rng[model.training] else None
+    fwd, bwd = torch.ops.jitfuse.forward.default, torch.ops.jitfuse.backward.default
+
+    def meta(ts):
+        return [(tuple(t.shape), t.dtype, t.device) for t in ts]
+
+    with torch.no_grad():
+        real = {tr: fwd(key, x, extras, params, rng, tr) for tr in (False, True)}
+        outs = real[True]
+        n_extra = model._n_extra_outputs
+        dy = torch.randn_like(outs[0])
+        gextra = [torch.randn_like(o) for o in outs[1:1 + n_extra]]
+        real_b = bwd(key, x, extras, outs[0], list(outs[1:1 + n_extra]), params, outs[-1], dy, gextra)
+    for shape_env in (None, ShapeEnv()):
+        with FakeTensorMode(shape_env=shape_env) as mode:
+            def fk(t):
+                return mode.from_tensor(t) if t is not None else None
+            fx, fe, fp = fk(x), [fk(t) for t in extras], [fk(t) for t in params]
+            if shape_env is not None:  # a symbolic batch size
+                from torch._dynamo.source import ConstantSource
+                from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+                ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+                fx = mode.from_tensor(x, source=ConstantSource("x"), symbolic_context=ctx)
+                assert isinstance(fx.shape[0], torch.SymInt)
+            for tr in (False, True):
+                got = fwd(key, fx, fe, fp, fk(rng), tr)
+                assert meta(got) == meta(real[tr]), (shape_env, tr)
+            fo = [fk(t) for t in outs]
+            got_b = bwd(key, fx, fe, fo[0], fo[1:1 + n_extra], fp, fo[-1], fk(dy), [fk(t) for t in gextra])
+            assert meta(got_b) == meta(real_b)
+    with pytest.raises(Exception, match="extra input"):
+        with FakeTensorMode() as mode:
+            fwd(key, mode.from_tensor(x), [], [mode.from_tensor(p) for p in params], None, False)
+    torch.library.opcheck(fwd, (key, x.detach().requires_grad_(), extras, params, rng, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, a, b):
+            return self.m(x, a, b)
+
+    model.eval()  # dropout off: the float64 reference has no mask
+    ep = torch.export.export(Wrap(model), (x, *extras))
+    with torch.no_grad():
+        y_ep = ep.module()(x, *extras)
+    y_ep = list(y_ep) if isinstance(y_ep, (tuple, list)) else [y_ep]
+    refs, *_ = reference(model, x, extras, torch.zeros_like(x), [torch.zeros_like(x)] * n_extra)
+    assert len(y_ep) == len(refs) == 1 + n_extra
+    for i, (a, r) in enumerate(zip(y_ep, refs)):
+        check(f"exported output {i}", a, r, BF16, gemm=True, chain=2)
+
+
 def test_version_mismatch_message(tmp_path, monkeypatch):
     d = tmp_path / "ext"
     d.mkdir()

@@ -36,7 +36,7 @@ from .float8 import Float8Tensor
 # the call together.
 #
 # With the C++ extension (runtime/torch, see _ext) the ops, their CUDA kernels and their autograd are C++;
-# this file then registers their fake kernels only, and the Python kernels below serve the pure-Python path.
+# their Meta kernels too (fake tensors), and the Python kernels below serve the pure-Python path.
 if _ext.EXT is not None:
     _LIB = torch.library.Library("jitfuse", "FRAGMENT")
 else:
@@ -258,5 +258,9 @@ if _ext.EXT is None:
     _LIB.impl("forward", forward_op, "CUDA")
     _LIB.impl("backward", backward_op, "CUDA")
     _LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
-torch.library.register_fake("jitfuse::forward", _forward_fake, lib=_LIB)
-torch.library.register_fake("jitfuse::backward", _backward_fake, lib=_LIB)
+# The extension's ops carry C++ Meta kernels (runtime/torch/ops.cpp: the same shapes from the same program),
+# and torch refuses a Python fake kernel beside a Meta one; an extension without them gets these.
+FAKE_IN_PYTHON = _ext.EXT is None or not torch._C._dispatch_has_kernel_for_dispatch_key("jitfuse::forward", "Meta")
+if FAKE_IN_PYTHON:
+    torch.library.register_fake("jitfuse::forward", _forward_fake, lib=_LIB)
+    torch.library.register_fake("jitfuse::backward", _backward_fake, lib=_LIB)
