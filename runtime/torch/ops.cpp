@@ -524,12 +524,10 @@ bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::
   // Train mode runs the training program with or without grad (its plan may round differently from the
   // inference program's; a checkpoint's recompute must match its first forward).
   if (all_contiguous) {
-    if (!grad && nothing_above_the_kernel(input, extra_inputs, params)) {
-      at::AutoDispatchBelowADInplaceOrView below;  // as under the Autograd kernel: its allocations skip autograd
+    if (!grad && nothing_above_the_kernel(input, extra_inputs, params))
       out = forward_cuda(key, input, at::TensorList(extra_inputs), at::TensorList(params), rng_state, training);
-    } else {
+    else
       out = call_forward(key, input, extra_inputs, params, rng_state, training || grad);
-    }
   } else {
     // Row-major copies (autograd ops: a gradient flows back to a non-contiguous parameter, e.g. w.t()).
     std::vector<at::Tensor> extras, ps;

@@ -107,18 +107,15 @@ def bench_paths(calls: int = 1000, rounds: int = 7, m: int = 16, h: int = 1024) 
                 entry(key, x, (), params, None, False, 0)
         layers["extension entry module_forward (no module), no grad"] = entry_call
         layers["module call, no grad: C++ op"] = nograd_call
+
+        def via_dispatcher() -> None:
+            was = _ext.EXT.set_direct_calls(False)
+            try:
+                nograd_call()
+            finally:
+                _ext.EXT.set_direct_calls(was)
         if hasattr(_ext.EXT, "set_direct_calls"):
-            # A/B of the direct no-grad call: both rows pay the same two switch calls.
-            def switched(direct: bool) -> Callable[[], None]:
-                def run() -> None:
-                    was = _ext.EXT.set_direct_calls(direct)
-                    try:
-                        nograd_call()
-                    finally:
-                        _ext.EXT.set_direct_calls(was)
-                return run
-            layers["module call, no grad: C++ op, direct (+ 2 switch calls)"] = switched(True)
-            layers["module call, no grad: C++ op through the dispatcher (+ 2 switch calls)"] = switched(False)
+            layers["module call, no grad: C++ op through the dispatcher (before the direct call)"] = via_dispatcher
     layers["module call, no grad: pure-Python path"] = _PathSwitch(nograd_call)
     if has_ext:
         layers["linear+bias+gelu fwd+bwd: C++ op + C++ autograd"] = jf_step
