@@ -90,10 +90,6 @@ bool fp8_promise();
 std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
                                      at::TensorList params, const std::optional<at::Tensor>& rng_state, bool training);
 
-// Whether Sequential's eager call without gradient may run the CUDA kernel itself when nothing above it would
-// see the op (on by default; off sends every call through the dispatcher: for A/B timing). Returns the old value.
-bool set_direct_calls(bool on);
-
 // Sequential's eager call: checks nothing the op checks; returns false (and leaves `out` empty) where the
 // caller must take its checked path (an input off CUDA, tensors of another dtype or device than the input).
 bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,

@@ -5,8 +5,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/record_function.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,7 +14,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <sstream>
 
 namespace jitfuse_torch {
@@ -480,33 +477,6 @@ std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::T
   return forward_handle().call(key, input, extra_inputs, params, rng_state, training);
 }
 
-namespace {
-
-// A call without gradient that nothing above the CUDA kernel would see: no TorchDispatchMode, no RecordFunction
-// callback (the profiler), no included dispatch key in this thread (functorch transforms, fake or meta
-// tracing), no tensor subclass or wrapper. Sequential's eager call then runs the CUDA kernel itself instead
-// of passing the dispatcher twice (its Autograd key, then its CUDA key).
-std::atomic<bool> g_direct_calls{true};
-
-bool nothing_above_the_kernel(const at::Tensor& input, at::TensorList extra_inputs, at::TensorList params) {
-  if (!g_direct_calls.load(std::memory_order_relaxed)) return false;
-  if (c10::impl::TorchDispatchModeTLS::any_modes_set() || at::hasCallbacks()) return false;
-  if (!c10::impl::tls_local_dispatch_key_set().included_.empty()) return false;
-  const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-                                     c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
-                                     c10::DispatchKey::Functionalize});
-  if (!(input.key_set() & wrapped).empty()) return false;
-  for (auto& t : extra_inputs)
-    if (!(t.key_set() & wrapped).empty()) return false;
-  for (auto& t : params)
-    if (!(t.key_set() & wrapped).empty()) return false;
-  return true;
-}
-
-}  // namespace
-
-bool set_direct_calls(bool on) { return g_direct_calls.exchange(on); }
-
 bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
                     const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state, bool training,
                     int n_extra_outputs, std::vector<at::Tensor>& out) {
@@ -524,10 +494,7 @@ bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::
   // Train mode runs the training program with or without grad (its plan may round differently from the
   // inference program's; a checkpoint's recompute must match its first forward).
   if (all_contiguous) {
-    if (!grad && nothing_above_the_kernel(input, extra_inputs, params))
-      out = forward_cuda(key, input, at::TensorList(extra_inputs), at::TensorList(params), rng_state, training);
-    else
-      out = call_forward(key, input, extra_inputs, params, rng_state, training || grad);
+    out = call_forward(key, input, extra_inputs, params, rng_state, training || grad);
   } else {
     // Row-major copies (autograd ops: a gradient flows back to a non-contiguous parameter, e.g. w.t()).
     std::vector<at::Tensor> extras, ps;

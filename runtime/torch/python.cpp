@@ -128,9 +128,6 @@ PYBIND11_MODULE(_jitfuse_torch_C, m) {
   m.def("abi_version", [] { return JF_ABI_VERSION; });
   m.def("module_forward", &module_forward, py::arg("key"), py::arg("input"), py::arg("extra_inputs"),
         py::arg("params"), py::arg("rng_state"), py::arg("training"), py::arg("n_extra_outputs"));
-  m.def("set_direct_calls", &jitfuse_torch::set_direct_calls, py::arg("on"),
-        "No-grad eager calls run the CUDA kernel directly when nothing above it would see the op (default on; "
-        "off: through the dispatcher, for A/B timing). Returns the previous value.");
   m.def("register_sequence", &register_sequence);
   m.def("forget", [](const std::vector<int64_t>& keys) {
     for (auto k : keys) jitfuse_torch::forget(k);

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jitfuse.torch as jt
-from jitfuse.torch import _ext, modules as _modules
+from jitfuse.torch import modules as _modules
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -107,15 +107,6 @@ def bench_paths(calls: int = 1000, rounds: int = 7, m: int = 16, h: int = 1024) 
                 entry(key, x, (), params, None, False, 0)
         layers["extension entry module_forward (no module), no grad"] = entry_call
         layers["module call, no grad: C++ op"] = nograd_call
-
-        def via_dispatcher() -> None:
-            was = _ext.EXT.set_direct_calls(False)
-            try:
-                nograd_call()
-            finally:
-                _ext.EXT.set_direct_calls(was)
-        if hasattr(_ext.EXT, "set_direct_calls"):
-            layers["module call, no grad: C++ op through the dispatcher (before the direct call)"] = via_dispatcher
     layers["module call, no grad: pure-Python path"] = _PathSwitch(nograd_call)
     if has_ext:
         layers["linear+bias+gelu fwd+bwd: C++ op + C++ autograd"] = jf_step
@@ -327,6 +318,8 @@ def bench_export(workdir: str, h: int = 1024, rows: int = 1, calls: int = 2000,
     import os
     import subprocess
     from pathlib import Path
+
+    from jitfuse.torch import _ext
 
     kw = {"device": DEV, "dtype": DT}
 
