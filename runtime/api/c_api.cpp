@@ -366,12 +366,24 @@ namespace {
 using jitfuse::api::Sequence;
 using jitfuse::exec::Prepared;
 
+// JITFUSE_VERIFY: the shadow (unfused) run of a fused forward, or null where there is none to compare with
+// (no fused group, or an FP8 recipe: a shadow run would advance the recipe state twice).
+std::shared_ptr<jitfuse::exec::Shadow> shadow_for(const std::shared_ptr<const Prepared>& pp,
+                                                  jitfuse::exec::Runtime& rt) {
+  if (!pp->reference) return nullptr;
+  if (pp->program->recipe.is_fp8()) {
+    rt.verify->note_skip("FP8 recipes are not verified (a shadow run would advance the recipe state twice)");
+    return nullptr;
+  }
+  return std::make_shared<jitfuse::exec::Shadow>(pp, pp->reference, *rt.verify, rt);
+}
+
 // A call's arguments, checked against the sequence and the ops of its input shape before anything is
 // prepared (a bad call never compiles anything), then against the prepared program's sizes, and run.
-// `prepared` gives the program: looked up (and prepared on first use) by jf_forward, held by a jf_program.
-template <class GetPrepared>
+// `open` gives the program: looked up (and prepared on first use) by jf_forward, held by a jf_program.
+template <class Open>
 void forward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_forward_args& a,
-                  jf_saved* saved_out, jf_stream stream, GetPrepared&& prepared) {
+                  jf_saved* saved_out, jf_stream stream, Open&& open) {
   const bool train = a.training != 0;
   if (train && !a.saved) need(saved_out, "saved_out (a training forward without a host saved buffer)");
   if (saved_out) *saved_out = nullptr;
@@ -401,7 +413,8 @@ void forward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const j
   }
   fa.params = collect_params<const void*>(s, ops, a.params, a.n_params, "params", &spans, false);
   jitfuse::api::check_no_overlap(spans);  // before prepare: a bad call never compiles anything
-  const std::shared_ptr<const Prepared>& pp = prepared();
+  const jf_program_s& prog = open();
+  const std::shared_ptr<const Prepared>& pp = prog.prepared;
   const auto& L = pp->layout;
   if (train) check_buffer(a.saved, a.saved_bytes, L.saved_bytes, "saved buffer", spans, true);
   check_buffer(a.workspace, a.workspace_bytes, L.fwd_arena, "workspace", spans, true);
@@ -411,13 +424,13 @@ void forward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const j
   fa.rng.state = a.rng_state;
   fa.rng.seed = a.rng_seed;
   fa.rng.offset = a.rng_offset;
-  if (s.recipe.is_fp8())
-    fa.weights_unchanged = s.fp8_state().weights_unchanged(*pp->program, fa.params, a.fp8_weights_unchanged != 0);
+  if (s.recipe.is_fp8()) fa.weights_unchanged = pp->weight_copies.unchanged(fa.params, a.fp8_weights_unchanged != 0);
   auto owned = train && !a.saved ? std::make_unique<jf_saved_s>() : nullptr;
-  auto& rt = s.ctx.runtime();
-  auto res = jitfuse::exec::run_forward(pp, rt, fa);
+  auto& rt = *prog.rt;
+  auto shadow = rt.verify ? shadow_for(pp, rt) : nullptr;  // JITFUSE_VERIFY only
+  auto res = jitfuse::exec::run_forward(pp, rt, fa, shadow ? shadow->forward_observer(fa).get() : nullptr);
   const void* block = train ? (a.saved ? a.saved : res.saved) : nullptr;
-  if (res.shadow && block) s.keep_shadow(block, res.shadow);
+  if (shadow && block) s.keep_shadow(block, std::move(shadow));
   if (owned) {
     owned->block = res.saved;
     owned->bytes = res.saved_bytes;
@@ -460,9 +473,9 @@ void backward_tensors(const Sequence& s, const std::vector<jitfuse::ops::Op>& op
   ba.grads = collect_params<void*>(s, ops, a.grads, a.n_grads, "grads", &spans, true);
 }
 
-template <class GetPrepared>
+template <class Open>
 void backward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_backward_args& a, jf_stream stream,
-                   GetPrepared&& prepared) {
+                   Open&& open) {
   std::vector<jitfuse::api::Span> spans;
   jitfuse::exec::BackwardArgs ba;
   ba.stream = as_stream(stream);
@@ -470,7 +483,8 @@ void backward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const 
                                     std::max(a.n_grads, 0)));
   backward_tensors(s, ops, a, ba, spans);
   jitfuse::api::check_no_overlap(spans);
-  const std::shared_ptr<const Prepared>& pp = prepared();
+  const jf_program_s& prog = open();
+  const std::shared_ptr<const Prepared>& pp = prog.prepared;
   const auto& L = pp->layout;
   if (L.saved_bytes) need(a.saved, "saved (the forward's saved buffer)");
   check_buffer(a.saved, a.saved_bytes, L.saved_bytes, "saved buffer", spans, false);
@@ -478,8 +492,8 @@ void backward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const 
   jitfuse::api::check_no_overlap(spans);
   ba.saved = a.saved;
   ba.workspace = a.workspace;
-  auto shadow = s.take_shadow(a.saved);
-  jitfuse::exec::run_backward(*pp, s.ctx.runtime(), ba, shadow.get());
+  auto shadow = prog.rt->verify ? s.take_shadow(a.saved) : nullptr;  // JITFUSE_VERIFY only
+  jitfuse::exec::run_backward(*pp, *prog.rt, ba, shadow ? shadow->backward_observer(ba).get() : nullptr);
 }
 
 void check_forward_struct(const Sequence& s, const jf_forward_args* args) {
@@ -496,6 +510,17 @@ void check_backward_struct(const Sequence& s, const jf_backward_args* args) {
                                    a.n_extra_inputs, a.output, a.extra_outputs, a.n_extra_outputs);
   jitfuse::api::check_backward_args(s.def, s.recipe.dtype, a.grad_output, a.grad_extra_outputs,
                                     a.n_grad_extra_outputs, a.grad_input, a.grad_extra_inputs, a.n_grad_extra_inputs);
+}
+
+// The program of (input shape, training) on the current device, prepared on first use, with everything a
+// call on it needs resolved: what jf_program_open hands out and jf_forward / jf_backward call through.
+jf_program_s lookup_program(jf_sequence seq, const jitfuse::ops::Shape& input, bool training, jf_stream stream) {
+  jf_program_s p;
+  p.seq = seq->impl;
+  p.training = training;
+  p.prepared = p.seq->prepared_for(input, training, as_stream(stream));
+  p.rt = &p.seq->ctx.runtime();
+  return p;
 }
 
 // A jf_program call's input must have the shape the program was prepared for.
@@ -518,9 +543,9 @@ jf_status jf_forward(jf_sequence seq, const jf_forward_args* args, jf_saved* sav
     check_forward_struct(s, args);
     const jitfuse::ops::Shape in_shape = shape_of(args->input);
     const auto ops = s.ops_for(in_shape);  // every argument is checked before anything touches the GPU
-    std::shared_ptr<const Prepared> pp;
-    forward_call(s, *ops, *args, saved_out, stream, [&]() -> const std::shared_ptr<const Prepared>& {
-      return pp = s.prepared_for(in_shape, args->training != 0, as_stream(stream));
+    jf_program_s found;
+    forward_call(s, *ops, *args, saved_out, stream, [&]() -> const jf_program_s& {
+      return found = lookup_program(seq, in_shape, args->training != 0, stream);
     });
   });
 }
@@ -532,9 +557,9 @@ jf_status jf_backward(jf_sequence seq, const jf_backward_args* args, jf_stream s
     check_backward_struct(s, args);
     const jitfuse::ops::Shape in_shape = shape_of(args->input);
     const auto ops = s.ops_for(in_shape);
-    std::shared_ptr<const Prepared> pp;
-    backward_call(s, *ops, *args, stream, [&]() -> const std::shared_ptr<const Prepared>& {
-      return pp = s.prepared_for(in_shape, true, as_stream(stream));
+    jf_program_s found;
+    backward_call(s, *ops, *args, stream, [&]() -> const jf_program_s& {
+      return found = lookup_program(seq, in_shape, true, stream);
     });
   });
 }
@@ -546,11 +571,7 @@ jf_status jf_program_open(jf_sequence seq, const int64_t* shape, int ndim, int t
     need(out, "out");
     *out = nullptr;
     auto in_shape = jitfuse::api::checked_shape(shape, ndim, "shape");
-    auto p = std::make_unique<jf_program_s>();
-    p->seq = seq->impl;
-    p->training = training != 0;
-    p->prepared = seq->impl->prepared_for(in_shape, p->training, as_stream(stream));
-    *out = p.release();
+    *out = std::make_unique<jf_program_s>(lookup_program(seq, in_shape, training != 0, stream)).release();
   });
 }
 
@@ -571,7 +592,7 @@ jf_status jf_program_forward(jf_program prog, const jf_forward_args* args, jf_sa
     if (args->training && !prog->training)
       fail(Status::invalid_argument, "a training forward needs a jf_program opened with training = 1");
     forward_call(s, prog->prepared->program->ops, *args, saved_out, stream,
-                 [&]() -> const std::shared_ptr<const Prepared>& { return prog->prepared; });
+                 [&]() -> const jf_program_s& { return *prog; });
   });
 }
 
@@ -583,7 +604,7 @@ jf_status jf_program_backward(jf_program prog, const jf_backward_args* args, jf_
     check_program_shape(*prog, args->input);
     if (!prog->training) fail(Status::invalid_argument, "a backward needs a jf_program opened with training = 1");
     backward_call(s, prog->prepared->program->ops, *args, stream,
-                  [&]() -> const std::shared_ptr<const Prepared>& { return prog->prepared; });
+                  [&]() -> const jf_program_s& { return *prog; });
   });
 }
 

@@ -13,6 +13,7 @@
 #include "exec/executor.hpp"
 #include "exec/fp8/recipe_state.hpp"
 #include "exec/kernels.hpp"
+#include "exec/verify.hpp"
 #include "jitfuse/jitfuse.h"
 #include "ops/sequence.hpp"
 #include "rules/rule.hpp"

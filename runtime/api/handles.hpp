@@ -12,10 +12,14 @@ struct jf_context_s {
 struct jf_sequence_s {
   std::shared_ptr<jitfuse::api::Sequence> impl;  // shared with the jf_program handles opened on it
 };
-// A prepared program held by the host: its sequence (kept alive) and the Prepared for one (shape, training).
+// A prepared program held by the host: its sequence (kept alive), the Prepared for one (shape, training) and
+// the context's runtime, all resolved when it is opened. A call on it is that call and nothing else: no
+// lookup, lock, environment read or driver query (FP8 too: the Prepared holds its recipe state and weight
+// copies). jf_forward / jf_backward look one up (a temporary of this type) and make the same call.
 struct jf_program_s {
   std::shared_ptr<jitfuse::api::Sequence> seq;
   std::shared_ptr<const jitfuse::exec::Prepared> prepared;
+  jitfuse::exec::Runtime* rt = nullptr;
   bool training = false;
 };
 // A communicator the host holds (sequences bound to it share it).

@@ -486,9 +486,11 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
       for (const auto& f : ks.gen.finalize)
         if (f.op == a.op && f.name == a.name) width = f.cols;
       k.buffer = temp("partials op" + std::to_string(a.op) + "." + a.name, ops::DType::f32, -1, width);
-      for (const auto& f : ks.gen.finalize)
+      for (size_t i = 0; i < ks.gen.finalize.size(); ++i) {
+        const auto& f = ks.gen.finalize[i];
         if (f.op == a.op && f.name == a.name)
-          ks.finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel, f.slot, f.count});
+          ks.finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel, f.slot, f.count, static_cast<int>(i)});
+      }
       break;
   }
     case Arg::Role::rows: k.kind = KArg::Kind::rows; break;
@@ -516,6 +518,37 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
   return k;
 }
 
+namespace {
+// Groups a kernel step's finalize follow-ups into one launch per finalize kernel, its gradients in slot
+// order; a gradient missing from its launch is a codegen/builder mismatch, refused here rather than per call.
+std::vector<KernelStep::FinalizeLaunch> finalize_launches(const KernelStep& ks) {
+  using F = codegen::Finalize;
+  std::vector<KernelStep::FinalizeLaunch> out;
+  for (const auto& f : ks.finalize) {
+    if (f.slot != 0) continue;
+    if (f.count < 1 || f.count > F::kMaxCount)
+      fail(Status::internal, "kernel {}: finalize {} has {} gradients (at most {})", ks.gen.kernel, f.key, f.count,
+           F::kMaxCount);
+    KernelStep::FinalizeLaunch l;
+    l.index = f.index;
+    l.count = f.count;
+    l.cols = f.cols;
+    l.pairs.assign(2 * static_cast<size_t>(f.count), -1);
+    int have = 0;
+    for (const auto& o : ks.finalize)
+      if (o.key == f.key && o.slot >= 0 && o.slot < f.count && l.pairs[2 * static_cast<size_t>(o.slot)] < 0) {
+        l.pairs[2 * static_cast<size_t>(o.slot)] = o.partials;
+        l.pairs[2 * static_cast<size_t>(o.slot) + 1] = o.grad;
+        ++have;
+      }
+    if (have != f.count)
+      fail(Status::internal, "kernel {}: finalize {} has {} of its {} gradients", ks.gen.kernel, f.key, have, f.count);
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+}  // namespace
+
 void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
                      const std::string& what) {
   auto ks = std::make_shared<KernelStep>();
@@ -541,6 +574,7 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   for (const auto& k : ks->args)
     if (k.kind == KArg::Kind::buffer) touch(k.buffer);
   for (const auto& f : ks->finalize) touch(f.grad);
+  ks->finalize_launches = finalize_launches(*ks);
   for (int id : {ks->fp8_scale, ks->fp8_scale_inv, ks->fp8_history}) touch(id);
   Step s;
   s.kind = Step::Kind::kernel;

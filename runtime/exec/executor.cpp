@@ -14,7 +14,9 @@
 namespace jitfuse::exec {
 namespace {
 
-void* alloc_bytes(const Allocator& a, CUstream s, size_t bytes) {
+// `pool`: the device's stream-ordered pool, resolved at prepare (Prepared::temp_pool), so that a call with
+// the default allocator asks the driver nothing but the allocation.
+void* alloc_bytes(const Allocator& a, CUmemoryPool pool, CUstream s, size_t bytes) {
   bytes = std::max<size_t>(bytes, 16);
   if (a.alloc) {
     void* p = a.alloc(bytes, s, a.user);
@@ -22,15 +24,15 @@ void* alloc_bytes(const Allocator& a, CUstream s, size_t bytes) {
     return p;
   }
   CUdeviceptr p = 0;
-  cuda::check(cuda::driver().cuMemAllocFromPoolAsync(&p, bytes, cuda::temp_pool(), s), "cuMemAllocFromPoolAsync");
+  cuda::check(cuda::driver().cuMemAllocFromPoolAsync(&p, bytes, pool, s), "cuMemAllocFromPoolAsync");
   return reinterpret_cast<void*>(p);
 }
 
 // One stream-ordered allocation, freed (stream-ordered) on scope exit unless released.
 class Block {
  public:
-  Block(const Allocator& a, CUstream s, size_t bytes) : a_(a), s_(s), bytes_(bytes) {
-    if (bytes) p_ = alloc_bytes(a, s, bytes);
+  Block(const Allocator& a, CUmemoryPool pool, CUstream s, size_t bytes) : a_(a), s_(s), bytes_(bytes) {
+    if (bytes) p_ = alloc_bytes(a, pool, s, bytes);
   }
   ~Block() { free_block(a_, s_, p_, bytes_); }
   Block(const Block&) = delete;
@@ -237,27 +239,21 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const Prep
   }
   cuda::check(d.cuLaunchKernel(v.kernel->fn, L.gx, L.gy, 1, L.bx, L.by, 1, 0, stream, n ? kparams : nullptr, nullptr),
               "cuLaunchKernel");
-  // One launch per finalize kernel: the gradients sharing it (codegen::Finalize::slot) are its argument pairs.
+  // One launch per finalize kernel, its (partials, grad) pairs resolved when the step was built.
   using F = codegen::Finalize;
-  for (const auto& f : k.finalize) {
-    if (f.slot != 0) continue;
+  for (const auto& f : k.finalize_launches) {
     void* pairs[2 * F::kMaxCount] = {};
-    int np = L.parts, acc = 0, have = 0;
-    for (const auto& o : k.finalize)
-      if (o.key == f.key && o.slot >= 0 && o.slot < F::kMaxCount) {
-        pairs[2 * o.slot] = ptr[static_cast<size_t>(o.partials)];
-        pairs[2 * o.slot + 1] = ptr[static_cast<size_t>(o.grad)];
-        ++have;
-      }
-    if (have != f.count || f.count > F::kMaxCount)
-      fail(Status::internal, "kernel {}: finalize {} has {} of its {} gradients", k.gen.kernel, f.key, have, f.count);
+    int np = L.parts, acc = 0;
     void* fp[2 * F::kMaxCount + 2];
-    for (int i = 0; i < 2 * f.count; ++i) fp[i] = &pairs[i];
+    for (int i = 0; i < 2 * f.count; ++i) {
+      pairs[i] = ptr[static_cast<size_t>(f.pairs[static_cast<size_t>(i)])];
+      fp[i] = &pairs[i];
+    }
     fp[2 * f.count] = &np;
     fp[2 * f.count + 1] = &acc;
     const unsigned grid = static_cast<unsigned>((f.cols + F::kCols - 1) / F::kCols);
-    cuda::check(d.cuLaunchKernel(v.kernel->finalize.at(f.key), grid, static_cast<unsigned>(f.count), 1, F::kThreads, 1,
-                                 1, 0, stream, fp, nullptr),
+    cuda::check(d.cuLaunchKernel(v.kernel->finalize[static_cast<size_t>(f.index)], grid, static_cast<unsigned>(f.count),
+                                 1, F::kThreads, 1, 1, 0, stream, fp, nullptr),
                 "cuLaunchKernel(finalize)");
   }
   if (!v.kernel->fp8_update) return;
@@ -355,7 +351,8 @@ void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<
   batch.launch(stream);
 }
 
-ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& fa) {
+ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& fa,
+                          CallObserver* observer) {
   const Program& p = *pp->program;
   const bool training = fa.training && p.training;
   std::vector<void*> ptr(p.buffers.size(), nullptr);
@@ -368,31 +365,21 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(fa.workspace);
   const Layout& L = pp->layout;
-  if (!arena_base && L.fwd_arena) arena_base = arena.emplace(rt.allocator, fa.stream, L.fwd_arena).get();
+  if (!arena_base && L.fwd_arena)
+    arena_base = arena.emplace(rt.allocator, pp->temp_pool, fa.stream, L.fwd_arena).get();
   std::optional<Block> block;
   char* saved_base = static_cast<char*>(fa.saved);
   if (training && !saved_base && L.saved_bytes)
-    saved_base = block.emplace(rt.allocator, fa.stream, L.saved_bytes).get();
+    saved_base = block.emplace(rt.allocator, pp->temp_pool, fa.stream, L.saved_bytes).get();
   place(L, Storage::fwd_arena, arena_base, ptr);
   if (training) place(L, Storage::saved_block, saved_base, ptr);
   ForwardResult result;
-  if (rt.verify && pp->reference) {
-    if (p.recipe.is_fp8()) {
-      rt.verify->note_skip("FP8 recipes are not verified (a shadow run would advance the recipe state twice)");
-    } else {
-      result.shadow = std::make_shared<Shadow>(pp, pp->reference, *rt.verify, rt);
-      result.shadow->begin_forward(fa, ptr, p.training);
-    }
+  GroupHook hook;
+  if (observer) {
+    observer->bound(ptr);
+    hook = [&](int g, bool before) { observer->group(g, before, ptr, fa.stream); };
   }
   if (p.rng >= 0) copy_rng(fa.rng, ptr[static_cast<size_t>(p.rng)], fa.stream);
-  GroupHook hook;
-  if (auto* shadow = result.shadow.get())
-    hook = [&](int g, bool before) {
-      if (before)
-        shadow->forward_input(g, ptr, fa.stream);
-      else
-        shadow->forward_group(g, ptr, fa.stream);
-    };
   StepFilter filter;
   filter.skip_weight_casts = fa.weights_unchanged;
   run_steps(*pp, rt, true, ptr, fa.stream, hook, filter);
@@ -403,7 +390,7 @@ ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt
   return result;
 }
 
-void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shadow* shadow) {
+void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, CallObserver* observer) {
   const Program& p = *pp.program;
   if (!p.training) fail(Status::invalid_argument, "a backward needs a program prepared for training");
   std::vector<void*> ptr(p.buffers.size(), nullptr);
@@ -423,17 +410,12 @@ void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& ba, Shado
   std::optional<Block> arena;
   char* arena_base = static_cast<char*>(ba.workspace);
   if (!arena_base && pp.layout.bwd_arena)
-    arena_base = arena.emplace(rt.allocator, ba.stream, pp.layout.bwd_arena).get();
+    arena_base = arena.emplace(rt.allocator, pp.temp_pool, ba.stream, pp.layout.bwd_arena).get();
   place(pp.layout, Storage::bwd_arena, arena_base, ptr);
   GroupHook hook;
-  if (shadow) {
-    shadow->begin_backward(ba, ptr);
-    hook = [&](int g, bool before) {
-      if (before)
-        shadow->backward_input(g, ptr, ba.stream);
-      else
-        shadow->backward_group(g, ptr, ba.stream);
-    };
+  if (observer) {
+    observer->bound(ptr);
+    hook = [&](int g, bool before) { observer->group(g, before, ptr, ba.stream); };
   }
   run_steps(pp, rt, false, ptr, ba.stream, hook);
 }

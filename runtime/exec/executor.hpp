@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "exec/prepare.hpp"
-#include "exec/verify.hpp"
 
 namespace jitfuse::exec {
 
@@ -63,11 +62,21 @@ struct BackwardArgs {
 struct ForwardResult {
   void* saved = nullptr;
   size_t saved_bytes = 0;
-  std::shared_ptr<Shadow> shadow;  // JITFUSE_VERIFY: the unfused run's memory, for the backward's comparison
 };
 
-ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& args);
-void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& args, Shadow* shadow);
+// Watches a call from above the executor (JITFUSE_VERIFY's shadow run, verify.hpp, which the API layer
+// attaches): the call's buffer pointers once bound, then each group before and after its steps. The
+// executor knows no more of it than this.
+class CallObserver {
+ public:
+  virtual ~CallObserver() = default;
+  virtual void bound(const std::vector<void*>& ptr) = 0;
+  virtual void group(int g, bool before, const std::vector<void*>& ptr, CUstream stream) = 0;
+};
+
+ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& args,
+                          CallObserver* observer = nullptr);
+void run_backward(const Prepared& pp, Runtime& rt, const BackwardArgs& args, CallObserver* observer = nullptr);
 void free_block(const Allocator& a, CUstream stream, void* p, size_t bytes);
 
 // Which steps of a pass run_steps runs: those of groups [group_begin, group_end), the weight casts left out

@@ -186,8 +186,8 @@ const LoadedKernel& KernelLibrary::load(const codegen::Generated& gen, const cod
     cuda::check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&lk->blocks_per_sm, lk->fn, L.bx * L.by, 0),
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     lk->blocks_per_sm = std::max(1, lk->blocks_per_sm);
-    // by name: the kernel is shared by groups at any depth, so not by op index
-    for (const auto& f : gen.finalize) lk->finalize[f.kernel] = get(f.kernel);
+    // by position, looked up by name: the kernel is shared by groups at any depth, so not by op index
+    for (const auto& f : gen.finalize) lk->finalize.push_back(get(f.kernel));
     if (!gen.fp8_update.empty()) lk->fp8_update = get(gen.fp8_update);
     m.kernel = std::move(lk);
   } catch (...) {

@@ -57,7 +57,9 @@ struct LoadedKernel {
   bool vector = true;      // which entry point `fn` is (gen.entry(vector))
   CUfunction fn = nullptr;
   int blocks_per_sm = 1;  // resident blocks of `fn` per SM at its block size (the driver's occupancy)
-  std::map<std::string, CUfunction> finalize;  // finalize kernel name (Finalize::kernel) -> kernel
+  // By position in gen.finalize (a source's list is the same for every group sharing it); the gradients
+  // of one launch share one function.
+  std::vector<CUfunction> finalize;
   CUfunction fp8_update = nullptr;             // fp8_delayed: the recipe-state update after the kernel
 };
 

@@ -236,7 +236,9 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
     if (b.role != BufferRole::param && b.role != BufferRole::grad) continue;
     (b.role == BufferRole::param ? pp->params : pp->grads).push_back({b.id, param_slot(p.ops, b.op, b.key)});
   }
-  pp->sequence_state = std::move(with.sequence_state);
+  pp->sequence_state = std::move(with.sequence_state.buffers);
+  pp->weight_copies = std::move(with.sequence_state.weights);
+  pp->temp_pool = cuda::temp_pool();
   pp->reference = std::move(with.reference);
   return pp;
 }

@@ -14,12 +14,14 @@
 #include "cuda/cublaslt.hpp"
 #include "cuda/driver.hpp"
 #include "cuda/nccl.hpp"
+#include "exec/fp8/recipe_state.hpp"
 #include "exec/kernels.hpp"
 #include "exec/layout.hpp"
 #include "exec/program.hpp"
-#include "exec/verify.hpp"
 
 namespace jitfuse::exec {
+
+struct VerifyLog;  // verify.hpp: JITFUSE_VERIFY's findings, a layer above the executor
 
 struct Allocator {
   void* (*alloc)(size_t bytes, CUstream stream, void* user) = nullptr;  // null: jitfuse's stream-ordered pool
@@ -96,17 +98,19 @@ struct Prepared {
   std::vector<SlotBind> params, grads;  // param / grad buffers <- the call's parameter slots
   // FP8 recipe state and persistent buffers: fixed per (sequence, device), so bound once.
   std::vector<std::pair<int, void*>> sequence_state;
+  fp8::WeightCopies weight_copies;  // FP8: the weight copies its forward casts, by parameter slot
   std::shared_ptr<const Prepared> reference;  // JITFUSE_VERIFY: the unfused program of the same ops
   std::shared_ptr<cuda::Communicator> comm;  // the program's comm steps run on it (null: it has none)
   std::shared_ptr<SideStream> side;          // null unless a step runs on the side stream
+  CUmemoryPool temp_pool = nullptr;  // the device's pool for calls with the default allocator (no lookup)
 
   const std::vector<PreparedStep>& steps(bool fwd) const { return fwd ? forward : backward; }
 };
 
 // What prepare binds besides the program: the sequence's state buffers (FP8 recipe state and weight copies,
-// by buffer id: fp8::RecipeState::bind) and the unfused reference program of JITFUSE_VERIFY.
+// by buffer id, and the copies' parameter slots: fp8::RecipeState::bind) and the unfused reference program of JITFUSE_VERIFY.
 struct PrepareWith {
-  std::vector<std::pair<int, void*>> sequence_state;
+  fp8::Binding sequence_state;
   std::shared_ptr<const Prepared> reference;
   std::shared_ptr<cuda::Communicator> comm;  // the sequence's communicator (jf_sequence_set_comm)
 };

@@ -98,10 +98,19 @@ struct KernelStep {
   struct Follow {                  // a finalize kernel: grad(op,name) = sum of the partials
     int partials = -1, grad = -1;
     int64_t cols = 0;
-    std::string key;  // LoadedKernel::finalize key: the finalize kernel's name (the same at any depth)
+    std::string key;  // the finalize kernel's name (the same at any depth): explain and tests
     int slot = 0, count = 1;  // codegen::Finalize: this gradient's place in its kernel's one launch
+    int index = 0;            // its place in gen.finalize: the loaded module's LoadedKernel::finalize[index]
   };
   std::vector<Follow> finalize;
+  // One launch per finalize kernel, resolved when the step is built (a call matches no names): the
+  // function's index in LoadedKernel::finalize and the (partials, grad) buffer pairs of its slots in order.
+  struct FinalizeLaunch {
+    int index = 0, count = 0;
+    int64_t cols = 0;
+    std::vector<int> pairs;  // partials_0, grad_0, partials_1, grad_1, ... (2 x count)
+  };
+  std::vector<FinalizeLaunch> finalize_launches;
   // FP8: the per-block amax partials and the recipe-state update kernel after the main kernel.
   int amax_partials = -1;
   int fp8_scale = -1, fp8_scale_inv = -1, fp8_history = -1, fp8_len = 0;

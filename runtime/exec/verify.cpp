@@ -103,10 +103,52 @@ void Shadow::bind_pass(bool forward, const std::vector<void*>& fused_ptr) {
   }
 }
 
-void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fused_ptr, bool training) {
+namespace {
+// The two directions' observers: which of the shadow's steps a fused call's events run.
+class ForwardWatch final : public CallObserver {
+ public:
+  ForwardWatch(Shadow& s, const ForwardArgs& fa) : s_(s), fa_(fa) {}
+  void bound(const std::vector<void*>& ptr) override { s_.begin_forward(fa_, ptr); }
+  void group(int g, bool before, const std::vector<void*>& ptr, CUstream stream) override {
+    if (before)
+      s_.forward_input(g, ptr, stream);
+    else
+      s_.forward_group(g, ptr, stream);
+  }
+
+ private:
+  Shadow& s_;
+  const ForwardArgs& fa_;
+};
+
+class BackwardWatch final : public CallObserver {
+ public:
+  BackwardWatch(Shadow& s, const BackwardArgs& ba) : s_(s), ba_(ba) {}
+  void bound(const std::vector<void*>& ptr) override { s_.begin_backward(ba_, ptr); }
+  void group(int g, bool before, const std::vector<void*>& ptr, CUstream stream) override {
+    if (before)
+      s_.backward_input(g, ptr, stream);
+    else
+      s_.backward_group(g, ptr, stream);
+  }
+
+ private:
+  Shadow& s_;
+  const BackwardArgs& ba_;
+};
+}  // namespace
+
+std::unique_ptr<CallObserver> Shadow::forward_observer(const ForwardArgs& fa) {
+  return std::make_unique<ForwardWatch>(*this, fa);
+}
+
+std::unique_ptr<CallObserver> Shadow::backward_observer(const BackwardArgs& ba) {
+  return std::make_unique<BackwardWatch>(*this, ba);
+}
+
+void Shadow::begin_forward(const ForwardArgs& fa, const std::vector<void*>& fused_ptr) {
   const Program& r = *ref_->program;
   const Program& f = *fused_->program;
-  (void)training;
   bind_pass(true, fused_ptr);
   // The same Philox state: the fused forward copies it in before its first step.
   if (r.rng >= 0 && f.rng >= 0) ptr_[static_cast<size_t>(r.rng)] = fused_ptr[static_cast<size_t>(f.rng)];

@@ -9,12 +9,9 @@
 #include <string>
 #include <vector>
 
-namespace jitfuse::exec {
+#include "exec/executor.hpp"
 
-struct Prepared;
-struct ForwardArgs;
-struct BackwardArgs;
-struct Runtime;
+namespace jitfuse::exec {
 
 // What a context's verification found so far (shared by its sequences).
 struct VerifyLog {
@@ -36,8 +33,13 @@ class Shadow {
   Shadow(const Shadow&) = delete;
   Shadow& operator=(const Shadow&) = delete;
 
+  // The observers a fused call runs with (run_forward / run_backward): they bind this shadow run to the
+  // call's tensors and run and compare each group after the fused one. Live for that call only.
+  std::unique_ptr<CallObserver> forward_observer(const ForwardArgs& fa);
+  std::unique_ptr<CallObserver> backward_observer(const BackwardArgs& ba);
+
   // Binds the reference program's tensors: the caller's inputs and parameters, scratch for its outputs.
-  void begin_forward(const ForwardArgs& fa, const std::vector<void*>& fused_ptr, bool training);
+  void begin_forward(const ForwardArgs& fa, const std::vector<void*>& fused_ptr);
   // Before the fused forward group `gi` runs: a copy of its input (its steps may reuse that memory).
   void forward_input(int gi, const std::vector<void*>& fused_ptr, CUstream stream);
   // After the fused forward group `gi` ran: the unfused ops of the group on the same input, compared.

@@ -165,11 +165,12 @@ void run_case(const CtCase& c, int64_t rows, bool vector, int gy_cap, uint64_t s
     }
     cuda::check(drv().cuLaunchKernel(lk.fn, gx, gy, 1, g.launch.bx, g.launch.by, 1, 0, nullptr, params.data(), nullptr),
                 "cuLaunchKernel");
-    for (const auto& f : g.finalize) {
+    for (size_t fi = 0; fi < g.finalize.size(); ++fi) {
+      const auto& f = g.finalize[fi];
       int parts = static_cast<int>(gy), acc = 0;
       void* fp[] = {&part.p, &grad_bias.p, &parts, &acc};
       using F = codegen::Finalize;
-      cuda::check(drv().cuLaunchKernel(lk.finalize.at(f.kernel), static_cast<unsigned>((f.cols + F::kCols - 1) / F::kCols),
+      cuda::check(drv().cuLaunchKernel(lk.finalize.at(fi), static_cast<unsigned>((f.cols + F::kCols - 1) / F::kCols),
                                        1, 1, F::kThreads, 1, 1, 0, nullptr, fp, nullptr),
                   "cuLaunchKernel(finalize)");
     }

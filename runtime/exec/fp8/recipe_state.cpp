@@ -88,10 +88,10 @@ const State& RecipeState::state(int op, Operand operand) const {
   return it->second;
 }
 
-std::vector<std::pair<int, void*>> RecipeState::bind(const Program& p) {
+Binding RecipeState::bind(const Program& p) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& d = cuda::driver();
-  std::vector<std::pair<int, void*>> out;
+  Binding out;
   for (const auto& b : p.buffers) {
     if (b.storage == Storage::persistent) {
       auto& c = copies_[{b.op, b.fp8_operand, b.fp8_part}];
@@ -103,7 +103,8 @@ std::vector<std::pair<int, void*>> RecipeState::bind(const Program& p) {
       } else if (c.bytes != b.bytes) {  // weights have one shape per sequence: every program asks the same
         fail(Status::internal, "persistent buffer {}: {} bytes, earlier {}", b.name, b.bytes, c.bytes);
       }
-      out.emplace_back(b.id, c.ptr);
+      out.buffers.emplace_back(b.id, c.ptr);
+      out.weights.uses.push_back({c.cast_from.get(), param_slot(p.ops, b.op, "weight")});
       continue;
     }
     if (b.role != BufferRole::recipe_state) continue;
@@ -112,33 +113,29 @@ std::vector<std::pair<int, void*>> RecipeState::bind(const Program& p) {
       fail(Status::internal, "{}: no FP8 recipe state{}", p.ops.at(static_cast<size_t>(b.op)).label(),
            b.fp8_operand == Operand::none ? "" : std::string(" for its ") + name(b.fp8_operand));
     const State& st = it->second;
-    out.emplace_back(b.id, b.fp8_part == Part::scale       ? static_cast<void*>(st.scale)
-                           : b.fp8_part == Part::scale_inv ? static_cast<void*>(st.scale_inv)
-                                                           : static_cast<void*>(st.history));
+    out.buffers.emplace_back(b.id, b.fp8_part == Part::scale       ? static_cast<void*>(st.scale)
+                                   : b.fp8_part == Part::scale_inv ? static_cast<void*>(st.scale_inv)
+                                                                   : static_cast<void*>(st.history));
   }
   return out;
 }
 
-bool RecipeState::weights_unchanged(const Program& p, const std::vector<const void*>& params, bool host_says) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto source = [&](const Buffer& b) -> const void* {
-    const int slot = param_slot(p.ops, b.op, "weight");
-    return slot >= 0 && static_cast<size_t>(slot) < params.size() ? params[static_cast<size_t>(slot)] : nullptr;
+bool WeightCopies::unchanged(const std::vector<const void*>& params, bool host_says) const {
+  auto source = [&](const Use& u) -> const void* {
+    return u.slot >= 0 && static_cast<size_t>(u.slot) < params.size() ? params[static_cast<size_t>(u.slot)] : nullptr;
   };
   // Skipped only if every copy this program reads was cast, by an earlier forward, from the same pointer.
   bool ok = host_says;
-  for (const auto& b : p.buffers) {
+  for (const auto& u : uses) {
     if (!ok) break;
-    if (b.storage != Storage::persistent) continue;
-    auto it = copies_.find({b.op, b.fp8_operand, b.fp8_part});
-    ok = it != copies_.end() && it->second.cast_from && it->second.cast_from == source(b);
+    const void* from = u.cast_from->load(std::memory_order_acquire);
+    ok = from && from == source(u);
   }
   if (ok) {
     log().debug("FP8 weights unchanged: the weight casts are skipped");
     return true;
   }
-  for (const auto& b : p.buffers)  // this forward casts: its copies now come from these pointers
-    if (b.storage == Storage::persistent) copies_[{b.op, b.fp8_operand, b.fp8_part}].cast_from = source(b);
+  for (const auto& u : uses) u.cast_from->store(source(u), std::memory_order_release);  // this forward casts
   return false;
 }
 

@@ -6,7 +6,9 @@
 #pragma once
 #include <cuda.h>
 
+#include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <utility>
@@ -26,6 +28,33 @@ struct State {
   int len = 0;
 };
 
+// Which weight pointer a persistent FP8 copy was last cast from (null: never written). Shared by every
+// program of the sequence that reads the copy; read and written without a lock by concurrent calls.
+using CastFrom = std::atomic<const void*>;
+
+// The persistent FP8 weight copies one program reads and the parameter slots their weights come from,
+// resolved once when the program is bound: what lets a call decide whether its weight casts may be skipped
+// with no lookup and no lock (WeightCopies::unchanged).
+class WeightCopies {
+ public:
+  struct Use {
+    CastFrom* cast_from = nullptr;
+    int slot = -1;  // the weight's parameter slot (param_slot), -1: none
+  };
+  // Whether a forward may skip its weight casts: the host says the weights did not change AND every copy
+  // was written by an earlier forward from the same weight pointer. When it may not, records that this
+  // forward (which casts) writes them from `params` (the call's, by slot).
+  bool unchanged(const std::vector<const void*>& params, bool host_says) const;
+  std::vector<Use> uses;
+};
+
+// What binding a program to the state gives its prepare: every recipe-state and persistent buffer of the
+// program with its device pointer, and the program's weight copies.
+struct Binding {
+  std::vector<std::pair<int, void*>> buffers;
+  WeightCopies weights;
+};
+
 class RecipeState {
  public:
   // Allocates and initialises (scale = scale_inv = 1, history 0) every state of `def` under `recipe` on the
@@ -38,12 +67,9 @@ class RecipeState {
   // The state of op `op`'s `operand` (none: a quantize op's). Throws invalid_argument if it has none.
   const State& state(int op, Operand operand) const;
   // Allocates the persistent FP8 weight copies `p` reads that no earlier program did, then returns every
-  // recipe-state and persistent buffer of `p` with its device pointer: what its calls bind (PrepareWith).
-  std::vector<std::pair<int, void*>> bind(const Program& p);
-  // Whether a forward of `p` may skip its weight casts: the host says the weights did not change AND every
-  // persistent copy `p` reads was written by an earlier forward from the same weight pointers. When it may
-  // not, records that this forward (which casts) writes them from `params` (the call's, by param_slot).
-  bool weights_unchanged(const Program& p, const std::vector<const void*>& params, bool host_says);
+  // recipe-state and persistent buffer of `p` with its device pointer and its weight copies: what its
+  // calls bind (PrepareWith). The state outlives the binding (the sequence owns both).
+  Binding bind(const Program& p);
 
  private:
   using StateKey = std::pair<int, Operand>;
@@ -51,7 +77,7 @@ class RecipeState {
   struct Copy {
     void* ptr = nullptr;
     size_t bytes = 0;
-    const void* cast_from = nullptr;  // the weight pointer a forward last cast it from (null: never written)
+    std::unique_ptr<CastFrom> cast_from = std::make_unique<CastFrom>(nullptr);  // stable address for bindings
   };
   std::mutex mu_;
   std::map<StateKey, State> states_;

@@ -15,13 +15,13 @@ from ._abi import EXPECTED_ABI_VERSION
 from .errors import (AbiMismatchError, CompileError, CudaError, InternalError, InvalidArgumentError,
                      JitfuseError, JitfuseIOError, JitfuseMemoryError, LibraryNotFoundError, NoDeviceError,
                      NotPreparedError, ParseError, RuleError, RuleLoadError, UnsupportedError)
-from .lib import (Communicator, Context, Decision, Explanation, Group, Library, OpShape, ProgramExplain, ProgramInfo, Sequence,
-                  TensorInfo, abi_version, cache_dir, library, library_candidates, load_library, nccl_version,
+from .lib import (Communicator, Context, Decision, Explanation, Group, Library, OpShape, PreparedProgram,
+                  ProgramExplain, ProgramInfo, Sequence, TensorInfo, abi_version, cache_dir, library, library_candidates, load_library, nccl_version,
                   parse_shape, version)
 
 __all__ = [
     "__version__", "EXPECTED_ABI_VERSION", "Communicator", "nccl_version", "Context", "Sequence", "Explanation", "Decision", "Group", "OpShape",
-    "ProgramExplain", "ProgramInfo", "TensorInfo", "Library", "library", "load_library", "library_candidates",
+    "PreparedProgram", "ProgramExplain", "ProgramInfo", "TensorInfo", "Library", "library", "load_library", "library_candidates",
     "abi_version", "version", "cache_dir", "parse_shape", "JitfuseError", "InvalidArgumentError", "ParseError",
     "UnsupportedError", "CompileError", "CudaError", "JitfuseIOError", "JitfuseMemoryError", "NoDeviceError",
     "InternalError", "NotPreparedError", "LibraryNotFoundError", "AbiMismatchError", "RuleError", "RuleLoadError",

@@ -90,8 +90,8 @@ def bench_paths(calls: int = 1000, rounds: int = 7, m: int = 16, h: int = 1024) 
     prog.forward(x, [], params, None, False, with_saved_block=False)
     c = prog._tls.calls[(x.shape, False)]
     stream = torch.cuda.current_stream().cuda_stream
-    layers["C ABI jf_forward through ctypes (arguments built once)"] = (
-        lambda: prog._jf_forward(prog._handle, c.args_ref, c.saved_handle_ref, stream))
+    layers["C ABI jf_program_forward through ctypes (arguments built once)"] = (
+        lambda: prog._jf_program_forward(c.handle, c.args_ref, c.saved_handle_ref, stream))
     op = torch.ops.jitfuse.forward.default
 
     def op_call() -> None:

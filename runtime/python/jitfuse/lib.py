@@ -691,6 +691,12 @@ class Sequence(_Owned):
         """The ProgramInfo of an already prepared (shape, training), or None (never calls the library)."""
         return self._info_cache.get((shape, training))
 
+    def open(self, shape: Iterable[int], training: bool = True,
+             stream: Optional[int] = None) -> "PreparedProgram":
+        """The prepared program of (shape, training) as a :class:`PreparedProgram` handle (jf_program_open;
+        prepares it first if needed): calls on it skip the sequence's lookup."""
+        return PreparedProgram(self, shape, training, stream)
+
     def forward(self, args: _abi.jf_forward_args, stream: Optional[int] = None) -> Optional[int]:
         """jf_forward with a filled :class:`jitfuse._abi.jf_forward_args`; returns the jf_saved handle the
         library allocated (training without a host saved block), else None."""
@@ -730,6 +736,48 @@ class Sequence(_Owned):
             return f"<jitfuse.Sequence {self.name!r} (closed)>"
         kinds = " ".join(o.get("op", "?") for o in self.ops) if self.ops is not None else f"{self.num_ops} ops"
         return f"<jitfuse.Sequence {self.name!r} {self.recipe}: {kinds}>"
+
+
+class PreparedProgram(_Owned):
+    """One prepared (shape, training) of a :class:`Sequence` (a ``jf_program``): what the sequence's
+    ``forward``/``backward`` look up per call, resolved once, so a call is the call and nothing else (no
+    lookup, lock, environment read or driver query in the library). Keeps its sequence alive in the library;
+    closed explicitly, by ``with``, or when garbage-collected."""
+
+    _DESTROY = "jf_program_close"
+
+    def __init__(self, seq: Sequence, shape: Iterable[int], training: bool = True, stream: Optional[int] = None):
+        self._lib = seq.lib
+        self._handle: Optional[int] = None
+        self.shape = tuple(int(d) for d in shape)
+        self.training = bool(training)
+        dims, nd = _shape_array(self.shape)
+        handle = _abi.jf_program()
+        self._lib.check(self._lib.cdll.jf_program_open(seq.handle, dims, nd, int(self.training), stream,
+                                                       ctypes.byref(handle)), "jf_program_open")
+        self._handle = handle.value
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise ValueError("jitfuse.PreparedProgram: the program is closed")
+        return self._handle
+
+    def forward(self, args: _abi.jf_forward_args, stream: Optional[int] = None) -> Optional[int]:
+        """jf_program_forward; as :meth:`Sequence.forward`."""
+        saved_handle = _abi.jf_saved()
+        self._lib.check(self._lib.cdll.jf_program_forward(self.handle, ctypes.byref(args), ctypes.byref(saved_handle),
+                                                          stream), "jf_program_forward")
+        return saved_handle.value
+
+    def backward(self, args: _abi.jf_backward_args, stream: Optional[int] = None) -> None:
+        """jf_program_backward; as :meth:`Sequence.backward`."""
+        self._lib.check(self._lib.cdll.jf_program_backward(self.handle, ctypes.byref(args), stream),
+                        "jf_program_backward")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._handle is None else ("training" if self.training else "inference")
+        return f"<jitfuse.PreparedProgram {list(self.shape)} ({state})>"
 
 
 def __getattr__(name: str) -> Any:

@@ -254,7 +254,11 @@ class ForwardArgs:
         self.saved_block_shape = (self.saved_block_bytes,)
         self.ws_bytes = info.forward_workspace_bytes
         self.ws_shape = (self.ws_bytes,)
-        self.returns_saved_handle = training and not self.saved_block_bytes  # jf_forward hands back an empty jf_saved
+        self.returns_saved_handle = training and not self.saved_block_bytes  # the forward hands back an empty jf_saved
+        # The jf_program of (shape, training): prepared above (prog.info), so opening it is a lookup; a call
+        # on it is the library's steady-state call (the C++ extension's too).
+        self.program = prog.sequence.open(self.shape, training)
+        self.handle = self.program.handle
         ne, neo, npar = len(extras), len(info.outputs) - 1, len(params)
         specs = ([(tuple(x.shape), TORCH_TO_DL[x.dtype])] + [(tuple(e.shape), TORCH_TO_DL[e.dtype]) for e in extras]
                  + [(o.shape, o.dl_dtype[:2]) for o in info.outputs]
@@ -361,6 +365,8 @@ class BackwardArgs:
         a.n_grads = npar
         a.workspace_bytes = self.ws_bytes
         self.args_ref = ctypes.byref(a)
+        self.program = prog.sequence.open(self.shape, True)  # as ForwardArgs.program
+        self.handle = self.program.handle
 
 
 class CallCache(threading.local):
@@ -411,9 +417,9 @@ def run_forward(prog: Any, x: Tensor, extras: List[Tensor], params: List[Tensor]
         a.saved = saved_block.data_ptr()
     if prog.fp8:
         a.fp8_weights_unchanged = int(_fp8_promise.active and not _capturing())
-    status = prog._jf_forward(prog._handle, c.args_ref, c.saved_handle_ref, stream)
+    status = prog._jf_program_forward(c.handle, c.args_ref, c.saved_handle_ref, stream)
     if status:
-        prog._lib.check(status, "jf_forward")
+        prog._lib.check(status, "jf_program_forward")
     if c.returns_saved_handle and c.saved_handle.value:  # training with nothing to save: nothing is in it
         prog._cdll.jf_saved_release(c.saved_handle, stream)
         c.saved_handle.value = None
@@ -461,7 +467,7 @@ def run_backward(prog: Any, x: Tensor, extras: List[Tensor], output: Tensor, ext
         d.data = t.data_ptr()
     if c.saved_block_bytes:
         a.saved = saved_block.data_ptr()
-    status = prog._jf_backward(prog._handle, c.args_ref, stream)
+    status = prog._jf_program_backward(c.handle, c.args_ref, stream)
     if status:
-        prog._lib.check(status, "jf_backward")
+        prog._lib.check(status, "jf_program_backward")
     return [grad_input, *grad_extras, *grads]

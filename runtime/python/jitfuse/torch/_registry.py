@@ -159,8 +159,8 @@ class DeviceProgram:
         self._lib = self.sequence.lib
         self._cdll = self._lib.cdll
         self._handle = self.sequence.handle
-        self._jf_forward = self._cdll.jf_forward
-        self._jf_backward = self._cdll.jf_backward
+        self._jf_program_forward = self._cdll.jf_program_forward
+        self._jf_program_backward = self._cdll.jf_program_backward
         self.fp8 = d.recipe in FP8_RECIPES
         self._fp8_views: Optional[Dict[str, Tensor]] = None
         # FP8 with a trailing quantize: the output is a Float8Tensor whose scale_inv is copied, per call, from
