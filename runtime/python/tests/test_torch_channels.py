@@ -1,15 +1,17 @@
 # Tests of jitfuse.torch that need PyTorch but no GPU (nothing here loads the library or runs a program): the
 # sequence JSON the modules emit with channels, the extra input/output counts of Sequential, the construction
 # errors naming the op, and Linear.from_pair / Bias.from_pair (storage sharing, the half order, refusals).
-# Skipped where PyTorch is not installed; not marked gpu: `python3 -m pytest runtime/python/tests` runs them on
-# any machine with PyTorch (CUDA or not).
+# Skipped where PyTorch is not installed or is older than jitfuse.torch supports (conftest.need_torch); not marked
+# gpu: `python3 -m pytest runtime/python/tests` runs them on any machine with PyTorch (CUDA or not).
 import copy
 import hashlib
 import json
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import need_torch
+
+torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch refuses
 
 from torch import nn  # noqa: E402
 
