@@ -25,6 +25,12 @@ from . import distributed  # noqa: E402
 from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, AllGather, AllReduce, BasicOp, Bias, Dropout,  # noqa: E402
                       Fork, Fp8Sequential, ReduceScatter, Identity, LayerNorm, Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
                       Sequential, SiLU, SReLU, SwiGLU, export_definitions)
+from .. import _toolchain  # noqa: E402
+
+if extension_active():
+    # Models export through the extension's ops; an Inductor compiler that links libstdc++ statically in part
+    # builds packages that crash when loaded (docs/deploy.md): say so now, once, not after the crash.
+    _toolchain.warn_if_static("loading the C++ extension that exported models call", stacklevel=2)
 
 __all__ = [
     "Sequential", "BasicOp", "Op", "Linear", "Bias", "GELU", "ReLU", "SiLU", "QGELU", "SReLU", "SwiGLU", "GEGLU",

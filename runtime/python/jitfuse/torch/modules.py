@@ -1032,8 +1032,13 @@ def export_definitions(model: nn.Module, path: Any) -> int:
     """Writes the sequence definitions of every :class:`Sequential` in ``model`` (both modes, every dtype) to
     ``path``, for a host that runs an exported model without this package: the C++ ops read the file named in
     ``$JITFUSE_TORCH_SEQUENCES`` (or ``jitfuse_torch::load_definitions(path)``) to know what each key of the
-    graph's ``jitfuse::forward`` calls means. Returns how many definitions it wrote (docs/deploy.md)."""
+    graph's ``jitfuse::forward`` calls means. Returns how many definitions it wrote (docs/deploy.md).
+
+    Warns (:class:`jitfuse.StaticLibstdcxxWarning`) when the compiler Inductor builds packages with links part of
+    libstdc++ statically: the package beside these definitions would crash when loaded (docs/deploy.md)."""
+    from .. import _toolchain
     from ._registry import write_definitions
+    _toolchain.warn_if_static("export_definitions")
     keys = [k for m in model.modules() if isinstance(m, Sequential)
             for by_dtype in m._jf_keys.values() for k in by_dtype.values()]
     return write_definitions(str(path), keys)
