@@ -780,10 +780,12 @@ class Sequential(nn.Module):
         return self._eager_forward(input, *extra_inputs)
 
     def _eager_forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
-        """forward when not traced by Dynamo, on the route :func:`jitfuse.torch._calls.route` chooses: DIRECT
-        calls the program here (no dispatcher hop; under autograd, one autograd node around it), through the
-        module's :class:`~jitfuse.torch._ops.EagerCall`. Anything unusual (a wrong dtype or device, a tensor
-        subclass, a dispatch mode, the profiler) takes the custom op, which also raises the errors."""
+        """forward when not traced by Dynamo. With the C++ extension and no FP8 recipe, the extension's
+        module_forward (its C++ Autograd kernel decides the rest). Otherwise on the route
+        :func:`jitfuse.torch._calls.route` chooses: DIRECT calls the program here (no dispatcher hop; under
+        autograd, one autograd node around it), through the module's :class:`~jitfuse.torch._ops.EagerCall`.
+        Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler) takes the
+        custom op, which also raises the errors."""
         training = self.training
         ext = ext_forward is not None and self.recipe is None
         params = self._params(not ext)
