@@ -29,7 +29,8 @@ def test_supported_or_unreadable_versions_pass(version):
     ts.check(version)
 
 
-@pytest.mark.parametrize("version", ["1.13.1", "2.0.1", "2.3.1+cu121", "2.3.0a0+git"])
+# 1.13.0a0: what Debian 12's python3-torch 1.13.1 reports as torch.__version__.
+@pytest.mark.parametrize("version", ["1.13.1", "1.13.0a0", "2.0.1", "2.3.1+cu121", "2.3.0a0+git"])
 def test_older_versions_are_refused_naming_both_versions_and_what_to_do(version):
     with pytest.raises(jitfuse.UnsupportedTorchError) as e:
         ts.check(version, "/usr/lib/python3/dist-packages/torch/__init__.py")
