@@ -1,4 +1,5 @@
-// Every environment variable jitfuse reads, in one place (docs/environment.md lists the same).
+// Every JITFUSE_* variable the library and the CLI read, in one place (docs/environment.md lists these and
+// the rest of the tree's; tests/docs/test_environment_doc.py keeps both true).
 #pragma once
 #include <optional>
 #include <string>
@@ -15,6 +16,7 @@ namespace jitfuse::env {
 // JITFUSE_ALL_VARIANTS     1: prepare loads every kernel variant (no compile in a call, even misaligned)
 // JITFUSE_GEMM_TUNING      0: cuBLASLt's first heuristic choice for every GEMM (no timing at prepare)
 // JITFUSE_GEMM_TUNING_MAX_BYTES  largest scratch a GEMM is timed on at prepare (default 256M; 0: no cap)
+// JITFUSE_NCCL_LIBRARY     absolute path of the libnccl.so.2 to load (default: the loader's, then CUDA's)
 std::optional<std::string> get(const char* name);
 bool flag(const char* name);  // set and not "0"/"false"/""
 std::vector<std::string> split_path(const std::string& s);

@@ -7,20 +7,22 @@ extension of :mod:`jitfuse.torch` (``libjitfuse_torch.so``, ``_jitfuse_torch_C``
 into ``jitfuse/torch/`` when all of these hold, and says which one failed otherwise:
 
 - ``JITFUSE_TORCH_EXTENSION`` is not ``0`` (``1``: any reason not to build is an error);
-- the interpreter running the build imports torch. pip builds in an isolated environment without torch unless
-  told not to: ``pip install --no-build-isolation runtime/python``;
+- the interpreter running the build imports a torch that jitfuse.torch supports (``jitfuse/_torch_support.py``).
+  pip builds in an isolated environment without torch unless told not to: ``pip install --no-build-isolation
+  runtime/python``;
 - ``runtime/torch`` is beside ``runtime/python`` (an install from the checkout, not from a copied tree);
 - a ``libjitfuse.so`` to link: ``$JITFUSE_LIBRARY``, one copied into ``runtime/python/jitfuse/``, or the
   checkout's ``build*/runtime/libjitfuse.so.0``;
 - ``cmake`` is on ``PATH`` (and a C++17 compiler; ``$CXX`` picks it).
 """
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 TORCH_SRC = HERE.parent / "torch"
@@ -46,6 +48,14 @@ def find_libjitfuse() -> Optional[Path]:
     return None
 
 
+def _torch_support() -> Any:
+    """jitfuse/_torch_support.py (the supported torch versions), loaded by path: the package is not installed yet."""
+    spec = importlib.util.spec_from_file_location("_jf_torch_support", HERE / "jitfuse" / "_torch_support.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def plan(python: str = sys.executable) -> Tuple[Optional[List[str]], str]:
     """(the CMake configure arguments, '') when the extension can be built, else (None, why not)."""
     if mode() == "0":
@@ -55,6 +65,11 @@ def plan(python: str = sys.executable) -> Tuple[Optional[List[str]], str]:
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
         return None, (f"{python} cannot import torch ({last}); pip builds in an isolated environment without "
                       "torch: pip install --no-build-isolation runtime/python")
+    version = (r.stdout.strip().splitlines() or [""])[-1]
+    support = _torch_support()
+    if support.parse(version) is not None and support.parse(version) < support.MIN_TORCH:
+        return None, (f"{python} imports torch {version}, older than {support.floor_text()}, the oldest "
+                      f"jitfuse.torch supports: pip install 'torch>={support.floor_text()}' first")
     if not (TORCH_SRC / "CMakeLists.txt").is_file():
         return None, f"the extension's sources are not at {TORCH_SRC} (install from the jitfuse checkout)"
     lib = find_libjitfuse()

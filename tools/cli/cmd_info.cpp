@@ -1,4 +1,5 @@
-// `jitfuse version` and `jitfuse doctor`: what this build is and whether this machine can run it.
+// `jitfuse version` and `jitfuse doctor`: what this build is and whether this machine can run it (and build
+// AOTInductor packages that load: the C++ compiler line).
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include "cuda/nvrtc.hpp"
 #include "jitfuse/jitfuse.h"
 #include "rules/rule.hpp"
+#include "toolchain.hpp"
 
 namespace jitfuse::cli {
 namespace {
@@ -49,7 +51,32 @@ nlohmann::json doctor_report() {
   } else {
     r["cache"] = {{"dir", nullptr}, {"writable", false}};
   }
+  const auto cxx = check_inductor_cxx();
+  r["cxx"] = {{"compiler", cxx.compiler}, {"from_env", cxx.from_env},
+              {"libstdcxx", cxx.libstdcxx.empty() ? nlohmann::json() : nlohmann::json(cxx.libstdcxx)},
+              {"linker_script", cxx.linker_script}, {"static_parts", cxx.static_parts},
+              {"links_libstdcxx_statically", !cxx.static_parts.empty()}};
   return r;
+}
+
+// The compiler line: only informative (jitfuse itself needs no C++ compiler at run time), never a failure.
+void print_cxx(const nlohmann::json& c) {
+  const auto compiler = c["compiler"].get<std::string>();
+  const char* from = c["from_env"].get<bool>() ? "$CXX" : "$CXX unset: Inductor's default";
+  if (c["libstdcxx"].is_null()) {
+    std::printf("C++       %s (%s): not found or no libstdc++.so of its own (AOTInductor packages need a C++ "
+                "compiler: set CXX)\n", compiler.c_str(), from);
+  } else if (c["links_libstdcxx_statically"].get<bool>()) {
+    std::string parts;
+    for (const auto& p : c["static_parts"]) parts += (parts.empty() ? "" : ", ") + p.get<std::string>();
+    std::printf("C++       %s (%s): WARNING: links part of libstdc++ statically (%s is a linker script adding %s); "
+                "AOTInductor packages it builds crash when loaded: set CXX to a GCC whose libstdc++.so is the "
+                "shared library, e.g. CXX=/usr/bin/g++ (docs/deploy.md)\n",
+                compiler.c_str(), from, c["libstdcxx"].get<std::string>().c_str(), parts.c_str());
+  } else {
+    std::printf("C++       %s (%s): links libstdc++ shared (%s), fine for AOTInductor packages\n", compiler.c_str(),
+                from, c["libstdcxx"].get<std::string>().c_str());
+  }
 }
 
 }  // namespace
@@ -60,7 +87,7 @@ void add_info_commands(CLI::App& app) {
     std::printf("jitfuse %s (C ABI %d), NVRTC %s, cuBLASLt %s\n", JITFUSE_VERSION_STRING, JF_ABI_VERSION,
                 cuda::nvrtc_version().c_str(), cuda::Blas::version().c_str());
   });
-  auto* doctor = app.add_subcommand("doctor", "Check driver, NVRTC, cuBLASLt, GPU, rules and the cache directory");
+  auto* doctor = app.add_subcommand("doctor", "Check driver, NVRTC, cuBLASLt, GPU, rules, the cache directory and the C++ compiler");
   auto json = std::make_shared<bool>(false);
   doctor->add_flag("--json", *json, "Machine-readable output");
   doctor->callback([json] {
@@ -87,6 +114,7 @@ void add_info_commands(CLI::App& app) {
     else
       std::printf("cache     %s (%s)\n", r["cache"]["dir"].get<std::string>().c_str(),
                   r["cache"]["writable"].get<bool>() ? "writable" : "NOT writable: kernels stay in memory");
+    print_cxx(r["cxx"]);
   });
 }
 

@@ -15,8 +15,11 @@ from ._abi import EXPECTED_ABI_VERSION
 from .errors import (AbiMismatchError, CompileError, CudaError, InternalError, InvalidArgumentError,
                      JitfuseError, JitfuseIOError, JitfuseMemoryError, LibraryNotFoundError, NoDeviceError,
                      NotPreparedError, ParseError, RuleError, RuleLoadError, UnsupportedError)
+from ._toolchain import StaticLibstdcxx, StaticLibstdcxxWarning, check as check_inductor_compiler
+from ._torch_support import UnsupportedTorchError
 from .lib import (Communicator, Context, Decision, Explanation, Group, Library, OpShape, PreparedProgram,
-                  ProgramExplain, ProgramInfo, Sequence, TensorInfo, abi_version, cache_dir, library, library_candidates, load_library, nccl_version,
+                  ProgramExplain, ProgramInfo, Sequence, TensorInfo, abi_version, cache_dir, library,
+                  library_candidates, load_library, nccl_version,
                   parse_shape, version)
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "abi_version", "version", "cache_dir", "parse_shape", "JitfuseError", "InvalidArgumentError", "ParseError",
     "UnsupportedError", "CompileError", "CudaError", "JitfuseIOError", "JitfuseMemoryError", "NoDeviceError",
     "InternalError", "NotPreparedError", "LibraryNotFoundError", "AbiMismatchError", "RuleError", "RuleLoadError",
+    "UnsupportedTorchError", "StaticLibstdcxx", "StaticLibstdcxxWarning", "check_inductor_compiler",
 ]
 
 

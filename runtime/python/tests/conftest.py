@@ -1,5 +1,6 @@
-# pytest set-up for the jitfuse Python package: import path, the `gpu` marker, shared fixtures.
-# CPU tests run against the library JITFUSE_LIBRARY names (or the checkout's build tree).
+# pytest set-up for the jitfuse Python package: import path, the `gpu` marker, shared fixtures, and need_torch()
+# (the one skip of the PyTorch tests). CPU tests run against the library JITFUSE_LIBRARY names (or the build tree).
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,19 @@ if os.environ.get("JITFUSE_TEST_EXPECT_ABI"):
     jitfuse._abi.EXPECTED_ABI_VERSION = int(os.environ["JITFUSE_TEST_EXPECT_ABI"])
     _declare = jitfuse._abi.declare
     jitfuse._abi.declare = lambda lib: (_declare(lib), [])[1]
+
+
+def need_torch():
+    """``torch`` for a test module that needs PyTorch and jitfuse.torch, or a skip of the whole module with the
+    reason: no torch (as pytest.importorskip), or a torch that jitfuse.torch refuses (too old: its
+    UnsupportedTorchError's message, naming the version found and the versions supported). Call it at module
+    level, before importing jitfuse.torch: ``torch = need_torch()``."""
+    torch = pytest.importorskip("torch")
+    try:
+        importlib.import_module("jitfuse.torch")
+    except jitfuse.UnsupportedTorchError as e:
+        pytest.skip(str(e), allow_module_level=True)
+    return torch
 
 
 def pytest_configure(config):

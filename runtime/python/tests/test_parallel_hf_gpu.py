@@ -4,7 +4,9 @@
 # loss curve equals the plainly swapped model's (one rank: the collectives copy), and the loss falls.
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import need_torch
+
+torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch refuses
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 transformers = pytest.importorskip("transformers")

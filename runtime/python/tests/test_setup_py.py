@@ -1,6 +1,6 @@
 # CPU tests of runtime/python/setup.py's decision to build jitfuse.torch's C++ extension during pip install: every
-# reason not to build is named (no torch in the build interpreter, no libjitfuse.so, JITFUSE_TORCH_EXTENSION=0),
-# and the CMake arguments when it builds. A stand-in torch package on PYTHONPATH plays the build's torch.
+# reason not to build is named (no torch or too old a torch in the build interpreter, no libjitfuse.so,
+# JITFUSE_TORCH_EXTENSION=0), and the CMake arguments when it builds. A stand-in torch on PYTHONPATH plays the build's.
 import importlib.util
 import os
 import shutil
@@ -59,3 +59,11 @@ def test_builds_against_the_named_library_with_the_build_interpreter(setup_py, t
     assert why == ""
     assert f"-DJITFUSE_LIBRARY={lib}" in args and f"-DJITFUSE_TORCH_PYTHON={sys.executable}" in args
     assert "-DJITFUSE_TORCH_EXTENSION=ON" in args and "-DCMAKE_CXX_COMPILER=/usr/bin/g++" in args
+
+
+def test_a_torch_older_than_jitfuse_torch_supports_is_not_built_for(setup_py, tmp_path, monkeypatch):
+    _torch_on_path(tmp_path, monkeypatch, "__version__ = '1.13.1'\n")  # Debian 12's python3-torch
+    args, why = setup_py.plan(sys.executable)
+    assert args is None
+    assert "imports torch 1.13.1, older than 2.4, the oldest jitfuse.torch supports" in why
+    assert "pip install 'torch>=2.4'" in why

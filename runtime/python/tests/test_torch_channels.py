@@ -1,15 +1,21 @@
 # Tests of jitfuse.torch that need PyTorch but no GPU (nothing here loads the library or runs a program): the
 # sequence JSON the modules emit with channels, the extra input/output counts of Sequential, the construction
-# errors naming the op, and Linear.from_pair / Bias.from_pair (storage sharing, the half order, refusals).
-# Skipped where PyTorch is not installed; not marked gpu: `python3 -m pytest runtime/python/tests` runs them on
-# any machine with PyTorch (CUDA or not).
+# errors naming the op, Linear.from_pair / Bias.from_pair (storage sharing, the half order, refusals), and
+# export_definitions' warning about a compiler that links libstdc++ statically in part (docs/deploy.md).
+# Skipped where PyTorch is not installed or is older than jitfuse.torch supports (conftest.need_torch); not marked
+# gpu: `python3 -m pytest runtime/python/tests` runs them on any machine with PyTorch (CUDA or not).
 import copy
 import hashlib
 import json
+import sys
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import jitfuse
+
+from conftest import need_torch
+
+torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch refuses
 
 from torch import nn  # noqa: E402
 
@@ -255,3 +261,27 @@ def test_from_pair_requires_grad_follows_the_sources():
     gate, up = pair()
     gate.weight.requires_grad_(False)
     assert jt.Linear.from_pair(gate, up).weight.requires_grad
+
+
+def test_export_definitions_warns_about_a_compiler_that_links_libstdcxx_statically(tmp_path, monkeypatch):
+    # The devtoolset-style GCC of docs/deploy.md as $CXX (what Inductor would build the package with): the
+    # definitions are written, with a warning naming the compiler, its linker script and the fix.
+    from jitfuse import _toolchain
+    script = tmp_path / "libstdc++.so"
+    script.write_text("/* GNU ld script */\nINPUT ( /usr/lib64/libstdc++.so.6 -lstdc++_nonshared )\n")
+    cxx = tmp_path / "g++"
+    cxx.write_text(f"#!/bin/sh\necho {script}\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.delitem(sys.modules, "torch._inductor.config", raising=False)
+    monkeypatch.setattr(_toolchain, "_warned", set())
+    m = llama_half()
+    with pytest.warns(jitfuse.StaticLibstdcxxWarning) as rec:
+        assert jt.export_definitions(m, tmp_path / "model.jfseq") >= 1
+    ours = [w for w in rec if issubclass(w.category, jitfuse.StaticLibstdcxxWarning)]
+    assert len(ours) == 1
+    msg = str(ours[0].message)
+    assert msg.startswith(f"jitfuse (export_definitions): the C++ compiler that Inductor builds AOTInductor packages "
+                          f"with, {cxx} (from $CXX)")
+    assert str(script) in msg and "-lstdc++_nonshared" in msg and "CXX=" in msg
+    assert ours[0].filename == __file__  # points at the caller's line

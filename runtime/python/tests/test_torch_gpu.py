@@ -5,7 +5,9 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import need_torch
+
+torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch refuses
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 

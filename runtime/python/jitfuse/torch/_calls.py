@@ -5,9 +5,11 @@
 Host time per call is the point of this file (issue 12): each per-call helper was measured
 (tools/torch_baselines/host_overhead.py, docs/benchmarks.md) and replaces a slower equivalent.
 
-- :func:`route` decides how a forward runs, for ``Sequential``'s eager call and ``jitfuse::forward``'s
-  Autograd kernel alike (the one place that decides it); :func:`check_arguments` raises the module's errors
-  for a call it did not send DIRECT.
+- :func:`route` decides how a forward runs on the pure-Python path, for ``Sequential``'s eager call and
+  ``jitfuse::forward``'s Python Autograd kernel alike (with the C++ extension loaded, its ``module_forward``
+  and C++ Autograd kernel decide instead, for every Sequential without an FP8 recipe; docs/python.md "Who
+  decides how a forward runs"); :func:`check_arguments` raises the module's errors for a call it did not
+  send DIRECT.
 - :class:`ForwardArgs` / :class:`BackwardArgs`: the ``jf_forward_args`` / ``jf_backward_args`` of one input
   shape; :meth:`ForwardArgs.bind` is the one check of a call's tensors against the program (shape against
   the module's definition, dtype, contiguity), on every route that runs the program.

@@ -9,8 +9,8 @@ argument, an int ``key`` (see :mod:`jitfuse.torch._registry`). So
 - the key is the same in every process for the same sequence, so Inductor's on-disk FX graph cache
   never binds a cached graph to another sequence.
 
-How an eager forward runs is decided once, by :func:`jitfuse.torch._calls.route`, for ``Sequential`` and
-for the op's Autograd kernel alike; a forward that needs a gradient is one :class:`_Forward` node around
+On the pure-Python path (no C++ extension, or an FP8 ``Sequential``) how an eager forward runs is decided
+once, by :func:`jitfuse.torch._calls.route`, for ``Sequential`` and for the op's Autograd kernel alike; a forward that needs a gradient is one :class:`_Forward` node around
 either the direct program call (``Sequential``) or the op below autograd (the Autograd kernel), both
 built and run by :class:`EagerCall`.
 """

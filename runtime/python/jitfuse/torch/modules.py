@@ -780,10 +780,12 @@ class Sequential(nn.Module):
         return self._eager_forward(input, *extra_inputs)
 
     def _eager_forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
-        """forward when not traced by Dynamo, on the route :func:`jitfuse.torch._calls.route` chooses: DIRECT
-        calls the program here (no dispatcher hop; under autograd, one autograd node around it), through the
-        module's :class:`~jitfuse.torch._ops.EagerCall`. Anything unusual (a wrong dtype or device, a tensor
-        subclass, a dispatch mode, the profiler) takes the custom op, which also raises the errors."""
+        """forward when not traced by Dynamo. With the C++ extension and no FP8 recipe, the extension's
+        module_forward (its C++ Autograd kernel decides the rest). Otherwise on the route
+        :func:`jitfuse.torch._calls.route` chooses: DIRECT calls the program here (no dispatcher hop; under
+        autograd, one autograd node around it), through the module's :class:`~jitfuse.torch._ops.EagerCall`.
+        Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler) takes the
+        custom op, which also raises the errors."""
         training = self.training
         ext = ext_forward is not None and self.recipe is None
         params = self._params(not ext)
@@ -1032,8 +1034,13 @@ def export_definitions(model: nn.Module, path: Any) -> int:
     """Writes the sequence definitions of every :class:`Sequential` in ``model`` (both modes, every dtype) to
     ``path``, for a host that runs an exported model without this package: the C++ ops read the file named in
     ``$JITFUSE_TORCH_SEQUENCES`` (or ``jitfuse_torch::load_definitions(path)``) to know what each key of the
-    graph's ``jitfuse::forward`` calls means. Returns how many definitions it wrote (docs/deploy.md)."""
+    graph's ``jitfuse::forward`` calls means. Returns how many definitions it wrote (docs/deploy.md).
+
+    Warns (:class:`jitfuse.StaticLibstdcxxWarning`) when the compiler Inductor builds packages with links part of
+    libstdc++ statically: the package beside these definitions would crash when loaded (docs/deploy.md)."""
+    from .. import _toolchain
     from ._registry import write_definitions
+    _toolchain.warn_if_static("export_definitions")
     keys = [k for m in model.modules() if isinstance(m, Sequential)
             for by_dtype in m._jf_keys.values() for k in by_dtype.values()]
     return write_definitions(str(path), keys)
