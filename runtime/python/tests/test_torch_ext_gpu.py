@@ -3,6 +3,7 @@
 # under saved-tensor hooks and checkpointing, hostile calls of the C++ ops, and torch.compile with zero breaks.
 # Run twice: JITFUSE_TORCH_EXTENSION=1 and =0 (the other tests of the package run on whichever path is loaded).
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+import jitfuse  # noqa: E402
 import jitfuse.torch as jt  # noqa: E402
 from jitfuse.errors import JitfuseError  # noqa: E402
 from jitfuse.torch import _ext, modules  # noqa: E402
@@ -258,13 +260,13 @@ MISMATCH_SCRIPT = """
 import math, sys, warnings
 import torch
 real = torch.__version__
-torch.__version__ = "2.0.0+elsewhere"  # the built extension now meets another torch
+torch.__version__ = "2.99.0+elsewhere"  # the built extension now meets another (supported) torch
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     import jitfuse.torch as jt
 msgs = [str(m.message) for m in w if "built for torch" in str(m.message)]
 assert msgs, [str(m.message) for m in w]
-assert f"built for torch {real}" in msgs[0] and "runs torch 2.0.0+elsewhere" in msgs[0], msgs[0]
+assert f"built for torch {real}" in msgs[0] and "runs torch 2.99.0+elsewhere" in msgs[0], msgs[0]
 assert "using the pure-Python ops" in msgs[0], msgs[0]
 assert not jt.extension_active()
 from jitfuse.torch import modules
@@ -292,6 +294,9 @@ def test_a_build_meeting_another_torch_falls_back_to_the_pure_python_ops(tmp_pat
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "JITFUSE_TORCH_EXTENSION"}
+    # The package as this process imports it (conftest puts the checkout's on sys.path, not on PYTHONPATH).
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(jitfuse.__file__).parent.parent)] +
+                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     r = subprocess.run([sys.executable, "-c", MISMATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                        cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -642,16 +642,16 @@ def fp8_errors(model, x, e, dy, y, grads):
 
 
 def fp8_flags(model):
-    """Records the fp8_weights_unchanged value every forward of model's program hands jf_forward."""
+    """Records the fp8_weights_unchanged value every forward of model's program hands jf_program_forward."""
     from jitfuse.torch._registry import device_program
     prog = device_program(model._jf_keys[True][torch.bfloat16], torch.cuda.current_device())
     flags = []
-    orig = prog._jf_forward
+    orig = prog._jf_program_forward
 
     def spy(handle, args_ref, saved_handle_ref, stream):
         flags.append(args_ref._obj.fp8_weights_unchanged)
         return orig(handle, args_ref, saved_handle_ref, stream)
-    prog._jf_forward = spy
+    prog._jf_program_forward = spy
     return flags
 
 
