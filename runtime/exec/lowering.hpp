@@ -1,6 +1,6 @@
 // Lowering helpers shared by the implementations: chains of non-GEMM ops become KernelSpecs (and kernel
 // steps), linear ops become cuBLASLt GEMM steps. What may fuse is decided by the implementations
-// (exec/impl/), through the one legality predicate each declares.
+// (exec/impl/implementation.hpp: legality()), through the one legality predicate each declares.
 #pragma once
 #include <optional>
 #include <string>
@@ -11,12 +11,6 @@
 #include "jitfuse/codegen/kernel_spec.hpp"
 
 namespace jitfuse::exec {
-
-// The fuser's legality predicate: the implementation a rule names, asked about the window; under an FP8
-// recipe (`fp8`), also whether it runs the window's linear on FP8 GEMMs (Implementation::check_fp8).
-fuser::LegalityFn legality(bool fp8 = false);
-std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
-                                       rules::Pass pass, bool fp8 = false);
 
 struct ChainOptions {
   codegen::Direction dir = codegen::Direction::forward;

@@ -225,21 +225,6 @@ struct DeviceModel {
   bool estimated = true;  // no GPU: occupancy estimated from the block size
 };
 
-struct PlanOptions {
-  int arch = 0;  // 90 for sm_90; 0: unknown (arch conditions then fail with that reason)
-  bool training = true;
-  bool disable_fusion = false;  // JITFUSE_DISABLE_FUSION
-};
-// The one way a plan is made (context, CLI and tests): the three passes over `ops` with the rules of `rs`,
-// legality answered by the implementations.
-fuser::Plan make_plan(const std::vector<ops::Op>& ops, const ops::Recipe& recipe, const PlanOptions& o,
-                      const rules::RuleSet& rs);
-
-// Lowers every group of `plan` through its implementation into steps over buffers, laid out for `dev` with
-// estimated occupancies (lay_out, layout.hpp). Needs no GPU. The one place a Program is written.
-std::shared_ptr<const Program> make_program(std::vector<ops::Op> ops, fuser::Plan plan, const ops::Recipe& recipe,
-                                            bool training, const std::string& sequence_name, const DeviceModel& dev);
-
 // Every distinct kernel (spec + cache metadata) a program launches, once however many groups share it:
 // what prepare loads and warmup compiles. One source (one NVRTC program, one cache entry, one module) holds
 // every variant a launch may select.

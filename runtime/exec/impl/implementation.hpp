@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "exec/builder.hpp"
+#include "fuser/plan.hpp"
 #include "rules/rule.hpp"
 
 namespace jitfuse::exec {
@@ -43,6 +44,12 @@ class Implementation {
   // Appends the steps of the builder's current group (direction: b.forward()).
   virtual void lower(Builder& b, const rules::Impl& impl) const = 0;
 };
+
+// The fuser's legality predicate: the implementation a rule names, asked about the window; under an FP8
+// recipe (`fp8`), also whether it runs the window's linear on FP8 GEMMs (Implementation::check_fp8).
+fuser::LegalityFn legality(bool fp8 = false);
+std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
+                                       rules::Pass pass, bool fp8 = false);
 
 // The implementation a rule's impl names, or null.
 const Implementation* find_implementation(const rules::Impl& impl);

@@ -9,7 +9,6 @@
 #include "common/error.hpp"
 #include "exec/impl/implementation.hpp"
 #include "exec/impl/registrar.hpp"
-#include "exec/lowering.hpp"
 #include "rules/implementable.hpp"
 
 namespace jitfuse::exec {

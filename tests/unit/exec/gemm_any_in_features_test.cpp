@@ -6,7 +6,7 @@
 
 #include "cuda/cublaslt.hpp"
 #include "exec/compile.hpp"
-#include "exec/lowering.hpp"
+#include "exec/impl/implementation.hpp"
 #include "exec/program.hpp"
 #include "fuser/plan.hpp"
 #include "rules/rule.hpp"
