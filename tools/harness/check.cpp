@@ -1,19 +1,27 @@
 // The GPU-vs-reference check: random inputs, poisoned outputs, forward + backward, comparison.
-#include "reference/check.hpp"
+#include "harness/check.hpp"
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "common/error.hpp"
 #include "cuda/driver.hpp"
+#include "harness/device_tensor.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
-#include "reference/device_tensor.hpp"
+#include "reference/fp8.hpp"
 #include "reference/sequence.hpp"
 
-namespace jitfuse::reference {
+namespace jitfuse::harness {
 namespace {
+
+using reference::ParamKey;
+using reference::SeqForward;
+using reference::SeqGrads;
+using reference::SeqInputs;
+using reference::Vec;
 
 void ok(jf_status s, const char* what) {
   if (s != JF_OK) throw Error(static_cast<Status>(s), fmt::format("{}: {}", what, jf_last_error()));
@@ -23,7 +31,7 @@ Vec random_vec(std::mt19937_64& rng, int64_t n, double lo, double hi, const std:
   std::uniform_real_distribution<double> u(lo, hi);
   Vec v(static_cast<size_t>(n));
   for (auto& x : v) x = u(rng);
-  round_all(recipe, v);
+  reference::round_all(recipe, v);
   return v;
 }
 
@@ -85,34 +93,6 @@ TensorCheck compare_normwise(const std::string& name, const Vec& got, const Vec&
 }
 
 }  // namespace
-
-Fp8Reference::Fp8Reference(const ops::Recipe& r)
-    : delayed_(r.kind == ops::RecipeKind::fp8_delayed), len_(std::max(1, r.amax_history)),
-      margin_(std::ldexp(1.0f, r.margin)) {}
-
-void Fp8Reference::operator()(int op, const std::string& tensor, Vec& v) {
-  const bool e5m2 = tensor == "grad_output";
-  const float fmax = e5m2 ? 57344.f : 448.f;
-  auto& st = state_[{op, tensor}];
-  if (st.hist.empty()) st.hist.assign(static_cast<size_t>(len_), 0.f);
-  float amax = 0.f;
-  for (double x : v) amax = std::max(amax, std::fabs(static_cast<float>(x)));
-  const float scale = delayed_ ? st.scale : scale_of(amax, fmax);
-  const float scale_inv = 1.f / scale;
-  for (double& x : v) {
-    const double c = static_cast<double>(static_cast<float>(x) * scale);
-    x = (e5m2 ? e5m2_value(e5m2_bits(c)) : e4m3_value(e4m3_bits(c))) * static_cast<double>(scale_inv);
-  }
-  if (delayed_) {
-    for (size_t i = st.hist.size() - 1; i > 0; --i) st.hist[i] = st.hist[i - 1];
-    st.hist[0] = amax;
-    st.scale = scale_of(*std::max_element(st.hist.begin(), st.hist.end()), fmax);
-  }
-}
-
-float Fp8Reference::scale_of(float amax, float fmax) const {
-  return amax > 0.f && amax < 3.0e38f ? fmax / amax / margin_ : 1.f;
-}
 
 void tolerance(const std::string& recipe, bool has_gemm, size_t n_ops, double* atol, double* rtol) {
   if (recipe == "fp32" && !has_gemm) {
@@ -292,7 +272,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   }
   // FP8: the reference quantises every GEMM operand as the GPU's casts do, with its own copy of the recipe
   // state; calls before the compared one advance both states (the delayed amax history rolls).
-  Fp8Reference q8(recipe);
+  reference::Fp8Reference q8(recipe);
   if (fp8) in.quantize = [&q8](int op, const std::string& t, Vec& v) { q8(op, t, v); };
   Vec gy;
   if (opt.backward) gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
@@ -338,10 +318,10 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   for (int call = 1; call < opt.calls; ++call) {
     jf_saved early = nullptr;
     ok(jf_forward(seq, &fa, &early, js), "jf_forward");
-    SeqForward rf = sequence_forward(ops, in);
+    SeqForward rf = reference::sequence_forward(ops, in);
     if (opt.backward) {
       backward_call(early, dev(opt.shape));
-      sequence_backward(ops, in, rf, gy, gext_out);
+      reference::sequence_backward(ops, in, rf, gy, gext_out);
     }
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(earlier call)");
     if (early) ok(jf_saved_release(early, js), "jf_saved_release");
@@ -395,8 +375,8 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     if (fp8) rep.tensors.push_back(compare_normwise(name + " vs exact normwise", got, ref, kFp8ExactBound));
   };
   SeqForward ref, exact;
-  if (!self) ref = sequence_forward(ops, in);
-  if (fp8) exact = sequence_forward(ops, exact_in);
+  if (!self) ref = reference::sequence_forward(ops, in);
+  if (fp8) exact = reference::sequence_forward(ops, exact_in);
   const Vec y_got = y->download_values(stream);
   check("output", y_got, &ref.output);
   check_exact("output", y_got, exact.output);
@@ -408,8 +388,8 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   if (!opt.backward) return rep;
   run_backward();
   SeqGrads rg, eg;
-  if (!self) rg = sequence_backward(ops, in, ref, gy, gext_out);
-  if (fp8) eg = sequence_backward(ops, exact_in, exact, gy, gext_out);
+  if (!self) rg = reference::sequence_backward(ops, in, ref, gy, gext_out);
+  if (fp8) eg = reference::sequence_backward(ops, exact_in, exact, gy, gext_out);
   const Vec gx_got = gx->download_values(stream);
   check("grad_input", gx_got, &rg.grad_input);
   if (fp8) check_exact("grad_input", gx_got, eg.grad_input);
@@ -426,4 +406,4 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   return rep;
 }
 
-}  // namespace jitfuse::reference
+}  // namespace jitfuse::harness
