@@ -126,6 +126,321 @@ std::string CheckReport::table() const {
   return out;
 }
 
+namespace {
+
+// The device side of one check: every tensor its calls read or write (owned by `keep`, in the check's
+// storage dtype, offset by one element when misaligned), and their C ABI views.
+struct Tensors {
+  std::string dtype;
+  bool misalign = false;
+  std::vector<std::unique_ptr<DeviceTensor>> keep;
+  std::map<ParamKey, DeviceTensor*> grads;
+  std::vector<jf_param> params, grad_params;
+  DeviceTensor* x = nullptr;
+  DeviceTensor* y = nullptr;
+  std::vector<DeviceTensor*> ein, eout, gein, geout;
+  std::vector<Vec> gext_out;  // the extra outputs' gradients, as uploaded
+  std::vector<const DLTensor*> ein_t;
+  std::vector<DLTensor*> eout_t;
+
+  DeviceTensor* make(const ops::Shape& s) {
+    keep.push_back(std::make_unique<DeviceTensor>(s, dtype, misalign));
+    return keep.back().get();
+  }
+};
+
+// Parameters drawn where training starts them: a linear's weight within +-1/sqrt(in_features), a norm's
+// gamma around 1 (around 0 when zero-centred), the rest within +-1. Each goes to the device and to the
+// reference; its gradient gets a tensor of its own.
+void upload_params(Tensors& t, SeqInputs& in, const std::vector<ops::Op>& ops, std::mt19937_64& rng,
+                   CUstream stream) {
+  const std::string& rc = t.dtype;
+  for (auto& op : ops) {
+    for (auto& p : op.params) {
+      Vec v;
+      if (op.family == ops::Family::linear) {
+        double s = 1.0 / std::sqrt(static_cast<double>(p.shape[1]));
+        v = random_vec(rng, ops::numel(p.shape), -s, s, rc);
+      } else if (op.family == ops::Family::norm && p.name == "weight") {
+        v = op.flag("zero_centered_gamma") ? random_vec(rng, ops::numel(p.shape), -0.5, 0.5, rc)
+                                           : random_vec(rng, ops::numel(p.shape), 0.5, 1.5, rc);
+      } else {
+        v = random_vec(rng, ops::numel(p.shape), -1, 1, rc);
+      }
+      DeviceTensor* dt = t.make(p.shape);
+      dt->upload_values(v, stream);
+      in.params[{op.index, p.name}] = v;
+      t.params.push_back({op.index, p.name.c_str(), dt->dl()});
+      DeviceTensor* gt = t.make(p.shape);
+      t.grads[{op.index, p.name}] = gt;
+      t.grad_params.push_back({op.index, p.name.c_str(), gt->dl()});
+    }
+  }
+}
+
+// The input, every extra input (random) and extra output's gradient (random), and the outputs, poisoned
+// (NaN) so that an element no kernel writes is seen.
+void upload_inputs(Tensors& t, SeqInputs& in, const std::vector<ops::Op>& ops, const ops::Shape& shape,
+                   std::mt19937_64& rng, CUstream stream) {
+  const std::string& rc = t.dtype;
+  t.x = t.make(shape);
+  t.x->upload_values(in.input, stream);
+  for (auto& op : ops) {
+    if (op.extra_slot < 0) continue;  // a channel's op without a caller tensor of its own
+    if (op.family == ops::Family::add_extra_input) {
+      in.extra_in.push_back(random_vec(rng, ops::numel(op.in), -2, 2, rc));
+      t.ein.push_back(t.make(op.in));
+      t.ein.back()->upload_values(in.extra_in.back(), stream);
+      t.gein.push_back(t.make(op.in));
+    }
+    if (op.family == ops::Family::make_extra_output) {
+      t.eout.push_back(t.make(op.in));
+      t.geout.push_back(t.make(op.in));
+      t.gext_out.push_back(random_vec(rng, ops::numel(op.in), -1, 1, rc));
+      t.geout.back()->upload_values(t.gext_out.back(), stream);
+    }
+  }
+  t.y = t.make(ops.back().out);
+  t.y->poison(stream);
+  for (auto* e : t.eout) e->poison(stream);
+  for (auto* e : t.ein) t.ein_t.push_back(e->dl());
+  for (auto* e : t.eout) t.eout_t.push_back(e->dl());
+}
+
+// Host memory: one raw buffer each, NaN-poisoned like outputs, freed with the check once the device is
+// done with it.
+struct RawBuffers {
+  CUstream stream;
+  std::vector<CUdeviceptr> v;
+
+  void* alloc(size_t bytes) {
+    if (!bytes) return nullptr;
+    const auto& d = cuda::driver();
+    CUdeviceptr p = 0;
+    cuda::check(d.cuMemAlloc(&p, bytes), "cuMemAlloc");
+    v.push_back(p);
+    cuda::check(d.cuMemsetD8Async(p, 0xFF, bytes, stream), "cuMemsetD8Async");  // NaN-poisoned, like outputs
+    return reinterpret_cast<void*>(p);
+  }
+  ~RawBuffers() {
+    if (auto* d = cuda::try_driver()) {
+      d->cuCtxSynchronize();
+      for (auto p : v) d->cuMemFree(p);
+    }
+  }
+};
+
+// The forward's arguments: the tensors, the training flag, the randomness (a device {seed, offset} state,
+// or host values) and, with host memory, the saved buffer and workspace sized by jf_sequence_info.
+jf_forward_args forward_args(Tensors& t, RawBuffers& raw, const jf_program_info& info, const CheckOptions& opt,
+                             CUstream stream) {
+  jf_forward_args fa{};
+  fa.input = t.x->dl();
+  fa.extra_inputs = t.ein_t.data();
+  fa.n_extra_inputs = static_cast<int>(t.ein_t.size());
+  fa.output = t.y->dl();
+  fa.extra_outputs = t.eout_t.data();
+  fa.n_extra_outputs = static_cast<int>(t.eout_t.size());
+  fa.params = t.params.data();
+  fa.n_params = static_cast<int>(t.params.size());
+  fa.training = opt.backward ? 1 : 0;
+  if (opt.device_rng) {
+    const uint64_t state[2] = {opt.rng_seed, opt.rng_offset};
+    void* p = raw.alloc(16);
+    host_to_device(reinterpret_cast<CUdeviceptr>(p), state, 16, stream);
+    fa.rng_state = static_cast<const uint64_t*>(p);
+  } else {
+    fa.rng_seed = opt.rng_seed;
+    fa.rng_offset = opt.rng_offset;
+  }
+  if (opt.host_memory) {
+    fa.saved = raw.alloc(info.saved_bytes);
+    fa.saved_bytes = info.saved_bytes;
+    fa.workspace = raw.alloc(info.forward_workspace_bytes);
+    fa.workspace_bytes = info.forward_workspace_bytes;
+  }
+  return fa;
+}
+
+// What the backward calls of a check share: one backward of the forward that left `sv` (or the host's
+// saved buffer), dy = gy, dx into `gxt`.
+struct Backward {
+  jf_sequence seq;
+  jf_stream js;
+  CUstream stream;
+  const CheckOptions& opt;
+  const jf_program_info& info;
+  const jf_forward_args& fa;
+  Tensors& t;
+  RawBuffers& raw;
+  const std::vector<ops::Op>& ops;
+  const Vec& gy;
+
+  void operator()(jf_saved sv, DeviceTensor* gxt) const {
+    DeviceTensor* gyt = t.make(ops.back().out);
+    gyt->upload_values(gy, stream);
+    std::vector<const DLTensor*> geout_t;
+    std::vector<DLTensor*> gein_t;
+    for (auto* e : t.geout) geout_t.push_back(e->dl());
+    for (auto* e : t.gein) gein_t.push_back(e->dl());
+    jf_backward_args ba{};
+    ba.input = t.x->dl();
+    ba.extra_inputs = t.ein_t.data();
+    ba.n_extra_inputs = fa.n_extra_inputs;
+    ba.output = t.y->dl();
+    ba.extra_outputs = const_cast<const DLTensor* const*>(t.eout_t.data());
+    ba.n_extra_outputs = fa.n_extra_outputs;
+    ba.params = t.params.data();
+    ba.n_params = fa.n_params;
+    ba.grads = t.grad_params.data();
+    ba.n_grads = static_cast<int>(t.grad_params.size());
+    if (fa.saved) {
+      ba.saved = fa.saved;
+      ba.saved_bytes = fa.saved_bytes;
+    } else {
+      void* b = nullptr;
+      ok(jf_saved_buffer(sv, &b, &ba.saved_bytes), "jf_saved_buffer");
+      ba.saved = b;
+    }
+    ba.grad_output = gyt->dl();
+    ba.grad_extra_outputs = geout_t.data();
+    ba.n_grad_extra_outputs = static_cast<int>(geout_t.size());
+    ba.grad_input = gxt->dl();
+    ba.grad_extra_inputs = gein_t.data();
+    ba.n_grad_extra_inputs = static_cast<int>(gein_t.size());
+    if (opt.host_memory) {
+      ba.workspace = raw.alloc(info.backward_workspace_bytes);
+      ba.workspace_bytes = info.backward_workspace_bytes;
+    }
+    ok(jf_backward(seq, &ba, js), "jf_backward");
+  }
+};
+
+// The calls before the compared one (CheckOptions::calls), on the same inputs, each also run by the
+// reference: under FP8 both recipe states advance alike (the delayed amax history rolls).
+void earlier_calls(const Backward& backward, jf_forward_args& fa, SeqInputs& in, const Vec& gy) {
+  const auto& d = cuda::driver();
+  Tensors& t = backward.t;
+  for (int call = 1; call < backward.opt.calls; ++call) {
+    jf_saved early = nullptr;
+    ok(jf_forward(backward.seq, &fa, &early, backward.js), "jf_forward");
+    SeqForward rf = reference::sequence_forward(backward.ops, in);
+    if (backward.opt.backward) {
+      backward(early, t.make(backward.opt.shape));
+      reference::sequence_backward(backward.ops, in, rf, gy, t.gext_out);
+    }
+    cuda::check(d.cuStreamSynchronize(backward.stream), "cuStreamSynchronize(earlier call)");
+    if (early) ok(jf_saved_release(early, backward.js), "jf_saved_release");
+    t.y->poison(backward.stream);
+    for (auto* e : t.eout) e->poison(backward.stream);
+  }
+}
+
+// The report being built: every tensor against its reference; without one (user-declared ops), against
+// itself, which counts only unwritten (NaN) elements.
+struct Comparison {
+  CheckReport rep;
+  bool fp8 = false, self = false;
+  double atol = 0, rtol = 0;
+
+  void check(const std::string& name, const Vec& got, const Vec* ref) {
+    Vec mine;
+    if (self) {
+      mine = got;
+      for (auto& v : mine)
+        if (std::isnan(v)) v = 0;
+    }
+    rep.tensors.push_back(compare(name, got, self ? mine : *ref, atol, rtol));
+    // FP8: the tensor's relative error against the quantising reference, too (see compare_normwise).
+    if (fp8 && !self) rep.tensors.push_back(compare_normwise(name + " normwise", got, *ref, kFp8QuantizedBound));
+  }
+  // FP8: every tensor also against the exact (unquantised) float64 reference, at DESIGN's FP8 tolerance.
+  void check_exact(const std::string& name, const Vec& got, const Vec& ref) {
+    if (fp8) rep.tensors.push_back(compare_normwise(name + " vs exact normwise", got, ref, kFp8ExactBound));
+  }
+};
+
+// Tolerances: DESIGN's per dtype, scaled by the number of ops (tolerance()); FP8 recipes: kFp8Atol/Rtol.
+Comparison comparison(const std::string& rc, bool has_gemm, size_t n_ops, bool fp8, bool self) {
+  Comparison c;
+  c.fp8 = fp8;
+  c.self = self;
+  tolerance(rc, has_gemm, n_ops, &c.atol, &c.rtol);
+  if (fp8) {
+    c.atol = kFp8Atol;
+    c.rtol = kFp8Rtol;
+  }
+  return c;
+}
+
+// The backward of the compared forward (its saved context `saved`) on a random dy, with every gradient
+// buffer poisoned first; returns the input gradient, once on the host's side of the stream.
+const DeviceTensor* run_backward(const Backward& backward, jf_saved saved) {
+  const CUstream stream = backward.stream;
+  DeviceTensor* gx = backward.t.make(backward.opt.shape);
+  gx->poison(stream);
+  for (auto* e : backward.t.gein) e->poison(stream);
+  for (auto& [k, gt] : backward.t.grads) gt->poison(stream);
+  backward(saved, gx);
+  cuda::check(cuda::driver().cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
+  return gx;
+}
+
+// The output and extra outputs against the reference forward (`ref`; FP8: and the exact one, `exact`).
+void compare_forward(Comparison& c, const Tensors& t, const std::vector<ops::Op>& ops, const SeqInputs& in,
+                     const SeqInputs& exact_in, SeqForward& ref, SeqForward& exact, CUstream stream) {
+  if (!c.self) ref = reference::sequence_forward(ops, in);
+  if (c.fp8) exact = reference::sequence_forward(ops, exact_in);
+  const Vec y_got = t.y->download_values(stream);
+  c.check("output", y_got, &ref.output);
+  c.check_exact("output", y_got, exact.output);
+  for (size_t i = 0; i < t.eout.size(); ++i) {
+    const Vec got = t.eout[i]->download_values(stream);
+    c.check(fmt::format("extra_output[{}]", i), got, c.self ? nullptr : &ref.extra_out[i]);
+    if (c.fp8) c.check_exact(fmt::format("extra_output[{}]", i), got, exact.extra_out[i]);
+  }
+}
+
+// The input gradient, extra inputs' and parameters' gradients against the reference backward.
+void compare_backward(Comparison& c, const Tensors& t, const DeviceTensor& gx, const std::vector<ops::Op>& ops,
+                      const SeqInputs& in, const SeqInputs& exact_in, const SeqForward& ref, const SeqForward& exact,
+                      const Vec& gy, CUstream stream) {
+  SeqGrads rg, eg;
+  if (!c.self) rg = reference::sequence_backward(ops, in, ref, gy, t.gext_out);
+  if (c.fp8) eg = reference::sequence_backward(ops, exact_in, exact, gy, t.gext_out);
+  const Vec gx_got = gx.download_values(stream);
+  c.check("grad_input", gx_got, &rg.grad_input);
+  if (c.fp8) c.check_exact("grad_input", gx_got, eg.grad_input);
+  for (size_t i = 0; i < t.gein.size(); ++i) {
+    const Vec got = t.gein[i]->download_values(stream);
+    c.check(fmt::format("grad_extra_input[{}]", i), got, c.self ? nullptr : &rg.grad_extra_in[i]);
+    if (c.fp8) c.check_exact(fmt::format("grad_extra_input[{}]", i), got, eg.grad_extra_in[i]);
+  }
+  for (auto& [k, gt] : t.grads) {
+    const Vec got = gt->download_values(stream);
+    c.check(fmt::format("grad op{}.{}", k.first, k.second), got, c.self ? nullptr : &rg.grad_params.at(k));
+    if (c.fp8) c.check_exact(fmt::format("grad op{}.{}", k.first, k.second), got, eg.grad_params.at(k));
+  }
+}
+
+struct SeqGuard {
+  jf_sequence s;
+  ~SeqGuard() { jf_sequence_destroy(s); }
+};
+struct StreamGuard {
+  CUstream s;
+  ~StreamGuard() {
+    if (auto* d = cuda::try_driver()) d->cuStreamDestroy(s);
+  }
+};
+struct SavedGuard {
+  jf_saved s;
+  jf_stream st;
+  ~SavedGuard() { jf_saved_release(s, st); }
+};
+
+}  // namespace
+
 CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const std::string& json,
                            const CheckOptions& opt) {
   // FP8 recipes keep bf16 tensors (the FP8 copies are the program's own).
@@ -142,10 +457,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
 
   jf_sequence seq = nullptr;
   ok(jf_sequence_create(ctx, json.c_str(), opt.recipe.c_str(), &seq), "jf_sequence_create");
-  struct SeqGuard {
-    jf_sequence s;
-    ~SeqGuard() { jf_sequence_destroy(s); }
-  } guard{seq};
+  SeqGuard guard{seq};
   if (!def.group.empty()) {
     if (!opt.comm) throw Error(Status::invalid_argument, "sequence runs collectives: CheckOptions::comm is needed");
     ok(jf_sequence_set_comm(seq, def.group.c_str(), opt.comm), "jf_sequence_set_comm");
@@ -156,254 +468,44 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   const auto& d = cuda::driver();
   CUstream stream = nullptr;
   cuda::check(d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-  struct StreamGuard {
-    CUstream s;
-    ~StreamGuard() {
-      if (auto* d = cuda::try_driver()) d->cuStreamDestroy(s);
-    }
-  } sguard{stream};
+  StreamGuard sguard{stream};
 
   SeqInputs in;
   in.rng_offset = opt.rng_offset;
   in.rng_seed = opt.rng_seed;
   in.input = random_vec(rng, ops::numel(opt.shape), -2, 2, rc);
-  std::vector<std::unique_ptr<DeviceTensor>> keep;
-  auto dev = [&](const ops::Shape& s) {
-    keep.push_back(std::make_unique<DeviceTensor>(s, rc, opt.misalign));
-    return keep.back().get();
-  };
-  std::map<ParamKey, DeviceTensor*> grads;
-  std::vector<jf_param> params, grad_params;
-  for (auto& op : ops) {
-    for (auto& p : op.params) {
-      Vec v;
-      if (op.family == ops::Family::linear) {
-        double s = 1.0 / std::sqrt(static_cast<double>(p.shape[1]));
-        v = random_vec(rng, ops::numel(p.shape), -s, s, rc);
-      } else if (op.family == ops::Family::norm && p.name == "weight") {
-        v = op.flag("zero_centered_gamma") ? random_vec(rng, ops::numel(p.shape), -0.5, 0.5, rc)
-                                           : random_vec(rng, ops::numel(p.shape), 0.5, 1.5, rc);
-      } else {
-        v = random_vec(rng, ops::numel(p.shape), -1, 1, rc);
-      }
-      DeviceTensor* t = dev(p.shape);
-      t->upload_values(v, stream);
-      in.params[{op.index, p.name}] = v;
-      params.push_back({op.index, p.name.c_str(), t->dl()});
-      DeviceTensor* gt = dev(p.shape);
-      grads[{op.index, p.name}] = gt;
-      grad_params.push_back({op.index, p.name.c_str(), gt->dl()});
-    }
-  }
-  DeviceTensor* x = dev(opt.shape);
-  x->upload_values(in.input, stream);
-  std::vector<DeviceTensor*> ein, eout, gein, geout;
-  std::vector<Vec> gext_out;
-  for (auto& op : ops) {
-    if (op.extra_slot < 0) continue;  // a channel's op without a caller tensor of its own
-    if (op.family == ops::Family::add_extra_input) {
-      in.extra_in.push_back(random_vec(rng, ops::numel(op.in), -2, 2, rc));
-      ein.push_back(dev(op.in));
-      ein.back()->upload_values(in.extra_in.back(), stream);
-      gein.push_back(dev(op.in));
-    }
-    if (op.family == ops::Family::make_extra_output) {
-      eout.push_back(dev(op.in));
-      geout.push_back(dev(op.in));
-      gext_out.push_back(random_vec(rng, ops::numel(op.in), -1, 1, rc));
-      geout.back()->upload_values(gext_out.back(), stream);
-    }
-  }
-  DeviceTensor* y = dev(ops.back().out);
-  y->poison(stream);
-  for (auto* t : eout) t->poison(stream);
-  std::vector<const DLTensor*> ein_t;
-  std::vector<DLTensor*> eout_t;
-  for (auto* t : ein) ein_t.push_back(t->dl());
-  for (auto* t : eout) eout_t.push_back(t->dl());
+  Tensors t{rc, opt.misalign};
+  upload_params(t, in, ops, rng, stream);
+  upload_inputs(t, in, ops, opt.shape, rng, stream);
 
-  std::vector<CUdeviceptr> keep_raw;
-  struct RawGuard {
-    std::vector<CUdeviceptr>& v;
-    ~RawGuard() {
-      if (auto* d = cuda::try_driver()) {
-        d->cuCtxSynchronize();
-        for (auto p : v) d->cuMemFree(p);
-      }
-    }
-  } raw_guard{keep_raw};
+  RawBuffers raw{stream, {}};
   const auto js = reinterpret_cast<jf_stream>(stream);
   jf_program_info info{};
   ok(jf_sequence_info(seq, opt.shape.data(), static_cast<int>(opt.shape.size()), opt.backward ? 1 : 0, &info),
      "jf_sequence_info");
-  // Host memory: one raw buffer each, freed with the check.
-  auto raw = [&](size_t bytes) -> void* {
-    if (!bytes) return nullptr;
-    CUdeviceptr p = 0;
-    cuda::check(d.cuMemAlloc(&p, bytes), "cuMemAlloc");
-    keep_raw.push_back(p);
-    cuda::check(d.cuMemsetD8Async(p, 0xFF, bytes, stream), "cuMemsetD8Async");  // NaN-poisoned, like outputs
-    return reinterpret_cast<void*>(p);
-  };
-  jf_forward_args fa{};
-  fa.input = x->dl();
-  fa.extra_inputs = ein_t.data();
-  fa.n_extra_inputs = static_cast<int>(ein_t.size());
-  fa.output = y->dl();
-  fa.extra_outputs = eout_t.data();
-  fa.n_extra_outputs = static_cast<int>(eout_t.size());
-  fa.params = params.data();
-  fa.n_params = static_cast<int>(params.size());
-  fa.training = opt.backward ? 1 : 0;
-  if (opt.device_rng) {
-    const uint64_t state[2] = {opt.rng_seed, opt.rng_offset};
-    void* p = raw(16);
-    host_to_device(reinterpret_cast<CUdeviceptr>(p), state, 16, stream);
-    fa.rng_state = static_cast<const uint64_t*>(p);
-  } else {
-    fa.rng_seed = opt.rng_seed;
-    fa.rng_offset = opt.rng_offset;
-  }
-  if (opt.host_memory) {
-    fa.saved = raw(info.saved_bytes);
-    fa.saved_bytes = info.saved_bytes;
-    fa.workspace = raw(info.forward_workspace_bytes);
-    fa.workspace_bytes = info.forward_workspace_bytes;
-  }
+  jf_forward_args fa = forward_args(t, raw, info, opt, stream);
   // FP8: the reference quantises every GEMM operand as the GPU's casts do, with its own copy of the recipe
   // state; calls before the compared one advance both states (the delayed amax history rolls).
   reference::Fp8Reference q8(recipe);
-  if (fp8) in.quantize = [&q8](int op, const std::string& t, Vec& v) { q8(op, t, v); };
+  if (fp8) in.quantize = [&q8](int op, const std::string& tn, Vec& v) { q8(op, tn, v); };
   Vec gy;
   if (opt.backward) gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
-  // One backward of the forward that left `sv` (or the host's saved buffer), dy = gy, dx into `gxt`.
-  auto backward_call = [&](jf_saved sv, DeviceTensor* gxt) {
-    DeviceTensor* gyt = dev(ops.back().out);
-    gyt->upload_values(gy, stream);
-    std::vector<const DLTensor*> geout_t;
-    std::vector<DLTensor*> gein_t;
-    for (auto* t : geout) geout_t.push_back(t->dl());
-    for (auto* t : gein) gein_t.push_back(t->dl());
-    jf_backward_args ba{};
-    ba.input = x->dl();
-    ba.extra_inputs = ein_t.data();
-    ba.n_extra_inputs = fa.n_extra_inputs;
-    ba.output = y->dl();
-    ba.extra_outputs = const_cast<const DLTensor* const*>(eout_t.data());
-    ba.n_extra_outputs = fa.n_extra_outputs;
-    ba.params = params.data();
-    ba.n_params = fa.n_params;
-    ba.grads = grad_params.data();
-    ba.n_grads = static_cast<int>(grad_params.size());
-    if (fa.saved) {
-      ba.saved = fa.saved;
-      ba.saved_bytes = fa.saved_bytes;
-    } else {
-      void* b = nullptr;
-      ok(jf_saved_buffer(sv, &b, &ba.saved_bytes), "jf_saved_buffer");
-      ba.saved = b;
-    }
-    ba.grad_output = gyt->dl();
-    ba.grad_extra_outputs = geout_t.data();
-    ba.n_grad_extra_outputs = static_cast<int>(geout_t.size());
-    ba.grad_input = gxt->dl();
-    ba.grad_extra_inputs = gein_t.data();
-    ba.n_grad_extra_inputs = static_cast<int>(gein_t.size());
-    if (opt.host_memory) {
-      ba.workspace = raw(info.backward_workspace_bytes);
-      ba.workspace_bytes = info.backward_workspace_bytes;
-    }
-    ok(jf_backward(seq, &ba, js), "jf_backward");
-  };
-  for (int call = 1; call < opt.calls; ++call) {
-    jf_saved early = nullptr;
-    ok(jf_forward(seq, &fa, &early, js), "jf_forward");
-    SeqForward rf = reference::sequence_forward(ops, in);
-    if (opt.backward) {
-      backward_call(early, dev(opt.shape));
-      reference::sequence_backward(ops, in, rf, gy, gext_out);
-    }
-    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(earlier call)");
-    if (early) ok(jf_saved_release(early, js), "jf_saved_release");
-    y->poison(stream);
-    for (auto* t : eout) t->poison(stream);
-  }
+  const Backward backward{seq, js, stream, opt, info, fa, t, raw, ops, gy};
+  earlier_calls(backward, fa, in, gy);
   jf_saved saved = nullptr;
   ok(jf_forward(seq, &fa, &saved, js), "jf_forward");
-  struct SavedGuard {
-    jf_saved s;
-    jf_stream st;
-    ~SavedGuard() { jf_saved_release(s, st); }
-  } saved_guard{saved, js};
+  SavedGuard saved_guard{saved, js};
   cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(forward)");
 
-  double atol, rtol;
-  tolerance(rc, has_gemm, ops.size(), &atol, &rtol);
-  if (fp8) {
-    atol = kFp8Atol;
-    rtol = kFp8Rtol;
-  }
-  CheckReport rep;
-  // The backward on a random dy with every gradient buffer poisoned first.
-  DeviceTensor* gx = nullptr;
-  auto run_backward = [&] {
-    gx = dev(opt.shape);
-    gx->poison(stream);
-    for (auto* t : gein) t->poison(stream);
-    for (auto& [k, t] : grads) t->poison(stream);
-    backward_call(saved, gx);
-    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
-  };
-  // Every tensor against its reference; without one (user-declared ops), against itself, which counts
-  // only unwritten (NaN) elements.
-  const bool self = opt.no_reference;
-  auto check = [&](const std::string& name, const Vec& got, const Vec* ref) {
-    Vec mine;
-    if (self) {
-      mine = got;
-      for (auto& v : mine)
-        if (std::isnan(v)) v = 0;
-    }
-    rep.tensors.push_back(compare(name, got, self ? mine : *ref, atol, rtol));
-    // FP8: the tensor's relative error against the quantising reference, too (see compare_normwise).
-    if (fp8 && !self) rep.tensors.push_back(compare_normwise(name + " normwise", got, *ref, kFp8QuantizedBound));
-  };
-  // FP8: every tensor also against the exact (unquantised) float64 reference, at DESIGN's FP8 tolerance.
+  Comparison c = comparison(rc, has_gemm, ops.size(), fp8, opt.no_reference);
   SeqInputs exact_in = in;
   exact_in.quantize = nullptr;
-  auto check_exact = [&](const std::string& name, const Vec& got, const Vec& ref) {
-    if (fp8) rep.tensors.push_back(compare_normwise(name + " vs exact normwise", got, ref, kFp8ExactBound));
-  };
   SeqForward ref, exact;
-  if (!self) ref = reference::sequence_forward(ops, in);
-  if (fp8) exact = reference::sequence_forward(ops, exact_in);
-  const Vec y_got = y->download_values(stream);
-  check("output", y_got, &ref.output);
-  check_exact("output", y_got, exact.output);
-  for (size_t i = 0; i < eout.size(); ++i) {
-    const Vec got = eout[i]->download_values(stream);
-    check(fmt::format("extra_output[{}]", i), got, self ? nullptr : &ref.extra_out[i]);
-    if (fp8) check_exact(fmt::format("extra_output[{}]", i), got, exact.extra_out[i]);
-  }
-  if (!opt.backward) return rep;
-  run_backward();
-  SeqGrads rg, eg;
-  if (!self) rg = reference::sequence_backward(ops, in, ref, gy, gext_out);
-  if (fp8) eg = reference::sequence_backward(ops, exact_in, exact, gy, gext_out);
-  const Vec gx_got = gx->download_values(stream);
-  check("grad_input", gx_got, &rg.grad_input);
-  if (fp8) check_exact("grad_input", gx_got, eg.grad_input);
-  for (size_t i = 0; i < gein.size(); ++i) {
-    const Vec got = gein[i]->download_values(stream);
-    check(fmt::format("grad_extra_input[{}]", i), got, self ? nullptr : &rg.grad_extra_in[i]);
-    if (fp8) check_exact(fmt::format("grad_extra_input[{}]", i), got, eg.grad_extra_in[i]);
-  }
-  for (auto& [k, t] : grads) {
-    const Vec got = t->download_values(stream);
-    check(fmt::format("grad op{}.{}", k.first, k.second), got, self ? nullptr : &rg.grad_params.at(k));
-    if (fp8) check_exact(fmt::format("grad op{}.{}", k.first, k.second), got, eg.grad_params.at(k));
-  }
-  return rep;
+  compare_forward(c, t, ops, in, exact_in, ref, exact, stream);
+  if (!opt.backward) return c.rep;
+  const DeviceTensor* gx = run_backward(backward, saved);
+  compare_backward(c, t, *gx, ops, in, exact_in, ref, exact, gy, stream);
+  return c.rep;
 }
 
 }  // namespace jitfuse::harness
