@@ -103,6 +103,20 @@ class CheckStructureTest(unittest.TestCase):
         self.assertNotIn("include cycle", text)
         self.assertIn("allow-list entry ('include', 'exec/gone.cpp', 'exec/executor.hpp') no longer occurs", text)
 
+    def test_declarations_classified(self):
+        cases = {
+            "void operator()(int x) const ": ("fn", "operator()"),
+            "Foo::Foo(int a) : a_(a), b_{} ": ("fn", "Foo::Foo"),  # after its braced initialiser
+            "Foo::Foo(int a) : a_": ("init", None),                 # the braced initialiser itself
+            "auto f(int x) -> std::pair<int, int> ": ("fn", "f"),
+            "static const auto kTable = [] ": ("fn", "lambda"),
+            "const std::map<int, int> kM = ": ("init", None),
+            "struct X : Base<int> ": ("scope", "X"),
+            "namespace a::b ": ("scope", None),
+        }
+        for head, want in cases.items():
+            self.assertEqual(check_structure.classify(head), want, head)
+
     def test_lengths_of_functions_found(self):
         found = {name: last - first + 1 for name, first, _, last in check_structure.functions(CLASS_FILE)}
         self.assertEqual(found, {"Rownorm::forward_row": 81})
