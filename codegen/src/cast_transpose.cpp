@@ -128,11 +128,7 @@ void emit_kernel(Writer& w, const KernelSpec& spec, const Generated& g, const Ar
   if (ct.cast) w.line("// vector variant: cols % 8 == 0 and rows % 16 == 0 (16-byte transposed stores)");
   w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", kBx * kBy, g.kernel, args.decl());
   w.open();
-  w.line("const int c0 = (blockIdx.x * {} + threadIdx.x) * 8;", kBx);
-  w.line("const bool active = c0 < {};", ct.cols);
-  w.line("const int n = active ? min(8, {} - c0) : 0;", ct.cols);
-  emit_pre_loop(w, setup);
-  w.raw(fp8_setup);
+  emit_chunk_prologue(w, setup, fp8_setup, kBx, ct.cols);
   if (ct.cast) {
     w.line("__shared__ __align__(16) unsigned char jf_tile[2][{}];", kTileCols * kTileRows);
     w.line("int jf_buf = 0;");

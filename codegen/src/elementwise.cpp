@@ -172,11 +172,7 @@ void emit_kernel(Writer& w, const KernelSpec& spec, const Generated& g, const Ar
   emit_prelude(w, spec, g.headers);
   w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{", sh.bx * sh.by, g.kernel, args.decl());
   w.open();
-  w.line("const int c0 = (blockIdx.x * {} + threadIdx.x) * 8;", sh.bx);
-  w.line("const bool active = c0 < {};", sh.cols);
-  w.line("const int n = active ? min(8, {} - c0) : 0;", sh.cols);
-  emit_pre_loop(w, setup);
-  w.raw(fp8_setup);
+  emit_chunk_prologue(w, setup, fp8_setup, sh.bx, sh.cols);
   w.line("if (active) {{");
   w.open();
   const int slab = sh.by * sh.unroll;
