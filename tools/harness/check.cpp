@@ -474,7 +474,9 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   in.rng_offset = opt.rng_offset;
   in.rng_seed = opt.rng_seed;
   in.input = random_vec(rng, ops::numel(opt.shape), -2, 2, rc);
-  Tensors t{rc, opt.misalign};
+  Tensors t;
+  t.dtype = rc;
+  t.misalign = opt.misalign;
   upload_params(t, in, ops, rng, stream);
   upload_inputs(t, in, ops, opt.shape, rng, stream);
 
