@@ -318,7 +318,7 @@ struct Backward {
 
 // The calls before the compared one (CheckOptions::calls), on the same inputs, each also run by the
 // reference: under FP8 both recipe states advance alike (the delayed amax history rolls).
-void earlier_calls(const Backward& backward, jf_forward_args& fa, SeqInputs& in, const Vec& gy) {
+void earlier_calls(const Backward& backward, jf_forward_args& fa, SeqInputs& in) {
   const auto& d = cuda::driver();
   Tensors& t = backward.t;
   for (int call = 1; call < backward.opt.calls; ++call) {
@@ -327,7 +327,7 @@ void earlier_calls(const Backward& backward, jf_forward_args& fa, SeqInputs& in,
     SeqForward rf = reference::sequence_forward(backward.ops, in);
     if (backward.opt.backward) {
       backward(early, t.make(backward.opt.shape));
-      reference::sequence_backward(backward.ops, in, rf, gy, t.gext_out);
+      reference::sequence_backward(backward.ops, in, rf, backward.gy, t.gext_out);
     }
     cuda::check(d.cuStreamSynchronize(backward.stream), "cuStreamSynchronize(earlier call)");
     if (early) ok(jf_saved_release(early, backward.js), "jf_saved_release");
@@ -423,6 +423,8 @@ void compare_backward(Comparison& c, const Tensors& t, const DeviceTensor& gx, c
   }
 }
 
+// What check_sequence makes and must give back on every way out (an exception included), released in the
+// reverse order of their making: the forward's saved context, then the stream, then the sequence.
 struct SeqGuard {
   jf_sequence s;
   ~SeqGuard() { jf_sequence_destroy(s); }
@@ -493,7 +495,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   Vec gy;
   if (opt.backward) gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
   const Backward backward{seq, js, stream, opt, info, fa, t, raw, ops, gy};
-  earlier_calls(backward, fa, in, gy);
+  earlier_calls(backward, fa, in);
   jf_saved saved = nullptr;
   ok(jf_forward(seq, &fa, &saved, js), "jf_forward");
   SavedGuard saved_guard{saved, js};
