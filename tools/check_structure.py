@@ -246,7 +246,7 @@ def classify(head):
     if re.search(r"\bnamespace\b", h) or re.fullmatch(r"extern", h):
         return "scope", None
     if CLASS.search(h):
-        m = re.search(r"\b(?:class|struct|union)\s+([A-Za-z_]\w*)\s*(?:final\s*)?(?::[^:]|$)", h)
+        m = re.search(r"\b(?:class|struct|union)\s+([A-Za-z_]\w*(?:::[A-Za-z_]\w*)*)\s*(?:final\s*)?(?::[^:]|$)", h)
         return "scope", m.group(1) if m else None
     if LAMBDA.search(h):
         return "fn", "lambda"
