@@ -170,6 +170,13 @@ class Rownorm {
   // 67 % -> see docs/benchmarks.md for the measured variants.
   void forward_row(Writer& k) {
     const bool packed = spec_.pre.empty();
+    load_row_fwd(k, packed);
+    row_statistics(k, packed);
+    normalize_row(k, packed);
+  }
+  // The row into registers (packed: in its storage dtype; else as floats through the pre stages, with
+  // columns past the end zeroed so they add nothing to the statistics), saving the norm's input.
+  void load_row_fwd(Writer& k, bool packed) {
     if (packed) {
       k.line("jf_raw8<DT> xr[{}];", nch_);
       chunk_loop_open(k);
@@ -180,38 +187,41 @@ class Rownorm {
         k.line("if (active) {{ float v[8]; jf_unpack8<DT>(xr[k], v); jf_store8<DT, JF_VEC>({} + r * {} + c0, v, n); }}", sp, cols_);
       }
       chunk_loop_close(k);
-    } else {
-      k.line("float x[{}][8];", nch_);
-      chunk_loop_open(k);
-      k.line("if (active) jf_load8<DT, JF_VEC>(in + r * {} + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;", cols_);
-      k.line("if (active) {{");
-      k.open();
-      k.line("float (&v)[8] = x[k];");
-      for (auto& s : spec_.pre) emit_stage_fwd(k, args_, setup_, s, ctx("v"));
-      if (ns_.save_input) {
-        std::string sp = fmt::format("s{}_input", ns_.op);
-        args_.ptr(Arg::Role::saved, ns_.op, "input", sp, "ST", true);
-        k.line("jf_store8<DT, JF_VEC>({} + r * {} + c0, v, n);", sp, cols_);
-      }
-      k.line("#pragma unroll");
-      k.line("for (int e = 0; e < 8; ++e) if (e >= n) v[e] = 0.f;");
-      k.close();
-      k.line("}}");
-      chunk_loop_close(k);
+      return;
     }
-    // xv(k): the row's chunk k as floats (unpacked from registers, or the float row itself).
-    const auto row_chunk = [&](Writer& w) {
-      if (packed)
-        w.line("float xv[8]; jf_unpack8<DT>(xr[k], xv);");
-      else
-        w.line("const float (&xv)[8] = x[k];");
-    };
+    k.line("float x[{}][8];", nch_);
+    chunk_loop_open(k);
+    k.line("if (active) jf_load8<DT, JF_VEC>(in + r * {} + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;", cols_);
+    k.line("if (active) {{");
+    k.open();
+    k.line("float (&v)[8] = x[k];");
+    for (auto& s : spec_.pre) emit_stage_fwd(k, args_, setup_, s, ctx("v"));
+    if (ns_.save_input) {
+      std::string sp = fmt::format("s{}_input", ns_.op);
+      args_.ptr(Arg::Role::saved, ns_.op, "input", sp, "ST", true);
+      k.line("jf_store8<DT, JF_VEC>({} + r * {} + c0, v, n);", sp, cols_);
+    }
+    k.line("#pragma unroll");
+    k.line("for (int e = 0; e < 8; ++e) if (e >= n) v[e] = 0.f;");
+    k.close();
+    k.line("}}");
+    chunk_loop_close(k);
+  }
+  // xv(k): the row's chunk k as floats (unpacked from registers, or the float row itself).
+  static void row_chunk(Writer& w, bool packed) {
+    if (packed)
+      w.line("float xv[8]; jf_unpack8<DT>(xr[k], xv);");
+    else
+      w.line("const float (&xv)[8] = x[k];");
+  }
+  // mu and rs of the row (layernorm: the shifted sums above; rmsnorm: mu = 0), saved when asked.
+  void row_statistics(Writer& k, bool packed) {
     k.line("// op {} {}: statistics over {} columns", ns_.op, ns_.rms ? "rmsnorm" : "layernorm", cols_);
     if (!ns_.rms) {
       k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
       k.line("float s1 = 0.f, s2 = 0.f;");
       chunk_loop_open(k);
-      row_chunk(k);
+      row_chunk(k, packed);
       k.line("#pragma unroll");
       k.line("for (int e = 0; e < 8; ++e) if (e < n) {{ const float d = xv[e] - jf_k; s1 += d; s2 += d * d; }}");
       chunk_loop_close(k);
@@ -222,7 +232,7 @@ class Rownorm {
     } else {
       k.line("float s2 = 0.f;");
       chunk_loop_open(k);
-      row_chunk(k);
+      row_chunk(k, packed);
       k.line("#pragma unroll");
       k.line("for (int e = 0; e < 8; ++e) s2 += xv[e] * xv[e];");
       chunk_loop_close(k);
@@ -234,10 +244,13 @@ class Rownorm {
       args_.ptr(Arg::Role::saved, ns_.op, "rstd", rstd_, "float", true);
       k.line("if (threadIdx.x == 0) {{ {}[r] = mu; {}[r] = rs; }}", mean_, rstd_);
     }
+  }
+  // y = (x - mu) * rs * gamma + beta (rmsnorm: x * rs * gamma), the post stages, the store.
+  void normalize_row(Writer& k, bool packed) {
     chunk_loop_open(k);
     k.line("if (active) {{");
     k.open();
-    row_chunk(k);
+    row_chunk(k, packed);
     load_gamma(k, "gw");
     k.line("float v[8];");
     if (ns_.rms) {

@@ -98,6 +98,14 @@ void emit_pre_loop(Writer& w, const Setup& setup) {
   }
 }
 
+void emit_chunk_prologue(Writer& w, const Setup& setup, const std::string& fp8_setup, int bx, int64_t cols) {
+  w.line("const int c0 = (blockIdx.x * {} + threadIdx.x) * 8;", bx);
+  w.line("const bool active = c0 < {};", cols);
+  w.line("const int n = active ? min(8, {} - c0) : 0;", cols);
+  emit_pre_loop(w, setup);
+  w.raw(fp8_setup);
+}
+
 void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c) {
   const std::string& v = c.var;
   comment(w, s, "forward");

@@ -39,6 +39,10 @@ struct Setup {
 
 // Writes setup.pre_loop at w's indentation (the kernel body's, before the row loop).
 void emit_pre_loop(Writer& w, const Setup& setup);
+// The start of a kernel over column chunks of 8 (elementwise, gated, cast_transpose): the thread's first
+// column c0, whether it is in the tensor (`active`), how many of its 8 are (`n`), then setup.pre_loop and
+// the FP8 prologue `fp8_setup`.
+void emit_chunk_prologue(Writer& w, const Setup& setup, const std::string& fp8_setup, int bx, int64_t cols);
 void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const ChunkCtx& c);
 // Sums each accumulator over the block's threadIdx.y rows into one partial row (columns < cols).

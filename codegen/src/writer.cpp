@@ -146,48 +146,42 @@ void emit_variants(Writer& w, const KernelSpec& spec, const std::string& kernel,
   w = v;
 }
 
-void emit_finalize(Writer& w, const std::string& kernel, int64_t cols, int count) {
-  constexpr int kC = Finalize::kCols, kT = Finalize::kThreads;
-  // A block of 256 threads takes 16 columns. Each thread owns V consecutive columns (V = 4, one 16-byte
-  // load per part, when cols % 4 == 0; the partials buffer is 256-byte aligned) and every ny-th part,
-  // eight parts' loads in flight; the ny sums per column are then added in a fixed order (groups of
-  // 4, then the 16 group sums), so the result is deterministic. H100, 396 parts x 4096 columns: 7.0 us
-  // per finalize with 32 columns per block and one 4-byte load per part (128 blocks), see
-  // docs/benchmarks.md "Backward".
-  const int v = cols % 4 == 0 ? 4 : 1;
-  const int tx_n = kC / v, ny = kT / tx_n;
-  w.line("// grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum");
-  w.line("// launch: grid ceil({} / {}), block {}", cols, kC, kT);
+namespace {
+
+// The finalize kernel's signature: one (partials, grad) pair, or `count` pairs of which blockIdx.y picks one
+// (several gradients of one width in one launch: one fewer launch and tail each).
+void emit_finalize_signature(Writer& w, const std::string& kernel, int count) {
+  constexpr int kT = Finalize::kThreads;
   if (count == 1) {
     w.line("extern \"C\" __global__ void __launch_bounds__({}) {}(const float* __restrict__ part, ST* __restrict__ grad, "
            "int parts, int accumulate) {{", kT, kernel);
     w.open();
-  } else {
-    // Several gradients of this width in one launch (one fewer launch and tail each): blockIdx.y picks one.
-    std::string params;
-    for (int i = 0; i < count; ++i)
-      params += fmt::format("const float* __restrict__ part{0}, ST* __restrict__ grad{0}, ", i);
-    w.line("// launch: grid.y {} (one per gradient)", count);
-    w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}int parts, int accumulate) {{", kT, kernel, params);
-    w.open();
-    std::string part = "part" + std::to_string(count - 1), grad = "grad" + std::to_string(count - 1);
-    for (int i = count - 2; i >= 0; --i) {
-      part = fmt::format("blockIdx.y == {0} ? part{0} : {1}", i, part);
-      grad = fmt::format("blockIdx.y == {0} ? grad{0} : {1}", i, grad);
-    }
-    w.line("const float* __restrict__ part = {};", part);
-    w.line("ST* __restrict__ grad = {};", grad);
+    return;
   }
-  w.line("__shared__ float jf_fs[{}][{}];", ny, kC);
-  w.line("const int tx = threadIdx.x % {}, ty = threadIdx.x / {};", tx_n, tx_n);
-  w.line("const int c = blockIdx.x * {} + tx * {};", kC, v);
+  std::string params;
+  for (int i = 0; i < count; ++i)
+    params += fmt::format("const float* __restrict__ part{0}, ST* __restrict__ grad{0}, ", i);
+  w.line("// launch: grid.y {} (one per gradient)", count);
+  w.line("extern \"C\" __global__ void __launch_bounds__({}) {}({}int parts, int accumulate) {{", kT, kernel, params);
+  w.open();
+  std::string part = "part" + std::to_string(count - 1), grad = "grad" + std::to_string(count - 1);
+  for (int i = count - 2; i >= 0; --i) {
+    part = fmt::format("blockIdx.y == {0} ? part{0} : {1}", i, part);
+    grad = fmt::format("blockIdx.y == {0} ? grad{0} : {1}", i, grad);
+  }
+  w.line("const float* __restrict__ part = {};", part);
+  w.line("ST* __restrict__ grad = {};", grad);
+}
+
+// Each thread's sums of its V columns over every ny-th part, into 4 interleaved accumulators. Eight parts
+// per thread per round, all loads issued before the first add (396 parts of a 4096-wide grad are one
+// round: one L2 round trip instead of one per part).
+void emit_finalize_part_sums(Writer& w, int64_t cols, int v, int ny) {
   w.line("float s[4][{}];", v);
   w.line("#pragma unroll");
   w.line("for (int u = 0; u < 4; ++u) for (int e = 0; e < {}; ++e) s[u][e] = 0.f;", v);
   w.line("if (c < {}) {{", cols);
   w.open();
-  // Eight parts per thread per round, all loads issued before the first add (396 parts of a 4096-wide
-  // grad are one round: one L2 round trip instead of one per part).
   w.line("for (int p0 = ty; p0 < parts; p0 += {}) {{", 8 * ny);
   w.open();
   if (v == 4) {
@@ -209,11 +203,16 @@ void emit_finalize(Writer& w, const std::string& kernel, int64_t cols, int count
   w.line("}}");
   w.close();
   w.line("}}");
+}
+
+// The block's sum per column in a fixed order, then the store. 256 threads: column threadIdx.x % 16 of
+// group threadIdx.x / 16 sums ny / 16 rows of jf_fs in order, then the first 16 threads add the 16 group
+// sums.
+void emit_finalize_block_sum(Writer& w, int64_t cols, int v, int ny) {
+  constexpr int kC = Finalize::kCols, kT = Finalize::kThreads;
   w.line("#pragma unroll");
   w.line("for (int e = 0; e < {}; ++e) jf_fs[ty][tx * {} + e] = (s[0][e] + s[1][e]) + (s[2][e] + s[3][e]);", v, v);
   w.line("__syncthreads();");
-  // 256 threads: column threadIdx.x % 16 of group threadIdx.x / 16 sums ny / 16 rows of jf_fs in order,
-  // then the first 16 threads add the 16 group sums.
   w.line("const int fc = threadIdx.x % {}, fg = threadIdx.x / {};", kC, kC);
   w.line("float t = 0.f;");
   w.line("#pragma unroll");
@@ -228,6 +227,28 @@ void emit_finalize(Writer& w, const std::string& kernel, int64_t cols, int count
   w.line("for (int y = 0; y < {}; ++y) r += jf_fs[y][fc];", kT / kC);
   w.line("if (accumulate) r += DT::load(grad[col]);");
   w.line("grad[col] = DT::store(r);");
+}
+
+}  // namespace
+
+void emit_finalize(Writer& w, const std::string& kernel, int64_t cols, int count) {
+  constexpr int kC = Finalize::kCols, kT = Finalize::kThreads;
+  // A block of 256 threads takes 16 columns. Each thread owns V consecutive columns (V = 4, one 16-byte
+  // load per part, when cols % 4 == 0; the partials buffer is 256-byte aligned) and every ny-th part,
+  // eight parts' loads in flight; the ny sums per column are then added in a fixed order (groups of
+  // 4, then the 16 group sums), so the result is deterministic. H100, 396 parts x 4096 columns: 7.0 us
+  // per finalize with 32 columns per block and one 4-byte load per part (128 blocks), see
+  // docs/benchmarks.md "Backward".
+  const int v = cols % 4 == 0 ? 4 : 1;
+  const int tx_n = kC / v, ny = kT / tx_n;
+  w.line("// grad[c] (+)= sum over parts of partials[p][c]: the second half of a deterministic column sum");
+  w.line("// launch: grid ceil({} / {}), block {}", cols, kC, kT);
+  emit_finalize_signature(w, kernel, count);
+  w.line("__shared__ float jf_fs[{}][{}];", ny, kC);
+  w.line("const int tx = threadIdx.x % {}, ty = threadIdx.x / {};", tx_n, tx_n);
+  w.line("const int c = blockIdx.x * {} + tx * {};", kC, v);
+  emit_finalize_part_sums(w, cols, v, ny);
+  emit_finalize_block_sum(w, cols, v, ny);
   w.close();
   w.line("}}");
 }

@@ -155,16 +155,24 @@ std::optional<std::string> check_conditions(const rules::Conditions& c, const st
   return std::nullopt;
 }
 
-std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, const std::vector<Group>& fixed,
-                            const PlanInputs& in, const rules::RuleSet& rules, const LegalityFn& legal,
-                            std::vector<Decision>& decisions) {
-  const int n = static_cast<int>(ops.size());
-  const std::string pname = rules::pass_name(pass);
-  std::vector<int> owner(n, -1);  // index in `fixed` of the joint group holding op i
+namespace {
+
+// owner[i]: the index in `fixed` of the joint group holding op i, or -1.
+std::vector<int> joint_owners(const std::vector<Group>& fixed, int n) {
+  std::vector<int> owner(n, -1);
   for (size_t g = 0; g < fixed.size(); ++g)
     if (fixed[g].joint)
       for (int i = std::max(0, fixed[g].begin); i < std::min(n, fixed[g].end); ++i) owner[i] = static_cast<int>(g);
+  return owner;
+}
 
+// Every window of every rule of the pass, in rule load order and by start: each refused with its reason
+// (attributes, overlap with a joint group, conditions, legality) or a candidate. At a start, a rule's
+// windows are tried longest first, and the first candidate ends the search there.
+std::vector<Tried> try_windows(rules::Pass pass, const std::vector<ops::Op>& ops, const std::vector<Group>& fixed,
+                               const std::vector<int>& owner, const PlanInputs& in, const rules::RuleSet& rules,
+                               const LegalityFn& legal) {
+  const int n = static_cast<int>(ops.size());
   std::vector<const Rule*> pass_rules;
   for (const auto& r : rules.rules())
     if (r.pass == pass) pass_rules.push_back(&r);
@@ -192,8 +200,12 @@ std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, c
       }
     }
   }
+  return tried;
+}
 
-  // Conflicts: priority, then longer window, then earlier rule, then earlier start. Total, so deterministic.
+// Conflicts: priority, then longer window, then earlier rule, then earlier start. Total, so deterministic.
+// Marks the winners taken and gives each loser the winner it overlaps; returns the taker of each op (-1).
+std::vector<int> resolve_conflicts(std::vector<Tried>& tried, int n) {
   std::vector<size_t> cands;
   for (size_t i = 0; i < tried.size(); ++i)
     if (tried[i].reason.empty()) cands.push_back(i);
@@ -225,8 +237,13 @@ std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, c
       t.reason = fmt::format("overlaps rule {} at ops [{}, {}) (same priority, {})", w.rule->name, w.begin, w.end, why);
     }
   }
+  return taken_by;
+}
 
-  // Decisions read best in op order: by start, then rule order, then longest first.
+// Decisions read best in op order: by start, then rule order, then longest first.
+void record_decisions(rules::Pass pass, const std::vector<Tried>& tried, const std::vector<ops::Op>& ops,
+                      std::vector<Decision>& decisions) {
+  const std::string pname = rules::pass_name(pass);
   std::vector<size_t> idx(tried.size());
   for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
   std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
@@ -242,7 +259,11 @@ std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, c
     log().debug("{} pass: rule {} (priority {}) at ops [{}, {}): {}", pname, t.rule->name, t.rule->priority, t.begin,
                 t.end, t.taken ? std::string("taken") : "not taken: " + t.reason);
   }
+}
 
+// The pass's groups in op order: the joint groups kept as they are, the windows taken, every other op alone.
+std::vector<Group> groups_in_order(rules::Pass pass, const std::vector<Group>& fixed, const std::vector<int>& owner,
+                                   const std::vector<Tried>& tried, const std::vector<int>& taken_by, int n) {
   std::vector<Group> out;
   for (int i = 0; i < n;) {
     if (owner[i] >= 0) {
@@ -259,6 +280,19 @@ std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, c
     }
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<Group> run_pass(rules::Pass pass, const std::vector<ops::Op>& ops, const std::vector<Group>& fixed,
+                            const PlanInputs& in, const rules::RuleSet& rules, const LegalityFn& legal,
+                            std::vector<Decision>& decisions) {
+  const int n = static_cast<int>(ops.size());
+  const std::vector<int> owner = joint_owners(fixed, n);
+  std::vector<Tried> tried = try_windows(pass, ops, fixed, owner, in, rules, legal);
+  const std::vector<int> taken_by = resolve_conflicts(tried, n);
+  record_decisions(pass, tried, ops, decisions);
+  return groups_in_order(pass, fixed, owner, tried, taken_by, n);
 }
 
 }  // namespace jitfuse::fuser::detail

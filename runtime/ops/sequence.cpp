@@ -166,12 +166,8 @@ void add_parallel(SequenceDef& def, OpDef d, const Registry& registry, const At&
   }
 }
 
-}  // namespace
-
-SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry) {
-  nlohmann::json j = json_util::parse(text, where);
-  json_util::Locator locator(text);  // one per text: locating every op stays linear in the file
-  auto at = [&](const std::string& ptr) { return locator.where(where, ptr); };
+// The document's shape: an object in format jitfuse.sequence/1 with 1 to kMaxOps ops.
+void check_document(const nlohmann::json& j, const At& at) {
   if (!j.is_object()) fail(Status::parse_error, "{}: a sequence file is a JSON object with \"ops\"", at(""));
   if (j.contains("format") && j["format"] != "jitfuse.sequence/1")
     fail(Status::parse_error, "{}: unsupported format {}: this build reads \"jitfuse.sequence/1\"", at("/format"),
@@ -181,7 +177,9 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   if (j["ops"].size() > kMaxOps)
     fail(Status::parse_error, "{}: the sequence has {} ops, more than the limit of {}: split it", at("/ops"),
          j["ops"].size(), kMaxOps);
-  SequenceDef def;
+}
+
+void read_name(const nlohmann::json& j, SequenceDef& def, const At& at) {
   if (j.contains("name") && !j["name"].is_string())  // j.value() would throw nlohmann's type_error instead
     fail(Status::parse_error, "{}: \"name\" must be a string", at("/name"));
   def.name = j.value("name", "sequence");
@@ -189,62 +187,81 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   if (def.name.size() > kMaxNameBytes)
     fail(Status::parse_error, "{}: \"name\" '{}' is longer than {} bytes", at("/name"), jitfuse::text::shorten(def.name),
          kMaxNameBytes);
-  if (j.contains("fp8")) {
-    const auto& f = j["fp8"];
-    if (!f.is_object()) fail(Status::parse_error, "{}: \"fp8\" must be an object like {{\"amax_history_len\": 16, \"margin\": 0}}", at("/fp8"));
-    for (const auto& [k, v] : f.items()) {
-      const bool hist = k == "amax_history_len";
-      if (!hist && k != "margin")
-        fail(Status::parse_error, "{}: unknown key '{}' in \"fp8\"; known: amax_history_len, margin", at("/fp8"),
-             jitfuse::text::shorten(k));
-      const int lo = hist ? 1 : 0, hi = hist ? kMaxAmaxHistory : kMaxFp8Margin;
-      if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > hi)
-        fail(Status::parse_error, "{}: \"{}\" must be an integer from {} to {}, not {}", at("/fp8/" + k), k, lo, hi,
-             jitfuse::text::shorten(v.dump()));
-      (hist ? def.fp8_amax_history : def.fp8_margin) = static_cast<int>(v.get<int64_t>());
-    }
+}
+
+// The FP8 recipes' settings of this sequence ("fp8": amax_history_len, margin), each range-checked.
+void read_fp8(const nlohmann::json& j, SequenceDef& def, const At& at) {
+  if (!j.contains("fp8")) return;
+  const auto& f = j["fp8"];
+  if (!f.is_object()) fail(Status::parse_error, "{}: \"fp8\" must be an object like {{\"amax_history_len\": 16, \"margin\": 0}}", at("/fp8"));
+  for (const auto& [k, v] : f.items()) {
+    const bool hist = k == "amax_history_len";
+    if (!hist && k != "margin")
+      fail(Status::parse_error, "{}: unknown key '{}' in \"fp8\"; known: amax_history_len, margin", at("/fp8"),
+           jitfuse::text::shorten(k));
+    const int lo = hist ? 1 : 0, hi = hist ? kMaxAmaxHistory : kMaxFp8Margin;
+    if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > hi)
+      fail(Status::parse_error, "{}: \"{}\" must be an integer from {} to {}, not {}", at("/fp8/" + k), k, lo, hi,
+           jitfuse::text::shorten(v.dump()));
+    (hist ? def.fp8_amax_history : def.fp8_margin) = static_cast<int>(v.get<int64_t>());
   }
+}
+
+// Op i of the file: its kind looked up, its channel keys and attributes validated (errors at the attribute
+// itself), its canonical form appended to `canon`, and the op added with a parallel linear's collectives.
+void read_op(const nlohmann::json& o, size_t i, SequenceDef& def, nlohmann::json& canon, const Registry& registry,
+             const At& at) {
+  std::string ptr = "/ops/" + std::to_string(i);
+  std::string loc = fmt::format("{}: op {}", at(ptr), i);
+  if (!o.is_object() || !o.contains("op") || !o["op"].is_string())
+    fail(Status::parse_error, "{}: each op is an object with a string \"op\"", loc);
+  std::string kind = o["op"];
+  const OpKind* info = registry.find(kind);
+  if (!info) {
+    std::string known;
+    for (auto& n : registry.names()) known += (known.empty() ? "" : ", ") + n;
+    fail(Status::invalid_argument, "{}: unknown op '{}'; known ops: {} (declare new pointwise ops in a rules file)",
+         loc, jitfuse::text::shorten(kind), known);
+  }
+  OpDef d;
+  d.index = static_cast<int>(def.ops.size());
+  d.json_index = static_cast<int>(i);
+  d.kind = kind;
+  d.info = info;
+  // Attribute errors point at the attribute itself (a key with '/' or '~' cannot be in the kind's list).
+  auto where_attr = [&](const std::string& attr) {
+    return fmt::format("{}: op {} ({})", o.contains(attr) ? at(ptr + "/" + attr) : at(ptr), i, kind);
+  };
+  nlohmann::json attrs = o;
+  read_channel_keys(attrs, d, at, ptr, i);
+  d.attrs = validate_attrs(*info, attrs, fmt::format("{} ({})", loc, kind), where_attr);
+  // A linear on one rank keeps the attributes it had before tensor parallelism (plan and cache keys unchanged).
+  if (info->family == Family::linear && d.attrs["tensor_parallel"] == "none") {
+    if (d.attrs["sequence_parallel"].get<bool>())
+      fail(Status::invalid_argument, "{}: op {} (linear): \"sequence_parallel\": true needs \"tensor_parallel\": "
+           "\"column\" or \"row\"", where_attr("sequence_parallel"), d.index);
+    for (const char* k : {"tensor_parallel", "sequence_parallel", "group"}) d.attrs.erase(k);
+  }
+  nlohmann::json c = d.attrs;
+  c["op"] = kind;
+  if (!d.channel.empty()) c["channel"] = d.channel;
+  if (d.returned) c["returned"] = true;
+  canon.push_back(c);
+  add_parallel(def, std::move(d), registry, at);
+}
+
+}  // namespace
+
+SequenceDef parse_sequence(const std::string& text, const std::string& where, const Registry& registry) {
+  nlohmann::json j = json_util::parse(text, where);
+  json_util::Locator locator(text);  // one per text: locating every op stays linear in the file
+  const At at = [&](const std::string& ptr) { return locator.where(where, ptr); };
+  check_document(j, at);
+  SequenceDef def;
+  read_name(j, def, at);
+  read_fp8(j, def, at);
   nlohmann::json canon = nlohmann::json::array();
-  for (size_t i = 0; i < j["ops"].size(); ++i) {
-    const auto& o = j["ops"][i];
-    std::string ptr = "/ops/" + std::to_string(i);
-    std::string loc = fmt::format("{}: op {}", at(ptr), i);
-    if (!o.is_object() || !o.contains("op") || !o["op"].is_string())
-      fail(Status::parse_error, "{}: each op is an object with a string \"op\"", loc);
-    std::string kind = o["op"];
-    const OpKind* info = registry.find(kind);
-    if (!info) {
-      std::string known;
-      for (auto& n : registry.names()) known += (known.empty() ? "" : ", ") + n;
-      fail(Status::invalid_argument, "{}: unknown op '{}'; known ops: {} (declare new pointwise ops in a rules file)",
-           loc, jitfuse::text::shorten(kind), known);
-    }
-    OpDef d;
-    d.index = static_cast<int>(def.ops.size());
-    d.json_index = static_cast<int>(i);
-    d.kind = kind;
-    d.info = info;
-    // Attribute errors point at the attribute itself (a key with '/' or '~' cannot be in the kind's list).
-    auto where_attr = [&](const std::string& attr) {
-      return fmt::format("{}: op {} ({})", o.contains(attr) ? at(ptr + "/" + attr) : at(ptr), i, kind);
-    };
-    nlohmann::json attrs = o;
-    read_channel_keys(attrs, d, at, ptr, i);
-    d.attrs = validate_attrs(*info, attrs, fmt::format("{} ({})", loc, kind), where_attr);
-    // A linear on one rank keeps the attributes it had before tensor parallelism (plan and cache keys unchanged).
-    if (info->family == Family::linear && d.attrs["tensor_parallel"] == "none") {
-      if (d.attrs["sequence_parallel"].get<bool>())
-        fail(Status::invalid_argument, "{}: op {} (linear): \"sequence_parallel\": true needs \"tensor_parallel\": "
-             "\"column\" or \"row\"", where_attr("sequence_parallel"), d.index);
-      for (const char* k : {"tensor_parallel", "sequence_parallel", "group"}) d.attrs.erase(k);
-    }
-    nlohmann::json c = d.attrs;
-    c["op"] = kind;
-    if (!d.channel.empty()) c["channel"] = d.channel;
-    if (d.returned) c["returned"] = true;
-    canon.push_back(c);
-    add_parallel(def, std::move(d), registry, at);
-  }
+  for (size_t i = 0; i < j["ops"].size(); ++i) read_op(j["ops"][i], i, def, canon, registry, at);
   read_input_channels(j, def, at);
   check_channels(def, at);
   def.canonical = def.input_channels.empty() ? canon.dump()

@@ -113,6 +113,8 @@ class RuleSet {
   void drop_builtin_rules();
 
  private:
+  struct Loading;  // one file's load (rule_set.cpp); nested, so it fills the tables below
+
   std::vector<Rule> rules_;
   std::vector<LoadError> errors_;
   ops::Registry registry_;

@@ -161,32 +161,25 @@ std::vector<LoadError> RuleSet::load_path(const std::string& path) {
   return errs;
 }
 
-std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::string& file, const std::string& dir) {
-  std::vector<LoadError> errs;
-  json_util::Locator locator(text);  // one per text: locating every rule stays linear in the file
-  auto record = [&](const std::string& ptr, const std::string& rule, const std::string& msg) {
-    errs.push_back({locator.where(file, ptr), rule, msg});
-  };
-  auto finish = [&] {
-    for (const auto& e : errs) log().warn("{} (skipped)", e.to_string());
-    errors_.insert(errors_.end(), errs.begin(), errs.end());
-    return errs;
-  };
+namespace {
+
+// The file as JSON, or false with the error in `errs`: too large, not JSON (at file:line:col), or with a
+// duplicate key (which the parser would silently resolve).
+bool parse_document(const std::string& text, const std::string& file, json& j, std::vector<LoadError>& errs) {
   if (text.size() > kMaxFileBytes) {
     errs.push_back({file, "", fmt::format("file is larger than {} bytes; rule files are small JSON", kMaxFileBytes)});
-    return finish();
+    return false;
   }
-  json j;
   try {
     j = json::parse(text);
   } catch (const json::parse_error& e) {
     errs.push_back(syntax_error(file, text, e));
-    return finish();
+    return false;
   } catch (const json::exception& e) {  // e.g. out_of_range 406 for 1e999: no byte offset to point at
     std::string what = e.what();
     auto at = what.find("] ");
     errs.push_back({file, "", "invalid JSON: " + detail::show(at == std::string::npos ? what : what.substr(at + 2))});
-    return finish();
+    return false;
   }
   try {
     json_util::check_duplicate_keys(text, file);
@@ -195,20 +188,52 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
     size_t colon = what.find(": duplicate key");
     errs.push_back({colon == std::string::npos ? file : what.substr(0, colon), "",
                     colon == std::string::npos ? what : what.substr(colon + 2) + " (the file was not loaded)"});
-    return finish();
+    return false;
   }
+  return true;
+}
+
+}  // namespace
+
+// One file being loaded: its errors, each at the file:line:col of a JSON pointer, and the steps that add its
+// ops and rules to the RuleSet (a nested class: it fills the set's private tables).
+struct RuleSet::Loading {
+  RuleSet& rs;
+  const std::string& file;
+  const std::string& dir;
+  json_util::Locator locator;  // one per text: locating every rule stays linear in the file
+  std::vector<LoadError> errs;
+
+  void record(const std::string& ptr, const std::string& rule, const std::string& msg) {
+    errs.push_back({locator.where(file, ptr), rule, msg});
+  }
+  std::vector<LoadError> finish() {
+    for (const auto& e : errs) log().warn("{} (skipped)", e.to_string());
+    rs.errors_.insert(rs.errors_.end(), errs.begin(), errs.end());
+    return errs;
+  }
+  bool check_top_level(const json& j);
+  bool read_ops(const json& ops_j);
+  void declare_op(detail::DeclaredOp d, const std::string& ptr);
+  bool read_rules(const json& rules_j);
+  void add_rule(Rule r, const std::string& ptr);
+};
+
+// An object in this build's format; false (the file is not loaded) otherwise. Unknown keys are recorded
+// but do not stop the load.
+bool RuleSet::Loading::check_top_level(const json& j) {
   if (!j.is_object()) {
     record("", "", "a rules file is a JSON object {\"format\": \"jitfuse.rules/1\", \"rules\": [...], \"ops\": [...]}");
-    return finish();
+    return false;
   }
   if (!j.contains("format")) {
     record("", "", "missing \"format\": \"jitfuse.rules/1\" (the file was not loaded)");
-    return finish();
+    return false;
   }
   if (j.at("format") != kFormat) {
     record("/format", "", fmt::format("unsupported format {}; this build reads \"{}\" (the file was not loaded)",
                                       detail::show(j.at("format")), kFormat));
-    return finish();
+    return false;
   }
   for (const auto& [key, value] : j.items()) {
     if (key != "format" && key != "rules" && key != "ops" && key != "$schema" && key != "comment")
@@ -216,107 +241,132 @@ std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::st
              "", fmt::format("unknown top-level key {}; known keys: format, rules, ops, $schema, comment",
                              detail::show(key)));
   }
+  return true;
+}
+
+// Every op declaration of the file, each one recorded and skipped when broken; false when the file
+// declares more ops than a file may (nothing more of it is loaded).
+bool RuleSet::Loading::read_ops(const json& ops_j) {
+  if (!ops_j.is_array()) record("/ops", "", "\"ops\" must be an array of op declarations");
+  if (ops_j.is_array() && ops_j.size() > kMaxOpsPerFile) {
+    record("/ops", "", fmt::format("{} op declarations; a rules file may declare at most {} (split the file)",
+                                   ops_j.size(), kMaxOpsPerFile));
+    return false;
+  }
+  for (size_t i = 0; ops_j.is_array() && i < ops_j.size(); ++i) {
+    std::string ptr = "/ops/" + std::to_string(i);
+    std::string name = display_name(ops_j[i]);
+    std::string prefix = name.empty() ? "" : "op '" + name + "': ";
+    try {
+      declare_op(detail::parse_op(ops_j[i], ptr, dir, rs.registry_), ptr);
+    } catch (const detail::Invalid& e) {
+      record(e.pointer, "", prefix + e.what());
+    } catch (const Error& e) {
+      record(ptr, "", prefix + e.what());
+    } catch (const std::exception& e) {  // a validator bug must not take the host down
+      if (kRethrowValidatorBugs) throw;
+      record(ptr, "", prefix + "internal error while validating: " + e.what());
+    }
+  }
+  return true;
+}
+
+// Registers a parsed op and its template, unless it would change what an earlier declaration means.
+void RuleSet::Loading::declare_op(detail::DeclaredOp d, const std::string& ptr) {
+  d.kind.declared_in = locator.where(file, ptr);
+  // One template file name, one content: another op must not silently change what this one includes.
+  auto it = rs.user_templates_.find(d.template_key);
+  if (it != rs.user_templates_.end() && it->second != d.template_text) {
+    for (const auto& other : rs.registry_.names()) {
+      const ops::OpKind* k = rs.registry_.find(other);
+      if (k->user_declared && k->template_file == d.template_key && k->name != d.kind.name)
+        detail::invalid(ptr + "/template",
+                        fmt::format("template {} is already used by op '{}' (declared at {}) with different "
+                                    "content; rename one of the files",
+                                    d.template_key, k->name, k->declared_in));
+    }
+  }
+  // A second declaration would silently change what the first file's rules run: refuse it.
+  if (const ops::OpKind* prev = rs.registry_.find(d.kind.name); prev && prev->user_declared)
+    detail::invalid(ptr + "/name", fmt::format("op '{}' is already declared at {}; an op is declared once "
+                                               "(rename one of them, or remove one of the files from the rule "
+                                               "path)", d.kind.name, prev->declared_in));
+  log().debug("op {} declared at {} (functor {}, template {})", d.kind.name, d.kind.declared_in,
+              d.kind.functor, d.template_key);
+  rs.registry_.add(std::move(d.kind));
+  rs.user_templates_[d.template_key] = std::move(d.template_text);
+  ++rs.generation_;
+}
+
+// Every rule of the file, each one recorded and skipped when broken; false when the file holds more rules
+// than a file may.
+bool RuleSet::Loading::read_rules(const json& rules_j) {
+  if (!rules_j.is_array()) record("/rules", "", "\"rules\" must be an array of rules");
+  if (rules_j.is_array() && rules_j.size() > kMaxRulesPerFile) {
+    record("/rules", "", fmt::format("{} rules; a rules file may hold at most {} (split the file)", rules_j.size(),
+                                     kMaxRulesPerFile));
+    return false;
+  }
+  for (size_t i = 0; rules_j.is_array() && i < rules_j.size(); ++i) {
+    std::string ptr = "/rules/" + std::to_string(i);
+    std::string name = display_name(rules_j[i]);
+    try {
+      Rule r = detail::parse_rule(rules_j[i], ptr, rs.registry_);
+      r.file = file;
+      r.where = locator.where(file, ptr);
+      add_rule(std::move(r), ptr);
+    } catch (const detail::Invalid& e) {
+      record(e.pointer, name, e.what());
+    } catch (const std::exception& e) {
+      if (kRethrowValidatorBugs) throw;
+      record(ptr, name, std::string("internal error while validating: ") + e.what());
+    }
+  }
+  return true;
+}
+
+// A new rule takes the next load order; one of a name already loaded replaces that rule, in its place,
+// only where that is asked for ("overrides") or allowed (a built-in under `rules validate`).
+void RuleSet::Loading::add_rule(Rule r, const std::string& ptr) {
+  auto it = rs.rule_index_.find(r.name);
+  if (it != rs.rule_index_.end()) {
+    Rule& prev = rs.rules_[it->second];
+    // Two rules of one name in one file is a mistake; replacing a rule of another file (a built-in)
+    // must be asked for with "overrides": true, so it never happens by accident.
+    if (prev.file == file)
+      detail::invalid(ptr + "/name", fmt::format("rule {} is declared twice in this file (first at {}); "
+                                                 "rename one of them", detail::show(r.name), prev.where));
+    const bool replaces_builtin = rs.builtins_replaceable_ && prev.file.rfind(kBuiltinPrefix, 0) == 0;
+    if (!r.overrides && !replaces_builtin)
+      detail::invalid(ptr + "/name", fmt::format("rule {} is already declared at {}; to replace it, add "
+                                                 "\"overrides\": true to this rule, or rename it",
+                                                 detail::show(r.name), prev.where));
+    // The override takes the place (and tie-breaking order) of the rule it replaces.
+    log().info("rule {} from {} overrides the one from {}", r.name, r.where, prev.where);
+    r.order = prev.order;
+    r.overridden = prev.where;
+    prev = std::move(r);
+  } else {
+    if (r.overrides && !rs.dropped_builtins_.count(r.name))
+      detail::invalid(ptr + "/overrides", fmt::format("rule {} says \"overrides\": true, but no rule of that "
+                                                      "name was loaded before it; remove \"overrides\"",
+                                                      detail::show(r.name)));
+    r.order = rs.next_order_++;
+    log().debug("rule {} loaded from {}", r.name, r.where);
+    rs.rule_index_.emplace(r.name, rs.rules_.size());
+    rs.rules_.push_back(std::move(r));
+  }
+  ++rs.generation_;
+}
+
+std::vector<LoadError> RuleSet::load_text(const std::string& text, const std::string& file, const std::string& dir) {
+  Loading l{*this, file, dir, json_util::Locator(text), {}};
+  json j;
+  if (!parse_document(text, file, j, l.errs) || !l.check_top_level(j)) return l.finish();
   // Ops first: rules of the same file may use the ops it declares.
-  if (j.contains("ops")) {
-    const json& ops_j = j.at("ops");
-    if (!ops_j.is_array()) record("/ops", "", "\"ops\" must be an array of op declarations");
-    if (ops_j.is_array() && ops_j.size() > kMaxOpsPerFile) {
-      record("/ops", "", fmt::format("{} op declarations; a rules file may declare at most {} (split the file)",
-                                     ops_j.size(), kMaxOpsPerFile));
-      return finish();
-    }
-    for (size_t i = 0; ops_j.is_array() && i < ops_j.size(); ++i) {
-      std::string ptr = "/ops/" + std::to_string(i);
-      std::string name = display_name(ops_j[i]);
-      std::string prefix = name.empty() ? "" : "op '" + name + "': ";
-      try {
-        detail::DeclaredOp d = detail::parse_op(ops_j[i], ptr, dir, registry_);
-        d.kind.declared_in = locator.where(file, ptr);
-        // One template file name, one content: another op must not silently change what this one includes.
-        auto it = user_templates_.find(d.template_key);
-        if (it != user_templates_.end() && it->second != d.template_text) {
-          for (const auto& other : registry_.names()) {
-            const ops::OpKind* k = registry_.find(other);
-            if (k->user_declared && k->template_file == d.template_key && k->name != d.kind.name)
-              detail::invalid(ptr + "/template",
-                              fmt::format("template {} is already used by op '{}' (declared at {}) with different "
-                                          "content; rename one of the files",
-                                          d.template_key, k->name, k->declared_in));
-          }
-        }
-        // A second declaration would silently change what the first file's rules run: refuse it.
-        if (const ops::OpKind* prev = registry_.find(d.kind.name); prev && prev->user_declared)
-          detail::invalid(ptr + "/name", fmt::format("op '{}' is already declared at {}; an op is declared once "
-                                                     "(rename one of them, or remove one of the files from the rule "
-                                                     "path)", d.kind.name, prev->declared_in));
-        log().debug("op {} declared at {} (functor {}, template {})", d.kind.name, d.kind.declared_in,
-                    d.kind.functor, d.template_key);
-        registry_.add(std::move(d.kind));
-        user_templates_[d.template_key] = std::move(d.template_text);
-        ++generation_;
-      } catch (const detail::Invalid& e) {
-        record(e.pointer, "", prefix + e.what());
-      } catch (const Error& e) {
-        record(ptr, "", prefix + e.what());
-      } catch (const std::exception& e) {  // a validator bug must not take the host down
-        if (kRethrowValidatorBugs) throw;
-        record(ptr, "", prefix + "internal error while validating: " + e.what());
-      }
-    }
-  }
-  if (j.contains("rules")) {
-    const json& rules_j = j.at("rules");
-    if (!rules_j.is_array()) record("/rules", "", "\"rules\" must be an array of rules");
-    if (rules_j.is_array() && rules_j.size() > kMaxRulesPerFile) {
-      record("/rules", "", fmt::format("{} rules; a rules file may hold at most {} (split the file)", rules_j.size(),
-                                       kMaxRulesPerFile));
-      return finish();
-    }
-    for (size_t i = 0; rules_j.is_array() && i < rules_j.size(); ++i) {
-      std::string ptr = "/rules/" + std::to_string(i);
-      std::string name = display_name(rules_j[i]);
-      try {
-        Rule r = detail::parse_rule(rules_j[i], ptr, registry_);
-        r.file = file;
-        r.where = locator.where(file, ptr);
-        auto it = rule_index_.find(r.name);
-        if (it != rule_index_.end()) {
-          Rule& prev = rules_[it->second];
-          // Two rules of one name in one file is a mistake; replacing a rule of another file (a built-in)
-          // must be asked for with "overrides": true, so it never happens by accident.
-          if (prev.file == file)
-            detail::invalid(ptr + "/name", fmt::format("rule {} is declared twice in this file (first at {}); "
-                                                       "rename one of them", detail::show(r.name), prev.where));
-          const bool replaces_builtin = builtins_replaceable_ && prev.file.rfind(kBuiltinPrefix, 0) == 0;
-          if (!r.overrides && !replaces_builtin)
-            detail::invalid(ptr + "/name", fmt::format("rule {} is already declared at {}; to replace it, add "
-                                                       "\"overrides\": true to this rule, or rename it",
-                                                       detail::show(r.name), prev.where));
-          // The override takes the place (and tie-breaking order) of the rule it replaces.
-          log().info("rule {} from {} overrides the one from {}", r.name, r.where, prev.where);
-          r.order = prev.order;
-          r.overridden = prev.where;
-          prev = std::move(r);
-        } else {
-          if (r.overrides && !dropped_builtins_.count(r.name))
-            detail::invalid(ptr + "/overrides", fmt::format("rule {} says \"overrides\": true, but no rule of that "
-                                                            "name was loaded before it; remove \"overrides\"",
-                                                            detail::show(r.name)));
-          r.order = next_order_++;
-          log().debug("rule {} loaded from {}", r.name, r.where);
-          rule_index_.emplace(r.name, rules_.size());
-          rules_.push_back(std::move(r));
-        }
-        ++generation_;
-      } catch (const detail::Invalid& e) {
-        record(e.pointer, name, e.what());
-      } catch (const std::exception& e) {
-        if (kRethrowValidatorBugs) throw;
-        record(ptr, name, std::string("internal error while validating: ") + e.what());
-      }
-    }
-  }
-  return finish();
+  if (j.contains("ops") && !l.read_ops(j.at("ops"))) return l.finish();
+  if (j.contains("rules")) l.read_rules(j.at("rules"));
+  return l.finish();
 }
 
 }  // namespace jitfuse::rules

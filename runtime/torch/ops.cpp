@@ -189,40 +189,12 @@ std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, const
   return outs;
 }
 
-std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
-                                      const at::Tensor& output, at::TensorList extra_outputs, at::TensorList params,
-                                      const at::Tensor& saved, const at::Tensor& grad_output,
-                                      at::TensorList grad_extra_outputs) {
-  TORCH_CHECK_VALUE(input.is_cuda(), "jitfuse::backward: the input is on ", input.device().str());
-  const int dev = input.get_device();
-  c10::cuda::CUDAGuard guard(input.device());
-  auto sp = sequence(key, dev);
-  const Sequence& s = *sp;
-  TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs &&
-                       params.size() == s.params.size() &&
-                       static_cast<int>(extra_outputs.size()) == s.n_extra_outputs &&
-                       grad_extra_outputs.size() == extra_outputs.size(),
-                   "jitfuse::backward: sequence '", s.name, "' takes ", s.n_extra_inputs, " extra inputs, ",
-                   s.n_extra_outputs, " extra outputs (and their gradients) and ", s.params.size(),
-                   " parameters; got ", extra_inputs.size(), ", ", extra_outputs.size(), " (",
-                   grad_extra_outputs.size(), ") and ", params.size());
-  check(s, "input", input, dev, s.dtype, nullptr);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
-  auto pp = sp->program(input.sizes(), true, stream);
-  const Program& p = *pp;
-  for (size_t i = 0; i < extra_inputs.size(); ++i)
-    check(s, "extra input " + std::to_string(i), extra_inputs[i], dev, s.dtype, nullptr);
-  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev, s.dtype, &p.param_shapes[i]);
-  check(s, "grad_output", grad_output, dev, s.dtype, &p.out_shape);
-  for (size_t i = 0; i < grad_extra_outputs.size(); ++i)
-    check(s, "grad of extra output " + std::to_string(i), grad_extra_outputs[i], dev, s.dtype,
-          &p.extra_outputs[i].first);
-  TORCH_CHECK(saved.defined() && saved.is_cuda() && saved.scalar_type() == at::kByte &&
-                  static_cast<size_t>(saved.numel()) == p.saved_bytes,
-              "jitfuse: sequence '", s.name, "': the saved buffer has ", saved.defined() ? saved.numel() : 0,
-              " bytes, the program of input ", dims_str(input.sizes()), " saves ", p.saved_bytes,
-              ": was the forward run with training=True?");
-
+// The backward call once backward_cuda has checked every argument: the gradients allocated (zeros where the
+// parameter accumulates), every tensor viewed as a DLTensor of one array, jf_program_backward on `stream`.
+std::vector<at::Tensor> call_backward(const Sequence& s, const Program& p, int dev, cudaStream_t stream,
+                                      const at::Tensor& input, at::TensorList extra_inputs, const at::Tensor& output,
+                                      at::TensorList extra_outputs, at::TensorList params, const at::Tensor& saved,
+                                      const at::Tensor& grad_output, at::TensorList grad_extra_outputs) {
   const size_t ne = extra_inputs.size(), neo = extra_outputs.size(), np = params.size();
   std::vector<at::Tensor> res;
   res.reserve(1 + ne + np);
@@ -278,6 +250,44 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
   a.workspace_bytes = p.backward_workspace;
   if (jf_program_backward(p.handle, &a, stream) != JF_OK) fail_call("jf_program_backward", s);
   return res;
+}
+
+std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
+                                      const at::Tensor& output, at::TensorList extra_outputs, at::TensorList params,
+                                      const at::Tensor& saved, const at::Tensor& grad_output,
+                                      at::TensorList grad_extra_outputs) {
+  TORCH_CHECK_VALUE(input.is_cuda(), "jitfuse::backward: the input is on ", input.device().str());
+  const int dev = input.get_device();
+  c10::cuda::CUDAGuard guard(input.device());
+  auto sp = sequence(key, dev);
+  const Sequence& s = *sp;
+  TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs &&
+                       params.size() == s.params.size() &&
+                       static_cast<int>(extra_outputs.size()) == s.n_extra_outputs &&
+                       grad_extra_outputs.size() == extra_outputs.size(),
+                   "jitfuse::backward: sequence '", s.name, "' takes ", s.n_extra_inputs, " extra inputs, ",
+                   s.n_extra_outputs, " extra outputs (and their gradients) and ", s.params.size(),
+                   " parameters; got ", extra_inputs.size(), ", ", extra_outputs.size(), " (",
+                   grad_extra_outputs.size(), ") and ", params.size());
+  check(s, "input", input, dev, s.dtype, nullptr);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+  auto pp = sp->program(input.sizes(), true, stream);
+  const Program& p = *pp;
+  for (size_t i = 0; i < extra_inputs.size(); ++i)
+    check(s, "extra input " + std::to_string(i), extra_inputs[i], dev, s.dtype, nullptr);
+  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev, s.dtype, &p.param_shapes[i]);
+  check(s, "grad_output", grad_output, dev, s.dtype, &p.out_shape);
+  for (size_t i = 0; i < grad_extra_outputs.size(); ++i)
+    check(s, "grad of extra output " + std::to_string(i), grad_extra_outputs[i], dev, s.dtype,
+          &p.extra_outputs[i].first);
+  TORCH_CHECK(saved.defined() && saved.is_cuda() && saved.scalar_type() == at::kByte &&
+                  static_cast<size_t>(saved.numel()) == p.saved_bytes,
+              "jitfuse: sequence '", s.name, "': the saved buffer has ", saved.defined() ? saved.numel() : 0,
+              " bytes, the program of input ", dims_str(input.sizes()), " saves ", p.saved_bytes,
+              ": was the forward run with training=True?");
+
+  return call_backward(s, p, dev, stream, input, extra_inputs, output, extra_outputs, params, saved, grad_output,
+                       grad_extra_outputs);
 }
 
 // ---- the Meta kernels ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@
 #include "common/error.hpp"
 #include "cuda/nvrtc.hpp"
 #include "exec/kernels.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
 #include "support/cast_transpose_cases.hpp"
 #include "support/gpu.hpp"
@@ -42,12 +42,12 @@ struct DevBuf {
   // On the legacy default stream, which every launch of this file uses.
   template <typename T>
   void put(const std::vector<T>& v) {
-    reference::host_to_device(p, v.data(), v.size() * sizeof(T), nullptr);
+    harness::host_to_device(p, v.data(), v.size() * sizeof(T), nullptr);
   }
   template <typename T>
   std::vector<T> get(size_t n) const {
     std::vector<T> v(n);
-    reference::device_to_host(v.data(), p, n * sizeof(T), nullptr);
+    harness::device_to_host(v.data(), p, n * sizeof(T), nullptr);
     return v;
   }
 };

@@ -15,7 +15,7 @@
 
 #include "gpu/gpu_check.hpp"
 #include "ops/sequence.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 #include "reference/sequence.hpp"
 
 using namespace jitfuse;
@@ -50,12 +50,12 @@ TEST_CASE("FP8 linear: standalone casts, the three FP8 GEMMs, bias, accumulate_g
   };
   for (const char* recipe : {"fp8_current", "fp8_delayed"})
     for (const auto& c : cases) {
-      reference::CheckOptions o;
+      harness::CheckOptions o;
       o.recipe = recipe;
       o.shape = c.shape;
       o.calls = 3;
       o.seed = 31;
-      auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), test::seq_json(c.ops), o);
+      auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(), test::seq_json(c.ops), o);
       INFO(c.ops << " " << recipe << " " << ops::shape_str(c.shape) << "\n" << rep.table());
       CHECK(rep.pass());
     }
@@ -82,12 +82,12 @@ TEST_CASE("FP8 backward: the ops after a linear with no bias write its E5M2 grad
       REQUIRE(jf_sequence_create(test::shared_context(), json.c_str(), recipe, &seq) == JF_OK);
       CHECK(rules_of(seq, c.shape, true, "backward").front() == c.rule);
       jf_sequence_destroy(seq);
-      reference::CheckOptions o;
+      harness::CheckOptions o;
       o.recipe = recipe;
       o.shape = c.shape;
       o.calls = 3;
       o.seed = 37;
-      auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
+      auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
       INFO(c.ops << " " << recipe << "\n" << rep.table());
       CHECK(rep.pass());
     }
@@ -111,25 +111,25 @@ TEST_CASE("FP8 MLP block: layernorm -> E4M3, bias+gelu -> E4M3, dgelu+dbias -> E
     CHECK(has(rules_of(seq, shape, false, "forward"), "fp8_act_linear"));
     jf_sequence_destroy(seq);
     for (bool training : {true, false}) {
-      reference::CheckOptions o;
+      harness::CheckOptions o;
       o.recipe = recipe;
       o.shape = shape;
       o.backward = training;
       o.calls = 3;
       o.seed = 41;
-      auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
+      auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
       std::printf("\nFP8 MLP %s %s (128x256 -> 512 -> 256):\n%s", recipe, training ? "training" : "inference",
                   rep.table().c_str());
       CHECK(rep.pass());
     }
     // Unfused (every cast standalone) gives the same numerics.
     test::ScopedEnv off("JITFUSE_DISABLE_FUSION", "1");
-    reference::CheckOptions o;
+    harness::CheckOptions o;
     o.recipe = recipe;
     o.shape = shape;
     o.calls = 2;
     o.seed = 43;
-    auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
+    auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
     INFO(recipe << " unfused\n" << rep.table());
     CHECK(rep.pass());
   }
@@ -147,7 +147,7 @@ TEST_CASE("FP8 weights are cast once per optimizer step: fp8_weights_unchanged r
     for (auto& e : v) e = reference::round_to("bf16", u(rng));
     return v;
   };
-  reference::DeviceTensor x({16, 64}, "bf16"), w({32, 64}, "bf16"), y({16, 32}, "bf16");
+  harness::DeviceTensor x({16, 64}, "bf16"), w({32, 64}, "bf16"), y({16, 32}, "bf16");
   x.upload_values(rnd(16 * 64), nullptr);
   const auto w1 = rnd(32 * 64), w2 = rnd(32 * 64);
   std::vector<jf_param> params{{0, "weight", w.dl()}};
@@ -192,12 +192,12 @@ TEST_CASE("FP8 per-sequence settings: a short amax history and a margin, over mo
           "[fp8_linear]") {
   const std::string json = R"({"format": "jitfuse.sequence/1", "name": "short_history",
     "fp8": {"amax_history_len": 3, "margin": 1}, "ops": )" + std::string(kMlp) + "}";
-  reference::CheckOptions o;
+  harness::CheckOptions o;
   o.recipe = "fp8_delayed";
   o.shape = {64, 256};
   o.calls = 5;  // the history wraps: the scale of call 5 comes from calls 2-4 only
   o.seed = 51;
-  auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
+  auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
   INFO(rep.table());
   CHECK(rep.pass());
   // The state the sequence keeps has the configured length.
@@ -224,7 +224,7 @@ TEST_CASE("FP8 wgrad with accumulate_grad adds to the gradient buffer", "[fp8_li
     for (auto& e : v) e = reference::round_to("bf16", u(rng));
     return v;
   };
-  reference::DeviceTensor x({48, 64}, "bf16"), w({32, 64}, "bf16"), y({48, 32}, "bf16"), dy({48, 32}, "bf16"),
+  harness::DeviceTensor x({48, 64}, "bf16"), w({32, 64}, "bf16"), y({48, 32}, "bf16"), dy({48, 32}, "bf16"),
       dx({48, 64}, "bf16"), dw({32, 64}, "bf16");
   x.upload_values(rnd(48 * 64), nullptr);
   w.upload_values(rnd(32 * 64), nullptr);

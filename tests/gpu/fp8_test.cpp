@@ -7,9 +7,10 @@
 #include <random>
 
 #include "gpu/gpu_check.hpp"
-#include "reference/check.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/check.hpp"
+#include "harness/device_tensor.hpp"
 #include "ops/sequence.hpp"
+#include "reference/fp8.hpp"
 #include "reference/sequence.hpp"
 
 using namespace jitfuse;
@@ -33,7 +34,7 @@ const Fp8Case kCases[] = {
 // The calls of this file run on the legacy default stream (nullptr); so do its copies.
 std::vector<float> read_floats(const float* p, size_t n) {
   std::vector<float> v(n);
-  reference::device_to_host(v.data(), reinterpret_cast<CUdeviceptr>(p), n * sizeof(float), nullptr);
+  harness::device_to_host(v.data(), reinterpret_cast<CUdeviceptr>(p), n * sizeof(float), nullptr);
   return v;
 }
 
@@ -60,18 +61,18 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
   if (quantize) in.quantize = [quantize](int op, const std::string& t, std::vector<double>& v) { (*quantize)(op, t, v); };
   in.input = x_keep && !x_keep->empty() ? *x_keep : rnd(ops::numel(ops.front().in));
   if (x_keep) *x_keep = in.input;
-  std::vector<std::unique_ptr<reference::DeviceTensor>> keep;
+  std::vector<std::unique_ptr<harness::DeviceTensor>> keep;
   std::vector<jf_param> params;
   for (const auto& op : ops)
     for (const auto& p : op.params) {
       auto& v = in.params[{op.index, p.name}];
       v = p_keep && p_keep->count({op.index, p.name}) ? p_keep->at({op.index, p.name}) : rnd(ops::numel(p.shape));
       if (p_keep) (*p_keep)[{op.index, p.name}] = v;
-      keep.push_back(std::make_unique<reference::DeviceTensor>(p.shape, "bf16"));
+      keep.push_back(std::make_unique<harness::DeviceTensor>(p.shape, "bf16"));
       keep.back()->upload_values(v, nullptr);
       params.push_back({op.index, p.name.c_str(), keep.back()->dl()});
     }
-  reference::DeviceTensor x(ops.front().in, "bf16"), y(ops.back().out, "e4m3");
+  harness::DeviceTensor x(ops.front().in, "bf16"), y(ops.back().out, "e4m3");
   x.upload_values(in.input, nullptr);
   y.poison(nullptr);  // 0xFF = E4M3 NaN: an unwritten byte shows
   jf_fp8_state st{};
@@ -237,7 +238,7 @@ TEST_CASE("FP8 recipes: the backward passes gradients straight through quantize"
     in.params[{0, "weight"}] = rnd(256);
     in.params[{0, "bias"}] = rnd(256);
     auto gy = rnd(64 * 256);
-    reference::DeviceTensor x(shape, "bf16"), y(shape, "e4m3"), w({256}, "bf16"), b({256}, "bf16"), dy(shape, "bf16"),
+    harness::DeviceTensor x(shape, "bf16"), y(shape, "e4m3"), w({256}, "bf16"), b({256}, "bf16"), dy(shape, "bf16"),
         dx(shape, "bf16"), dw({256}, "bf16"), db({256}, "bf16");
     x.upload_values(in.input, nullptr);
     w.upload_values(in.params[{0, "weight"}], nullptr);

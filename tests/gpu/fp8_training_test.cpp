@@ -6,7 +6,7 @@
 #include <random>
 
 #include "gpu/gpu_check.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 
 using namespace jitfuse;
 
@@ -56,15 +56,15 @@ std::vector<double> train(const char* recipe) {
                        {2, "bias", {kHidden}, std::vector<double>(kHidden, 0.0)},
                        {4, "weight", {kOut, kHidden}, randn(kOut * kHidden, 1.0 / std::sqrt(kHidden))},
                        {5, "bias", {kOut}, std::vector<double>(kOut, 0.0)}};
-  std::vector<std::unique_ptr<reference::DeviceTensor>> dev, grads;
+  std::vector<std::unique_ptr<harness::DeviceTensor>> dev, grads;
   std::vector<jf_param> params, gparams;
   for (auto& p : ps) {
-    dev.push_back(std::make_unique<reference::DeviceTensor>(p.shape, "bf16"));
-    grads.push_back(std::make_unique<reference::DeviceTensor>(p.shape, "bf16"));
+    dev.push_back(std::make_unique<harness::DeviceTensor>(p.shape, "bf16"));
+    grads.push_back(std::make_unique<harness::DeviceTensor>(p.shape, "bf16"));
     params.push_back({p.op, p.name, dev.back()->dl()});
     gparams.push_back({p.op, p.name, grads.back()->dl()});
   }
-  reference::DeviceTensor xt({kRows, kIn}, "bf16"), yt({kRows, kOut}, "bf16"), gy({kRows, kOut}, "bf16"),
+  harness::DeviceTensor xt({kRows, kIn}, "bf16"), yt({kRows, kOut}, "bf16"), gy({kRows, kOut}, "bf16"),
       gx({kRows, kIn}, "bf16");
   xt.upload_values(x, nullptr);
   std::vector<double> losses;

@@ -6,7 +6,7 @@
 
 #include "cuda/cublaslt.hpp"
 #include "gpu/gpu_check.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
 
 using namespace jitfuse;
@@ -245,8 +245,8 @@ TEST_CASE("Blas::column_sums (the BGRADB fallback) matches float64 column sums",
     for (auto& v : x) v = reference::round_to(dt, u(rng));
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < n; ++c) ref[c] += x[r * n + c];
-    reference::DeviceTensor dx({m, n}, dt), d1({m}, dt), dout({n}, dt);
-    reference::DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
+    harness::DeviceTensor dx({m, n}, dt), d1({m}, dt), dout({n}, dt);
+    harness::DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");
     dx.upload_values(x, nullptr);
     d1.upload_values(ones, nullptr);
     dout.poison(nullptr);

@@ -9,12 +9,12 @@
 #include "common/error.hpp"
 #include "cuda/cublaslt.hpp"
 #include "gpu/gpu_check.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
 
 using namespace jitfuse;
 using ops::DType;
-using reference::DeviceTensor;
+using harness::DeviceTensor;
 
 namespace {
 

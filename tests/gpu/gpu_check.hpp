@@ -10,7 +10,7 @@
 #include <string>
 
 #include "api/handles.hpp"
-#include "reference/check.hpp"
+#include "harness/check.hpp"
 #include "rules/rule.hpp"
 #include "support/gpu.hpp"
 
@@ -28,7 +28,7 @@ inline const ops::Registry& builtin_registry() {
 // Largest error seen per (label, recipe): max over tensors of max|err| / max|ref|, and of err/tol.
 struct AccuracyLog {
   std::map<std::pair<std::string, std::string>, std::pair<double, double>> worst;
-  void add(const std::string& label, const std::string& recipe, const reference::CheckReport& rep) {
+  void add(const std::string& label, const std::string& recipe, const harness::CheckReport& rep) {
     auto& w = worst[{label, recipe}];
     for (const auto& t : rep.tensors) {
       if (t.max_ref > 0) w.first = std::max(w.first, t.max_abs_err / t.max_ref);
@@ -47,16 +47,16 @@ inline AccuracyLog& accuracy_log() {
   return log;
 }
 
-inline reference::CheckReport run_check(const std::string& json, const std::string& recipe, const ops::Shape& shape,
+inline harness::CheckReport run_check(const std::string& json, const std::string& recipe, const ops::Shape& shape,
                                         bool backward = true, bool misalign = false, uint64_t seed = 1,
                                         jf_context ctx = nullptr) {
-  reference::CheckOptions o;
+  harness::CheckOptions o;
   o.recipe = recipe;
   o.shape = shape;
   o.backward = backward;
   o.misalign = misalign;
   o.seed = seed;
-  auto rep = reference::check_sequence(ctx ? ctx : shared_context(), builtin_registry(), json, o);
+  auto rep = harness::check_sequence(ctx ? ctx : shared_context(), builtin_registry(), json, o);
   INFO(json << " recipe " << recipe << " shape " << ops::shape_str(shape) << (misalign ? " misaligned" : "") << "\n"
             << rep.table());
   CHECK(rep.pass());

@@ -15,11 +15,11 @@
 #include "api/handles.hpp"
 #include "gpu/gpu_check.hpp"
 #include "ops/sequence.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 #include "gpu/rig.hpp"
 
 using namespace jitfuse;
-using reference::DeviceTensor;
+using harness::DeviceTensor;
 using test::Rig;
 
 namespace {

@@ -36,14 +36,14 @@ std::string seq(const std::string& ops_json, const std::string& inputs = "") {
          (inputs.empty() ? std::string() : R"("input_channels": )" + inputs + ", ") + R"("ops": )" + ops_json + "}";
 }
 
-reference::CheckReport check(const std::string& json, const std::string& recipe, const ops::Shape& shape,
+harness::CheckReport check(const std::string& json, const std::string& recipe, const ops::Shape& shape,
                              uint64_t seed = 1) {
-  reference::CheckOptions o;
+  harness::CheckOptions o;
   o.recipe = recipe;
   o.shape = shape;
   o.seed = seed;
   o.comm = one_rank();
-  auto rep = reference::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
+  auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(), json, o);
   INFO(json << " recipe " << recipe << " shape " << ops::shape_str(shape) << "\n" << rep.table());
   CHECK(rep.pass());
   return rep;

@@ -10,11 +10,11 @@
 #include "api/handles.hpp"
 #include "gpu/gpu_check.hpp"
 #include "ops/sequence.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 
 namespace jitfuse::test {
 
-using reference::DeviceTensor;
+using harness::DeviceTensor;
 
 // Everything one training call of a sequence needs, in device memory the test owns: tensors drawn from
 // `seed`, the saved buffer and both workspaces sized from jf_sequence_info, and a device Philox state.
@@ -94,7 +94,7 @@ struct Rig {
 
   void set_rng(uint64_t seed, uint64_t offset) {
     const uint64_t st[2] = {seed, offset};
-    reference::host_to_device(rng, st, 16, stream);
+    harness::host_to_device(rng, st, 16, stream);
   }
   void poison() {
     for (auto* t : outs) t->poison(stream);

@@ -7,7 +7,7 @@
 
 #include "gpu/gpu_check.hpp"
 #include "common/json_util.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 
 using namespace jitfuse;
 
@@ -35,7 +35,7 @@ TEST_CASE("user-declared softplus fused with bias matches float64", "[fusion]") 
   for (auto& v : x) v = static_cast<float>(u(rng));
   for (auto& v : b) v = static_cast<float>(u(rng));
   for (auto& v : gy) v = static_cast<float>(u(rng));
-  reference::DeviceTensor dx({R, C}, "fp32"), db({C}, "fp32"), dy({R, C}, "fp32"), dgy({R, C}, "fp32"),
+  harness::DeviceTensor dx({R, C}, "fp32"), db({C}, "fp32"), dy({R, C}, "fp32"), dgy({R, C}, "fp32"),
       dgx({R, C}, "fp32"), dgb({C}, "fp32");
   dx.upload_values(x, nullptr);
   db.upload_values(b, nullptr);
@@ -82,7 +82,7 @@ TEST_CASE("linear with accumulate_grad adds dW into the existing gradient buffer
     return v;
   };
   auto x = rnd(M * K), w = rnd(N * K), g0 = rnd(N * K), gy = rnd(M * N);
-  reference::DeviceTensor dx({M, K}, "fp32"), dw({N, K}, "fp32"), dg({N, K}, "fp32"), dy({M, N}, "fp32"),
+  harness::DeviceTensor dx({M, K}, "fp32"), dw({N, K}, "fp32"), dg({N, K}, "fp32"), dy({M, N}, "fp32"),
       dgy({M, N}, "fp32"), dgx({M, K}, "fp32");
   dx.upload_values(x, nullptr);
   dw.upload_values(w, nullptr);
@@ -130,7 +130,7 @@ TEST_CASE("a misaligned call whose scalar variant fails to compile returns JF_ER
   jf_sequence seq = nullptr;
   REQUIRE(jf_sequence_create(fresh.ctx, seq_text.c_str(), "fp32", &seq) == JF_OK);
   const int64_t R = 40, C = 64;
-  reference::DeviceTensor x({R, C}, "fp32"), b({C}, "fp32"), y({R, C}, "fp32"), xm({R, C}, "fp32", true),
+  harness::DeviceTensor x({R, C}, "fp32"), b({C}, "fp32"), y({R, C}, "fp32"), xm({R, C}, "fp32", true),
       ym({R, C}, "fp32", true);
   x.upload_values(std::vector<double>(R * C, 0.5), nullptr);
   xm.upload_values(std::vector<double>(R * C, 0.5), nullptr);

@@ -8,7 +8,7 @@
 
 #include "api/handles.hpp"
 #include "gpu/gpu_check.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 
 using namespace jitfuse;
 using jitfuse::test::run_check;
@@ -78,7 +78,7 @@ TEST_CASE("JITFUSE_VERIFY reports the first fused group that differs beyond the 
   REQUIRE(errors == 0);
   jf_sequence seq = nullptr;
   REQUIRE(jf_sequence_create(ctx, test::seq_json(R"([{"op": "bias"}, {"op": "frac"}])").c_str(), "bf16", &seq) == JF_OK);
-  reference::DeviceTensor x({64, 256}, "bf16"), b({256}, "bf16"), y({64, 256}, "bf16");
+  harness::DeviceTensor x({64, 256}, "bf16"), b({256}, "bf16"), y({64, 256}, "bf16");
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<double> u(-1, 1);
   std::vector<double> xv(64 * 256), bv(256);

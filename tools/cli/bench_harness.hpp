@@ -12,11 +12,11 @@
 #include "cuda/driver.hpp"
 #include "jitfuse/jitfuse.h"
 #include "ops/op.hpp"
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 
 namespace jitfuse::cli::bench {
 
-using reference::DeviceTensor;
+using harness::DeviceTensor;
 
 struct BenchOpts {
   bool json = false;

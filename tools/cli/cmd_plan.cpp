@@ -14,7 +14,7 @@
 #include "exec/executor.hpp"
 #include "fuser/explain.hpp"
 #include "common/json_util.hpp"
-#include "reference/check.hpp"
+#include "harness/check.hpp"
 
 namespace jitfuse::cli {
 namespace {
@@ -246,7 +246,7 @@ int run_check(const PlanOpts& o) {
     ~Guard() { jf_context_destroy(c); }
   } guard{ctx};
   for (const auto& r : o.rules) jf_context_load_rules(ctx, r.c_str(), nullptr);
-  reference::CheckOptions co;
+  harness::CheckOptions co;
   co.recipe = o.recipe;
   co.shape = ops::parse_shape(o.shapes[0]);
   co.backward = !o.inference;
@@ -262,7 +262,7 @@ int run_check(const PlanOpts& o) {
       fail(Status::unsupported, "the sequence runs collectives on group '{}': {}", p.def.group, jf_last_error());
     co.comm = comm.c;
   }
-  auto rep = reference::check_sequence(ctx, rs.registry(), json_util::read_file(o.seqs[0]), co);
+  auto rep = harness::check_sequence(ctx, rs.registry(), json_util::read_file(o.seqs[0]), co);
   if (co.no_reference)
     std::printf("ran on %s; the sequence uses user-declared ops (%s), which have no float64 reference: every "
                 "output was checked for unwritten elements (outputs poisoned), and the fused groups were compared "

@@ -1,9 +1,9 @@
 // DeviceTensor: plain cuMemAlloc'd buffers (never managed memory) with DLPack views.
-#include "reference/device_tensor.hpp"
+#include "harness/device_tensor.hpp"
 
 #include "reference/reference.hpp"
 
-namespace jitfuse::reference {
+namespace jitfuse::harness {
 
 DeviceTensor::DeviceTensor(const ops::Shape& shape, const std::string& dtype, bool misalign)
     : dtype_(dtype), shape_(shape) {
@@ -47,7 +47,7 @@ void DeviceTensor::upload(const std::vector<uint8_t>& b, CUstream stream) {
   host_to_device(ptr(), b.data(), std::min(b.size(), bytes_), stream);
 }
 
-void DeviceTensor::upload_values(const std::vector<double>& v, CUstream stream) { upload(encode(dtype_, v), stream); }
+void DeviceTensor::upload_values(const std::vector<double>& v, CUstream stream) { upload(reference::encode(dtype_, v), stream); }
 
 void DeviceTensor::poison(CUstream stream) { upload(std::vector<uint8_t>(bytes_, 0xff), stream); }
 
@@ -57,6 +57,6 @@ std::vector<uint8_t> DeviceTensor::download(CUstream stream) const {
   return b;
 }
 
-std::vector<double> DeviceTensor::download_values(CUstream stream) const { return decode(dtype_, download(stream)); }
+std::vector<double> DeviceTensor::download_values(CUstream stream) const { return reference::decode(dtype_, download(stream)); }
 
-}  // namespace jitfuse::reference
+}  // namespace jitfuse::harness

@@ -2,38 +2,14 @@
 // first, and comparing forward and backward results with the float64 reference. Used by the gpu
 // tests and by `jitfuse check`.
 #pragma once
-#include <map>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "jitfuse/jitfuse.h"
 #include "ops/op.hpp"
 #include "ops/recipe.hpp"
 
-namespace jitfuse::reference {
-
-// The recipe state and casts of the GPU's FP8 GEMM operands, in float as the kernels compute them:
-// scale = fp8_max / amax / 2^margin (1 while amax is 0), codes = RNE + saturation of (float)x * scale,
-// the GEMM reading code * (1 / scale). fp8_current: amax of this tensor; fp8_delayed: the stored scale,
-// then the history rolls (newest first) and the next scale comes from its maximum. Called as
-// SeqInputs::quantize (op, tensor = "input" | "weight" | "grad_output", values quantised in place).
-class Fp8Reference {
- public:
-  explicit Fp8Reference(const ops::Recipe& r);
-  void operator()(int op, const std::string& tensor, std::vector<double>& v);
-
- private:
-  float scale_of(float amax, float fmax) const;
-  struct State {
-    float scale = 1.f;
-    std::vector<float> hist;
-  };
-  bool delayed_;
-  int len_;
-  float margin_;
-  std::map<std::pair<int, std::string>, State> state_;
-};
+namespace jitfuse::harness {
 
 struct CheckOptions {
   std::string recipe = "fp32";
@@ -82,4 +58,4 @@ void tolerance(const std::string& recipe, bool has_gemm, size_t n_ops, double* a
 CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const std::string& sequence_json,
                            const CheckOptions& opt);
 
-}  // namespace jitfuse::reference
+}  // namespace jitfuse::harness

@@ -9,7 +9,7 @@
 #include "cuda/driver.hpp"
 #include "ops/op.hpp"
 
-namespace jitfuse::reference {
+namespace jitfuse::harness {
 
 // Host <-> device copies of the harness, the CLI's checks and the tests, on `stream`: the stream of the work
 // that reads what is uploaded or wrote what is downloaded (nullptr: the legacy default stream, which the C
@@ -42,4 +42,4 @@ class DeviceTensor {
   DLTensor t_{};
 };
 
-}  // namespace jitfuse::reference
+}  // namespace jitfuse::harness
