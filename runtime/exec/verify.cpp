@@ -181,7 +181,7 @@ void Shadow::compare(const char* pass, int gi, const std::string& tensor, const 
   const size_t es = static_cast<size_t>(ops::dtype_bytes(b.dtype));
   const size_t n = b.bytes / es;
   auto [rtol, atol] = tolerance(b.dtype, gemm);
-  // As the float64 check does (reference/check.cpp): relative to |value| + the tensor's rms, and each op of
+  // As the float64 check does (tools/harness/check.cpp): relative to |value| + the tensor's rms, and each op of
   // the unfused chain may round its output once more than the fused kernel does.
   const auto& grp = (std::string(pass) == "forward" ? fused_->program->plan.forward : fused_->program->plan.backward)
                         .at(static_cast<size_t>(gi));

@@ -1,6 +1,6 @@
 // Named channels on the GPU (docs/ops.md#channels): every channel shape (hidden, fan-out, returned, from
 // the caller) and the Llama- and GPT-2-style MLP blocks as one sequence each, forward and backward against
-// the float64 reference (reference/check: fresh random inputs, outputs poisoned, the recipe's tolerances),
+// the float64 reference (tools/harness/check: fresh random inputs, outputs poisoned, the recipe's tolerances),
 // fused and with fusion off, on odd row counts and misaligned pointers.
 #include "gpu/gpu_check.hpp"
 

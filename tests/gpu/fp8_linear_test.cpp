@@ -4,7 +4,7 @@
 // the three FP8 GEMMs, and the recipe state across calls. Every output and gradient is checked twice:
 // against a float64 reference that quantises the GEMM operands as the casts do (its own copy of the
 // recipe state, advanced call by call: the delayed amax history rolls), at the bf16 tolerance, and
-// against the exact float64 reference at DESIGN's FP8 tolerance (reference/check.cpp).
+// against the exact float64 reference at DESIGN's FP8 tolerance (tools/harness/check.cpp).
 #include <cmath>
 #include <algorithm>
 #include <cstdio>

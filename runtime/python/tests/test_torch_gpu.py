@@ -593,7 +593,7 @@ def test_two_modules_on_two_streams():
 
 
 # ---- FP8 training (issue 13) ----------------------------------------------------------------------
-# Tolerance: DESIGN's FP8 rtol, normwise (||got - ref|| / ||ref||, as reference/check.cpp's FP8 checks).
+# Tolerance: DESIGN's FP8 rtol, normwise (||got - ref|| / ||ref||, as tools/harness/check.cpp's FP8 checks).
 # Every GEMM reads E4M3 operands (3 mantissa bits: up to 2^-4 relative rounding error per element) and
 # the backward GEMMs an E5M2 output gradient (2 bits: up to 2^-3); a tensor's relative error is what the
 # formats determine (a few per cent, the gradients through two E5M2 casts most), so elementwise bounds
