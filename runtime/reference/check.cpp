@@ -227,6 +227,19 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
       ein.back()->upload_values(in.extra_in.back(), stream);
       gein.push_back(dev(op.in));
     }
+    if (op.extra_input) {  // cross_entropy's labels: random classes, about a fifth of the rows ignored (not row 0)
+      const int64_t v = ops::cols_of(op.in), ignore = op.attrs.at("ignore_index").get<int64_t>();
+      std::uniform_int_distribution<int64_t> cls(0, v - 1);
+      std::bernoulli_distribution skip(0.2);
+      Vec labels(static_cast<size_t>(ops::numel(op.extra_input->shape)));
+      for (size_t r = 0; r < labels.size(); ++r) labels[r] = static_cast<double>(r > 0 && skip(rng) ? ignore : cls(rng));
+      in.extra_in.push_back(labels);
+      keep.push_back(std::make_unique<DeviceTensor>(op.extra_input->shape, ops::dtype_name(op.extra_input->dtype),
+                                                    opt.misalign));
+      ein.push_back(keep.back().get());
+      ein.back()->upload_values(labels, stream);
+      gein.push_back(nullptr);  // labels have no gradient: NULL in grad_extra_inputs
+    }
     if (op.family == ops::Family::make_extra_output) {
       eout.push_back(dev(op.in));
       geout.push_back(dev(op.in));
@@ -303,7 +316,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
     std::vector<const DLTensor*> geout_t;
     std::vector<DLTensor*> gein_t;
     for (auto* t : geout) geout_t.push_back(t->dl());
-    for (auto* t : gein) gein_t.push_back(t->dl());
+    for (auto* t : gein) gein_t.push_back(t ? t->dl() : nullptr);
     jf_backward_args ba{};
     ba.input = x->dl();
     ba.extra_inputs = ein_t.data();
@@ -369,7 +382,8 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   auto run_backward = [&] {
     gx = dev(opt.shape);
     gx->poison(stream);
-    for (auto* t : gein) t->poison(stream);
+    for (auto* t : gein)
+      if (t) t->poison(stream);
     for (auto& [k, t] : grads) t->poison(stream);
     backward_call(saved, gx);
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
@@ -414,6 +428,7 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   check("grad_input", gx_got, &rg.grad_input);
   if (fp8) check_exact("grad_input", gx_got, eg.grad_input);
   for (size_t i = 0; i < gein.size(); ++i) {
+    if (!gein[i]) continue;  // labels
     const Vec got = gein[i]->download_values(stream);
     check(fmt::format("grad_extra_input[{}]", i), got, self ? nullptr : &rg.grad_extra_in[i]);
     if (fp8) check_exact(fmt::format("grad_extra_input[{}]", i), got, eg.grad_extra_in[i]);
