@@ -14,7 +14,7 @@ from ._ops import backward_op, forward_op
 from .float8 import Float8Tensor
 from .._channels import ChannelError, Wiring
 from . import distributed
-from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, AllGather, AllReduce, BasicOp, Bias, Dropout,
+from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, AllGather, AllReduce, BasicOp, Bias, CrossEntropy, Dropout,
                       Fork, Fp8Sequential, ReduceScatter, Identity, LayerNorm, Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
                       Sequential, SiLU, SReLU, SwiGLU, export_definitions)
 
@@ -23,5 +23,5 @@ __all__ = [
     "ReGLU", "LayerNorm", "RMSNorm", "Dropout", "Scale", "Identity", "Reshape", "Quantize", "AddExtraInput",
     "MakeExtraOutput", "Fork", "AddChannel", "ChannelError", "Wiring", "forward_op", "backward_op", "Fp8Sequential",
     "Float8Tensor", "fp8_weights_unchanged", "extension_active", "export_definitions", "AllGather", "ReduceScatter",
-    "AllReduce", "distributed",
+    "AllReduce", "distributed", "CrossEntropy",
 ]
