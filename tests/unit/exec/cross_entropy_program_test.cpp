@@ -178,3 +178,17 @@ TEST_CASE(
   for (const auto& g : inf->plan.forward) CHECK(g.rule != "linear_cross_entropy_chunked");
   CHECK(inf->forward.size() == 3);  // GEMM, row kernel, reduction: the logits whole, in the arena
 }
+
+TEST_CASE("tools/examples/lm_head.json: a norm, then the head and its loss as the joint group", "[exec][cross_entropy]") {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  auto def = ops::parse_sequence_file(std::string(JF_SOURCE_DIR) + "/tools/examples/lm_head.json", rs.registry());
+  exec::CompileOptions o;
+  o.arch = 90;
+  auto p = exec::compile(def, ops::parse_recipe("bf16"), {8192, 4096}, o, rs);
+  REQUIRE(p->plan.forward.size() == 2);
+  CHECK(p->plan.forward[1].rule == "linear_cross_entropy_chunked");
+  CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 8);
+  // The norm's output is the head's x: the wgrad of every chunk reads it, so it lives through the last chunk.
+  const auto& x = p->buffer(p->values.at(1));
+  CHECK(x.last >= static_cast<int>(p->forward.size()) - 3);
+}
