@@ -206,35 +206,37 @@ void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTe
   }
 }
 
-void* check_labels(const DLTensor* t, const SpanName& name, const ops::ExtraInputSpec& spec, const DLTensor* input) {
+void* check_own_extra_input(const DLTensor* t, const SpanName& name, const ops::ExtraInputSpec& spec,
+                            const DLTensor* input) {
   check_dltensor(t, [&] { return name.str(); });
   if (!dtype_matches(t->dtype, spec.dtype))
-    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for the {} (the op's \"label_dtype\"), got {}{}",
-         name.str(), ops::dtype_name(spec.dtype), spec.name, dl_dtype_name(t->dtype),
+    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for the {} (the op's \"{}\"), got {}{}", name.str(),
+         ops::dtype_name(spec.dtype), spec.name, spec.dtype_attr, dl_dtype_name(t->dtype),
          t->dtype.code == kDLInt && (t->dtype.bits == 32 || t->dtype.bits == 64)
-             ? fmt::format("; set \"label_dtype\": \"int{}\" on the op to pass these", t->dtype.bits)
+             ? fmt::format("; set \"{}\": \"int{}\" on the op to pass these", spec.dtype_attr, t->dtype.bits)
              : std::string());
   const ops::Shape got(t->shape, t->shape + t->ndim);
   if (got != spec.shape)
-    fail(Status::invalid_argument, "tensor '{}': expected shape {} (one label per row of the logits), got {}", name.str(),
+    fail(Status::invalid_argument, "tensor '{}': expected shape {} (one per row of the op's input), got {}", name.str(),
          ops::shape_str(spec.shape), ops::shape_str(got));
   if (t->strides) {
     int64_t expect = 1;  // the shape is the spec's: the product fits (check_dltensor)
     for (int i = t->ndim - 1; i >= 0; --i) {
       if (t->shape[i] != 1 && t->strides[i] != expect)
-        fail(Status::invalid_argument, "tensor '{}' is not contiguous (stride {} of dim {}); pass contiguous labels",
+        fail(Status::invalid_argument, "tensor '{}' is not contiguous (stride {} of dim {}); pass a contiguous tensor",
              name.str(), t->strides[i], i);
       expect *= t->shape[i];
     }
   }
   const auto addr = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
   if (addr % static_cast<uintptr_t>(ops::dtype_bytes(spec.dtype)) != 0)
-    fail(Status::invalid_argument, "tensor '{}': data at 0x{:x} is not aligned to its {}-byte elements", name.str(), addr,
-         ops::dtype_bytes(spec.dtype));
-  if (input && (t->device.device_type != input->device.device_type || t->device.device_id != input->device.device_id))
-    fail(Status::invalid_argument, "tensor '{}' is on device {}:{}, the input on {}:{}: pass them on one GPU", name.str(),
-         static_cast<int>(t->device.device_type), t->device.device_id, static_cast<int>(input->device.device_type),
-         input->device.device_id);
+    fail(Status::invalid_argument, "tensor '{}': data at 0x{:x} is not aligned to its {}-byte elements", name.str(),
+         addr, ops::dtype_bytes(spec.dtype));
+  if (input &&
+      (t->device.device_type != input->device.device_type || t->device.device_id != input->device.device_id))
+    fail(Status::invalid_argument, "tensor '{}' is on device {}:{}, the input on {}:{}: pass them on one GPU",
+         name.str(), static_cast<int>(t->device.device_type), t->device.device_id,
+         static_cast<int>(input->device.device_type), input->device.device_id);
   return reinterpret_cast<void*>(addr);
 }
 

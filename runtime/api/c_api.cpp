@@ -394,7 +394,8 @@ void forward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const j
     }
     if (op.extra_input) {  // an op's own extra input (cross_entropy's labels): its own dtype and shape
       const SpanName name{"labels: extra input", op.extra_slot, &op};
-      fa.extra_in.push_back(jitfuse::api::check_labels(a.extra_inputs[op.extra_slot], name, *op.extra_input, a.input));
+      fa.extra_in.push_back(
+          jitfuse::api::check_own_extra_input(a.extra_inputs[op.extra_slot], name, *op.extra_input, a.input));
       spans.push_back(jitfuse::api::span_of(a.extra_inputs[op.extra_slot], name, false));
     }
     if (op.family == jitfuse::ops::Family::make_extra_output) {
@@ -455,7 +456,8 @@ void backward_tensors(const Sequence& s, const std::vector<jitfuse::ops::Op>& op
     }
     if (op.extra_input) {  // labels: read again by the backward, no gradient (check_backward_args: NULL)
       const SpanName name{"labels: extra input", op.extra_slot, &op};
-      ba.extra_in.push_back(jitfuse::api::check_labels(a.extra_inputs[slot], name, *op.extra_input, a.input));
+      ba.extra_in.push_back(
+          jitfuse::api::check_own_extra_input(a.extra_inputs[slot], name, *op.extra_input, a.input));
       spans.push_back(jitfuse::api::span_of(a.extra_inputs[slot], name, false));
       ba.grad_extra_in.push_back(nullptr);
     }

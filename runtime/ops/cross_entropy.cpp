@@ -54,7 +54,7 @@ void register_cross_entropy(Registry& r) {
     op.out = op.str("reduction") == "none" ? per_row : Shape{1};
     op.params.clear();
     op.saved = {SavedKind::input, SavedKind::logsumexp};
-    op.extra_input = ExtraInputSpec{"labels", i32 ? DType::i32 : DType::i64, per_row};
+    op.extra_input = ExtraInputSpec{"labels", "label_dtype", i32 ? DType::i32 : DType::i64, per_row};
   };
   r.add(std::move(k));
 }

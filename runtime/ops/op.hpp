@@ -71,7 +71,8 @@ struct Op;
 // the caller's tensor against it (naming `name`), and it has no gradient: the backward's
 // grad_extra_inputs[slot] is NULL.
 struct ExtraInputSpec {
-  std::string name;  // "labels"
+  std::string name;        // "labels"
+  std::string dtype_attr;  // the op's attribute that sets the dtype ("label_dtype"), for messages
   DType dtype = DType::i64;
   Shape shape;
 };

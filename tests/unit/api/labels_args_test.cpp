@@ -70,14 +70,14 @@ TEST_CASE(
   CHECK(fwd(1) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() ==
         "tensor 'labels: extra input 0 (op 0)': expected shape 4 "
-        "(one label per row of the logits), got 8");
+        "(one per row of the op's input), got 8");
   labels.t.ndim = 2;
   labels.shape[0] = 4;
   labels.shape[1] = 1;
   CHECK(fwd(1) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() ==
         "tensor 'labels: extra input 0 (op 0)': expected shape 4 "
-        "(one label per row of the logits), got 4x1");
+        "(one per row of the op's input), got 4x1");
   labels.t.ndim = 1;
   labels.t.device = {kDLCPU, 0};
   CHECK(fwd(1) == JF_ERR_INVALID_ARGUMENT);
@@ -98,7 +98,7 @@ TEST_CASE(
   CHECK(fwd(1) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() ==
         "tensor 'labels: extra input 0 (op 0)' is not contiguous "
-        "(stride 2 of dim 0); pass contiguous labels");
+        "(stride 2 of dim 0); pass a contiguous tensor");
   labels.t.strides = nullptr;
   extras[0] = nullptr;
   CHECK(fwd(1) == JF_ERR_INVALID_ARGUMENT);
