@@ -10,6 +10,7 @@ namespace jitfuse::codegen::detail {
 Generated generate_rownorm(const KernelSpec& spec);
 Generated generate_elementwise(const KernelSpec& spec);
 Generated generate_cast_transpose(const KernelSpec& spec);
+Generated generate_cross_entropy(const KernelSpec& spec);
 
 namespace {
 
@@ -30,6 +31,10 @@ KernelSpec by_position(const KernelSpec& spec, std::vector<int>& seq) {
   if (local.gated) renumber(local.gated->op);
   for (auto& s : local.post) renumber(s.op);
   if (local.fp8) renumber(local.fp8->op);
+  if (local.ce) {
+    renumber(local.ce->op);
+    renumber(local.ce->src_op);
+  }
   return local;
 }
 
@@ -51,10 +56,13 @@ Generated generate(const KernelSpec& spec) {
   } else if (spec.fp8 && spec.fp8->codes_in) {
     throw std::invalid_argument("codegen: Fp8Spec::codes_in belongs to the cast_transpose skeleton");
   }
+  if ((spec.skeleton == Skeleton::cross_entropy) != spec.ce.has_value())
+    throw std::invalid_argument("codegen: a cross_entropy spec (KernelSpec::ce) belongs to the cross_entropy skeleton");
   std::vector<int> seq;
   const KernelSpec local = detail::by_position(spec, seq);
   Generated g = spec.skeleton == Skeleton::rownorm          ? detail::generate_rownorm(local)
                 : spec.skeleton == Skeleton::cast_transpose ? detail::generate_cast_transpose(local)
+                : spec.skeleton == Skeleton::cross_entropy  ? detail::generate_cross_entropy(local)
                                                             : detail::generate_elementwise(local);
   // Back to sequence indices: what the Builder binds each argument and each finalize kernel's gradient to.
   auto to_sequence = [&](int& op) {

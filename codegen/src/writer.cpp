@@ -13,6 +13,7 @@ std::string skeleton_name(Skeleton s) {
     case Skeleton::gated: return "gated";
     case Skeleton::rownorm: return "rownorm";
     case Skeleton::cast_transpose: return "cast_transpose";
+    case Skeleton::cross_entropy: return "cross_entropy";
   }
   return "?";
 }
@@ -98,6 +99,7 @@ std::vector<std::string> headers_for(const KernelSpec& spec) {
     add("ops/fp8_operand.cuh");
   }
   if (spec.skeleton == Skeleton::cast_transpose) add("skeletons/cast_transpose.cuh");
+  if (spec.skeleton == Skeleton::cross_entropy) add("skeletons/cross_entropy.cuh");
   return out;
 }
 

@@ -51,6 +51,8 @@ bool dtype_matches(DLDataType t, ops::DType d) {
     case ops::DType::bf16: return t.code == kDLBfloat && t.bits == 16;
     case ops::DType::e4m3: return (t.code == 10 || t.code == kDLUInt) && t.bits == 8;
     case ops::DType::e5m2: return (t.code == 12 || t.code == kDLUInt) && t.bits == 8;  // DLPack 1.0's kDLFloat8_e5m2
+    case ops::DType::i32: return t.code == kDLInt && t.bits == 32;
+    case ops::DType::i64: return t.code == kDLInt && t.bits == 64;
   }
   return false;
 }
@@ -80,6 +82,8 @@ DLDataType dl_dtype(ops::DType d) {
     case ops::DType::bf16: return {kDLBfloat, 16, 1};
     case ops::DType::e4m3: return {10, 8, 1};
     case ops::DType::e5m2: return {12, 8, 1};
+    case ops::DType::i32: return {kDLInt, 32, 1};
+    case ops::DType::i64: return {kDLInt, 64, 1};
     default: return {kDLFloat, 32, 1};
   }
 }
@@ -167,8 +171,8 @@ void check_forward_args(const ops::SequenceDef& s, ops::DType dtype, ops::DType 
   check_dltensor(output, "output");
   check_dtype(output, "output", out_dtype);
   if (n_extra_inputs != s.extra_inputs)
-    fail(Status::invalid_argument, "sequence '{}' takes {} extra input(s) (add_extra_input ops), got {}", s.name,
-         s.extra_inputs, n_extra_inputs);
+    fail(Status::invalid_argument, "sequence '{}' takes {} extra input(s) (add_extra_input ops{}), got {}", s.name,
+         s.extra_inputs, s.nograd_extra_inputs.empty() ? "" : " and the labels of cross_entropy", n_extra_inputs);
   if (n_extra_outputs != s.extra_outputs)
     fail(Status::invalid_argument, "sequence '{}' makes {} extra output(s) (make_extra_output ops), got {}",
          s.name, s.extra_outputs, n_extra_outputs);
@@ -187,7 +191,53 @@ void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTe
     fail(Status::invalid_argument, "sequence '{}' needs {} grad extra output(s) and {} grad extra input(s), got {} and {}",
          s.name, s.extra_outputs, s.extra_inputs, n_grad_extra_outputs, n_grad_extra_inputs);
   check_dltensor_array(grad_extra_outputs, n_grad_extra_outputs, s.extra_outputs, "grad extra output");
-  check_dltensor_array(grad_extra_inputs, n_grad_extra_inputs, s.extra_inputs, "grad extra input");
+  if (n_grad_extra_inputs > 0 && !grad_extra_inputs)
+    fail(Status::invalid_argument, "the grad extra input array is NULL but {} grad extra input(s) were announced",
+         n_grad_extra_inputs);
+  for (int i = 0; i < n_grad_extra_inputs; ++i) {
+    const bool nograd = std::find(s.nograd_extra_inputs.begin(), s.nograd_extra_inputs.end(), i) !=
+                        s.nograd_extra_inputs.end();
+    if (!nograd) {
+      check_dltensor(grad_extra_inputs[i], [&] { return fmt::format("grad extra input {}", i); });
+    } else if (grad_extra_inputs[i]) {
+      fail(Status::invalid_argument, "grad extra input {} must be NULL: extra input {} holds integer labels "
+           "(cross_entropy), which have no gradient", i, i);
+    }
+  }
+}
+
+void* check_own_extra_input(const DLTensor* t, const SpanName& name, const ops::ExtraInputSpec& spec,
+                            const DLTensor* input) {
+  check_dltensor(t, [&] { return name.str(); });
+  if (!dtype_matches(t->dtype, spec.dtype))
+    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for the {} (the op's \"{}\"), got {}{}", name.str(),
+         ops::dtype_name(spec.dtype), spec.name, spec.dtype_attr, dl_dtype_name(t->dtype),
+         t->dtype.code == kDLInt && (t->dtype.bits == 32 || t->dtype.bits == 64)
+             ? fmt::format("; set \"{}\": \"int{}\" on the op to pass these", spec.dtype_attr, t->dtype.bits)
+             : std::string());
+  const ops::Shape got(t->shape, t->shape + t->ndim);
+  if (got != spec.shape)
+    fail(Status::invalid_argument, "tensor '{}': expected shape {} (one per row of the op's input), got {}", name.str(),
+         ops::shape_str(spec.shape), ops::shape_str(got));
+  if (t->strides) {
+    int64_t expect = 1;  // the shape is the spec's: the product fits (check_dltensor)
+    for (int i = t->ndim - 1; i >= 0; --i) {
+      if (t->shape[i] != 1 && t->strides[i] != expect)
+        fail(Status::invalid_argument, "tensor '{}' is not contiguous (stride {} of dim {}); pass a contiguous tensor",
+             name.str(), t->strides[i], i);
+      expect *= t->shape[i];
+    }
+  }
+  const auto addr = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+  if (addr % static_cast<uintptr_t>(ops::dtype_bytes(spec.dtype)) != 0)
+    fail(Status::invalid_argument, "tensor '{}': data at 0x{:x} is not aligned to its {}-byte elements", name.str(),
+         addr, ops::dtype_bytes(spec.dtype));
+  if (input &&
+      (t->device.device_type != input->device.device_type || t->device.device_id != input->device.device_id))
+    fail(Status::invalid_argument, "tensor '{}' is on device {}:{}, the input on {}:{}: pass them on one GPU",
+         name.str(), static_cast<int>(t->device.device_type), t->device.device_id,
+         static_cast<int>(input->device.device_type), input->device.device_id);
+  return reinterpret_cast<void*>(addr);
 }
 
 }  // namespace jitfuse::api

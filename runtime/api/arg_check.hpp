@@ -69,6 +69,12 @@ struct SpanName {
   std::string str() const;
 };
 
+// An op's own extra input (ops::ExtraInputSpec: cross_entropy's labels) of a call: the struct, then exactly
+// the spec's dtype and shape, contiguous, aligned to its elements, on the input's device (`input`, already
+// checked; may be null). Returns its data pointer. Errors name the tensor, what was expected and what came.
+void* check_own_extra_input(const DLTensor* t, const SpanName& name, const ops::ExtraInputSpec& spec,
+                            const DLTensor* input);
+
 // Device memory a call reads or writes, for the overlap check.
 struct Span {
   SpanName name;

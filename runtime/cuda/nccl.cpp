@@ -99,6 +99,8 @@ ncclDataType_t nccl_dtype(ops::DType dt) {
     case ops::DType::bf16: return ncclBfloat16;
     case ops::DType::e4m3:
     case ops::DType::e5m2:
+    case ops::DType::i32:
+    case ops::DType::i64:
       // Only sums are reduced, and FP8 codes do not sum: comm steps move the recipe dtype.
       break;
   }

@@ -146,8 +146,12 @@ int Builder::extra(BufferRole role, int op) {
   if (auto it = extra_.find(key); it != extra_.end()) return it->second;
   const auto& o = p_.ops.at(static_cast<size_t>(op));
   if (const int routed = channel_route(role, o); routed != kNotRouted) return routed;
+  // An op's own extra input (cross_entropy's labels) has its own dtype and shape, read as scalars.
+  const bool own = role == BufferRole::extra_in && o.extra_input;
+  const ops::Shape& shape = own ? o.extra_input->shape : o.out;
   const int id = caller(role, std::string(k->name) + "[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
-                        p_.recipe.dtype, ops::rows_of(o.out), ops::cols_of(o.out));
+                        own ? o.extra_input->dtype : p_.recipe.dtype, ops::rows_of(shape), ops::cols_of(shape));
+  if (own) p_.buffers[static_cast<size_t>(id)].needs_align16 = false;
   auto& ids = p_.*(k->ids);
   if (static_cast<int>(ids.size()) <= o.extra_slot) ids.resize(o.extra_slot + 1, -1);
   ids[static_cast<size_t>(o.extra_slot)] = id;
@@ -462,7 +466,9 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
     case Arg::Role::out: k.buffer = out; break;
     case Arg::Role::param: k.buffer = param(a.op, a.name); break;
     case Arg::Role::saved:
-      if (a.writes) {
+      if (a.writes && saved_.count({a.op, a.name})) {
+        k.buffer = saved_.at({a.op, a.name});  // declared by the lowering itself (its own dtype and size)
+      } else if (a.writes) {
         const auto& o = p_.ops[a.op];
         const bool stats = a.name == "mean" || a.name == "rstd", mask = a.name == "mask";
         const bool output = a.name == "output";

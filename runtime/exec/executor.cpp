@@ -117,6 +117,8 @@ void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std:
     c.a = static_cast<const char*>(c.a) + static_cast<size_t>(g.a_offset) * esz;
     c.d = static_cast<char*>(c.d) + static_cast<size_t>(g.d_offset) * esz;
   }
+  if (g.b_offset)
+    c.b = static_cast<const char*>(c.b) + static_cast<size_t>(g.b_offset) * static_cast<size_t>(ops::dtype_bytes(c.dtype));
   if (g.d_amax >= 0) {  // the FP8 output's state: rolled by the pass's batched update
     fp8::UpdateEntry e;
     e.partials = static_cast<const float*>(at(g.d_amax));

@@ -139,6 +139,8 @@ struct GemmStep {
   bool bias_grad_fallback = false;  // the fallback is possible (ones is allocated); prepare decides
   // Elements into a and d: a row chunk of a GEMM pipelined with its collective (docs/parallel.md).
   int64_t a_offset = 0, d_offset = 0;
+  // Elements into b: the row chunk of x a chunked wgrad reads (exec/impl/joint_chunked_linear_cross_entropy.cpp).
+  int64_t b_offset = 0;
   int64_t flops() const { return 2 * call.m * call.n * call.k; }
   int operand(GemmOperand o) const;  // its buffer id, -1: none
 };

@@ -62,6 +62,7 @@ std::string family_name(Family f) {
     case Family::add_extra_input: return "add_extra_input";
     case Family::make_extra_output: return "make_extra_output";
     case Family::comm: return "comm";
+    case Family::loss: return "loss";
   }
   return "?";
 }
@@ -178,6 +179,7 @@ Registry::Registry() {
   register_dropout(*this);
   register_structural(*this);
   register_comm(*this);
+  register_cross_entropy(*this);
 }
 
 void Registry::add(OpKind kind) {

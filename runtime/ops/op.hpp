@@ -12,6 +12,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "ops/recipe.hpp"
+
 namespace jitfuse::ops {
 
 using Shape = std::vector<int64_t>;
@@ -34,6 +36,7 @@ enum class Family {
   add_extra_input,    // y = x + e (residual)
   make_extra_output,  // y = x, extra = x (fork)
   comm,               // a collective over the ranks of a tensor-parallel group (NCCL; docs/parallel.md)
+  loss,               // rows of logits -> a loss (cross_entropy); the sequence's last op
 };
 std::string family_name(Family f);
 
@@ -43,6 +46,7 @@ enum class SavedKind {
   output,     // the op's output tensor
   row_stats,  // fp32 mean and rstd per row (norms)
   mask_bits,  // 1 bit per element, rows padded to whole bytes (dropout)
+  logsumexp,  // fp32 logsumexp per row, and the fp32 scale of the reduction (cross_entropy)
 };
 
 struct AttrSpec {
@@ -62,6 +66,17 @@ std::string float_range_problem(double v);
 
 struct Op;
 
+// An extra input an op reads with its own dtype and shape instead of the recipe's dtype and the op's input
+// shape (cross_entropy's labels: int64 or int32, one per row). The kind's infer fills it; the C ABI checks
+// the caller's tensor against it (naming `name`), and it has no gradient: the backward's
+// grad_extra_inputs[slot] is NULL.
+struct ExtraInputSpec {
+  std::string name;        // "labels"
+  std::string dtype_attr;  // the op's attribute that sets the dtype ("label_dtype"), for messages
+  DType dtype = DType::i64;
+  Shape shape;
+};
+
 struct OpKind {
   std::string name;
   Family family = Family::pointwise;
@@ -76,6 +91,11 @@ struct OpKind {
   bool user_declared = false;
   std::string declared_in;  // file for user-declared ops
   std::string template_path;  // user-declared ops: the template's real path (for compiler messages)
+  // Reads one extra input of the caller beside its input (an ExtraInputSpec its infer fills): it takes
+  // the next extra input slot, as an add_extra_input does.
+  bool takes_extra_input = false;
+  // Must be the sequence's last op (a loss): parse_sequence refuses it anywhere else.
+  bool last_only = false;
 };
 
 struct Param {
@@ -98,6 +118,8 @@ struct Op {
   // The caller's extra tensor this op owns: add_extra_input, which extra input; make_extra_output, which
   // extra output; -1 for ops that own none (a hidden channel's fork, a channel's readers after the first).
   int extra_slot = -1;
+  // An op that reads an extra input of its own dtype and shape (OpKind::takes_extra_input): what it is.
+  std::optional<ExtraInputSpec> extra_input;
   // Named channels (add_extra_input / make_extra_output with "channel"; docs/ops.md#channels).
   std::string channel;           // "": the caller's extra tensor, as without channels
   bool returned = false;         // make_extra_output of a channel: also the caller's extra output extra_slot
@@ -145,6 +167,7 @@ void register_norms(Registry& r);
 void register_dropout(Registry& r);
 void register_structural(Registry& r);
 void register_comm(Registry& r);
+void register_cross_entropy(Registry& r);
 
 // Validates `attrs` against `kind.attrs` (unknown names, types, ranges, choices) and fills defaults.
 // Errors about one attribute name `where_attr(name)` when given (its own file:line:col), else `where`.

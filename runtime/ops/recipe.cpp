@@ -46,13 +46,17 @@ std::string dtype_name(DType d) {
     case DType::bf16: return "bf16";
     case DType::e4m3: return "e4m3";
     case DType::e5m2: return "e5m2";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
   }
   return "?";
 }
 
 int dtype_bytes(DType d) {
   switch (d) {
-    case DType::f32: return 4;
+    case DType::f32:
+    case DType::i32: return 4;
+    case DType::i64: return 8;
     case DType::f16:
     case DType::bf16: return 2;
     default: return 1;

@@ -7,7 +7,9 @@
 
 namespace jitfuse::ops {
 
-enum class DType { f32, f16, bf16, e4m3, e5m2 };
+// i32 / i64: integer tensors an op reads beside the stream (cross_entropy's labels, ops::ExtraInputSpec); never
+// an activation, parameter or gradient dtype.
+enum class DType { f32, f16, bf16, e4m3, e5m2, i32, i64 };
 enum class RecipeKind { fp32, fp16, bf16, fp8_delayed, fp8_current };
 
 struct Recipe {
@@ -23,7 +25,7 @@ struct Recipe {
 
 Recipe parse_recipe(const std::string& name);  // throws with the list of known recipes
 std::string recipe_name(RecipeKind k);
-std::string dtype_name(DType d);                // "fp32", "fp16", "bf16", "e4m3", "e5m2"
+std::string dtype_name(DType d);                // "fp32", "fp16", "bf16", "e4m3", "e5m2", "int32", "int64"
 int dtype_bytes(DType d);
 inline bool is_fp8(DType d) { return d == DType::e4m3 || d == DType::e5m2; }
 

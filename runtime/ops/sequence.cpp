@@ -86,6 +86,7 @@ void check_channels(SequenceDef& def, const At& at) {
              it->second < 0 ? std::string("\"input_channels\"") : "op " + std::to_string(it->second));
       writer[d.channel] = d.index;
     }
+    if (d.info->takes_extra_input) def.nograd_extra_inputs.push_back(def.extra_inputs++);
     if (fam != Family::add_extra_input) continue;
     if (d.channel.empty()) {
       ++def.extra_inputs;
@@ -117,6 +118,15 @@ void check_channels(SequenceDef& def, const At& at) {
       fail(Status::invalid_argument, "{}: input channel '{}' is never read: read it with add_extra_input "
            "{{\"channel\": \"{}\"}} or remove it", at("/input_channels/" + std::to_string(k)), def.input_channels[k],
            def.input_channels[k]);
+}
+
+// A loss (OpKind::last_only) ends the sequence: nothing after it has a value to take.
+void check_last_only(const SequenceDef& def, const At& at) {
+  for (const auto& d : def.ops)
+    if (d.info->last_only && d.index + 1 != static_cast<int>(def.ops.size()))
+      fail(Status::invalid_argument, "{}: op {} ({}) must be the sequence's last op (it turns the stream into a loss); "
+           "op {} ({}) follows it: end the sequence at op {}", at("/ops/" + std::to_string(d.json_index)), d.index,
+           d.kind, d.index + 1, def.ops[static_cast<size_t>(d.index) + 1].kind, d.index);
 }
 
 // A parallel linear's collectives, where Megatron puts them (docs/parallel.md): column + SP gathers its
@@ -264,6 +274,7 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   for (size_t i = 0; i < j["ops"].size(); ++i) read_op(j["ops"][i], i, def, canon, registry, at);
   read_input_channels(j, def, at);
   check_channels(def, at);
+  check_last_only(def, at);
   def.canonical = def.input_channels.empty() ? canon.dump()
                                              : nlohmann::json{{"input_channels", def.input_channels}, {"ops", canon}}.dump();
   return def;
@@ -287,6 +298,7 @@ void wire_extras(const OpDef& d, Op& op, std::vector<Op>& before, int& extra_in,
   op.returned = d.returned;
   if (op.family == Family::make_extra_output && (d.channel.empty() || d.returned)) op.extra_slot = extra_out++;
   if (op.family == Family::make_extra_output && !d.channel.empty()) channels[d.channel].src = op.index;
+  if (d.info->takes_extra_input) op.extra_slot = extra_in++;
   if (op.family != Family::add_extra_input) return;
   if (d.channel.empty()) {
     op.extra_slot = extra_in++;
@@ -358,6 +370,10 @@ void apply_recipe(const SequenceDef& def, Recipe& recipe) {
   if (def.fp8_margin >= 0) recipe.margin = def.fp8_margin;
   const std::string rn = recipe_name(recipe.kind);
   for (const auto& op : def.ops) {
+    if (op.info->family == Family::loss)
+      fail(Status::unsupported,
+           "sequence '{}': op {} ({}) under recipe {}: a loss has no FP8 form; run the LM head and its loss in a "
+           "bf16 sequence of their own", def.name, op.index, op.kind, rn);
     if (op.kind == "quantize" && op.index + 1 != static_cast<int>(def.ops.size()))
       fail(Status::invalid_argument,
            "sequence '{}': op {} (quantize) under recipe {} must be the last op: its E4M3 output is the sequence's "

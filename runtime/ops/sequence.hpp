@@ -24,6 +24,9 @@ struct SequenceDef {
   std::string name;
   std::vector<OpDef> ops;
   int extra_inputs = 0, extra_outputs = 0;  // the caller's extra tensors (slots; channels count per rules below)
+  // Extra input slots of an op's own dtype (OpKind::takes_extra_input: cross_entropy's labels): they have no
+  // gradient, so the backward's grad_extra_inputs holds NULL there.
+  std::vector<int> nograd_extra_inputs;
   // Channels the caller provides ("input_channels"): each is one extra input, numbered at its first reader.
   std::vector<std::string> input_channels;
   std::string canonical;  // canonical JSON of the ops: part of plan cache keys

@@ -46,6 +46,30 @@ NormFwd rmsnorm_fwd(CSpan x, CSpan gamma, int64_t rows, int64_t cols, double eps
 NormBwd rmsnorm_bwd(CSpan x, CSpan gamma, CSpan dy, int64_t rows, int64_t cols, double eps,
                     bool zero_centered);
 
+// ---- cross_entropy over rows of logits x [rows, V] with integer labels y [rows] ----
+// z = softcap > 0 ? softcap tanh(x / softcap) : x; lse_r = log sum_j exp(z_rj);
+// loss_r = lse_r - (1 - eps) z_r[y_r] - (eps / V) sum_j z_rj + z_loss lse_r^2 (eps = label_smoothing),
+// 0 for rows whose label is ignore_index; a label outside [0, V) otherwise gives NaN.
+// reduction "mean": sum_r loss_r / (rows not ignored) (NaN when every row is ignored, as PyTorch);
+// "sum": sum_r loss_r; "none": loss_r per row.
+struct CrossEntropyAttrs {
+  std::string reduction = "mean";
+  int64_t ignore_index = -100;
+  double label_smoothing = 0, z_loss = 0, softcap = 0;
+};
+struct CrossEntropyFwd {
+  Vec loss;      // [rows] ("none") or [1]
+  Vec lse;       // [rows], 0 for ignored rows
+  int64_t count = 0;  // rows not ignored
+};
+CrossEntropyFwd cross_entropy_fwd(CSpan x, const std::vector<int64_t>& labels, int64_t rows, int64_t v,
+                                  const CrossEntropyAttrs& a);
+// dx [rows, V] for the upstream gradient dy ([rows] for "none", [1] otherwise):
+// dz_rj = g_r ((1 + 2 z_loss lse_r) softmax(z_r)_j - (1 - eps) [j == y_r] - eps / V), g_r = dy_r ("none"),
+// dy_0 ("sum") or dy_0 / count ("mean"); dx = dz (1 - (z / softcap)^2) with softcap; 0 for ignored rows.
+Vec cross_entropy_bwd(CSpan x, const std::vector<int64_t>& labels, CSpan dy, int64_t rows, int64_t v,
+                      const CrossEntropyAttrs& a);
+
 // ---- dropout: Philox4x32-10, bit-exact with templates/ops/dropout.cuh ----
 // Element i (flattened row-major index): c = i / 4 (uint64); r = philox4x32_10(
 //   counter = {lo32(c), hi32(c), lo32(offset), hi32(offset)}, key = {lo32(seed), hi32(seed)})[i % 4];

@@ -33,6 +33,24 @@ void one_rank(const ops::Op& op) {
                                 std::to_string(op.world_size) + " compare against the single-GPU sequence instead");
 }
 
+CrossEntropyAttrs ce_attrs(const ops::Op& op) {
+  CrossEntropyAttrs a;
+  a.reduction = op.str("reduction");
+  a.ignore_index = op.attrs.at("ignore_index").get<int64_t>();
+  a.label_smoothing = op.num("label_smoothing");
+  a.z_loss = op.num("z_loss");
+  a.softcap = op.num("softcap");
+  return a;
+}
+
+// The labels of a cross_entropy: its extra input, integers held as doubles (exact below 2^53).
+std::vector<int64_t> labels_of(const SeqInputs& in, const ops::Op& op) {
+  const Vec& l = in.extra_in.at(static_cast<size_t>(op.extra_slot));
+  std::vector<int64_t> out(l.size());
+  for (size_t i = 0; i < l.size(); ++i) out[i] = static_cast<int64_t>(l[i]);
+  return out;
+}
+
 }  // namespace
 
 SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in) {
@@ -90,6 +108,7 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
         break;
       }
       case Family::comm: one_rank(op); break;
+      case Family::loss: v = cross_entropy_fwd(v, labels_of(in, op), rows, cols, ce_attrs(op)).loss; break;
       case Family::make_extra_output:
         if (!op.channel.empty()) channels[op.index] = v;
         if (op.extra_slot < 0) break;
@@ -164,6 +183,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
         break;
       }
       case Family::comm: one_rank(op); break;
+      case Family::loss: dy = cross_entropy_bwd(x, labels_of(in, op), dy, rows, cols, ce_attrs(op)); break;
       case Family::make_extra_output: {
         if (op.extra_slot >= 0) {
           const Vec& de = grad_extra_out.at(op.extra_slot);

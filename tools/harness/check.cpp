@@ -193,6 +193,19 @@ void upload_inputs(Tensors& t, SeqInputs& in, const std::vector<ops::Op>& ops, c
       t.ein.back()->upload_values(in.extra_in.back(), stream);
       t.gein.push_back(t.make(op.in));
     }
+    if (op.extra_input) {  // cross_entropy's labels: random classes, about a fifth of the rows ignored (not row 0)
+      const int64_t v = ops::cols_of(op.in), ignore = op.attrs.at("ignore_index").get<int64_t>();
+      std::uniform_int_distribution<int64_t> cls(0, v - 1);
+      std::bernoulli_distribution skip(0.2);
+      Vec labels(static_cast<size_t>(ops::numel(op.extra_input->shape)));
+      for (size_t r = 0; r < labels.size(); ++r) labels[r] = static_cast<double>(r > 0 && skip(rng) ? ignore : cls(rng));
+      in.extra_in.push_back(labels);
+      t.keep.push_back(std::make_unique<DeviceTensor>(op.extra_input->shape, ops::dtype_name(op.extra_input->dtype),
+                                                      t.misalign));
+      t.ein.push_back(t.keep.back().get());
+      t.ein.back()->upload_values(labels, stream);
+      t.gein.push_back(nullptr);  // labels have no gradient: NULL in grad_extra_inputs
+    }
     if (op.family == ops::Family::make_extra_output) {
       t.eout.push_back(t.make(op.in));
       t.geout.push_back(t.make(op.in));
@@ -282,7 +295,7 @@ struct Backward {
     std::vector<const DLTensor*> geout_t;
     std::vector<DLTensor*> gein_t;
     for (auto* e : t.geout) geout_t.push_back(e->dl());
-    for (auto* e : t.gein) gein_t.push_back(e->dl());
+    for (auto* e : t.gein) gein_t.push_back(e ? e->dl() : nullptr);
     jf_backward_args ba{};
     ba.input = t.x->dl();
     ba.extra_inputs = t.ein_t.data();
@@ -379,7 +392,8 @@ const DeviceTensor* run_backward(const Backward& backward, jf_saved saved) {
   const CUstream stream = backward.stream;
   DeviceTensor* gx = backward.t.make(backward.opt.shape);
   gx->poison(stream);
-  for (auto* e : backward.t.gein) e->poison(stream);
+  for (auto* e : backward.t.gein)
+    if (e) e->poison(stream);
   for (auto& [k, gt] : backward.t.grads) gt->poison(stream);
   backward(saved, gx);
   cuda::check(cuda::driver().cuStreamSynchronize(stream), "cuStreamSynchronize(backward)");
@@ -412,6 +426,7 @@ void compare_backward(Comparison& c, const Tensors& t, const DeviceTensor& gx, c
   c.check("grad_input", gx_got, &rg.grad_input);
   if (c.fp8) c.check_exact("grad_input", gx_got, eg.grad_input);
   for (size_t i = 0; i < t.gein.size(); ++i) {
+    if (!t.gein[i]) continue;  // labels
     const Vec got = t.gein[i]->download_values(stream);
     c.check(fmt::format("grad_extra_input[{}]", i), got, c.self ? nullptr : &rg.grad_extra_in[i]);
     if (c.fp8) c.check_exact(fmt::format("grad_extra_input[{}]", i), got, eg.grad_extra_in[i]);

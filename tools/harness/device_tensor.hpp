@@ -29,7 +29,8 @@ class DeviceTensor {
   size_t bytes() const { return bytes_; }
   // Every copy on the stream the tensor's work runs on (host_to_device, device_to_host).
   void upload(const std::vector<uint8_t>& b, CUstream stream);
-  void upload_values(const std::vector<double>& v, CUstream stream);  // encoded to the dtype
+  // Encoded to the dtype ("int64" / "int32": integers, exact below 2^53).
+  void upload_values(const std::vector<double>& v, CUstream stream);
   void poison(CUstream stream);  // all-ones bytes: NaN in fp32, fp16 and bf16
   std::vector<uint8_t> download(CUstream stream) const;
   std::vector<double> download_values(CUstream stream) const;

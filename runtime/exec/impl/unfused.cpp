@@ -1,6 +1,7 @@
 // One op alone: linear on cuBLASLt (forward GEMM; dgrad + wgrad), every other op as its own generated kernel,
 // except the backward of a channel's only reader (Builder::pass_through_grad: no kernel).
 #include "exec/impl/comm.hpp"
+#include "exec/impl/cross_entropy.hpp"
 #include "exec/impl/generated_chain.hpp"
 #include "exec/impl/registrar.hpp"
 
@@ -23,6 +24,7 @@ class Unfused final : public Implementation {
     const auto& g = b.group();
     if (!b.forward() && b.pass_through_grad(g.begin)) return;  // a channel's only reader: no kernel
     if (b.ops()[g.begin].family == ops::Family::comm) return lower_comm(b, g.begin);
+    if (b.ops()[g.begin].family == ops::Family::loss) return lower_cross_entropy(b, g.begin);
     if (b.ops()[g.begin].family != ops::Family::linear) return lower_generated_group(b, chain_options(b));
     const int lin = g.begin;
     if (b.forward()) {

@@ -46,6 +46,7 @@ std::optional<std::string> chain_problem(const std::vector<OpUse>& w, size_t fro
     const OpUse& u = w[i];
     if (u.family() == Family::linear) return "a generated kernel cannot run linear";
     if (u.family() == Family::comm) return "a collective runs on NCCL (a comm step), not in a generated kernel";
+    if (u.family() == Family::loss) return u.name() + " runs as kernels of its own (the cross_entropy skeleton)";
     if (u.name() == "reshape" && n - static_cast<int>(from) > 1) return "reshape changes the column layout and runs alone";
     if (u.family() == Family::norm || u.family() == Family::gated) {
       if (anchor >= 0) return "two anchors (" + w[anchor].name() + ", " + u.name() + ") in one kernel";

@@ -8,8 +8,9 @@ the caller unless ``"returned": true``; an ``add_extra_input`` with a channel ad
 earlier ``make_extra_output``, or provided by the caller when the document declares it in
 ``"input_channels"``). :func:`wire` checks a sequence's channels and numbers the caller's extra tensors:
 
-- extra inputs, in op order: every ``add_extra_input`` without a channel, and the FIRST reader of each input
-  channel (one slot per input channel, however many ops read it);
+- extra inputs, in op order: every ``add_extra_input`` without a channel, the FIRST reader of each input
+  channel (one slot per input channel, however many ops read it), and the labels of a ``cross_entropy``
+  (integers, no gradient: :data:`LABELS_OPS`);
 - extra outputs, in op order: every ``make_extra_output`` without a channel or with ``"returned": true``.
 
 >>> w = wire([{"op": "make_extra_output", "channel": "residual"}, {"op": "gelu"},
@@ -26,6 +27,8 @@ MAX_CHANNEL_NAME = 64
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,%d}\Z" % MAX_CHANNEL_NAME)
 FORK = "make_extra_output"
 READER = "add_extra_input"
+# Ops that read an extra input of their own (integer labels, one per row) beside the stream.
+LABELS_OPS = ("cross_entropy",)
 
 
 class ChannelError(ValueError):
@@ -129,6 +132,9 @@ def wire(ops: Sequence[Mapping[str, Any]], input_channels: Iterable[str] = ()) -
                                    f"always the caller's extra output)")
         ret = bool(ret)
         names.append((i, channel, ret))
+        if kind in LABELS_OPS:
+            ins.append(Slot(i))  # its labels
+            continue
         if kind == FORK:
             if channel is None or ret:
                 outs.append(Slot(i, channel))

@@ -42,6 +42,7 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"fp8_linear_bias_bwd", Pass::backward}, {"fp8_norm_linear_quantize", Pass::forward},
       {"fp8_act_linear_quantize", Pass::forward}, {"fp8_linear_quantize", Pass::forward},
       {"fp8_linear_pointwise_bwd", Pass::backward},
+      {"linear_cross_entropy_chunked", Pass::joint},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;

@@ -10,7 +10,7 @@
 
 namespace jitfuse::codegen {
 
-enum class Skeleton { elementwise, gated, rownorm, cast_transpose };
+enum class Skeleton { elementwise, gated, rownorm, cast_transpose, cross_entropy };
 enum class Direction { forward, backward };
 std::string skeleton_name(Skeleton s);
 
@@ -74,6 +74,32 @@ struct Fp8Spec {
   bool codes_in = false;
   double margin = 0;       // scale = fp8_max / amax / 2^margin
 };
+// The kernels of the cross_entropy skeleton (codegen/src/cross_entropy.cpp, templates/skeletons/cross_entropy.cuh).
+// KernelSpec::cols is V (the logits' columns) for the row kernels, the tensor's columns for `scale`. A row
+// kernel runs one block per row of `in`; its `rows` argument is the row just past those it handles, which
+// are the last gridDim.x rows of the labels (a chunk of them in the joint strategy, all of them unfused).
+struct CrossEntropySpec {
+  enum class Kernel {
+    rows_fwd,   // loss_r (out: the output's row r for "none", else fp32 per-row losses) and the fp32 lse (saved)
+    reduce,     // one block: out[0] = sum of the fp32 per-row losses `in` (over the rows not ignored for
+                // "mean"); saves the backward's scale (1 / count, or 1)
+    rows_bwd,   // dlogits (out) of g = in[r] ("none") or in[0] * scale; the saved logits and lse
+    fused,      // a chunk of rows: loss_r into the fp32 out[r] and dlogits for g = 1 in place of `in`
+    scale,      // out (+)= in[0] * scale[0] * src: the joint strategy's backward (src: saved (src_op, src))
+    fill_ones,  // out[r] = 1 for r < rows (the column of ones of a column-sum GEMM)
+  } kernel = Kernel::rows_fwd;
+  int op = -1;                // the cross_entropy op (labels, saved lse and scale)
+  int src_op = -1;            // scale: the saved tensor it reads
+  std::string src;
+  std::string reduction = "mean";
+  int64_t ignore_index = -100;
+  double label_smoothing = 0, z_loss = 0, softcap = 0;
+  bool labels_i32 = false;
+  bool save = false;          // rows_fwd: write the lse; reduce: write the scale
+  bool accumulate = false;    // scale: out += (linear accumulate_grad)
+  int64_t grid_rows = 0;      // row kernels: blocks, one per row of `in` (0: the call's rows)
+};
+
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the
 // ops by their position in the kernel instead (0, 1, ... in stage order) in every name and comment, so the
 // source depends only on what the kernel computes, never on where its group sits in a sequence.
@@ -92,6 +118,7 @@ struct KernelSpec {
   // codes to the Role::fp8_colwise argument [cols, rows] (both with the same scale), with the stages'
   // column sums (dbias) as in the elementwise skeleton; required there.
   std::optional<Fp8Spec> fp8;
+  std::optional<CrossEntropySpec> ce;  // Skeleton::cross_entropy
   std::map<std::string, std::string> headers;  // template files the stages need (name -> "" until filled)
   std::string label;           // "bias_gelu": kernel name stem
   std::string rule;            // provenance for comments and cache metadata
@@ -129,7 +156,7 @@ struct Arg {
 
 struct Launch {
   // elementwise/gated: block (bx, by), grid.x fixed, grid.y chosen at run time; threads loop over
-  // rows. cast_transpose: the same, block (8, 32), grid.x = column tiles of 64, by * rows_per_thread_iter =
+  // rows. cross_entropy: block bx, grid.x = grid_x, or the call's rows where grid_x is 0. cast_transpose: the same, block (8, 32), grid.x = column tiles of 64, by * rows_per_thread_iter =
   // 64 rows per block iteration. rownorm: block (bx), grid.x = rows or fewer (grid-stride).
   int bx = 256, by = 1;
   int64_t grid_x = 1;

@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import _abi
 from ..errors import JitfuseError
 from ..lib import ProgramInfo
-from ._dtypes import TORCH_TO_DL, torch_dtype
+from ._dtypes import LABEL_DTYPES, TORCH_TO_DL, torch_dtype
 
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _get_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -294,7 +294,8 @@ class ForwardArgs:
         layout after a call ran, or a non-contiguous one, is an error here, never a kernel reading the
         wrong memory. The one argument check of the package: every route that runs the program passes here."""
         for d, t, s in zip(self.dls, (x, *extras, out, *extra_outs, *params), self.shapes):
-            if s is not None and (t.shape != s or t.dtype is not self.dtype or not t.is_contiguous()):
+            if s is not None and (t.shape != s or (t.dtype is not self.dtype and t.dtype not in LABEL_DTYPES)
+                                  or not t.is_contiguous()):
                 raise JitfuseError(self.mismatch(x, extras, params))
             d.data = t.data_ptr()
 
@@ -309,7 +310,7 @@ class ForwardArgs:
             if t.shape != s:
                 return (f"jitfuse: sequence {self.name!r}: {name} has shape {list(t.shape)}, the program "
                         f"expects {list(s)} (a parameter replaced by one of another shape?)")
-            if t.dtype is not self.dtype:
+            if t.dtype is not self.dtype and t.dtype not in LABEL_DTYPES:
                 return f"jitfuse: sequence {self.name!r}: {name} is {t.dtype}, the program runs {self.dtype}"
             if not t.is_contiguous():
                 return (f"jitfuse: sequence {self.name!r}: {name} is not contiguous (strides "
@@ -335,7 +336,9 @@ class BackwardArgs:
         ps = [(tuple(p.shape), TORCH_TO_DL[p.dtype]) for p in params]
         # Order: input, extras, output, extra outputs, params, grad_output, grad extra outputs, grad_input,
         # grad extras, grads (the order run_backward lists its tensors in).
-        specs = ([(xs, dt)] + [(s, dt) for s in es] + [(o.shape, o.dl_dtype[:2]) for o in info.outputs] + ps
+        # CrossEntropy's labels keep their integer dtype and have no gradient (NULL in grad_extra_inputs).
+        eds = [TORCH_TO_DL[e.dtype] for e in extras]
+        specs = ([(xs, dt)] + list(zip(es, eds)) + [(o.shape, o.dl_dtype[:2]) for o in info.outputs] + ps
                  + [(o.shape, dt) for o in info.outputs] + [(xs, dt)] + [(s, dt) for s in es] + ps)
         arr, self.dls, self._keep = _dl_block(specs, dev)
         at_out = 1 + ne
@@ -346,6 +349,9 @@ class BackwardArgs:
         pp = ctypes.POINTER(ctypes.POINTER(_abi.DLTensor))
         arrays = [_ptrs(arr, 1, ne), _ptrs(arr, at_out + 1, neo), _param_array(prog.names, arr, at_par),
                   _ptrs(arr, at_go + 1, neo), _ptrs(arr, at_gi + 1, ne), _param_array(prog.names, arr, at_grads)]
+        for i, e in enumerate(extras):
+            if e.dtype in LABEL_DTYPES:
+                arrays[4][i] = None
         self._keep += [arr, arrays]
         a = self.args = _abi.jf_backward_args()
         a.input = ctypes.pointer(arr[0])
@@ -453,7 +459,8 @@ def run_backward(prog: Any, x: Tensor, extras: List[Tensor], output: Tensor, ext
         raise JitfuseError(f"jitfuse: the saved buffer has {saved_block.numel()} bytes, the program of input "
                            f"{list(c.shape)} saves {c.saved_block_bytes}: was the forward run with training=True?")
     grad_input = _empty_like(x)
-    grad_extras = [_empty_like(e) for e in extras] if extras else []
+    # None for CrossEntropy's labels: no gradient (their slot of grad_extra_inputs is NULL).
+    grad_extras = [None if e.dtype in LABEL_DTYPES else _empty_like(e) for e in extras] if extras else []
     if c.any_accumulate:
         grads = [torch.zeros_like(p) if acc else _empty_like(p) for p, acc in zip(params, c.accumulate)]
     else:
@@ -466,7 +473,8 @@ def run_backward(prog: Any, x: Tensor, extras: List[Tensor], output: Tensor, ext
         a.workspace = ws.data_ptr()
     for d, t in zip(c.dls, (x, *extras, output, *extra_outputs, *params, grad_output, *grad_extra_outputs,
                             grad_input, *grad_extras, *grads)):
-        d.data = t.data_ptr()
+        if t is not None:
+            d.data = t.data_ptr()
     if c.saved_block_bytes:
         a.saved = saved_block.data_ptr()
     status = prog._jf_program_backward(c.handle, c.args_ref, stream)

@@ -11,8 +11,10 @@ from ..errors import JitfuseError
 
 TORCH_TO_DL: Dict[torch.dtype, Tuple[int, int]] = {
     torch.float32: (_abi.kDLFloat, 32), torch.float16: (_abi.kDLFloat, 16), torch.bfloat16: (_abi.kDLBfloat, 16),
-    torch.uint8: (_abi.kDLUInt, 8), torch.int64: (_abi.kDLInt, 64),
+    torch.uint8: (_abi.kDLUInt, 8), torch.int64: (_abi.kDLInt, 64), torch.int32: (_abi.kDLInt, 32),
 }
+# The dtypes of CrossEntropy's labels (an extra input of their own dtype, without a gradient).
+LABEL_DTYPES = (torch.int64, torch.int32)
 DL_TO_TORCH: Dict[Tuple[int, int], torch.dtype] = {v: k for k, v in TORCH_TO_DL.items()}
 if hasattr(torch, "float8_e4m3fn"):
     DL_TO_TORCH[(_abi.kDLFloat8_e4m3fn, 8)] = torch.float8_e4m3fn

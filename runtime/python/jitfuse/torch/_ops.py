@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import _ext
 from ._calls import DIRECT, GRAD, _functorch_active, direct_call_ok, route, traced_device_index
-from ._dtypes import torch_dtype
+from ._dtypes import LABEL_DTYPES, torch_dtype
 from ._registry import DeviceProgram, device_program, program_of
 from .float8 import Float8Tensor
 
@@ -197,7 +197,10 @@ class EagerCall:
                 if not g.is_contiguous():
                     g = g.contiguous()
             gl.append(g)
-        if ctx.direct and not torch.compiler.is_compiling() and direct_call_ok(gl[0], gl[1:], ()):
+        # A forward with CrossEntropy's labels ran direct (the ops take no integer extra input): so does its
+        # backward, which returns None for the labels.
+        labels = any(e.dtype in LABEL_DTYPES for e in extras)
+        if ctx.direct and not torch.compiler.is_compiling() and (labels or direct_call_ok(gl[0], gl[1:], ())):
             return self.prog.backward(x, extras, output, extra_outputs, params, saved_block, gl[0], gl[1:],
                                       cache_workspace=True)
         return torch.ops.jitfuse.backward.default(self.key, x, extras, output, extra_outputs, params, saved_block,

@@ -70,6 +70,7 @@ def _autocast(x: Tensor, extras: Tuple[Tensor, ...], params: List[Tensor]):
 
 _int64 = torch.int64
 _randint = torch.randint
+_compiler_disable = getattr(torch.compiler, "disable", lambda f: f)
 
 
 def _draw_rng(x: Tensor) -> Tensor:
@@ -560,6 +561,51 @@ class Reshape(BasicOp):
         return {"shape": list(self.shape)}
 
 
+class CrossEntropy(BasicOp):
+    """The loss of a language-model head, as ``torch.nn.functional.cross_entropy`` over the last dim:
+    ``Sequential(Linear(h, vocab), CrossEntropy())(x, labels)`` returns the loss of the logits ``x W^T``
+    against ``labels`` (one class index per row: the input's shape without its last dim; ``torch.int64``, or
+    ``torch.int32`` with ``label_dtype=torch.int32``). The labels are the Sequential's last extra input and
+    take no gradient; the op must be the last one.
+
+    - ``reduction``: ``"mean"`` (over the rows whose label is not ``ignore_index``), ``"sum"`` (a ``[1]``
+      tensor) or ``"none"`` (one loss per row);
+    - ``ignore_index``: rows with this label contribute no loss and no gradient (default -100, as PyTorch
+      and Hugging Face's shifted causal-LM labels);
+    - ``label_smoothing`` in [0, 1), as PyTorch's; ``z_loss``: adds ``z_loss * logsumexp^2`` per row (PaLM);
+      ``softcap``: logits become ``softcap * tanh(logits / softcap)`` first (Gemma-2; 0: off).
+
+    After a :class:`Linear` (and :class:`Bias`), with ``"mean"`` or ``"sum"``, training runs the head in
+    chunks of rows and computes the gradients in the forward (the logits are never whole in memory;
+    docs/rules.md). Runs eagerly: ``torch.compile`` breaks the graph around the Sequential."""
+
+    op = "cross_entropy"
+    n_extra_inputs = 1
+
+    def __init__(self, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, softcap: float = 0.0, label_dtype: torch.dtype = torch.int64):
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"CrossEntropy reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"CrossEntropy ignore_index must be an int, not {ignore_index!r}")
+        if not 0.0 <= float(label_smoothing) < 1.0:
+            raise ValueError(f"CrossEntropy label_smoothing must be in [0, 1), not {label_smoothing!r}")
+        for name, v in (("z_loss", z_loss), ("softcap", softcap)):
+            if not float(v) >= 0.0 or not math.isfinite(float(v)):
+                raise ValueError(f"CrossEntropy {name} must be a finite number >= 0, not {v!r}")
+        if label_dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"CrossEntropy label_dtype must be torch.int64 or torch.int32, not {label_dtype}")
+        self.reduction, self.ignore_index = reduction, ignore_index
+        self.label_smoothing, self.z_loss, self.softcap = float(label_smoothing), float(z_loss), float(softcap)
+        self.label_dtype = label_dtype
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"reduction": self.reduction, "ignore_index": self.ignore_index,
+                "label_smoothing": self.label_smoothing, "z_loss": self.z_loss, "softcap": self.softcap,
+                "label_dtype": "int32" if self.label_dtype == torch.int32 else "int64"}
+
+
 class _Collective(BasicOp):
     def __init__(self, group: str = "tp"):
         super().__init__()
@@ -693,6 +739,17 @@ class Sequential(nn.Module):
         self.input_channels: Tuple[str, ...] = self.wiring.input_channels
         self._n_extra_inputs = self.wiring.n_extra_inputs
         self._n_extra_outputs = self.wiring.n_extra_outputs
+        # CrossEntropy's labels: extra input slot -> label dtype (integer, no gradient; see _labels_forward).
+        for i, op in enumerate(ops[:-1]):
+            if isinstance(op, CrossEntropy):
+                raise ValueError(f"{name}: op {i} (CrossEntropy) must be the last op (it turns the stream into a "
+                                 f"loss); end the Sequential there")
+        self._jf_labels: Dict[int, torch.dtype] = {k: ops[s.op].label_dtype
+                                                   for k, s in enumerate(self.wiring.extra_inputs)
+                                                   if isinstance(ops[s.op], CrossEntropy)}
+        if self._jf_labels and recipe in FP8_RECIPES:
+            raise ValueError(f"{name}: CrossEntropy has no FP8 form (recipe {recipe}); run the head and its loss in "
+                             f"a bfloat16 Sequential of their own")
         # (library op index, name) of each parameter: a parallel Linear is two ops of the library's sequence
         # (its inserted collective, docs/parallel.md), so indices count n_ops().
         starts = [sum(o.n_ops() for o in ops[:i]) for i in range(len(ops))]
@@ -775,6 +832,8 @@ class Sequential(nn.Module):
         return self._eager_forward(*args)
 
     def forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
+        if self._jf_labels:
+            return self._labels_forward(input, extra_inputs)
         if _is_compiling():
             return self._forward_op(input, extra_inputs)
         return self._eager_forward(input, *extra_inputs)
@@ -786,6 +845,8 @@ class Sequential(nn.Module):
         autograd, one autograd node around it), through the module's :class:`~jitfuse.torch._ops.EagerCall`.
         Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler) takes the
         custom op, which also raises the errors."""
+        if self._jf_labels:
+            return self._labels_forward(input, extra_inputs)
         training = self.training
         ext = ext_forward is not None and self.recipe is None
         params = self._params(not ext)
@@ -812,6 +873,52 @@ class Sequential(nn.Module):
         di = x.get_device()
         prog = _programs.get((key, di)) or device_program(key, di)
         outs = (prog.eager_call or eager_call(prog)).module_forward(r, x, extras, params, rng, training)
+        if self._n_extra_outputs:
+            return tuple(outs)
+        return outs[0]
+
+    @_compiler_disable
+    def _labels_forward(self, input: Tensor, extra_inputs: Tuple[Tensor, ...]) -> Union[Tensor, Tuple[Tensor, ...]]:
+        """forward of a Sequential ending in CrossEntropy: the labels are an integer extra input without a
+        gradient, which the custom ops (and the C++ extension) do not take, so the program runs here directly
+        (one autograd node when a gradient is needed), after the checks the op would make. torch.compile
+        breaks the graph around it (``torch.compiler.disable``)."""
+        name = self.name
+        if len(extra_inputs) != self._n_extra_inputs:
+            raise TypeError(f"{name}: expected {self._n_extra_inputs} extra input(s) (the labels of CrossEntropy "
+                            f"last), got {len(extra_inputs)}")
+        params = self._params()
+        if _autocast_on():  # floating tensors only: the labels pass unchanged
+            input, extra_inputs, params = _autocast(input, extra_inputs, params)
+        training = self.training
+        key = self._jf_keys[training].get(input.dtype)
+        check_arguments(name, self.recipe, key, 0, input, (), params)
+        rows = tuple(input.shape[:-1]) or (1,)
+        for k, e in enumerate(extra_inputs):
+            want = self._jf_labels.get(k)
+            if want is None:
+                if e.dtype != input.dtype or e.device != input.device:
+                    raise TypeError(f"{name}: extra inputs must match the input ({input.dtype} on {input.device})")
+                continue
+            if not isinstance(e, Tensor) or e.dtype != want:
+                raise TypeError(f"{name}: the labels (extra input {k}) must be a {want} tensor (CrossEntropy's "
+                                f"label_dtype), got {getattr(e, 'dtype', type(e).__name__)}")
+            if e.device != input.device:
+                raise ValueError(f"{name}: the labels (extra input {k}) are on {e.device}, the input on "
+                                 f"{input.device}: pass them on the input's device")
+            if tuple(e.shape) != rows:
+                raise ValueError(f"{name}: the labels (extra input {k}) have shape {list(e.shape)}; one label per "
+                                 f"row of the logits is shape {list(rows)}")
+        x = input if input.is_contiguous() else input.contiguous()
+        extras = [e if e.is_contiguous() else e.contiguous() for e in extra_inputs]
+        rng = _draw_rng(x) if self._jf_uses_rng[training] else None
+        di = x.get_device()
+        prog = _programs.get((key, di)) or device_program(key, di)
+        call = prog.eager_call or eager_call(prog)
+        if needs_grad(x, extras, params):
+            outs = call.node(True, True, x, extras, params, rng)
+        else:
+            outs = call.module_forward(DIRECT, x, extras, params, rng, training)
         if self._n_extra_outputs:
             return tuple(outs)
         return outs[0]

@@ -1,0 +1,128 @@
+# GPU tests of jt.CrossEntropy: Sequential(Linear, [Bias,] CrossEntropy)(x, labels) against
+# torch.nn.functional.linear + cross_entropy in float64 (loss and the gradients of x, W, b), with
+# ignore_index=-100 rows and label smoothing, each reduction, z-loss and soft-capping against their float64
+# formulas, int32 labels, and the errors of bad labels.
+# Run: JITFUSE_LIBRARY=build/runtime/libjitfuse.so python3 -m pytest runtime/python/tests/test_cross_entropy_gpu.py -m gpu -v
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+import jitfuse.torch as jt  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+# DESIGN's tolerances; the GEMMs' fp32 accumulation order differs from float64: fp16's for fp32.
+TOLS = {torch.float32: (1e-3, 1e-5), torch.float16: (2e-3, 1e-5), torch.bfloat16: (3.2e-2, 1e-5)}
+
+
+def check(name, actual, ref, dtype):
+    rtol, atol = TOLS[dtype]
+    a, r = actual.double(), ref.double()
+    assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    err = (a - r).abs().max().item()
+    bound = atol + rtol * max(r.abs().max().item(), 1e-30)
+    assert err <= bound, f"{name} ({dtype}): max|err| {err:.3e} > {bound:.3e} (max|ref| {r.abs().max().item():.3e})"
+
+
+def labels_for(rows, v, ignore=-100, dtype=torch.int64, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    y = torch.randint(0, v, rows, generator=g)
+    drop = torch.rand(rows, generator=g) < 0.2
+    drop.view(-1)[0] = False
+    y[drop] = ignore
+    return y.to(device=DEV, dtype=dtype)
+
+
+def reference(x, w, b, y, reduction, ignore, eps, z_loss, softcap):
+    """float64 loss of cross_entropy(linear(x, w, b)) with the jitfuse extensions (z-loss, soft-capping)."""
+    z = F.linear(x, w, b)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z2, y1 = z.reshape(-1, z.shape[-1]), y.reshape(-1).long()
+    per_row = F.cross_entropy(z2, y1, ignore_index=ignore, label_smoothing=eps, reduction="none")
+    if z_loss:
+        per_row = per_row + z_loss * torch.logsumexp(z2, -1) ** 2 * (y1 != ignore)
+    if reduction == "none":
+        return per_row.reshape(y.shape)
+    if reduction == "sum":
+        return per_row.sum().reshape(1)
+    return (per_row.sum() / (y1 != ignore).sum()).reshape(1)
+
+
+def run(dtype, rows, h, v, bias=False, reduction="mean", ignore=-100, eps=0.0, z_loss=0.0, softcap=0.0,
+        label_dtype=torch.int64, seed=0):
+    torch.manual_seed(seed)
+    ops = [jt.Linear(h, v)] + ([jt.Bias(v)] if bias else []) + [
+        jt.CrossEntropy(reduction, ignore, eps, z_loss, softcap, label_dtype)]
+    m = jt.Sequential(*ops, device=DEV, dtype=dtype)
+    if bias:
+        with torch.no_grad():
+            m[1].bias.uniform_(-0.5, 0.5)
+    x = (torch.randn(*rows, h, device=DEV) * 2).to(dtype).requires_grad_()
+    y = labels_for(rows, v, ignore, label_dtype, seed)
+    loss = m(x, y)
+    g = torch.randn_like(loss)
+    (loss * g).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    wr = m[0].weight.detach().double().requires_grad_()
+    br = m[1].bias.detach().double().requires_grad_() if bias else None
+    ref = reference(xr, wr, br, y, reduction, ignore, eps, z_loss, softcap)
+    (ref * g.double()).sum().backward()
+    check("loss", loss, ref, dtype)
+    check("grad x", x.grad, xr.grad, dtype)
+    check("grad W", m[0].weight.grad, wr.grad, dtype)
+    if bias:
+        check("grad b", m[1].bias.grad, br.grad, dtype)
+    assert y.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_torch_cross_entropy(dtype, reduction):
+    # mean / sum: the joint head (gradients in the forward); none: the unfused ops.
+    run(dtype, (7,), 64, 50257, reduction=reduction)
+    run(dtype, (3, 5), 32, 1000, bias=True, reduction=reduction, eps=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ignore_index_label_smoothing_z_loss_softcap_int32(dtype):
+    run(dtype, (9,), 48, 1000, ignore=-100, eps=0.1)
+    run(dtype, (9,), 48, 1000, ignore=0)
+    run(dtype, (9,), 48, 1000, z_loss=1e-2)
+    run(dtype, (9,), 48, 1000, softcap=5.0)
+    run(dtype, (9,), 48, 1000, reduction="sum", eps=0.2, z_loss=1e-3, softcap=30.0, label_dtype=torch.int32)
+
+
+def test_several_chunks_bf16():
+    # 1030 rows of Llama-3's vocabulary: chunks of 1024 and 6 rows under the 256 MiB logits budget.
+    run(torch.bfloat16, (1030,), 16, 128256)
+
+
+def test_eval_mode_and_no_grad_give_the_loss():
+    torch.manual_seed(1)
+    m = jt.Sequential(jt.Linear(32, 500), jt.CrossEntropy(), device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(6, 32, device=DEV, dtype=torch.bfloat16)
+    y = labels_for((6,), 500)
+    ref = reference(x.double(), m[0].weight.double(), None, y, "mean", -100, 0.0, 0.0, 0.0)
+    with torch.no_grad():
+        check("train mode, no grad", m(x, y), ref, torch.bfloat16)
+        m.eval()
+        check("eval mode", m(x, y), ref, torch.bfloat16)
+
+
+def test_bad_labels_raise_clear_errors():
+    m = jt.Sequential(jt.Linear(16, 100), jt.CrossEntropy(), device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(4, 16, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"labels \(extra input 0\) must be a torch.int64 tensor"):
+        m(x, torch.zeros(4, device=DEV, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"labels \(extra input 0\) must be a torch.int64 tensor"):
+        m(x, torch.zeros(4, device=DEV, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"labels \(extra input 0\) are on cpu"):
+        m(x, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"labels \(extra input 0\) have shape \[5\]"):
+        m(x, torch.zeros(5, device=DEV, dtype=torch.int64))
