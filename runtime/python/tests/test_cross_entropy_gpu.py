@@ -5,7 +5,9 @@
 # Run: JITFUSE_LIBRARY=build/runtime/libjitfuse.so python3 -m pytest runtime/python/tests/test_cross_entropy_gpu.py -m gpu -v
 import pytest
 
-torch = pytest.importorskip("torch")
+from conftest import need_torch
+
+torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch refuses
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
