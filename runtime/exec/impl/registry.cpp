@@ -174,8 +174,9 @@ class ImplementationsAnswer final : public rules::Implementability {
     std::string why = first ? *first : "the pattern matches no op kind";
     if (leaves >= kMaxExpansions)
       why += fmt::format(" (checked the first {} expansions of the pattern; split the rule)", kMaxExpansions);
-    return rules::Refusal{field, im->name() + " cannot run any window this pattern matches: " + why +
-                                     "; it implements " + im->covers_text()};
+    // The covered windows once: a predicate's reason may already be exactly that.
+    if (why.find(im->covers_text()) == std::string::npos) why += "; it implements " + im->covers_text();
+    return rules::Refusal{field, im->name() + " cannot run any window this pattern matches: " + why};
   }
 };
 
