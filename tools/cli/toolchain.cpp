@@ -6,6 +6,7 @@
 
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <regex>
 
@@ -77,6 +78,37 @@ std::vector<std::string> static_libstdcxx_parts(const std::vector<std::string>& 
   return out;
 }
 
+std::string run_all(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0 && out.size() < (1u << 20)) out.append(buf, n);
+  return ::pclose(p) == 0 ? out : std::string();
+}
+
+// The libstdc++.so the compiler's linker opens linking an empty shared object (ld --verbose: "attempt to
+// open /x/libstdc++.so succeeded" / "opened script file /x/libstdc++.so"): for a compiler that answers
+// -print-file-name with the bare name although its specs or default -L paths find one (the GPU machine's
+// /opt/gcc). As jitfuse/_toolchain.py's libstdcxx_linked.
+std::string libstdcxx_linked(const std::string& prefix, const std::string& compiler) {
+  char dir[] = "/tmp/jitfuse-cxx-XXXXXX";
+  if (!::mkdtemp(dir)) return {};
+  const std::string so = std::string(dir) + "/probe.so";
+  const std::string out = run_all(prefix + compiler + " -shared -fPIC -x c++ /dev/null -o " + so +
+                                  " -Wl,--verbose 2>&1");
+  ::unlink(so.c_str());
+  ::rmdir(dir);
+  static const std::regex opened(
+      R"((?:attempt to open (\S*/libstdc\+\+\.so) succeeded|opened script file (\S*/libstdc\+\+\.so)))");
+  for (std::sregex_iterator it(out.begin(), out.end(), opened), end; it != end; ++it) {
+    const std::string path = (*it)[1].matched ? (*it)[1].str() : (*it)[2].str();
+    if (!path.empty() && path.front() == '/' && ::access(path.c_str(), R_OK) == 0) return path;
+  }
+  return {};
+}
+
 CxxCheck check_inductor_cxx() {
   CxxCheck c;
   auto env = env::get("CXX");
@@ -84,8 +116,11 @@ CxxCheck check_inductor_cxx() {
   c.compiler = c.from_env ? *env : "g++";
   try {
     const std::string prefix = ::access(kTimeout, X_OK) == 0 ? std::string(kTimeout) + " 10 " : "";
-    const std::string lib = run_first_line(prefix + c.compiler + " -print-file-name=libstdc++.so 2>/dev/null");
-    if (lib.empty() || lib.front() != '/') return c;  // no compiler, or none of its own (the bare name)
+    std::string lib = run_first_line(prefix + c.compiler + " -print-file-name=libstdc++.so 2>/dev/null");
+    // The bare name: none of its own on the printed search path; ask what its linker really opens.
+    if (lib.empty() || lib.front() != '/' || ::access(lib.c_str(), R_OK) != 0)
+      lib = libstdcxx_linked(prefix, c.compiler);
+    if (lib.empty()) return c;  // no such compiler, or it links no libstdc++.so we can read
     std::ifstream f(lib, std::ios::binary);
     if (!f) return c;
     c.libstdcxx = lib;

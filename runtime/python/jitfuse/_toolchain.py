@@ -92,8 +92,41 @@ def _resolve(cmd: str) -> Optional[str]:
 
 
 def libstdcxx_of(cmd: str) -> Optional[str]:
+    """The libstdc++.so ``cmd`` links with: what ``cmd -print-file-name=libstdc++.so`` answers when it names an
+    existing file; else the one its linker opens linking an empty shared object (:func:`libstdcxx_linked`:
+    a compiler whose search path comes from specs or ``-L`` defaults answers the bare name, as the GPU
+    machine's /opt/gcc did); else None (no such compiler, or it failed)."""
+    return _print_file_name(cmd) or libstdcxx_linked(cmd)
+
+
+# ld's --verbose names each library it opens: "attempt to open /x/libstdc++.so succeeded", and for a linker
+# script also "opened script file /x/libstdc++.so".
+_LD_OPENED = re.compile(r"(?:attempt to open (\S*/libstdc\+\+\.so) succeeded|opened script file (\S*/libstdc\+\+\.so))")
+
+
+def libstdcxx_linked(cmd: str) -> Optional[str]:
+    """The libstdc++.so the linker opens when ``cmd`` links an empty C++ shared object (``-Wl,--verbose``),
+    or None. Writes only a temporary file, removed before returning."""
+    import tempfile
+    try:
+        with tempfile.TemporaryDirectory(prefix="jitfuse-cxx-") as d:
+            argv = shlex.split(cmd) + ["-shared", "-fPIC", "-x", "c++", os.devnull, "-o",
+                                       os.path.join(d, "probe.so"), "-Wl,--verbose"]
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    for m in _LD_OPENED.finditer(r.stdout + "\n" + r.stderr):
+        p = m.group(1) or m.group(2)
+        if os.path.isabs(p) and os.path.isfile(p):
+            return p
+    return None
+
+
+def _print_file_name(cmd: str) -> Optional[str]:
     """What ``cmd -print-file-name=libstdc++.so`` answers when it names an existing file, else None (no such
-    compiler, it failed, or it answered the bare name: it has no libstdc++.so of its own)."""
+    compiler, it failed, or it answered the bare name)."""
     try:
         argv = shlex.split(cmd) + ["-print-file-name=libstdc++.so"]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -103,6 +103,39 @@ def test_a_compiler_without_a_libstdcxx_so_says_nothing(tmp_path, answer):
     assert tc.check(str(fake_compiler(tmp_path, answer))) is None
 
 
+def test_a_compiler_answering_the_bare_name_is_judged_by_what_its_linker_opens(tmp_path):
+    # The GPU machine's /opt/gcc answers -print-file-name=libstdc++.so with the bare name, yet its linker
+    # opens a devtoolset script through its own search path: ld's --verbose names it.
+    lib = tmp_path / "gcc" / "lib64" / "libstdc++.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_text(DEVTOOLSET_SCRIPT)
+    d = tmp_path / "gcc" / "bin"
+    d.mkdir(parents=True)
+    exe = d / "g++"
+    exe.write_text("#!/bin/sh\n"
+                   "for a in \"$@\"; do\n"
+                   "  [ \"$a\" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }\n"
+                   "  [ \"$a\" = -Wl,--verbose ] && {\n"
+                   "    echo 'attempt to open /nowhere/libstdc++.so failed'\n"
+                   f"    echo 'attempt to open {lib} succeeded'\n"
+                   f"    echo 'opened script file {lib}'; exit 0; }}\n"
+                   "done\n"
+                   "exit 1\n")
+    exe.chmod(0o755)
+    assert tc.libstdcxx_of(str(exe)) == str(lib)
+    found = tc.check(str(exe))
+    assert found is not None and found.libstdcxx == str(lib) and found.static_parts == ("-lstdc++_nonshared",)
+    assert "links part of libstdc++ statically" in found.message()
+
+
+def test_the_linker_probe_of_a_real_compiler_finds_its_libstdcxx():
+    cxx = shutil.which("g++")
+    if not cxx:
+        pytest.skip("no g++ here")
+    p = tc.libstdcxx_linked(cxx)
+    assert p is not None and os.path.basename(p) == "libstdc++.so" and os.path.isfile(p)
+
+
 def test_a_missing_or_failing_compiler_never_raises(tmp_path):
     assert tc.check(str(tmp_path / "no-such-g++")) is None
     bad = tmp_path / "bad"

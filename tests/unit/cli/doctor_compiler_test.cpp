@@ -68,3 +68,22 @@ TEST_CASE("doctor reports a compiler that links libstdc++ shared, and a missing 
   CHECK(r.status == 0);
   CHECK_THAT(r.out, Contains("C++       g++ ($CXX unset: Inductor's default)"));
 }
+
+TEST_CASE("doctor asks the linker when the compiler answers -print-file-name with the bare name", "[cli]") {
+  // As the GPU machine's /opt/gcc: -print-file-name=libstdc++.so says "libstdc++.so", yet linking opens a
+  // devtoolset script through the compiler's own search path; ld's --verbose names it.
+  jf_test::TempDir dir;
+  std::string script = dir.write("gcc/lib64/libstdc++.so",
+                                 "/* GNU ld script */\nINPUT ( /usr/lib64/libstdc++.so.6 -lstdc++_nonshared )\n");
+  std::string exe = dir.write("gcc/bin/g++",
+                              "#!/bin/sh\nfor a in \"$@\"; do\n"
+                              "  [ \"$a\" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }\n"
+                              "  [ \"$a\" = -Wl,--verbose ] && { echo 'attempt to open /nowhere/libstdc++.so failed';\n"
+                              "    echo 'attempt to open " + script + " succeeded'; echo 'opened script file " + script +
+                              "'; exit 0; }\ndone\nexit 1\n");
+  ::chmod(exe.c_str(), 0755);
+  auto j = nlohmann::json::parse(run_cli("doctor --json", "CXX='" + exe + "'", true).out);
+  CHECK(j["cxx"]["libstdcxx"] == script);
+  CHECK(j["cxx"]["static_parts"] == nlohmann::json::array({"-lstdc++_nonshared"}));
+  CHECK(j["cxx"]["links_libstdcxx_statically"] == true);
+}
