@@ -749,6 +749,10 @@ class PreparedProgram(_Owned):
     def __init__(self, seq: Sequence, shape: Iterable[int], training: bool = True, stream: Optional[int] = None):
         self._lib = seq.lib
         self._handle: Optional[int] = None
+        # The library's program keeps its sequence alive but not the context: holding the Python sequence
+        # (which holds its Context) closes this handle before the context is destroyed, whatever order the
+        # garbage collector or interpreter shutdown frees them in.
+        self._seq = seq
         self.shape = tuple(int(d) for d in shape)
         self.training = bool(training)
         dims, nd = _shape_array(self.shape)
