@@ -10,7 +10,9 @@ using namespace jitfuse;
 namespace {
 
 ops::SequenceDef parse(const std::string& fp8) {
-  ops::Registry reg;
+  // A SequenceDef's ops point at their kinds in the registry they were parsed with (OpDef::info), which
+  // must outlive it, as a context's does: apply_recipe reads them (ASan found the old local registry).
+  static const ops::Registry reg;
   return ops::parse_sequence(R"({"ops": [{"op": "gelu"}], "fp8": )" + fp8 + "}", "seq.json", reg);
 }
 
