@@ -231,9 +231,7 @@ void Builder::comm(const CommStep& c, const std::string& what) {
   s.group = group_;
   s.what = what;
   s.comm = c;
-  touch(c.send);
-  touch(c.recv);
-  (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
+  push(std::move(s));
 }
 
 void Builder::place_last(int stream, std::vector<int> waits) {
@@ -426,19 +424,32 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   s.gemm = g;
   // The workspace lives for this step only: the packer lays every GEMM's workspace over the same bytes.
   s.gemm.workspace = temp("cublaslt workspace", ops::DType::f32, -1, 0, cuda::kGemmWorkspace);
-  for (int i = 0; i < kGemmOperands; ++i) touch(s.gemm.operand(static_cast<GemmOperand>(i)));
-  if (g.d_amax >= 0) batched_partials_.push_back(g.d_amax);  // read by the update after the pass
+  if (g.d_amax >= 0)  // the FP8 output's state: rolled by the pass's batched update
+    batch_.entries.push_back({static_cast<int>(steps()), g.d_amax, g.d_history, g.d_scale, g.d_scale_inv});
+  push(std::move(s));
+}
+
+void Builder::push(Step s) {
+  for (int id : s.buffers()) touch(id);
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
 }
 
 void Builder::end_pass() {
   end_side_lifetimes();
-  const int last = static_cast<int>(steps()) - 1;
-  for (int id : batched_partials_) {
-    auto& b = p_.buffers.at(static_cast<size_t>(id));
-    b.last = std::max(b.last, last);
+  if (!batch_.entries.empty()) {
+    if (batch_.kernel_step < 0)
+      fail(Status::internal, "FP8 GEMM outputs to update in a pass without a batched cast (whose module holds the "
+           "batch kernel)");
+    batch_.batched = true;
+    Step s;
+    s.kind = Step::Kind::fp8_update;
+    s.group = -1;
+    s.what = fmt::format("FP8 recipe-state update of the pass ({} state(s), one launch per {})", batch_.entries.size(),
+                         codegen::kFp8Batch);
+    s.fp8_update = std::move(batch_);
+    push(std::move(s));
   }
-  batched_partials_.clear();
+  batch_ = Fp8UpdateStep{};
 }
 
 void Builder::mark_weight_casts(size_t from) {
@@ -527,15 +538,16 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
 namespace {
 // Groups a kernel step's finalize follow-ups into one launch per finalize kernel, its gradients in slot
 // order; a gradient missing from its launch is a codegen/builder mismatch, refused here rather than per call.
-std::vector<KernelStep::FinalizeLaunch> finalize_launches(const KernelStep& ks) {
+std::vector<FinalizeStep> finalize_launches(const KernelStep& ks) {
   using F = codegen::Finalize;
-  std::vector<KernelStep::FinalizeLaunch> out;
+  std::vector<FinalizeStep> out;
   for (const auto& f : ks.finalize) {
     if (f.slot != 0) continue;
     if (f.count < 1 || f.count > F::kMaxCount)
       fail(Status::internal, "kernel {}: finalize {} has {} gradients (at most {})", ks.gen.kernel, f.key, f.count,
            F::kMaxCount);
-    KernelStep::FinalizeLaunch l;
+    FinalizeStep l;
+    l.kernel = f.key;
     l.index = f.index;
     l.count = f.count;
     l.cols = f.cols;
@@ -566,28 +578,50 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   const auto operand = spec.fp8 ? fp8::parse_operand(spec.fp8->tensor) : fp8::Operand::none;
   if (!operand) fail(Status::internal, "kernel {}: unknown FP8 operand '{}'", ks->gen.kernel, spec.fp8->tensor);
   const fp8::Operand fp8_tensor = *operand;
-  const bool own_state = fp8_tensor == fp8::Operand::none;  // a quantize op's cast
   for (const Arg& a : ks->gen.args) ks->args.push_back(bind_arg(a, *ks, in, out, fp8_tensor));
-  if (!ks->gen.fp8_update.empty()) {
-    const int q = spec.fp8->op;
-    ks->fp8_scale = fp8_state(q, fp8_tensor, fp8::Part::scale);
-    // An operand's update kernel takes no scale_inv (the cast wrote the copy's own); a quantize op's does.
-    ks->fp8_scale_inv = own_state ? fp8_state(q, fp8_tensor, fp8::Part::scale_inv) : -1;
-    ks->fp8_history = fp8_state(q, fp8_tensor, fp8::Part::history);
-    ks->fp8_len = std::max(1, p_.recipe.amax_history);
-    if (ks->gen.fp8_batched) batched_partials_.push_back(ks->amax_partials);
-  }
-  for (const auto& k : ks->args)
-    if (k.kind == KArg::Kind::buffer) touch(k.buffer);
-  for (const auto& f : ks->finalize) touch(f.grad);
-  ks->finalize_launches = finalize_launches(*ks);
-  for (int id : {ks->fp8_scale, ks->fp8_scale_inv, ks->fp8_history}) touch(id);
+  const int q = spec.fp8 ? spec.fp8->op : -1;
   Step s;
   s.kind = Step::Kind::kernel;
   s.group = group_;
   s.what = what;
-  s.kernel = std::move(ks);
-  (forward_ ? p_.forward : p_.backward).push_back(std::move(s));
+  s.kernel = ks;
+  push(std::move(s));
+  follow_ups(*ks, q, fp8_tensor);
+}
+
+// The steps after kernel step `ks` (the last one added): one launch per finalize kernel, and its FP8
+// recipe-state update (right after it, or an entry of the pass's batch).
+void Builder::follow_ups(const KernelStep& ks, int q, fp8::Operand fp8_tensor) {
+  const int at = static_cast<int>(steps()) - 1;
+  for (auto& f : finalize_launches(ks)) {
+    Step s;
+    s.kind = Step::Kind::finalize;
+    s.group = group_;
+    s.what = fmt::format("column sums of {} ({} gradient(s))", ks.gen.kernel, f.count);
+    f.kernel_step = at;
+    s.finalize = std::move(f);
+    push(std::move(s));
+  }
+  if (ks.gen.fp8_update.empty()) return;
+  const bool own_state = fp8_tensor == fp8::Operand::none;  // a quantize op's cast
+  Fp8UpdateStep::Entry e{at, ks.amax_partials, fp8_state(q, fp8_tensor, fp8::Part::history),
+                         fp8_state(q, fp8_tensor, fp8::Part::scale), -1};
+  if (ks.gen.fp8_batched) {  // a cast writes its own scale_inv
+    batch_.kernel_step = at;
+    batch_.history_len = std::max(1, p_.recipe.amax_history);
+    batch_.entries.push_back(e);
+    return;
+  }
+  // An operand's update kernel takes no scale_inv (the cast wrote the copy's own); a quantize op's does.
+  if (own_state) e.scale_inv = fp8_state(q, fp8_tensor, fp8::Part::scale_inv);
+  Step s;
+  s.kind = Step::Kind::fp8_update;
+  s.group = group_;
+  s.what = fmt::format("FP8 recipe-state update after {}", ks.gen.kernel);
+  s.fp8_update.kernel_step = at;
+  s.fp8_update.history_len = std::max(1, p_.recipe.amax_history);
+  s.fp8_update.entries.push_back(e);
+  push(std::move(s));
 }
 
 }  // namespace jitfuse::exec

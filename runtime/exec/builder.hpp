@@ -91,8 +91,8 @@ class Builder {
   // The number of steps of the current direction so far, and marking steps [from, end) as weight casts
   // (skipped by a call whose weights did not change).
   size_t steps() const { return (forward_ ? p_.forward : p_.backward).size(); }
-  // After the last group of a pass: the amax partials of the pass's batched FP8 updates (fp8_delayed
-  // operand casts) stay alive to its end, where the executor launches the one update kernel.
+  // After the last group of a pass: the pass's batched FP8 update (fp8_delayed operand casts, FP8 GEMM
+  // outputs) as its last step, which keeps their amax partials alive to the end.
   void end_pass();
   void mark_weight_casts(size_t from);
 
@@ -122,7 +122,9 @@ class Builder {
   std::map<std::pair<int, std::string>, int> params_, grads_, saved_;
   std::map<std::pair<int, BufferRole>, int> extra_;
   std::map<std::pair<int, fp8::Operand>, Fp8Operand> fp8_;
-  std::vector<int> batched_partials_;
+  Fp8UpdateStep batch_;  // the current pass's batched FP8 update, added as a step by end_pass
+  void push(Step s);     // a step of the current pass, its buffers touched
+  void follow_ups(const KernelStep& ks, int fp8_q, fp8::Operand fp8_tensor);  // finalize / FP8 update steps
   std::vector<int> side_buffers_;  // touched by the current group's side-stream steps: live to its end
   void end_side_lifetimes();
   std::map<std::tuple<int, fp8::Operand, fp8::Part>, int> state_;

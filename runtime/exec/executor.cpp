@@ -104,8 +104,7 @@ void bind_list(const std::vector<int>& ids, const std::vector<T>& given, std::ve
     if (ids[k] >= 0) ptr[static_cast<size_t>(ids[k])] = const_cast<void*>(static_cast<const void*>(given[k]));
 }
 
-void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std::vector<void*>& ptr, CUstream stream,
-              fp8::UpdateBatch& batch) {
+void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std::vector<void*>& ptr, CUstream stream) {
   auto at = [&](int id) -> void* { return id >= 0 ? ptr[static_cast<size_t>(id)] : nullptr; };
   cuda::GemmCall c = g.call;
   for (int i = 0; i < kGemmOperands; ++i) {
@@ -119,15 +118,6 @@ void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std:
   }
   if (g.b_offset)
     c.b = static_cast<const char*>(c.b) + static_cast<size_t>(g.b_offset) * static_cast<size_t>(ops::dtype_bytes(c.dtype));
-  if (g.d_amax >= 0) {  // the FP8 output's state: rolled by the pass's batched update
-    fp8::UpdateEntry e;
-    e.partials = static_cast<const float*>(at(g.d_amax));
-    e.count = 1;
-    e.history = static_cast<float*>(at(g.d_history));
-    e.scale = static_cast<float*>(at(g.d_scale));
-    e.scale_inv = static_cast<float*>(at(g.d_scale_inv));
-    batch.add(nullptr, 0, e);
-  }
   if (!st.use_fallback) return rt.blas->gemm(c, stream, st.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);
@@ -200,8 +190,9 @@ const Variant& scalar_variant(const Prepared& pp, Runtime& rt, const KernelStep&
   });
 }
 
-void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const PreparedStep& st,
-                const std::vector<void*>& ptr, CUstream stream, fp8::UpdateBatch& batch) {
+// Launches kernel step `k` and returns the variant it launched (what its finalize and FP8 update steps use).
+const Variant& run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const PreparedStep& st,
+                          const std::vector<void*>& ptr, CUstream stream) {
   const auto& d = cuda::driver();
   bool vec = k.spec.vec;
   for (int id : k.align_buffers) vec = vec && aligned16(ptr[static_cast<size_t>(id)]);
@@ -241,32 +232,63 @@ void run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const Prep
   }
   cuda::check(d.cuLaunchKernel(v.kernel->fn, L.gx, L.gy, 1, L.bx, L.by, 1, 0, stream, n ? kparams : nullptr, nullptr),
               "cuLaunchKernel");
-  // One launch per finalize kernel, its (partials, grad) pairs resolved when the step was built.
+  return v;
+}
+
+// One finalize kernel's launch: the partial rows its kernel step's launch `v` wrote, summed into the gradients.
+void run_finalize(const FinalizeStep& f, const Variant& v, const std::vector<void*>& ptr, CUstream stream) {
   using F = codegen::Finalize;
-  for (const auto& f : k.finalize_launches) {
-    void* pairs[2 * F::kMaxCount] = {};
-    int np = L.parts, acc = 0;
-    void* fp[2 * F::kMaxCount + 2];
-    for (int i = 0; i < 2 * f.count; ++i) {
-      pairs[i] = ptr[static_cast<size_t>(f.pairs[static_cast<size_t>(i)])];
-      fp[i] = &pairs[i];
-    }
-    fp[2 * f.count] = &np;
-    fp[2 * f.count + 1] = &acc;
-    const unsigned grid = static_cast<unsigned>((f.cols + F::kCols - 1) / F::kCols);
-    cuda::check(d.cuLaunchKernel(v.kernel->finalize[static_cast<size_t>(f.index)], grid, static_cast<unsigned>(f.count),
-                                 1, F::kThreads, 1, 1, 0, stream, fp, nullptr),
-                "cuLaunchKernel(finalize)");
+  void* pairs[2 * F::kMaxCount] = {};
+  int np = v.launch.parts, acc = 0;
+  void* fp[2 * F::kMaxCount + 2];
+  for (int i = 0; i < 2 * f.count; ++i) {
+    pairs[i] = ptr[static_cast<size_t>(f.pairs[static_cast<size_t>(i)])];
+    fp[i] = &pairs[i];
   }
-  if (!v.kernel->fp8_update) return;
-  fp8::UpdateEntry e;  // the cast's per-block amax partials and its recipe state
-  e.partials = static_cast<const float*>(ptr[static_cast<size_t>(k.amax_partials)]);
-  e.count = static_cast<int>(L.gx * L.gy);
-  e.history = static_cast<float*>(ptr[static_cast<size_t>(k.fp8_history)]);
-  e.scale = static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale)]);
-  if (k.gen.fp8_batched) return batch.add(v.kernel->fp8_update, k.fp8_len, e);  // a cast writes its own scale_inv
-  e.scale_inv = k.fp8_scale_inv >= 0 ? static_cast<float*>(ptr[static_cast<size_t>(k.fp8_scale_inv)]) : nullptr;
-  fp8::launch_update(v.kernel->fp8_update, e, k.fp8_len, stream);
+  fp[2 * f.count] = &np;
+  fp[2 * f.count + 1] = &acc;
+  const unsigned grid = static_cast<unsigned>((f.cols + F::kCols - 1) / F::kCols);
+  cuda::check(cuda::driver().cuLaunchKernel(v.kernel->finalize[static_cast<size_t>(f.index)], grid,
+                                            static_cast<unsigned>(f.count), 1, F::kThreads, 1, 1, 0, stream, fp, nullptr),
+              "cuLaunchKernel(finalize)");
+}
+
+// What each step of a pass launched in this call: a kernel step's variant, a GEMM's mark; null: not run.
+// On the stack for the programs of any real model (kInline steps), else on the heap.
+class Launched {
+ public:
+  explicit Launched(size_t n) : at_(n <= kInline ? inline_ : (heap_ = std::make_unique<const Variant*[]>(n)).get()) {
+    std::fill(at_, at_ + n, nullptr);
+  }
+  const Variant*& operator[](size_t i) { return at_[i]; }
+
+ private:
+  static constexpr size_t kInline = 256;
+  const Variant* inline_[kInline];
+  std::unique_ptr<const Variant*[]> heap_;
+  const Variant** at_;
+};
+const Variant kGemmRan{};  // a GEMM's partials: one float
+
+// An FP8 recipe-state update: per cast right after it, or the pass's batch of those whose steps ran.
+void run_fp8_update(const Fp8UpdateStep& u, Launched& launched, const std::vector<void*>& ptr, CUstream stream) {
+  auto f = [&](int id) { return id >= 0 ? static_cast<float*>(ptr[static_cast<size_t>(id)]) : nullptr; };
+  fp8::UpdateBatch batch;
+  for (const auto& e : u.entries) {
+    const Variant* by = launched[static_cast<size_t>(e.step)];
+    if (!by) continue;  // its step did not run in this call
+    fp8::UpdateEntry x;
+    x.partials = f(e.partials);
+    x.count = by == &kGemmRan ? 1 : static_cast<int>(by->launch.gx * by->launch.gy);
+    x.history = f(e.history);
+    x.scale = f(e.scale);
+    x.scale_inv = f(e.scale_inv);
+    // A cast's module holds the update kernel (batched: one format and margin per pass, so any cast's).
+    CUfunction fn = by == &kGemmRan ? nullptr : by->kernel->fp8_update;
+    if (!u.batched) return fp8::launch_update(fn, x, u.history_len, stream);
+    batch.add(fn, u.history_len, x);
+  }
+  batch.launch(stream);
 }
 
 }  // namespace
@@ -305,11 +327,31 @@ void free_block(const Allocator& a, CUstream s, void* p, size_t bytes) {
   if (auto* d = cuda::try_driver()) d->cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s);
 }
 
+namespace {
+// One step on stream `on`; records what it launched in `launched[i]` (a skipped weight cast: nothing).
+void run_step(const Prepared& pp, Runtime& rt, const Step& s, const PreparedStep& st, Launched& launched, size_t i,
+              const std::vector<void*>& ptr, CUstream on, const StepFilter& filter) {
+  if (s.weight_cast && filter.skip_weight_casts) return;  // the persistent FP8 copy of an unchanged weight is valid
+  switch (s.kind) {
+    case Step::Kind::gemm:
+      run_gemm(rt, s.gemm, st, ptr, on);
+      launched[i] = &kGemmRan;
+      return;
+    case Step::Kind::comm: return run_comm(pp, s.comm, ptr, on);
+    case Step::Kind::kernel: launched[i] = &run_kernel(pp, rt, *s.kernel, st, ptr, on); return;
+    case Step::Kind::finalize:
+      if (const Variant* v = launched[static_cast<size_t>(s.finalize.kernel_step)]) run_finalize(s.finalize, *v, ptr, on);
+      return;
+    case Step::Kind::fp8_update: return run_fp8_update(s.fp8_update, launched, ptr, on);
+  }
+}
+}  // namespace
+
 void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<void*>& ptr, CUstream stream,
                const GroupHook& hook, const StepFilter& filter) {
   const auto& steps = forward ? pp.program->forward : pp.program->backward;
   const auto& states = pp.steps(forward);
-  fp8::UpdateBatch batch;
+  Launched launched(steps.size());
   // Collectives pipelined with GEMMs (docs/parallel.md): a group's side-stream steps fork from the caller's
   // stream at their first step, each step records its event, and the caller's stream joins at the group's end.
   const SideStream* side = pp.side.get();
@@ -318,6 +360,10 @@ void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<
   bool forked = false;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Step& s = steps[i];
+    if (s.group < 0) {  // the pass's batched FP8 update: of the steps that ran
+      run_fp8_update(s.fp8_update, launched, ptr, stream);
+      continue;
+    }
     if (s.group < filter.group_begin || s.group >= filter.group_end) continue;
     if (hook && (i == 0 || steps[i - 1].group != s.group)) hook(s.group, true);
     CUstream on = stream;
@@ -330,14 +376,7 @@ void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<
       }
     }
     for (int w : s.waits) cuda::check(d.cuStreamWaitEvent(on, (*events)[static_cast<size_t>(w)], 0), "cuStreamWaitEvent");
-    if (s.weight_cast && filter.skip_weight_casts) {
-      // the persistent FP8 copy of an unchanged weight is still valid
-    } else if (s.kind == Step::Kind::gemm)
-      run_gemm(rt, s.gemm, states[i], ptr, on, batch);
-    else if (s.kind == Step::Kind::comm)
-      run_comm(pp, s.comm, ptr, on);
-    else
-      run_kernel(pp, rt, *s.kernel, states[i], ptr, on, batch);
+    run_step(pp, rt, s, states[i], launched, i, ptr, on, filter);
     if (events) cuda::check(d.cuEventRecord((*events)[i], on), "cuEventRecord");
     const bool group_ends = i + 1 == steps.size() || steps[i + 1].group != s.group;
     if (group_ends && forked) {  // the caller's stream waits for the group's side-stream work
@@ -350,7 +389,6 @@ void run_steps(const Prepared& pp, Runtime& rt, bool forward, const std::vector<
     }
     if (hook && group_ends) hook(s.group, false);
   }
-  batch.launch(stream);
 }
 
 ForwardResult run_forward(const std::shared_ptr<const Prepared>& pp, Runtime& rt, const ForwardArgs& fa,

@@ -83,19 +83,9 @@ std::vector<int> Program::saved_set() const {
   if (!training) return out;
   // Buffers the backward reads that the forward produced or was given (a saved input aliases the caller's).
   std::vector<bool> bwd(buffers.size(), false);
-  for (const auto& s : backward) {
-    auto mark = [&](int id) {
+  for (const auto& s : backward)
+    for (int id : s.buffers())
       if (id >= 0) bwd[static_cast<size_t>(id)] = true;
-    };
-    if (s.kind == Step::Kind::gemm) {
-      for (int i = 0; i < kGemmOperands; ++i) mark(s.gemm.operand(static_cast<GemmOperand>(i)));
-    } else if (s.kind == Step::Kind::comm) {
-      mark(s.comm.send);
-      mark(s.comm.recv);
-    } else {
-      for (const auto& a : s.kernel->args) mark(a.buffer);
-    }
-  }
   for (const auto& b : buffers) {
     const bool fwd_side = b.storage == Storage::saved_block || b.role == BufferRole::input ||
                           b.role == BufferRole::output ||
@@ -103,6 +93,36 @@ std::vector<int> Program::saved_set() const {
     if (fwd_side && bwd[static_cast<size_t>(b.id)]) out.push_back(b.id);
   }
   return out;
+}
+
+std::vector<int> Step::buffers() const {
+  std::vector<int> out;
+  switch (kind) {
+    case Kind::gemm:
+      for (int i = 0; i < kGemmOperands; ++i) out.push_back(gemm.operand(static_cast<GemmOperand>(i)));
+      break;
+    case Kind::comm: out = {comm.send, comm.recv}; break;
+    case Kind::kernel:
+      for (const auto& a : kernel->args)
+        if (a.kind == KArg::Kind::buffer) out.push_back(a.buffer);
+      break;
+    case Kind::finalize: out = finalize.pairs; break;
+    case Kind::fp8_update:
+      for (const auto& e : fp8_update.entries) out.insert(out.end(), {e.partials, e.history, e.scale, e.scale_inv});
+      break;
+  }
+  return out;
+}
+
+const char* step_kind_name(Step::Kind k) {
+  switch (k) {
+    case Step::Kind::gemm: return "gemm";
+    case Step::Kind::kernel: return "kernel";
+    case Step::Kind::comm: return "comm";
+    case Step::Kind::finalize: return "finalize";
+    case Step::Kind::fp8_update: return "fp8_update";
+  }
+  return "?";
 }
 
 bool Program::has_comm() const {

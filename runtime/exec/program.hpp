@@ -86,8 +86,9 @@ struct Launches {
   KernelLaunch vec, scalar;
 };
 
-// One generated kernel (and the finalize / FP8 update kernels of its module): what to generate and how its
-// arguments bind. Which variant is loaded, and its launch on a real device, are the Prepared's.
+// One generated kernel: what to generate and how its arguments bind. Which variant is loaded, and its
+// launch on a real device, are the Prepared's. Its finalize kernels and FP8 recipe-state update run as
+// steps of their own after it (FinalizeStep, Fp8UpdateStep).
 struct KernelStep {
   codegen::KernelSpec spec;  // spec.vec: the shape allows the vector variant
   nlohmann::json meta;       // cache metadata (rule, ops, recipe, ...)
@@ -95,27 +96,45 @@ struct KernelStep {
   std::vector<KArg> args;    // in gen.args order
   Launches launch;           // for the program's DeviceModel (estimated occupancy): what explain prints
   std::vector<int> align_buffers;  // caller buffers whose misalignment selects the scalar variant
-  struct Follow {                  // a finalize kernel: grad(op,name) = sum of the partials
+  struct Follow {                  // a finalize kernel's gradient: grad(op,name) = sum of the partials
     int partials = -1, grad = -1;
     int64_t cols = 0;
     std::string key;  // the finalize kernel's name (the same at any depth): explain and tests
     int slot = 0, count = 1;  // codegen::Finalize: this gradient's place in its kernel's one launch
     int index = 0;            // its place in gen.finalize: the loaded module's LoadedKernel::finalize[index]
   };
-  std::vector<Follow> finalize;
-  // One launch per finalize kernel, resolved when the step is built (a call matches no names): the
-  // function's index in LoadedKernel::finalize and the (partials, grad) buffer pairs of its slots in order.
-  struct FinalizeLaunch {
-    int index = 0, count = 0;
-    int64_t cols = 0;
-    std::vector<int> pairs;  // partials_0, grad_0, partials_1, grad_1, ... (2 x count)
-  };
-  std::vector<FinalizeLaunch> finalize_launches;
-  // FP8: the per-block amax partials and the recipe-state update kernel after the main kernel.
-  int amax_partials = -1;
-  int fp8_scale = -1, fp8_scale_inv = -1, fp8_history = -1, fp8_len = 0;
+  std::vector<Follow> finalize;  // what sizes the partials (layout.cpp); the launches are FinalizeSteps
+  int amax_partials = -1;        // FP8: the per-block amax partials the kernel writes (-1: none)
   int64_t rows = 0;
   int64_t bytes_read = 0, bytes_written = 0;  // napkin traffic of the main kernel
+};
+
+// One finalize kernel's launch, right after the kernel step whose partials it sums (resolved when the
+// program is built: a call matches no names): its function is LoadedKernel::finalize[index] of the module
+// of the variant that step launched, and the partial rows that launch wrote are its `parts`.
+struct FinalizeStep {
+  int kernel_step = -1;    // the kernel step (of this pass) it follows
+  int index = 0, count = 0;
+  int64_t cols = 0;
+  std::string kernel;      // the finalize kernel's name (explain)
+  std::vector<int> pairs;  // partials_0, grad_0, partials_1, grad_1, ... (2 x count)
+};
+
+// An FP8 recipe-state update: the amax partials a cast (per block) or an FP8 GEMM (one float) wrote, reduced
+// into the state they roll. Per cast right after it (current scaling's amax pass, a quantize op's delayed
+// update), or batched: one step at the end of the pass for its fp8_delayed operand casts and FP8 GEMM outputs
+// (codegen::Fp8BatchParams, kFp8Batch states per launch). An entry whose step did not run in this call (a
+// skipped weight cast, a verify run of other groups) is left out.
+struct Fp8UpdateStep {
+  struct Entry {
+    int step = -1;          // the step that wrote the partials (its launch gives their count; a GEMM's: 1)
+    int partials = -1, history = -1, scale = -1;
+    int scale_inv = -1;     // -1: a cast wrote its copy's own
+  };
+  bool batched = false;
+  int kernel_step = -1;     // the cast whose module holds the update (batched: any cast's of the pass)
+  int history_len = 1;
+  std::vector<Entry> entries;  // one per cast update
 };
 
 // The buffers a GEMM step binds, by role. GemmStep names them as fields (what implementations write);
@@ -171,12 +190,14 @@ struct CommStep {
 };
 
 struct Step {
-  enum class Kind { gemm, kernel, comm } kind = Kind::gemm;
-  int group = -1;              // index into the pass's groups
+  enum class Kind { gemm, kernel, comm, finalize, fp8_update } kind = Kind::gemm;
+  int group = -1;              // index into the pass's groups (-1: a batched FP8 update at the pass's end)
   std::string what;            // "linear_bias_gelu: cublaslt GELU_AUX_BIAS" (explain only; never dispatched on)
   GemmStep gemm;
   std::shared_ptr<KernelStep> kernel;  // written by make_program only
   CommStep comm;
+  FinalizeStep finalize;
+  Fp8UpdateStep fp8_update;
   // Casts a weight into its persistent FP8 copies: skipped by a call that says the weights did not change
   // since the last cast (ForwardArgs::weights_unchanged).
   bool weight_cast = false;
@@ -185,7 +206,10 @@ struct Step {
   // caller's stream and the caller's stream waits for them at the group's end.
   int stream = 0;
   std::vector<int> waits;  // steps of this pass, on the other stream, that must finish before this one
+  // The buffers it reads or writes (every operand, argument, pair and state): lifetimes, the saved set.
+  std::vector<int> buffers() const;
 };
+const char* step_kind_name(Step::Kind k);  // "gemm", "kernel", "comm", "finalize", "fp8_update"
 
 struct Program {
   std::vector<ops::Op> ops;

@@ -95,71 +95,100 @@ std::string comm_line(const json& s) {
                      at("recv", 1), bytes_text(s["wire_bytes"].get<double>()), s["link_us"].get<double>());
 }
 
-json step_json(const Program& p, const Step& s, double bw) {
-  json j = {{"group", s.group}, {"what", s.what}};
+std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json& j) {
   auto name = [&](int id) { return id >= 0 ? json(p.buffer(id).name) : json(nullptr); };
-  int64_t r = 0, w = 0;
-  if (s.kind == Step::Kind::gemm) {
-    const auto& g = s.gemm;
-    std::tie(r, w) = gemm_bytes(p, g);
-    j.update({{"kind", "gemm"},
-              {"gemm", kind_name(g.call.kind)},
-              {"formula", formula(g.call.kind)},
-              {"m", g.call.m},
-              {"n", g.call.n},
-              {"k", g.call.k},
-              {"layout", layout(g.call.kind)},
-              {"epilogue", cuda::epilogue_name(g.call.epilogue)},
-              {"dtype", ops::dtype_name(g.call.dtype)},
-              {"alpha", g.call.alpha},
-              {"beta", g.call.beta},
-              {"flops", g.flops()}});
-    // The operands cuBLASLt takes: a..aux always (null: none); under FP8 the scale_inv of A and B, and an FP8
-    // output's scale and amax where it has them. d_history, d_scale_inv, workspace and ones are not shown.
-    json operands = json::object();
-    for (int i = 0; i <= static_cast<int>(GemmOperand::d_amax); ++i) {
-      const auto o = static_cast<GemmOperand>(i);
-      const int id = g.operand(o);
-      const bool fp8_pointer = o >= GemmOperand::a_scale_inv;
-      if (!fp8_pointer || (g.call.fp8 && (o <= GemmOperand::b_scale_inv || id >= 0)))
-        operands[gemm_operand_name(o)] = name(id);
-    }
-    j["operands"] = std::move(operands);
-    if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
-    if (g.call.fp8) {
-      j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
-                  {"fast_accum", g.call.fp8->fast_accum}};
-    }
-  } else if (s.kind == Step::Kind::comm) {
-    std::tie(r, w) = comm_json(p, s.comm, j);
-  } else {
-    const auto& k = *s.kernel;
-    r = k.bytes_read;
-    w = k.bytes_written;
-    const auto& L = k.spec.vec ? k.launch.vec : k.launch.scalar;
-    // Finalize launches: the gradients sharing a kernel (codegen::Finalize::slot) share its launch.
-    const auto launches = std::count_if(k.finalize.begin(), k.finalize.end(),
-                                        [](const KernelStep::Follow& f) { return f.slot == 0; });
-    json args = json::array();
-    for (const auto& a : k.args) args.push_back(a.kind == KArg::Kind::buffer ? name(a.buffer) : json(nullptr));
-    j.update({{"kind", "kernel"},
-              {"kernel", k.gen.kernel},
-              {"skeleton", codegen::skeleton_name(k.spec.skeleton)},
-              {"vector", k.spec.vec},
-              {"grid", {L.gx, L.gy}},
-              {"block", {L.bx, L.by}},
-              {"rows", k.rows},
-              {"args", args},
-              {"finalize_kernels", launches},
-              {"fp8_update", k.gen.fp8_update.empty() ? json("none")
-                                                      : json(k.gen.fp8_batched ? "batched (after the pass)"
-                                                                               : "after the kernel")}});
+  j.update({{"gemm", kind_name(g.call.kind)},
+            {"formula", formula(g.call.kind)},
+            {"m", g.call.m},
+            {"n", g.call.n},
+            {"k", g.call.k},
+            {"layout", layout(g.call.kind)},
+            {"epilogue", cuda::epilogue_name(g.call.epilogue)},
+            {"dtype", ops::dtype_name(g.call.dtype)},
+            {"alpha", g.call.alpha},
+            {"beta", g.call.beta},
+            {"flops", g.flops()}});
+  // The operands cuBLASLt takes: a..aux always (null: none); under FP8 the scale_inv of A and B, and an FP8
+  // output's scale and amax where it has them. d_history, d_scale_inv, workspace and ones are not shown.
+  json operands = json::object();
+  for (int i = 0; i <= static_cast<int>(GemmOperand::d_amax); ++i) {
+    const auto o = static_cast<GemmOperand>(i);
+    const int id = g.operand(o);
+    const bool fp8_pointer = o >= GemmOperand::a_scale_inv;
+    if (!fp8_pointer || (g.call.fp8 && (o <= GemmOperand::b_scale_inv || id >= 0)))
+      operands[gemm_operand_name(o)] = name(id);
   }
-  j["bytes_read"] = r;
-  j["bytes_written"] = w;
+  j["operands"] = std::move(operands);
+  if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
+  if (g.call.fp8)
+    j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
+                {"fast_accum", g.call.fp8->fast_accum}};
+  return gemm_bytes(p, g);
+}
+
+std::pair<int64_t, int64_t> kernel_json(const Program& p, const KernelStep& k, json& j) {
+  const auto& L = k.spec.vec ? k.launch.vec : k.launch.scalar;
+  json args = json::array();
+  for (const auto& a : k.args) args.push_back(a.kind == KArg::Kind::buffer ? json(p.buffer(a.buffer).name) : json(nullptr));
+  j.update({{"kernel", k.gen.kernel},
+            {"skeleton", codegen::skeleton_name(k.spec.skeleton)},
+            {"vector", k.spec.vec},
+            {"grid", {L.gx, L.gy}},
+            {"block", {L.bx, L.by}},
+            {"rows", k.rows},
+            {"args", args}});
+  return {k.bytes_read, k.bytes_written};
+}
+
+// A finalize launch: every partial row of its gradients read, each gradient written once.
+std::pair<int64_t, int64_t> finalize_json(const Program& p, const FinalizeStep& f, json& j) {
+  using F = codegen::Finalize;
+  json args = json::array();
+  int64_t r = 0, w = 0;
+  for (size_t i = 0; i < f.pairs.size(); ++i) {
+    const Buffer& b = p.buffer(f.pairs[i]);
+    args.push_back(b.name);
+    (i % 2 ? w : r) += static_cast<int64_t>(b.bytes);
+  }
+  j.update({{"kernel", f.kernel},
+            {"after_step", f.kernel_step},
+            {"grid", {(f.cols + F::kCols - 1) / F::kCols, f.count}},
+            {"block", {F::kThreads, 1}},
+            {"args", args}});
+  return {r, w};
+}
+
+// An FP8 recipe-state update: the amax partials read, each state's history (and scale, scale_inv) rolled.
+std::pair<int64_t, int64_t> fp8_update_json(const Program& p, const Fp8UpdateStep& u, json& j) {
+  json states = json::array();
+  int64_t r = 0, w = 0;
+  auto bytes = [&](int id) { return id >= 0 ? static_cast<int64_t>(p.buffer(id).bytes) : 0; };
+  for (const auto& e : u.entries) {
+    states.push_back({{"after_step", e.step}, {"partials", p.buffer(e.partials).name},
+                      {"history", p.buffer(e.history).name}});
+    r += bytes(e.partials) + bytes(e.history);
+    w += bytes(e.history) + bytes(e.scale) + bytes(e.scale_inv);
+  }
+  j.update({{"batched", u.batched}, {"history_len", u.history_len}, {"states", states},
+            {"launches", u.batched ? (u.entries.size() + codegen::kFp8Batch - 1) / codegen::kFp8Batch : 1}});
+  return {r, w};
+}
+
+json step_json(const Program& p, const Step& s, double bw) {
+  json j = {{"group", s.group}, {"what", s.what}, {"kind", step_kind_name(s.kind)}};
+  std::pair<int64_t, int64_t> rw;
+  switch (s.kind) {
+    case Step::Kind::gemm: rw = gemm_json(p, s.gemm, j); break;
+    case Step::Kind::comm: rw = comm_json(p, s.comm, j); break;
+    case Step::Kind::kernel: rw = kernel_json(p, *s.kernel, j); break;
+    case Step::Kind::finalize: rw = finalize_json(p, s.finalize, j); break;
+    case Step::Kind::fp8_update: rw = fp8_update_json(p, s.fp8_update, j); break;
+  }
+  j["bytes_read"] = rw.first;
+  j["bytes_written"] = rw.second;
   if (s.stream != 0) j["stream"] = "side";
   if (!s.waits.empty()) j["waits"] = s.waits;
-  if (bw > 0) j["napkin_us"] = static_cast<double>(r + w) / (bw * 1e3);
+  if (bw > 0) j["napkin_us"] = static_cast<double>(rw.first + rw.second) / (bw * 1e3);
   return j;
 }
 
@@ -178,17 +207,8 @@ json program_json(const Program& p, double bw) {
   for (const auto& [key, steps] : {std::pair<const char*, const std::vector<Step>*>{"forward", &p.forward},
                                    {"backward", &p.backward}}) {
     json list = json::array();
-    int batched = 0, gemm_outputs = 0;
-    for (const auto& s : *steps) {
-      list.push_back(step_json(p, s, bw));
-      if (s.kind == Step::Kind::kernel && s.kernel->gen.fp8_batched) ++batched;
-      if (s.kind == Step::Kind::gemm && s.gemm.d_amax >= 0) ++gemm_outputs;
-    }
+    for (const auto& s : *steps) list.push_back(step_json(p, s, bw));
     out[key] = list;
-    // fp8_delayed operand casts and FP8 GEMM outputs: their recipe states are updated by one kernel after
-    // the pass.
-    out[std::string(key) + "_fp8_batched_updates"] = batched;
-    out[std::string(key) + "_fp8_gemm_outputs"] = gemm_outputs;
   }
   json buffers = json::array();
   for (const auto& b : p.buffers)
@@ -228,6 +248,32 @@ json program_json(const Program& p, double bw) {
 }
 
 namespace {
+std::string gemm_line(const json& s) {
+  std::string line = fmt::format("gemm {:<5} m={} n={} k={} {} {} {}", s["gemm"].get<std::string>(), s["m"].get<int64_t>(),
+                     s["n"].get<int64_t>(), s["k"].get<int64_t>(), s["layout"].get<std::string>(),
+                     s["dtype"].get<std::string>(), s["epilogue"].get<std::string>());
+  if (s.contains("fp8"))
+    line += fmt::format(" ({} x {}{})", s["fp8"]["a"].get<std::string>(), s["fp8"]["b"].get<std::string>(),
+                        s["fp8"]["fast_accum"].get<bool>() ? ", fast accumulation" : "");
+  if (s["alpha"].get<double>() != 1.0) line += fmt::format(" alpha={}", s["alpha"].get<double>());
+  if (s["beta"].get<double>() != 0.0) line += fmt::format(" beta={}", s["beta"].get<double>());
+  line += fmt::format(", {:.1f} GFLOP", s["flops"].get<double>() / 1e9);
+  std::string ops_text;
+  for (const auto& [k, v] : s["operands"].items())
+    if (!v.is_null()) ops_text += fmt::format(" {}={}", k, v.get<std::string>());
+  line += "\n             " + ops_text.substr(1);
+  return line;
+}
+
+// "fp8_update (batched) 3 state(s) of step(s) 0, 4, 7, 1 launch(es), history 16"
+std::string fp8_update_line(const json& s) {
+  std::string after;
+  for (const auto& e : s["states"]) after += (after.empty() ? "" : ", ") + std::to_string(e["after_step"].get<int>());
+  return fmt::format("fp8_update{} {} state(s) of step(s) {}, {} launch(es), history {}",
+                     s["batched"].get<bool>() ? " (batched)" : "", s["states"].size(), after,
+                     s["launches"].get<int>(), s["history_len"].get<int>());
+}
+
 std::string steps_text(const json& j) {
   std::string out;
   for (const char* pass : {"forward", "backward"}) {
@@ -238,25 +284,16 @@ std::string steps_text(const json& j) {
     for (const auto& s : steps) {
       std::string line;
       if (s["kind"] == "gemm") {
-        line = fmt::format("gemm {:<5} m={} n={} k={} {} {} {}", s["gemm"].get<std::string>(), s["m"].get<int64_t>(),
-                           s["n"].get<int64_t>(), s["k"].get<int64_t>(), s["layout"].get<std::string>(),
-                           s["dtype"].get<std::string>(), s["epilogue"].get<std::string>());
-        if (s.contains("fp8"))
-          line += fmt::format(" ({} x {}{})", s["fp8"]["a"].get<std::string>(), s["fp8"]["b"].get<std::string>(),
-                              s["fp8"]["fast_accum"].get<bool>() ? ", fast accumulation" : "");
-        if (s["alpha"].get<double>() != 1.0) line += fmt::format(" alpha={}", s["alpha"].get<double>());
-        if (s["beta"].get<double>() != 0.0) line += fmt::format(" beta={}", s["beta"].get<double>());
-        line += fmt::format(", {:.1f} GFLOP", s["flops"].get<double>() / 1e9);
-        std::string ops_text;
-        for (const auto& [k, v] : s["operands"].items())
-          if (!v.is_null()) ops_text += fmt::format(" {}={}", k, v.get<std::string>());
-        line += "\n             " + ops_text.substr(1);
+        line = gemm_line(s);
       } else if (s["kind"] == "comm") {
         line = comm_line(s);
+      } else if (s["kind"] == "fp8_update") {
+        line = fp8_update_line(s);
       } else {
-        line = fmt::format("kernel {} grid {}x{} block {}x{}{}", s["kernel"].get<std::string>(),
+        line = fmt::format("{} {} grid {}x{} block {}x{}{}", s["kind"].get<std::string>(), s["kernel"].get<std::string>(),
                            s["grid"][0].get<unsigned>(), s["grid"][1].get<unsigned>(), s["block"][0].get<unsigned>(),
-                           s["block"][1].get<unsigned>(), s["vector"].get<bool>() ? "" : " (scalar)");
+                           s["block"][1].get<unsigned>(), s.value("vector", true) ? "" : " (scalar)");
+        if (s.contains("after_step")) line += fmt::format(", the partials of step {}", s["after_step"].get<int>());
         std::string args;
         for (const auto& a : s["args"])
           if (!a.is_null()) args += " " + a.get<std::string>();
@@ -268,16 +305,12 @@ std::string steps_text(const json& j) {
         line += fmt::format("\n             on the {} stream{}", s.contains("stream") ? "side" : "caller's",
                             waits.empty() ? std::string() : ", after step " + waits);
       }
-      out += fmt::format("  {:>3}  g{:<3} {}\n             {} | reads {}, writes {}, >= {:.1f} us\n", i++,
-                         s["group"].get<int>(), line, s["what"].get<std::string>(),
+      const int g = s["group"].get<int>();
+      out += fmt::format("  {:>3}  {:<4} {}\n             {} | reads {}, writes {}, >= {:.1f} us\n", i++,
+                         g < 0 ? std::string("end") : fmt::format("g{}", g), line, s["what"].get<std::string>(),
                          bytes_text(s["bytes_read"].get<double>()), bytes_text(s["bytes_written"].get<double>()),
                          s.value("napkin_us", 0.0));
     }
-    const int casts = j[std::string(pass) + "_fp8_batched_updates"].get<int>();
-    const int gemms = j[std::string(pass) + "_fp8_gemm_outputs"].get<int>();
-    if (casts + gemms > 0)
-      out += fmt::format("  then  one FP8 recipe-state update kernel for the {} fp8_delayed operand cast(s){} of the pass\n",
-                         casts, gemms ? fmt::format(" and the {} FP8 GEMM output(s)", gemms) : "");
   }
   return out;
 }

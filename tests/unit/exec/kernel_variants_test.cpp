@@ -346,11 +346,20 @@ TEST_CASE("the gradients of one width finalize in one launch: a layernorm's dgam
           CHECK(count(src, fmt::format("const float* __restrict__ part{0}, ST* __restrict__ grad{0}, ", i)) == 1);
         CHECK(count(src, "// launch: grid.y " + std::to_string(w.grads.size())) == 1);
       }
-      // explain counts launches, not gradients.
+      // One finalize step (a launch, not one per gradient) right after its kernel step, which explain shows.
       const auto j = exec::program_json(*p, 0);
-      int launches = -1;
-      for (const auto& s : j["backward"])
-        if (s.value("kernel", "") == k->gen.kernel) launches = s["finalize_kernels"].get<int>();
+      int at = -1, launches = 0;
+      for (size_t i = 0; i < j["backward"].size(); ++i) {
+        const auto& s = j["backward"][i];
+        if (s.value("kernel", "") == k->gen.kernel) at = static_cast<int>(i);
+        if (s["kind"] == "finalize" && s["after_step"] == at) {
+          ++launches;
+          CHECK(static_cast<int>(i) == at + 1);
+          CHECK(s["kernel"] == k->finalize[0].key);
+          CHECK(s["grid"][1] == w.grads.size());
+          CHECK(s["args"].size() == 2 * w.grads.size());
+        }
+      }
       CHECK(launches == 1);
     }
 }

@@ -69,8 +69,10 @@ std::string steps_text(const exec::Program& p) {
       else if (s.kind == exec::Step::Kind::gemm)
         out += fmt::format("    gemm {} m={} n={} k={} {}\n", s.what.substr(0, s.what.find(':')), s.gemm.call.m,
                            s.gemm.call.n, s.gemm.call.k, cuda::epilogue_name(s.gemm.call.epilogue));
-      else
+      else if (s.kind == exec::Step::Kind::kernel)
         out += fmt::format("    kernel {} rows={}\n", s.kernel->gen.kernel, s.kernel->rows);
+      else  // its finalize and FP8 update steps
+        out += fmt::format("    {} {}\n", exec::step_kind_name(s.kind), s.what);
     }
   }
   return out;

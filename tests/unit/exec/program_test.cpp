@@ -38,9 +38,10 @@ std::string step_names(const std::vector<exec::Step>& steps) {
   std::string out;
   for (const auto& s : steps)
     out += (out.empty() ? "" : " | ") +
-           (s.kind == exec::Step::Kind::gemm
-                ? "gemm " + cuda::epilogue_name(s.gemm.call.epilogue)
-                : "kernel " + s.kernel->gen.kernel);
+           (s.kind == exec::Step::Kind::gemm     ? "gemm " + cuda::epilogue_name(s.gemm.call.epilogue)
+            : s.kind == exec::Step::Kind::kernel ? "kernel " + s.kernel->gen.kernel
+            : s.kind == exec::Step::Kind::finalize ? "finalize " + s.finalize.kernel
+                                                   : std::string(exec::step_kind_name(s.kind)));
   return out;
 }
 
