@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Structural checks of the tree (issues "Stages" and 41), run by CTest (unit:structure):
 
-1. Stages include downwards only: within runtime/exec, no file includes a header of a later stage
-   (program < layout < prepare < executor; compile and the builder sit on program). A .cpp takes the
-   stage of its own header (executor.cpp is executor.hpp's stage); a file with no stage takes part only
-   in the cycle check. A header and its .cpp are one module, and exec's modules include each other
-   without a cycle (verify.cpp including executor.hpp while executor.hpp includes verify.hpp is one).
+1. Stages include downwards only: runtime/exec is split by stage into folders, ir/ (the Program: what
+   runs) < lower/ (Sequence -> Plan -> Program: the builder, implementations, layout) < run/ (Program ->
+   Prepared -> call: kernels, prepare, executor, verify); every file of runtime/exec is in one of them and
+   includes no header of a later folder. Within them, no file includes a header of a later stage
+   (program < layout < prepare < executor < verify; compile and the builder sit on program). A .cpp takes
+   the stage of its own header (executor.cpp is executor.hpp's stage); a file with no stage takes part only
+   in the cycle check and the folder order. A header and its .cpp are one module, and exec's modules
+   include each other without a cycle (verify.cpp including executor.hpp while executor.hpp includes verify.hpp is one).
 2. No function longer than MAX_LINES in the C++ of runtime/, codegen/, tools/cli and tools/harness (the
    C-ABI check harness, moved out of runtime/reference): counted from the first line of its declaration
    (template line included) to its closing brace; lambdas, blocks and local classes count toward the
@@ -23,9 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTH_DIRS = ("runtime", "codegen", "tools/cli", "tools/harness")
 CPP_EXT = (".cpp", ".hpp", ".h", ".cc")
 # The stage of each exec header that takes part in the order (others: any stage, but no cycle).
-STAGE = {"exec/fp8/names.hpp": 0, "exec/program.hpp": 1, "exec/compile.hpp": 2, "exec/builder.hpp": 2,
-         "exec/lowering.hpp": 2, "exec/layout.hpp": 2, "exec/fp8/recipe_state.hpp": 2, "exec/prepare.hpp": 3,
-         "exec/executor.hpp": 4, "exec/verify.hpp": 5}
+STAGE = {"exec/ir/fp8/names.hpp": 0, "exec/ir/program.hpp": 1, "exec/lower/compile.hpp": 2,
+         "exec/lower/builder.hpp": 2, "exec/lower/lowering.hpp": 2, "exec/lower/layout.hpp": 2,
+         "exec/run/fp8/recipe_state.hpp": 2, "exec/run/prepare.hpp": 3, "exec/run/executor.hpp": 4,
+         "exec/run/verify.hpp": 5}
+# The stage folders of runtime/exec, in order: a file includes headers of its own folder or earlier ones.
+FOLDERS = ("ir", "lower", "run")
 
 # Known violations that are being fixed elsewhere, each named exactly, so that the check guards everything
 # else today and the list only shrinks. An entry that no longer occurs is itself reported (remove it).
@@ -46,7 +52,7 @@ def sources(root, *dirs):
 # ---- 1. includes -----------------------------------------------------------------------------------------
 
 def module_of(rel):
-    """exec/verify.cpp and exec/verify.hpp are both the module exec/verify."""
+    """exec/run/verify.cpp and exec/run/verify.hpp are both the module exec/run/verify."""
     return os.path.splitext(rel)[0]
 
 
@@ -63,10 +69,33 @@ def exec_includes(root):
     return out
 
 
+def folder_of(rel):
+    """The stage folder of exec/<folder>/..., or None for a file outside them."""
+    parts = rel.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "exec" and parts[1] in FOLDERS else None
+
+
+def loose_files(root):
+    """Files of runtime/exec outside the stage folders."""
+    found = []
+    for path in sources(root, "runtime/exec"):
+        me = os.path.relpath(path, os.path.join(root, "runtime"))
+        if folder_of(me) is None:
+            found.append((("loose", me), f"runtime/{me}: not in a stage folder of runtime/exec "
+                          f"({', '.join(FOLDERS)}): move it to the stage it belongs to"))
+    return found
+
+
 def upward_includes(includes):
-    """An include of a later stage's header, by a header or by a .cpp in its header's stage."""
+    """An include of a later stage folder's header, or of a later stage's header by a header or by a .cpp
+    in its header's stage."""
     found = []
     for me, n, dep in includes:
+        mine, theirs = folder_of(me), folder_of(dep)
+        if mine and theirs and FOLDERS.index(theirs) > FOLDERS.index(mine):
+            found.append((("include", me, dep), f"runtime/{me}:{n}: includes {dep}, a later stage folder "
+                          f"({' < '.join(FOLDERS)}; stages include downwards only)"))
+            continue
         stage = STAGE.get(module_of(me) + ".hpp")
         if stage is not None and dep in STAGE and STAGE[dep] > stage:
             found.append((("include", me, dep),
@@ -138,7 +167,7 @@ def include_cycles(includes):
 def check_includes(root, problems, allowed):
     includes = exec_includes(root)
     used = set()
-    for key, text in upward_includes(includes) + include_cycles(includes):
+    for key, text in loose_files(root) + upward_includes(includes) + include_cycles(includes):
         if key in allowed:
             used.add(key)
         else:

@@ -10,7 +10,7 @@
 #include "common/text.hpp"
 #include "cuda/driver.hpp"
 #include "api/arg_check.hpp"
-#include "exec/compile.hpp"
+#include "exec/lower/compile.hpp"
 
 namespace jitfuse::api {
 

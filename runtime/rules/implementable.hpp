@@ -1,6 +1,6 @@
 // The rule loader's question to the execution layer: can a rule's implementation run any window its
 // pattern matches? rules/ asks it through this interface and the implementations answer it
-// (runtime/exec/impl/registry.cpp registers the answer), so rules/ depends on nothing in exec/.
+// (runtime/exec/lower/impl/registry.cpp registers the answer), so rules/ depends on nothing in exec/.
 #pragma once
 #include <optional>
 #include <string>
@@ -24,7 +24,7 @@ class Implementability {
 };
 
 // The answer the loader asks, or null while none is registered: then the loader checks a rule's syntax
-// and ops only. libjitfuse registers the implementations' answer before main (exec/impl/registry.cpp).
+// and ops only. libjitfuse registers the implementations' answer before main (exec/lower/impl/registry.cpp).
 const Implementability* implementability();
 // Makes `answer` (it must outlive every later load; null: none) the loader's; returns the previous one.
 const Implementability* set_implementability(const Implementability* answer);

@@ -57,7 +57,7 @@ struct Conditions {
 // How a matched group is lowered. Identifiers only (validated on load); never pasted into source.
 struct Impl {
   enum class Kind { unfused, generated, cublaslt, joint } kind = Kind::unfused;
-  // The implementation's name; each one is a class in runtime/exec/impl/ that says what it covers (the
+  // The implementation's name; each one is a class in runtime/exec/lower/impl/ that says what it covers (the
   // loader asks it: rules/implementable.hpp). Never pasted into source.
   std::string skeleton;  // generated: a skeleton ("elementwise", ...)
   std::string epilogue;  // cublaslt: an epilogue ("BIAS", ...)

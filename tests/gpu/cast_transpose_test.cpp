@@ -13,7 +13,7 @@
 #include "cache/kernel_cache.hpp"
 #include "common/error.hpp"
 #include "cuda/nvrtc.hpp"
-#include "exec/kernels.hpp"
+#include "exec/run/kernels.hpp"
 #include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
 #include "support/cast_transpose_cases.hpp"

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "cache/kernel_cache.hpp"
-#include "exec/kernels.hpp"
+#include "exec/run/kernels.hpp"
 #include "support/cast_transpose_cases.hpp"
 
 using namespace jitfuse;

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "cache/kernel_cache.hpp"
-#include "exec/compile.hpp"
-#include "exec/kernels.hpp"
+#include "exec/lower/compile.hpp"
+#include "exec/run/kernels.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
 #include "rules/rule.hpp"

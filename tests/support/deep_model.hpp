@@ -10,7 +10,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "exec/compile.hpp"
+#include "exec/lower/compile.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"
 #include "rules/rule.hpp"

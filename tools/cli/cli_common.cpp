@@ -6,7 +6,7 @@
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "cuda/driver.hpp"
-#include "exec/compile.hpp"
+#include "exec/lower/compile.hpp"
 
 namespace jitfuse::cli {
 

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "exec/kernels.hpp"
-#include "exec/program.hpp"
+#include "exec/run/kernels.hpp"
+#include "exec/ir/program.hpp"
 #include "fuser/plan.hpp"
 #include "ops/recipe.hpp"
 #include "ops/sequence.hpp"

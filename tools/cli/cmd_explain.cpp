@@ -12,7 +12,7 @@
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "fuser/explain.hpp"
-#include "exec/program.hpp"
+#include "exec/ir/program.hpp"
 #include "fuser/plan.hpp"
 
 namespace jitfuse::cli {

@@ -11,7 +11,7 @@
 #include "commands.hpp"
 #include "common/error.hpp"
 #include "cuda/driver.hpp"
-#include "exec/executor.hpp"
+#include "exec/run/executor.hpp"
 #include "fuser/explain.hpp"
 #include "common/json_util.hpp"
 #include "harness/check.hpp"

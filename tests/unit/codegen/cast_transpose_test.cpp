@@ -9,7 +9,7 @@
 
 #include "cache/kernel_cache.hpp"
 #include "common/env.hpp"
-#include "exec/kernels.hpp"
+#include "exec/run/kernels.hpp"
 #include "support/cast_transpose_cases.hpp"
 
 using namespace jitfuse;

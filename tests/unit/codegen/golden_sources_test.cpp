@@ -12,7 +12,7 @@
 
 #include "cache/sha256.hpp"
 #include "common/env.hpp"
-#include "exec/kernels.hpp"
+#include "exec/run/kernels.hpp"
 #include "support/builtin_cases.hpp"
 
 using namespace jitfuse;

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "common/env.hpp"
-#include "exec/compile.hpp"
+#include "exec/lower/compile.hpp"
 #include "fuser/explain.hpp"
 #include "rules/rule.hpp"
 

@@ -1,10 +1,10 @@
-// Programs with cross_entropy (runtime/exec/impl/cross_entropy.cpp, joint_chunked_linear_cross_entropy.cpp): the
+// Programs with cross_entropy (runtime/exec/lower/impl/cross_entropy.cpp, joint_chunked_linear_cross_entropy.cpp): the
 // unfused op's kernels and saved set; the joint rule over [linear, bias?, cross_entropy] — taken for mean and sum,
 // refused with its reason for none and in inference — its chunk rule, its steps per chunk, and a saved set that holds
 // dx and dW and never the logits.
 #include <catch2/catch.hpp>
 
-#include "exec/program.hpp"
+#include "exec/ir/program.hpp"
 #include "support/builtin_cases.hpp"
 
 using namespace jitfuse;

@@ -5,9 +5,9 @@
 #include <catch2/catch.hpp>
 
 #include "cuda/cublaslt.hpp"
-#include "exec/compile.hpp"
-#include "exec/impl/implementation.hpp"
-#include "exec/program.hpp"
+#include "exec/lower/compile.hpp"
+#include "exec/lower/impl/implementation.hpp"
+#include "exec/ir/program.hpp"
 #include "fuser/plan.hpp"
 #include "rules/rule.hpp"
 #include "unit/rules/rules_test_util.hpp"

@@ -14,8 +14,8 @@
 
 #include "cache/kernel_cache.hpp"
 #include "common/error.hpp"
-#include "exec/kernels.hpp"
-#include "exec/prepare.hpp"
+#include "exec/run/kernels.hpp"
+#include "exec/run/prepare.hpp"
 #include "support/builtin_cases.hpp"
 #include "support/deep_model.hpp"
 

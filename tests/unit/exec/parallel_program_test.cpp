@@ -11,7 +11,7 @@
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/json_util.hpp"
-#include "exec/compile.hpp"
+#include "exec/lower/compile.hpp"
 #include "fuser/explain.hpp"
 #include "jitfuse/jitfuse.h"
 #include "rules/rule.hpp"

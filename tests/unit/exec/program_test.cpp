@@ -1,4 +1,4 @@
-// Programs (runtime/exec/program.*, builder.*, impl/): the golden step list of every built-in rule case,
+// Programs (runtime/exec/ir/program.*, builder.*, impl/): the golden step list of every built-in rule case,
 // forward and backward; arena packing never overlaps two live buffers; saved sets; the new epilogues.
 #include <catch2/catch.hpp>
 
@@ -9,8 +9,8 @@
 #include <sstream>
 
 #include "common/env.hpp"
-#include "exec/impl/implementation.hpp"
-#include "exec/program.hpp"
+#include "exec/lower/impl/implementation.hpp"
+#include "exec/ir/program.hpp"
 #include "rules/rule.hpp"
 #include "support/builtin_cases.hpp"
 

@@ -9,7 +9,7 @@
 #include <set>
 
 #include "cache/kernel_cache.hpp"
-#include "exec/kernels.hpp"
+#include "exec/run/kernels.hpp"
 #include "support/deep_model.hpp"
 #include "unit/rules/rules_test_util.hpp"
 

@@ -1,7 +1,7 @@
 // Matching with repetition and op classes: chains of every length up to the bound, greedy-longest within the
 // existing priority order, user ops by their declared family, what explain shows, and the built-in rules
 // fusing pointwise runs in both passes (swiglu scale backward in one kernel).
-#include "exec/impl/implementation.hpp"
+#include "exec/lower/impl/implementation.hpp"
 #include "fuser/explain.hpp"
 #include "fuser/plan.hpp"
 #include "unit/rules/rules_test_util.hpp"

@@ -6,7 +6,7 @@
 
 #include "common/embedded.hpp"
 #include "jitfuse/jitfuse.h"
-#include "exec/impl/implementation.hpp"
+#include "exec/lower/impl/implementation.hpp"
 #include "fuser/plan.hpp"
 #include "unit/rules/rules_test_util.hpp"
 

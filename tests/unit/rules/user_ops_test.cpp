@@ -1,6 +1,6 @@
 // User-declared pointwise ops: every broken declaration is reported with file:line:col and skipped; a good one
 // joins the registry with its template, functor and constants. Follows docs/rules.md's softplus walk-through.
-#include "exec/impl/implementation.hpp"
+#include "exec/lower/impl/implementation.hpp"
 #include "fuser/plan.hpp"
 #include "unit/rules/rules_test_util.hpp"
 

@@ -19,17 +19,21 @@ def body(n):
 
 
 FILES = {
-    "runtime/exec/program.hpp": "// fake\n// fake\n#pragma once\n",
-    "runtime/exec/executor.hpp": '// fake\n// fake\n#pragma once\n#include "exec/program.hpp"\n',
-    # Stage 1 (its header's) including stage 4: line 3.
-    "runtime/exec/program.cpp": '// fake\n#include "exec/program.hpp"\n#include "exec/executor.hpp"\n',
-    # No stage of its own: may include any stage.
-    "runtime/exec/explain.cpp": '#include "exec/executor.hpp"\n#include "exec/program.hpp"\n',
+    "runtime/exec/ir/program.hpp": "// fake\n// fake\n#pragma once\n",
+    "runtime/exec/run/executor.hpp": '// fake\n// fake\n#pragma once\n#include "exec/ir/program.hpp"\n',
+    # The IR (folder ir/, stage 1) including the running stage (folder run/, stage 4): line 3.
+    "runtime/exec/ir/program.cpp": '// fake\n#include "exec/ir/program.hpp"\n#include "exec/run/executor.hpp"\n',
+    # No stage of its own, in the last folder: may include any stage.
+    "runtime/exec/run/explain.cpp": '#include "exec/run/executor.hpp"\n#include "exec/ir/program.hpp"\n',
+    # No stage of its own, but a lowering file including the running folder: line 1.
+    "runtime/exec/lower/plan.cpp": '#include "exec/run/executor.hpp"\n',
+    # Outside the stage folders.
+    "runtime/exec/loose.cpp": "// fake\n",
     # A module cycle that only .cpp files close: a.cpp -> b.hpp, b.cpp -> a.hpp (line 2).
-    "runtime/exec/a.hpp": "#pragma once\n",
-    "runtime/exec/a.cpp": '#include "exec/a.hpp"\n#include "exec/b.hpp"\n',
-    "runtime/exec/b.hpp": "#pragma once\n",
-    "runtime/exec/b.cpp": '#include "exec/b.hpp"\n#include "exec/a.hpp"\n',
+    "runtime/exec/lower/a.hpp": "#pragma once\n",
+    "runtime/exec/lower/a.cpp": '#include "exec/lower/a.hpp"\n#include "exec/lower/b.hpp"\n',
+    "runtime/exec/lower/b.hpp": "#pragma once\n",
+    "runtime/exec/lower/b.cpp": '#include "exec/lower/b.hpp"\n#include "exec/lower/a.hpp"\n',
     # Line 4: 81 lines (a two-line signature, 78 statements, the brace); then an 80-line one at line 85.
     "codegen/src/long.cpp": "// fake\n// fake\nnamespace jitfuse::codegen {\n"
                             "int too_long(int a,\n             int b) {\n  int x = 0;\n" + body(77) + "}\n"
@@ -81,7 +85,9 @@ class CheckStructureTest(unittest.TestCase):
     def test_reports_upward_cpp_include_and_long_functions(self):
         rc, out = self.run_checker()
         self.assertEqual(rc, 1, out)
-        self.assertIn("runtime/exec/program.cpp:3: includes exec/executor.hpp, a later stage", out)
+        self.assertIn("runtime/exec/ir/program.cpp:3: includes exec/run/executor.hpp, a later stage folder", out)
+        self.assertIn("runtime/exec/lower/plan.cpp:1: includes exec/run/executor.hpp, a later stage folder", out)
+        self.assertIn("runtime/exec/loose.cpp: not in a stage folder of runtime/exec (ir, lower, run)", out)
         self.assertIn("codegen/src/long.cpp:4: too_long is 81 lines", out)
         self.assertIn("runtime/torch/ops.cpp:5: Rownorm::forward_row is 81 lines", out)
         self.assertNotIn("just_fits", out)
@@ -89,19 +95,22 @@ class CheckStructureTest(unittest.TestCase):
 
     def test_reports_module_cycle_closed_by_cpp_files(self):
         _, out = self.run_checker()
-        self.assertIn("include cycle among modules exec/a, exec/b", out)
-        self.assertIn("runtime/exec/b.cpp:2 (exec/b -> exec/a)", out)
+        self.assertIn("include cycle among modules exec/lower/a, exec/lower/b", out)
+        self.assertIn("runtime/exec/lower/b.cpp:2 (exec/lower/b -> exec/lower/a)", out)
 
     def test_allow_list_silences_named_violations_and_reports_stale_ones(self):
-        allowed = {("include", "exec/program.cpp", "exec/executor.hpp"): "test",
-                   ("cycle", ("exec/a", "exec/b")): "test",
-                   ("cycle", ("exec/executor", "exec/program")): "test",  # the upward include closes one
-                   ("include", "exec/gone.cpp", "exec/executor.hpp"): "test"}
+        allowed = {("include", "exec/ir/program.cpp", "exec/run/executor.hpp"): "test",
+                   ("include", "exec/lower/plan.cpp", "exec/run/executor.hpp"): "test",
+                   ("loose", "exec/loose.cpp"): "test",
+                   ("cycle", ("exec/lower/a", "exec/lower/b")): "test",
+                   ("cycle", ("exec/ir/program", "exec/run/executor")): "test",  # the upward include closes one
+                   ("include", "exec/gone.cpp", "exec/run/executor.hpp"): "test"}
         problems = check_structure.check(self.root, allowed)
         text = "\n".join(problems)
         self.assertNotIn("a later stage", text)
         self.assertNotIn("include cycle", text)
-        self.assertIn("allow-list entry ('include', 'exec/gone.cpp', 'exec/executor.hpp') no longer occurs", text)
+        self.assertNotIn("not in a stage folder", text)
+        self.assertIn("allow-list entry ('include', 'exec/gone.cpp', 'exec/run/executor.hpp') no longer occurs", text)
 
     def test_declarations_classified(self):
         cases = {

@@ -1,0 +1,96 @@
+// FP8 linear: the casts that make a linear's GEMM operands FP8 (E4M3 activations and weights, E5M2
+// gradients; TransformerEngine's HYBRID format) and the three FP8 GEMMs. cuBLASLt takes FP8 operands in
+// the "TN" layout only (cuda::Fp8Gemm), so every operand a GEMM contracts along its other dimension is
+// read from a transposed FP8 copy, written by the same cast kernel as the row-major one:
+//
+//   forward  y  = x W^T   A = x  row-major  [m, k]   B = W  row-major  [n, k]   fast accumulation
+//   dgrad    dx = dy W    A = dy row-major  [m, n]   B = W^T (W col)   [k, n]   fp32 accumulation
+//   wgrad    dW = dy^T x  A = dy^T (dy col) [n, m]   B = x^T (x col)   [k, m]   fp32 accumulation
+#include "common/error.hpp"
+#include "exec/lower/lowering.hpp"
+
+namespace jitfuse::exec {
+
+using codegen::KernelSpec;
+
+void check_fp8_linear(const Builder& b, int lin) {
+  const auto& o = b.ops().at(static_cast<size_t>(lin));
+  const int64_t m = ops::rows_of(o.in), k = ops::cols_of(o.in), n = ops::cols_of(o.out);
+  auto need16 = [&](int64_t v, const char* what) {
+    if (v % 16 != 0)
+      fail(Status::unsupported, "{} under recipe {}: FP8 GEMMs need {} to be a multiple of 16 (got {}; the "
+           "operands are {}x{} and {}x{}): pad it, or run this sequence under bf16", o.label(),
+           ops::recipe_name(b.recipe().kind), what, v, m, k, n, k);
+  };
+  need16(k, "in_features");
+  need16(n, "out_features");
+  if (b.training()) need16(m, "the number of rows (the wgrad GEMM contracts over them)");
+}
+
+void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bgn, int e) {
+  const auto& ops = b.ops();
+  auto& dst = b.fp8_operand(lin, operand);
+  const bool weight = operand == fp8::Operand::weight;
+  const std::string tensor = fp8::name(operand);
+  const auto& o = ops.at(static_cast<size_t>(lin));
+  const int64_t rows = dst.rows, cols = dst.cols;
+  ChainOptions opt = chain_options(b);
+  codegen::Fp8Spec q;
+  q.op = lin;
+  q.tensor = tensor;
+  q.e5m2 = operand == fp8::Operand::grad_output;
+  q.delayed = b.recipe().kind == ops::RecipeKind::fp8_delayed;
+  q.margin = b.recipe().margin;
+  opt.fp8.reset();  // chain_spec's quantize hand-off is not this
+  const char* format = q.e5m2 ? "e5m2" : "e4m3";
+  auto stageless = [&](const std::string& label) {  // a kernel over the operand itself, no ops' stages
+    KernelSpec s;
+    s.dir = opt.dir;
+    s.dtype = opt.dtype;
+    s.rule = opt.rule;
+    s.cols = cols;
+    s.label = label;
+    return s;
+  };
+  KernelSpec spec;
+  if (bgn < e) {
+    opt.vec = chain_vectorizable(ops, bgn, e);
+    spec = chain_spec(ops, bgn, e, opt);
+  } else {
+    spec = stageless("cast");
+  }
+  spec.vec = (bgn < e ? opt.vec : true) && cols % 8 == 0;
+  spec.fp8 = q;
+  // A norm or gated kernel writes the row-major codes only (a norm works a row at a time; a gated kernel's
+  // output is half its input's width); in training the transposed copy is a transpose of those codes (1 byte
+  // read per element, not the 2-byte activation).
+  const bool row_codes = spec.skeleton == codegen::Skeleton::rownorm || spec.skeleton == codegen::Skeleton::gated;
+  const bool codes_transpose = row_codes && b.training();
+  if ((b.training() || !b.forward()) && !row_codes) {
+    spec.skeleton = codegen::Skeleton::cast_transpose;
+    spec.label += "_transpose";
+    spec.vec = spec.vec && rows % 16 == 0;  // the transposed 16-byte stores: 16 rows of one column
+  }
+  spec.label += std::string("_") + format;
+  const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
+  nlohmann::json meta = b.kernel_meta(bgn < e ? bgn : lin, b.forward() ? "forward" : "backward");
+  meta["fp8_operand"] = tensor;
+  const size_t first = b.steps();
+  lower_spec(b, spec, meta, src, dst.row, rows,
+             fmt::format("{}: generated {} -> {} {} of {}", who, codegen::skeleton_name(spec.skeleton),
+                         q.e5m2 ? "E5M2" : "E4M3", tensor, o.label()));
+  if (codes_transpose) {
+    KernelSpec t = stageless(std::string("transpose_") + format);
+    t.skeleton = codegen::Skeleton::cast_transpose;
+    t.vec = cols % 8 == 0 && rows % 16 == 0;
+    t.fp8 = q;
+    t.fp8->codes_in = true;
+    b.kernel(t, meta, dst.row, dst.col, rows,
+             fmt::format("{}: generated transpose of the {} {} codes of {}", who, q.e5m2 ? "E5M2" : "E4M3", tensor,
+                         o.label()));
+  }
+  if (weight) b.mark_weight_casts(first);
+  dst.ready = true;
+}
+
+}  // namespace jitfuse::exec

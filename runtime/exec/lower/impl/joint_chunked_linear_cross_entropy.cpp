@@ -1,0 +1,194 @@
+// Joint strategy chunked_linear_cross_entropy ([linear, bias?, cross_entropy], reduction mean or sum): the
+// language-model head and its loss in chunks of rows, the gradient computed in the forward (Liger Kernel's fused linear
+// cross-entropy). Per chunk: the head GEMM writes the chunk's logits, one kernel turns them into the rows' losses and,
+// in place, dlogits for an upstream gradient of 1, then the dgrad GEMM writes the chunk's rows of dx and the wgrad GEMM
+// adds its dW (and a column-sum GEMM its db). The forward saves dx, dW (db) and the reduction's scale, never the
+// logits; the backward scales them by the upstream gradient.
+#include <fmt/format.h>
+
+#include "exec/lower/impl/cross_entropy.hpp"
+#include "exec/lower/impl/registrar.hpp"
+#include "exec/lower/lowering.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+using K = codegen::CrossEntropySpec::Kernel;
+
+std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0)); }
+
+class ChunkedLinearCrossEntropy final : public Implementation {
+ public:
+  rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }
+  std::string name() const override { return "chunked_linear_cross_entropy"; }
+  std::string covers_text() const override {
+    return "[linear, bias?, cross_entropy] with reduction mean or sum, one "
+           "rank (joint pass)";
+  }
+  std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
+    if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
+    const bool bias = w.size() == 3 && w[1].family() == ops::Family::bias;
+    if ((w.size() != 2 && !bias) || w[0].family() != ops::Family::linear || w.back().name() != "cross_entropy")
+      return "chunked_linear_cross_entropy implements " + covers_text();
+    if (w.back().str("reduction") == "none")
+      return "reduction none: the backward's per-row upstream gradients are "
+             "not known in the forward, which computes "
+             "dx and dW here; the ops run unfused (or use mean or sum)";
+    if ((w[0].attrs && w[0].attrs->contains("tensor_parallel")) || (w[0].op && w[0].op->world_size > 1))
+      return "a tensor-parallel head (the vocabulary split over ranks) needs "
+             "the vocab-parallel form, which is not "
+             "implemented: the ops run unfused";
+    return std::nullopt;
+  }
+  void lower(Builder& b, const rules::Impl&) const override {
+    if (b.forward())
+      forward(b);
+    else
+      backward(b);
+  }
+
+ private:
+  struct Ops {
+    int lin, bias, ce;
+    int64_t rows, h, v;
+  };
+  static Ops ops_of(const Builder& b) {
+    const auto& g = b.group();
+    const auto& o = b.ops()[static_cast<size_t>(g.begin)];
+    return {g.begin,
+            g.end - g.begin == 3 ? g.begin + 1 : -1,
+            g.end - 1,
+            ops::rows_of(o.in),
+            ops::cols_of(o.in),
+            ops::cols_of(o.out)};
+  }
+
+  // The buffers a forward's chunks share.
+  struct Buffers {
+    int x, w, dx, dw, db, logits, losses, ones;
+  };
+
+  void forward(Builder& b) const {
+    const Ops o = ops_of(b);
+    const auto& g = b.group();
+    const ops::DType dt = b.recipe().dtype;
+    const int64_t e = ops::dtype_bytes(dt);
+    const int64_t chunk = chunk_rows(o.rows, o.v, e);
+    const int64_t chunks = (o.rows + chunk - 1) / chunk;
+    const std::string who = g.rule + ": chunked_linear_cross_entropy";
+    Buffers bf{};
+    bf.x = b.act(o.lin);
+    bf.w = b.param(o.lin, "weight");
+    bf.dx = b.saved_new(o.lin, "dx", dt, o.rows, o.h, static_cast<size_t>(o.rows * o.h * e));
+    bf.dw = b.saved_new(o.lin, "dW", dt, o.v, o.h, static_cast<size_t>(o.v * o.h * e));
+    bf.db = o.bias < 0 ? -1 : b.saved_new(o.bias, "db", dt, 1, o.v, static_cast<size_t>(o.v * e));
+    b.saved_new(o.ce, "scale", ops::DType::f32, 1, 1, 4);
+    bf.logits = b.temp("logits chunk", dt, chunk, o.v);
+    bf.losses = b.temp("losses op" + std::to_string(o.ce), ops::DType::f32, o.rows, 1);
+    bf.ones = -1;
+    const nlohmann::json meta = b.kernel_meta(o.ce, "forward");
+    // What the unfused ops would save: the linear's input (unless it is the caller's), the logits, the lse.
+    const double unfused = static_cast<double>((o.lin > 0 ? o.rows * o.h * e : 0) + o.rows * o.v * e + o.rows * 4 + 4);
+    const double fused = static_cast<double>(o.rows * o.h * e + o.v * o.h * e + (o.bias < 0 ? 0 : o.v * e) + 4);
+    std::string plan = fmt::format(
+        "{} chunk(s) of {} rows (logits chunk {} of the {} budget); saves dx + "
+        "dW{} = {}, "
+        "the unfused ops save {} (the logits)",
+        chunks, chunk, mib(static_cast<double>(chunk * o.v * e)), mib(kChunkBudget), o.bias < 0 ? "" : " + db",
+        mib(fused), mib(unfused));
+    if (o.bias >= 0) {  // the column of ones of db's column-sum GEMM
+      bf.ones = b.temp("ones", dt, chunk, 1);
+      b.kernel(cross_entropy_spec(b, o.ce, K::fill_ones), meta, -1, bf.ones, chunk, who + " (ones for db); " + plan);
+      plan.clear();
+    }
+    for (int64_t c0 = 0; c0 < o.rows; c0 += chunk) {
+      const int64_t m = std::min(chunk, o.rows - c0);
+      const std::string at = fmt::format("{} chunk {}/{} rows [{}, {})", who, c0 / chunk + 1, chunks, c0, c0 + m);
+      chunk_steps(b, o, bf, c0, m, at, meta, c0 == 0 ? plan : std::string());
+    }
+    codegen::KernelSpec red = cross_entropy_spec(b, o.ce, K::reduce);
+    red.ce->save = true;
+    b.kernel(red, meta, bf.losses, b.act(g.end), o.rows,
+             who + ": loss = " + b.ops()[o.ce].str("reduction") + " of the rows' losses; scale for the backward");
+  }
+
+  // Rows [c0, c0 + m): the head GEMM, the loss and dlogits kernel, dgrad into dx, wgrad (and db) accumulated.
+  void chunk_steps(Builder& b, const Ops& o, const Buffers& bf, int64_t c0, int64_t m, const std::string& at,
+                   const nlohmann::json& meta, const std::string& plan) const {
+    GemmStep head = b.linear_gemm(o.lin, cuda::GemmKind::fwd);
+    head.call.m = m;
+    head.a = bf.x;
+    head.a_offset = c0 * o.h;
+    head.b = bf.w;
+    head.d = bf.logits;
+    if (o.bias >= 0) {
+      head.call.epilogue = cuda::Epilogue::bias;
+      head.bias = b.param(o.bias, "bias");
+    }
+    b.gemm(head, at + ": logits = x W^T" + (o.bias >= 0 ? " + b" : "") + (plan.empty() ? "" : "; " + plan));
+    codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::fused);
+    k.ce->grid_rows = m;  // rows [c0, c0 + m) of the labels: the kernel's `rows` is c0 + m
+    b.kernel(k, meta, bf.logits, bf.losses, c0 + m, at + ": loss per row, dlogits in place");
+    GemmStep dg = b.linear_gemm(o.lin, cuda::GemmKind::dgrad);
+    dg.call.m = m;
+    dg.a = bf.logits;
+    dg.b = bf.w;
+    dg.d = bf.dx;
+    dg.d_offset = c0 * o.h;
+    b.gemm(dg, at + ": dx = dlogits W");
+    // dW (+)= dlogits^T x_chunk; db^T [V, 1] (+)= dlogits^T ones: beta 0 for the first chunk, 1 after.
+    for (const bool bias_sum : {false, true}) {
+      if (bias_sum && o.bias < 0) break;
+      GemmStep wg = b.linear_gemm(o.lin, cuda::GemmKind::wgrad);
+      wg.call.m = m;
+      wg.a = bf.logits;
+      wg.b = bias_sum ? bf.ones : bf.x;
+      wg.b_offset = bias_sum ? 0 : c0 * o.h;
+      if (bias_sum) wg.call.k = 1;
+      wg.d = bias_sum ? bf.db : bf.dw;
+      if (c0 > 0) {
+        wg.call.beta = 1.f;
+        wg.c = wg.d;
+      }
+      b.gemm(wg, at + (bias_sum ? (c0 > 0 ? ": db += column sums of dlogits" : ": db = column sums of dlogits")
+                                : (c0 > 0 ? ": dW += dlogits^T x" : ": dW = dlogits^T x")));
+    }
+  }
+
+  // grad = g * scale * saved, g the loss's upstream gradient, scale 1 / (rows not ignored) or 1.
+  void backward(Builder& b) const {
+    const Ops o = ops_of(b);
+    const auto& g = b.group();
+    const std::string who = g.rule + ": chunked_linear_cross_entropy";
+    const nlohmann::json meta = b.kernel_meta(o.ce, "backward");
+    const int dy = b.grad_of(g.end);
+    auto scale = [&](int src_op, const char* src, int out, int64_t rows, int64_t cols, bool accumulate,
+                     const std::string& what) {
+      codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::scale);
+      k.cols = cols;
+      k.ce->src_op = src_op;
+      k.ce->src = src;
+      k.ce->accumulate = accumulate;
+      b.kernel(k, meta, dy, out, rows, who + ": " + what);
+    };
+    scale(o.lin, "dx", b.grad_of(g.begin), o.rows, o.h, false, "dx = g scale saved dx");
+    const bool acc = b.ops()[static_cast<size_t>(o.lin)].flag("accumulate_grad");
+    scale(o.lin, "dW", b.grad(o.lin, "weight"), o.v, o.h, acc,
+          acc ? "dW += g scale saved dW" : "dW = g scale saved dW");
+    if (o.bias >= 0) scale(o.bias, "db", b.grad(o.bias, "bias"), 1, o.v, false, "db = g scale saved db");
+  }
+
+  // Rows per chunk: the chunk's logits fit kChunkBudget (rows x V x dtype bytes), in multiples of 128 rows when at
+  // least 128 fit (whole GEMM tiles), at least 1, at most the rows.
+  static constexpr double kChunkBudget = 256.0 * 1024 * 1024;
+  static int64_t chunk_rows(int64_t rows, int64_t v, int64_t e) {
+    int64_t c = static_cast<int64_t>(kChunkBudget) / std::max<int64_t>(1, v * e);
+    if (c >= 128) c = c / 128 * 128;
+    return std::clamp<int64_t>(c, 1, rows);
+  }
+};
+
+const Registrar kRegistered(std::make_unique<ChunkedLinearCrossEntropy>());
+
+}  // namespace
+}  // namespace jitfuse::exec

@@ -1,0 +1,179 @@
+// Joint strategy overlap_collective ([all_gather, linear] or [linear, reduce_scatter], docs/parallel.md): the
+// GEMM runs in row chunks, each chunk's collective on the program's side stream, so chunk i's transfer
+// overlaps chunk i+1's GEMM. The all-gather becomes one broadcast per chunk (rank r's rows land where the
+// gather puts them) and the reduce-scatter one reduce per chunk (to the rank that owns the rows):
+//   forward  all_gather + linear:  bcast(c0) | bcast(c1) GEMM(c0) | bcast(c2) GEMM(c1) | ...
+//   backward (dgrad + reduce-scatter): dgrad(c0) | reduce(c0) dgrad(c1) | ... then wgrad beside the last reduces
+//   forward  linear + reduce_scatter: GEMM(c0) | reduce(c0) GEMM(c1) | ...
+//   backward (all-gather of dy + dgrad): bcast(c0) | bcast(c1) dgrad(c0) | ... then wgrad
+// Chunks: max(W, 4) in all, W per rank shard times 4 / W (at least 1); the saved context is the unfused ops'.
+#include "common/error.hpp"
+#include "exec/lower/impl/registrar.hpp"
+#include "exec/lower/lowering.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+constexpr int kTargetChunks = 4;
+
+// Chunks per rank shard of `shard_rows` rows at world size `w`: 4 / W (at least 1), halved until it divides.
+int64_t chunks_per_rank(int64_t shard_rows, int w) {
+  int64_t c = std::max<int64_t>(1, kTargetChunks / std::max(1, w));
+  while (c > 1 && shard_rows % c != 0) c /= 2;
+  return c;
+}
+
+class OverlapCollective final : public Implementation {
+ public:
+  rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }
+  std::string name() const override { return "overlap_collective"; }
+  std::string covers_text() const override {
+    return "[all_gather, linear] or [linear, reduce_scatter] (joint pass, plain recipes)";
+  }
+  std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
+    if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
+    const bool gather = w.size() == 2 && w[0].name() == "all_gather" && w[1].family() == ops::Family::linear;
+    const bool scatter = w.size() == 2 && w[0].family() == ops::Family::linear && w[1].name() == "reduce_scatter";
+    if (!gather && !scatter) return "the window is neither [all_gather, linear] nor [linear, reduce_scatter]";
+    if (!w[0].op) return std::nullopt;  // the loader: the pattern can run
+    const ops::Op& comm = gather ? *w[0].op : *w[1].op;
+    if (comm.in.size() != 2) return "the pipelined GEMM takes 2-D activations (its rows are dim 0)";
+    const int64_t shard = gather ? comm.in.at(0) : comm.out.at(0);
+    if (comm.world_size * chunks_per_rank(shard, comm.world_size) < 2) return "one chunk: nothing to overlap";
+    return std::nullopt;
+  }
+  std::optional<std::string> check_fp8(const std::vector<OpUse>&, const rules::Impl&, rules::Pass) const override {
+    return "the row chunks of an FP8 GEMM would need their own scaled operands (not yet)";
+  }
+  void lower(Builder& b, const rules::Impl&) const override {
+    const auto& g = b.group();
+    const bool gather = b.ops()[g.begin].family == ops::Family::comm;
+    if (gather)
+      lower_gather(b, g.begin, g.begin + 1);
+    else
+      lower_scatter(b, g.begin + 1, g.begin);
+  }
+
+ private:
+  struct Chunks {
+    int world = 1, rank = 0;
+    int64_t shard = 0, per_rank = 1, rows = 0;  // rows per chunk
+    int64_t row0(int r, int64_t j) const { return r * shard + j * rows; }
+  };
+  static Chunks chunks_of(const ops::Op& comm, int64_t shard) {
+    Chunks c;
+    c.world = comm.world_size;
+    c.rank = comm.rank;
+    c.shard = shard;
+    c.per_rank = chunks_per_rank(shard, comm.world_size);
+    c.rows = shard / c.per_rank;
+    return c;
+  }
+  static std::string who(const Builder& b) { return b.group().rule + ": overlap_collective"; }
+
+  // One chunk's transfer on the side stream after `waits`: a broadcast from rank `root` (the all-gather's rows
+  // it owns) or a reduce to it (the reduce-scatter's), `count` elements, at the given element offsets.
+  static int transfer(Builder& b, Collective kind, int comm_op, int root, int send, int64_t send_off, int recv,
+                      int64_t recv_off, int64_t count, std::vector<int> waits) {
+    CommStep c;
+    c.op = kind;
+    c.root = root;
+    c.op_index = comm_op;
+    c.dtype = b.recipe().dtype;
+    c.send = send;
+    c.send_offset = send_off;
+    c.recv = recv;
+    c.recv_offset = recv_off;
+    c.count = count;
+    b.comm(c, fmt::format("{} ({} of rows owned by rank {})", who(b), collective_name(kind), root));
+    b.place_last(1, std::move(waits));
+    return static_cast<int>(b.steps()) - 1;
+  }
+  // A GEMM of `kind` over one row chunk: A rows from `a_off`, D rows from `d_off` (elements).
+  static int chunk_gemm(Builder& b, int lin, cuda::GemmKind kind, int a, int64_t a_off, int d, int64_t d_off,
+                        int64_t rows, std::vector<int> waits, const std::string& what) {
+    GemmStep gs = b.linear_gemm(lin, kind);
+    gs.call.m = rows;
+    gs.a = a;
+    gs.b = b.param(lin, "weight");
+    gs.d = d;
+    gs.a_offset = a_off;
+    gs.d_offset = d_off;
+    b.gemm(gs, what);
+    b.place_last(0, std::move(waits));
+    return static_cast<int>(b.steps()) - 1;
+  }
+  static void wgrad(Builder& b, int lin, int dy, int x) {
+    const auto& op = b.ops()[lin];
+    GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::wgrad);
+    wg.a = dy;
+    wg.b = x;
+    wg.d = b.grad(lin, "weight");
+    wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
+    b.gemm(wg, who(b) + ": wgrad " + op.label());
+  }
+
+  // [all_gather ag, linear lin]: x shard [n, k] -> gathered [W n, k] -> y [W n, N].
+  static void lower_gather(Builder& b, int ag, int lin) {
+    const ops::Op& comm = b.ops()[ag];
+    const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
+    const Chunks c = chunks_of(comm, comm.in.at(0));
+    if (b.forward()) {
+      const int x = b.act(ag), full = b.act(lin), y = b.act(lin + 1);
+      for (int r = 0; r < c.world; ++r)
+        for (int64_t j = 0; j < c.per_rank; ++j) {
+          const int64_t row0 = c.row0(r, j);
+          const int bc = transfer(b, Collective::broadcast, ag, r, x, j * c.rows * k, full, row0 * k, c.rows * k, {});
+          chunk_gemm(b, lin, cuda::GemmKind::fwd, full, row0 * k, y, row0 * n_out, c.rows, {bc},
+                     fmt::format("{}: rows {}..{} of {}", who(b), row0, row0 + c.rows, b.ops()[lin].label()));
+        }
+      b.boundary_saves(ag, lin + 1);
+      b.save_alias(lin, "input", full);  // the gathered input: inside the group, so the group saves it
+      return;
+    }
+    const int dy = b.grad_of(lin + 1), dfull = b.grad_of(lin), dx = b.grad_of(ag);
+    for (int r = 0; r < c.world; ++r)
+      for (int64_t j = 0; j < c.per_rank; ++j) {
+        const int64_t row0 = c.row0(r, j);
+        const int gm = chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, row0 * n_out, dfull, row0 * k, c.rows, {},
+                                  fmt::format("{}: dgrad rows {}..{} of {}", who(b), row0, row0 + c.rows,
+                                              b.ops()[lin].label()));
+        transfer(b, Collective::reduce, ag, r, dfull, row0 * k, dx, j * c.rows * k, c.rows * k, {gm});
+      }
+    wgrad(b, lin, dy, b.saved_context(lin, "input"));
+  }
+
+  // [linear lin, reduce_scatter rs]: x [W n, k] -> partial [W n, N] -> y shard [n, N].
+  static void lower_scatter(Builder& b, int rs, int lin) {
+    const ops::Op& comm = b.ops()[rs];
+    const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
+    const Chunks c = chunks_of(comm, comm.out.at(0));
+    if (b.forward()) {
+      const int x = b.act(lin), partial = b.act(rs), y = b.act(rs + 1);
+      for (int r = 0; r < c.world; ++r)
+        for (int64_t j = 0; j < c.per_rank; ++j) {
+          const int64_t row0 = c.row0(r, j);
+          const int gm = chunk_gemm(b, lin, cuda::GemmKind::fwd, x, row0 * k, partial, row0 * n_out, c.rows, {},
+                                    fmt::format("{}: rows {}..{} of {}", who(b), row0, row0 + c.rows,
+                                                b.ops()[lin].label()));
+          transfer(b, Collective::reduce, rs, r, partial, row0 * n_out, y, j * c.rows * n_out, c.rows * n_out, {gm});
+        }
+      b.boundary_saves(lin, rs + 1);
+      return;
+    }
+    const int dy = b.grad_of(rs + 1), dfull = b.grad_of(rs), dx = b.grad_of(lin);
+    for (int r = 0; r < c.world; ++r)
+      for (int64_t j = 0; j < c.per_rank; ++j) {
+        const int64_t row0 = c.row0(r, j);
+        const int bc = transfer(b, Collective::broadcast, rs, r, dy, j * c.rows * n_out, dfull, row0 * n_out, c.rows * n_out, {});
+        chunk_gemm(b, lin, cuda::GemmKind::dgrad, dfull, row0 * n_out, dx, row0 * k, c.rows, {bc},
+                   fmt::format("{}: dgrad rows {}..{} of {}", who(b), row0, row0 + c.rows, b.ops()[lin].label()));
+      }
+    wgrad(b, lin, dfull, b.saved_context(lin, "input"));
+  }
+};
+
+const Registrar kRegistered(std::make_unique<OverlapCollective>());
+
+}  // namespace
+}  // namespace jitfuse::exec

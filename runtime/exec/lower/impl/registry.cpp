@@ -1,0 +1,189 @@
+// The implementations jitfuse knows (each file registers its own) and the questions asked of them: the
+// fuser's legality predicate and the rule loader's "can this rule ever run?" (rules/implementable.hpp).
+#include <algorithm>
+#include <functional>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "common/error.hpp"
+#include "exec/lower/impl/implementation.hpp"
+#include "exec/lower/impl/registrar.hpp"
+#include "rules/implementable.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+using Table = std::map<std::pair<int, std::string>, std::unique_ptr<Implementation>>;
+Table& table() {
+  static Table t;
+  return t;
+}
+
+}  // namespace
+
+Registrar::Registrar(std::unique_ptr<Implementation> impl) {
+  auto key = std::make_pair(static_cast<int>(impl->kind()), impl->name());
+  table()[key] = std::move(impl);
+}
+
+const Implementation* find_implementation(const rules::Impl& impl) {
+  const std::string& name = impl.kind == rules::Impl::Kind::generated  ? impl.skeleton
+                            : impl.kind == rules::Impl::Kind::cublaslt ? impl.epilogue
+                            : impl.kind == rules::Impl::Kind::joint    ? impl.strategy
+                                                                       : std::string("unfused");
+  auto it = table().find({static_cast<int>(impl.kind), name});
+  return it == table().end() ? nullptr : it->second.get();
+}
+
+const Implementation& implementation_for(const rules::Impl& impl) {
+  if (const auto* i = find_implementation(impl)) return *i;
+  fail(Status::internal, "no implementation for impl '{}{}{}'", impl.skeleton, impl.epilogue, impl.strategy);
+}
+
+std::vector<const Implementation*> implementations() {
+  std::vector<const Implementation*> out;
+  for (const auto& [k, v] : table()) out.push_back(v.get());
+  return out;
+}
+
+namespace {
+
+// The shapes FP8 GEMMs take (cuda::Fp8Gemm; check_fp8_linear refuses the others at lowering): cuBLASLt's
+// FP8 kernels need 16-byte aligned leading dimensions of the E4M3/E5M2 operands, so in_features and
+// out_features are multiples of 16, and so are the rows that the wgrad contracts over (the backward pass
+// exists only in training; a forward is not told whether it trains, and its lowering says it then).
+std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, rules::Pass pass) {
+  for (const auto& u : window) {
+    if (u.family() != ops::Family::linear || !u.op) continue;
+    struct Dim {
+      int64_t value;
+      const char* name;
+    };
+    const Dim dims[] = {{ops::cols_of(u.op->in), "in_features"}, {ops::cols_of(u.op->out), "out_features"},
+                        {ops::rows_of(u.op->in), "rows"}};
+    for (int i = 0; i < (pass == rules::Pass::backward ? 3 : 2); ++i)
+      if (dims[i].value % 16 != 0)
+        return fmt::format("FP8 GEMMs need {0} to be a multiple of 16 (cuBLASLt's FP8 kernels need 16-byte aligned "
+                           "leading dimensions{1}): {2} has {0} = {3}", dims[i].name,
+                           i == 2 ? "; the wgrad GEMM contracts over the rows" : "", u.op->label(), dims[i].value);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
+                                       rules::Pass pass, bool fp8) {
+  const Implementation* impl = find_implementation(rule.impl);
+  if (!impl) return "no implementation named by the rule";
+  const auto window = window_of(ops, b, e);
+  if (auto why = impl->check(window, rule.impl, pass)) return why;
+  const bool linear = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::linear; });
+  if (!fp8 || !linear) return std::nullopt;
+  if (auto why = impl->check_fp8(window, rule.impl, pass)) return why;
+  return fp8_shape_problem(window, pass);
+}
+
+fuser::LegalityFn legality(bool fp8) {
+  return [fp8](const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e, rules::Pass pass) {
+    return check_legal(rule, ops, b, e, pass, fp8);
+  };
+}
+
+std::optional<std::string> Implementation::check_fp8(const std::vector<OpUse>&, const rules::Impl& impl,
+                                                     rules::Pass) const {
+  const char* what = impl.kind == rules::Impl::Kind::cublaslt ? "cuBLASLt epilogue"
+                     : impl.kind == rules::Impl::Kind::joint  ? "joint strategy"
+                                                              : "skeleton";
+  return fmt::format("under an FP8 recipe a linear runs on FP8 GEMMs (E4M3/E5M2 operands, a BIAS epilogue at most), "
+                     "which {} {} does not lower to; the fp8 rules or the unfused linear take it", what, name());
+}
+
+namespace {
+
+const std::string& impl_name(const rules::Impl& impl) {
+  return impl.kind == rules::Impl::Kind::generated  ? impl.skeleton
+         : impl.kind == rules::Impl::Kind::cublaslt ? impl.epilogue
+                                                    : impl.strategy;
+}
+
+// A rule naming an implementation jitfuse does not have: the ones of its kind it does have.
+rules::Refusal unknown_implementation(const rules::Impl& impl, const char* field) {
+  std::string known;
+  for (const auto* i : implementations())
+    if (i->kind() == impl.kind) known += (known.empty() ? "" : ", ") + i->name();
+  const char* what = impl.kind == rules::Impl::Kind::generated  ? "skeleton"
+                     : impl.kind == rules::Impl::Kind::cublaslt ? "cuBLASLt epilogue"
+                                                                : "joint strategy";
+  return rules::Refusal{field, fmt::format("unknown {} '{}'; known: {}", what, impl_name(impl), known)};
+}
+
+// The rule loader's question (rules/implementable.hpp), answered by the implementations registered above.
+class ImplementationsAnswer final : public rules::Implementability {
+ public:
+  // Every expansion of the pattern (each optional element present or not, each alternative kind, each
+  // class member, repeated elements at representative counts), until one can be implemented; the reason
+  // of the first one otherwise.
+  std::optional<rules::Refusal> refuse(const rules::Impl& impl, const std::vector<rules::PatternElem>& pattern,
+                                       rules::Pass pass, const ops::Registry& reg) const override {
+    const Implementation* im = find_implementation(impl);
+    const char* field = impl.kind == rules::Impl::Kind::generated  ? "skeleton"
+                        : impl.kind == rules::Impl::Kind::cublaslt ? "epilogue"
+                                                                   : "strategy";
+    if (!im) return unknown_implementation(impl, field);
+    std::vector<OpUse> window;
+    std::optional<std::string> first;
+    size_t leaves = 0;
+    constexpr size_t kMaxExpansions = 4096;
+    std::function<bool(size_t)> expand = [&](size_t i) -> bool {
+      if (i == pattern.size()) {
+        ++leaves;
+        if (window.empty()) return false;
+        auto why = im->check(window, impl, pass);
+        if (!why) return true;
+        if (!first) first = why;
+        return false;
+      }
+      if (leaves >= kMaxExpansions) return false;
+      const auto& el = pattern[i];
+      // A repeated element is checked at representative counts (its minimum, one more, and two), not at
+      // all kMaxRepeat^kinds of them: the skeletons' predicates look at which kinds occur and in what
+      // order, which those counts already show.
+      std::vector<int> counts;
+      for (int c : {el.min, el.min + 1, 2})
+        if (c <= el.max && std::find(counts.begin(), counts.end(), c) == counts.end()) counts.push_back(c);
+      std::function<bool(int)> take = [&](int left) -> bool {
+        if (left == 0) return expand(i + 1);
+        for (const auto& k : el.kinds) {
+          const ops::OpKind* kind = reg.find(k);
+          if (!kind) continue;
+          window.push_back({kind, &el.attrs, nullptr});
+          bool ok = take(left - 1);
+          window.pop_back();
+          if (ok) return true;
+          if (leaves >= kMaxExpansions) return false;
+        }
+        return false;
+      };
+      for (int c : counts)
+        if (take(c)) return true;
+      return false;
+    };
+    if (expand(0)) return std::nullopt;
+    std::string why = first ? *first : "the pattern matches no op kind";
+    if (leaves >= kMaxExpansions)
+      why += fmt::format(" (checked the first {} expansions of the pattern; split the rule)", kMaxExpansions);
+    // The covered windows once: a predicate's reason may already be exactly that.
+    if (why.find(im->covers_text()) == std::string::npos) why += "; it implements " + im->covers_text();
+    return rules::Refusal{field, im->name() + " cannot run any window this pattern matches: " + why};
+  }
+};
+
+// Registered before main, so every RuleSet the library loads asks the implementations.
+const ImplementationsAnswer kAnswer;
+[[maybe_unused]] const bool kAnswerRegistered = (rules::set_implementability(&kAnswer), true);
+
+}  // namespace
+
+}  // namespace jitfuse::exec
