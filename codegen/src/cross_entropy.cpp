@@ -148,7 +148,7 @@ class CrossEntropy {
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
     labels_arg();
     const std::string lse = fmt::format("s{}_lse", ce_.op);
-    if (ce_.save) args_.ptr(Arg::Role::saved, ce_.op, "lse", lse, "float", true);
+    if (ce_.save) args_.ptr(Arg::Role::saved, ce_.op, Key::lse, lse, "float", true);
     const std::string store = none_ ? "DT::store" : "";
     k.line("__shared__ float jf_sm[96];");
     row_index(k);
@@ -171,7 +171,7 @@ class CrossEntropy {
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
     labels_arg();
     const std::string scale = fmt::format("s{}_scale", ce_.op);
-    if (ce_.save) args_.ptr(Arg::Role::saved, ce_.op, "scale", scale, "float", true);
+    if (ce_.save) args_.ptr(Arg::Role::saved, ce_.op, Key::scale, scale, "float", true);
     k.line("__shared__ float jf_sm[64];");
     k.line("float s;");
     k.line("int n;");
@@ -189,9 +189,9 @@ class CrossEntropy {
     labels_arg();
     const std::string x = fmt::format("s{}_input", ce_.op), lse = fmt::format("s{}_lse", ce_.op),
                       scale = fmt::format("s{}_scale", ce_.op);
-    args_.ptr(Arg::Role::saved, ce_.op, "input", x, "ST", false);
-    args_.ptr(Arg::Role::saved, ce_.op, "lse", lse, "float", false);
-    if (!none_) args_.ptr(Arg::Role::saved, ce_.op, "scale", scale, "float", false);
+    args_.ptr(Arg::Role::saved, ce_.op, Key::input, x, "ST", false);
+    args_.ptr(Arg::Role::saved, ce_.op, Key::lse, lse, "float", false);
+    if (!none_) args_.ptr(Arg::Role::saved, ce_.op, Key::scale, scale, "float", false);
     row_index(k);
     k.line("ST* dx = out + lr * {};", v_);
     k.line("if ({}) {{", ignored());
@@ -231,7 +231,7 @@ class CrossEntropy {
     args_.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
     args_.ptr(Arg::Role::saved, ce_.src_op, ce_.src, "src", "ST", false);
-    args_.ptr(Arg::Role::saved, ce_.op, "scale", "scale", "float", false);
+    args_.ptr(Arg::Role::saved, ce_.op, Key::scale, "scale", "float", false);
     k.line("const float g = DT::load(in[0]) * scale[0];");
     k.line("const jf_i64 n = rows * {};", v_);
     k.line(

@@ -80,7 +80,7 @@ void emit_gated_fwd(Writer& body, Args& args, Setup& setup, const KernelSpec& sp
   body.line("// op {} gated: y = {}(a) * b", gs.op, comment_text(gs.functor));
   if (gs.save_input) {
     std::string sp = fmt::format("s{}_input", gs.op);
-    args.ptr(Arg::Role::saved, gs.op, "input", sp, "ST", true);
+    args.ptr(Arg::Role::saved, gs.op, Key::input, sp, "ST", true);
     body.line("jf_store8<DT, JF_VEC>({} + r * {} + c0, a, n);", sp, sh.in_cols);
     body.line("jf_store8<DT, JF_VEC>({} + r * {} + {} + c0, b, n);", sp, sh.in_cols, sh.cols);
   }
@@ -99,7 +99,7 @@ void emit_gated_bwd(Writer& body, Args& args, Setup& setup, const KernelSpec& sp
     emit_stage_bwd(body, args, setup, *it, chunk("gr", sh.cols, "0", ""));
   const auto& gs = *spec.gated;
   std::string sp = fmt::format("s{}_input", gs.op);
-  args.ptr(Arg::Role::saved, gs.op, "input", sp, "ST", false);
+  args.ptr(Arg::Role::saved, gs.op, Key::input, sp, "ST", false);
   body.line("// op {} gated backward: da = act'(a) * b * g, db = act(a) * g", gs.op);
   body.line("float a[8], b[8];");
   body.line("jf_load8<DT, JF_VEC>({} + r * {} + c0, a, n);", sp, sh.in_cols);

@@ -46,8 +46,8 @@ class Rownorm {
     if (spec_.fp8 && !fwd_) throw std::invalid_argument("codegen: an FP8 cast ends forward kernels only");
     args_.ptr(Arg::Role::out, -1, "out", "out", out_type(spec_), true);
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
-    args_.ptr(Arg::Role::param, ns_.op, "weight", gamma_, "ST", false);
-    if (!ns_.rms) args_.ptr(Arg::Role::param, ns_.op, "bias", beta_, "ST", false);
+    args_.ptr(Arg::Role::param, ns_.op, Key::weight, gamma_, "ST", false);
+    if (!ns_.rms) args_.ptr(Arg::Role::param, ns_.op, Key::bias, beta_, "ST", false);
 
     Writer w;
     emit_prelude(w, spec_, g.headers);
@@ -183,7 +183,7 @@ class Rownorm {
       k.line("if (active) jf_load_raw8<DT, JF_VEC>(in + r * {} + c0, xr[k], n); else jf_zero_raw8<DT>(xr[k]);", cols_);
       if (ns_.save_input) {
         std::string sp = fmt::format("s{}_input", ns_.op);
-        args_.ptr(Arg::Role::saved, ns_.op, "input", sp, "ST", true);
+        args_.ptr(Arg::Role::saved, ns_.op, Key::input, sp, "ST", true);
         k.line("if (active) {{ float v[8]; jf_unpack8<DT>(xr[k], v); jf_store8<DT, JF_VEC>({} + r * {} + c0, v, n); }}", sp, cols_);
       }
       chunk_loop_close(k);
@@ -198,7 +198,7 @@ class Rownorm {
     for (auto& s : spec_.pre) emit_stage_fwd(k, args_, setup_, s, ctx("v"));
     if (ns_.save_input) {
       std::string sp = fmt::format("s{}_input", ns_.op);
-      args_.ptr(Arg::Role::saved, ns_.op, "input", sp, "ST", true);
+      args_.ptr(Arg::Role::saved, ns_.op, Key::input, sp, "ST", true);
       k.line("jf_store8<DT, JF_VEC>({} + r * {} + c0, v, n);", sp, cols_);
     }
     k.line("#pragma unroll");
@@ -240,8 +240,8 @@ class Rownorm {
       k.line("const float rs = rsqrtf(jf_block_sum(s2, jf_sm) * {} + {});", inv_cols(), num(ns_.eps));
     }
     if (ns_.save_stats) {
-      args_.ptr(Arg::Role::saved, ns_.op, "mean", mean_, "float", true);
-      args_.ptr(Arg::Role::saved, ns_.op, "rstd", rstd_, "float", true);
+      args_.ptr(Arg::Role::saved, ns_.op, Key::mean, mean_, "float", true);
+      args_.ptr(Arg::Role::saved, ns_.op, Key::rstd, rstd_, "float", true);
       k.line("if (threadIdx.x == 0) {{ {}[r] = mu; {}[r] = rs; }}", mean_, rstd_);
     }
   }
@@ -275,9 +275,9 @@ class Rownorm {
   // take one reduction. H100, 8192x4096 bf16: see docs/benchmarks.md "Backward" for what was measured.
   void backward_row(Writer& k) {
     std::string sp = fmt::format("s{}_input", ns_.op);
-    args_.ptr(Arg::Role::saved, ns_.op, "input", sp, "ST", false);
-    args_.ptr(Arg::Role::saved, ns_.op, "mean", mean_, "float", false);
-    args_.ptr(Arg::Role::saved, ns_.op, "rstd", rstd_, "float", false);
+    args_.ptr(Arg::Role::saved, ns_.op, Key::input, sp, "ST", false);
+    args_.ptr(Arg::Role::saved, ns_.op, Key::mean, mean_, "float", false);
+    args_.ptr(Arg::Role::saved, ns_.op, Key::rstd, rstd_, "float", false);
     const bool float_dy = !spec_.post.empty();
     if (prefetch_) {
       k.line("jf_raw8<DT> gq[{0}], xq[{0}];", nch_);
@@ -350,12 +350,12 @@ class Rownorm {
   // Parameter-grad partials: one row per block; this thread's columns are fixed across rows.
   void flush_param_partials(Writer& k) {
     std::string pg = fmt::format("part{}_weight", ns_.op);
-    args_.ptr(Arg::Role::partials, ns_.op, "weight", pg, "float", true);
-    setup_.finalize.push_back({"", ns_.op, "weight", cols_});
+    args_.ptr(Arg::Role::partials, ns_.op, Key::weight, pg, "float", true);
+    setup_.finalize.push_back({"", ns_.op, Key::weight, cols_});
     std::string pb = fmt::format("part{}_bias", ns_.op);
     if (!ns_.rms) {
-      args_.ptr(Arg::Role::partials, ns_.op, "bias", pb, "float", true);
-      setup_.finalize.push_back({"", ns_.op, "bias", cols_});
+      args_.ptr(Arg::Role::partials, ns_.op, Key::bias, pb, "float", true);
+      setup_.finalize.push_back({"", ns_.op, Key::bias, cols_});
     }
     // 8 consecutive floats per chunk: two 16-byte stores on the vector path (cols % 8 == 0 there and the
     // partials buffer is 256-byte aligned), bounded scalar stores otherwise.

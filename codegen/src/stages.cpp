@@ -16,8 +16,8 @@ void comment(Writer& w, const Stage& s, const char* dir) {
   w.line("// op {} {} ({}): {}", s.op, comment_text(s.op_kind), dir, comment_text(s.math));
 }
 
-std::string saved_ptr(Args& args, int op, const std::string& what, bool writes) {
-  std::string name = fmt::format("s{}_{}", op, what);
+std::string saved_ptr(Args& args, int op, Key what, bool writes) {
+  std::string name = fmt::format("s{}_{}", op, key_name(what));
   args.ptr(Arg::Role::saved, op, what, name, "ST", writes);
   return name;
 }
@@ -75,15 +75,15 @@ std::vector<std::string> chain_reads(const std::vector<Stage>& stages, Direction
   return out;
 }
 
-std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,
+std::string declare_accumulator(Args& args, Setup& setup, int op, Key param, int64_t width,
                                 const std::string& col_off, const std::string& half) {
-  std::string part = fmt::format("part{}_{}", op, param);
+  std::string part = fmt::format("part{}_{}", op, key_name(param));
   args.ptr(Arg::Role::partials, op, param, part, "float", true);
-  std::string var = fmt::format("acc{}_{}{}", op, param, half);
+  std::string var = fmt::format("acc{}_{}{}", op, key_name(param), half);
   setup.pre_loop.line("float {}[8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};", var);
   setup.accs.push_back({var, part, width, col_off});
   bool have = false;
-  for (auto& f : setup.finalize) have |= f.op == op && f.name == param;
+  for (auto& f : setup.finalize) have |= f.op == op && f.key == param;
   if (!have) setup.finalize.push_back({"", op, param, width});
   return var;
 }
@@ -111,15 +111,15 @@ void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
   comment(w, s, "forward");
   switch (s.kind) {
     case Stage::Kind::unary:
-      if (s.save_input) w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", saved_ptr(args, s.op, "input", true), c.base, v);
+      if (s.save_input) w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", saved_ptr(args, s.op, Key::input, true), c.base, v);
       w.line("#pragma unroll");
       w.line("for (int e = 0; e < 8; ++e) {}[e] = {}::fwd({}[e]{});", v, s.functor, v, consts_suffix(s.consts));
       if (s.save_output)
-        w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", saved_ptr(args, s.op, "output", true), c.base, v);
+        w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", saved_ptr(args, s.op, Key::output, true), c.base, v);
       break;
     case Stage::Kind::bias: {
       std::string p = fmt::format("p{}_bias", s.op);
-      args.ptr(Arg::Role::param, s.op, "bias", p, "ST", false);
+      args.ptr(Arg::Role::param, s.op, Key::bias, p, "ST", false);
       std::string cache = fmt::format("b{}{}", s.op, c.half);
       setup.pre_loop.line("float {}[8];", cache);
       setup.pre_loop.line("if (active) jf_load8<DT, JF_VEC>({} + {} + c0, {}, n);", p, c.col_off, cache);
@@ -144,7 +144,7 @@ void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       w.open();
       dropout_bits(w, args, s, c);
       if (s.dropout_save_mask) {
-        args.ptr(Arg::Role::saved, s.op, "mask", fmt::format("s{}_mask", s.op), "unsigned char", true);
+        args.ptr(Arg::Role::saved, s.op, Key::mask, fmt::format("s{}_mask", s.op), "unsigned char", true);
         w.line("s{}_mask[{}] = (unsigned char)bits;", s.op, mask_index(c));
       }
       w.line("#pragma unroll");
@@ -165,7 +165,7 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       bool needs_saved = unary_needs_saved(s);
       w.line("{{");
       w.open();
-      if (needs_saved) load_elems(w, c, saved_ptr(args, s.op, s.saved_is_output ? "output" : "input", false), "s");
+      if (needs_saved) load_elems(w, c, saved_ptr(args, s.op, s.saved_is_output ? Key::output : Key::input, false), "s");
       w.line("#pragma unroll");
       w.line("for (int e = 0; e < 8; ++e) {}[e] = {}::bwd({}, {}[e]{});", g, s.functor, needs_saved ? "s[e]" : "0.f",
              g, consts_suffix(s.consts));
@@ -174,7 +174,7 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       break;
     }
     case Stage::Kind::bias: {
-      std::string acc = declare_accumulator(args, setup, s.op, "bias", c.width, c.col_off, c.half);
+      std::string acc = declare_accumulator(args, setup, s.op, Key::bias, c.width, c.col_off, c.half);
       w.line("#pragma unroll");
       w.line("for (int e = 0; e < 8; ++e) {}[e] += {}[e];", acc, g);
       break;
@@ -204,7 +204,7 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       add_loaded(w, c, p, g);
       if (s.grad_two_parts) {
         std::string q = fmt::format("gch{}", s.op);
-        args.ptr(Arg::Role::grad_extra_out, s.op, "channel", q, "ST", false);
+        args.ptr(Arg::Role::grad_extra_out, s.op, Key::channel, q, "ST", false);
         add_loaded(w, c, q, g);
       }
       break;
@@ -215,7 +215,7 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       if (s.dropout_regenerate) {
         dropout_bits(w, args, s, c);
       } else {
-        args.ptr(Arg::Role::saved, s.op, "mask", fmt::format("s{}_mask", s.op), "unsigned char", false);
+        args.ptr(Arg::Role::saved, s.op, Key::mask, fmt::format("s{}_mask", s.op), "unsigned char", false);
         w.line("const jf_u32 bits = s{}_mask[{}];", s.op, mask_index(c));
       }
       w.line("#pragma unroll");
@@ -336,7 +336,7 @@ void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const Kerne
       }
     std::string name = g.kernel + "_fin";
     for (size_t s = 0; s < group.size(); ++s)
-      name += fmt::format("{}{}_{}", s ? "_" : "", group[s]->op, group[s]->name);
+      name += fmt::format("{}{}_{}", s ? "_" : "", group[s]->op, key_name(group[s]->key));
     for (size_t s = 0; s < group.size(); ++s) {
       group[s]->kernel = name;
       group[s]->slot = static_cast<int>(s);

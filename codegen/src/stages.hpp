@@ -69,7 +69,7 @@ void emit_fp8_update(Writer& w, const std::string& kernel, const Fp8Spec& q);
 // `setup` to `w` and fills g.finalize, g.args and g.source.
 void finish(Writer& w, Setup& setup, const Args& args, Generated& g, const KernelSpec& spec);
 // Registers partials + finalize for a parameter grad reduced over rows.
-std::string declare_accumulator(Args& args, Setup& setup, int op, const std::string& param, int64_t width,
+std::string declare_accumulator(Args& args, Setup& setup, int op, Key param, int64_t width,
                                 const std::string& col_off, const std::string& half);
 
 }  // namespace jitfuse::codegen::detail

@@ -18,12 +18,42 @@ std::string skeleton_name(Skeleton s) {
   return "?";
 }
 
+namespace {
+constexpr std::pair<Key, const char*> kKeys[] = {
+    {Key::input, "input"}, {Key::output, "output"}, {Key::mean, "mean"}, {Key::rstd, "rstd"},
+    {Key::mask, "mask"},   {Key::lse, "lse"},       {Key::scale, "scale"}, {Key::dx, "dx"},
+    {Key::dW, "dW"},       {Key::db, "db"},         {Key::weight, "weight"}, {Key::bias, "bias"},
+    {Key::channel, "channel"}};
+}  // namespace
+
+const char* key_name(Key k) {
+  for (const auto& [key, name] : kKeys)
+    if (key == k) return name;
+  return "";
+}
+
+std::optional<Key> parse_key(std::string_view name) {
+  for (const auto& [key, n] : kKeys)
+    if (name == n) return key;
+  return std::nullopt;
+}
+
 namespace detail {
 
 void Args::ptr(Arg::Role role, int op, const std::string& name, const std::string& c_name, const std::string& type,
                bool writes) {
+  if (role == Arg::Role::param || role == Arg::Role::saved || role == Arg::Role::partials)
+    throw std::logic_error("codegen: argument '" + c_name + "' is bound by (op, key): pass its codegen::Key");
   if (has(c_name)) return;
   args_.push_back({role, op, name, writes});
+  decls_.push_back(fmt::format("{}{}* __restrict__ {}", writes ? "" : "const ", type, c_name));
+  names_.push_back(c_name);
+}
+
+void Args::ptr(Arg::Role role, int op, Key key, const std::string& c_name, const std::string& type, bool writes) {
+  if (key == Key::none) throw std::logic_error("codegen: keyed argument '" + c_name + "' without a key");
+  if (has(c_name)) return;
+  args_.push_back({role, op, key_name(key), writes, key});
   decls_.push_back(fmt::format("{}{}* __restrict__ {}", writes ? "" : "const ", type, c_name));
   names_.push_back(c_name);
 }

@@ -37,6 +37,8 @@ class Args {
  public:
   void ptr(Arg::Role role, int op, const std::string& name, const std::string& c_name, const std::string& type,
            bool writes);
+  // A keyed argument (param, saved, partials, a channel's gradient): bound by (op, key).
+  void ptr(Arg::Role role, int op, Key key, const std::string& c_name, const std::string& type, bool writes);
   void scalar(Arg::Role role, int op, const std::string& name, const std::string& c_name, const std::string& type);
   std::string decl() const;  // "const ST* __restrict__ in, ..."
   const std::vector<Arg>& args() const { return args_; }

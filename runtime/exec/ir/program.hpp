@@ -37,12 +37,12 @@ enum class Storage {
 enum class BufferRole {
   input, output, extra_in, extra_out,                       // forward tensors of the caller
   grad_output, grad_input, grad_extra_out, grad_extra_in,   // backward tensors of the caller
-  param, grad,                                              // (op, name) parameters and their gradients
+  param, grad,                                              // (op, key) parameters and their gradients
   recipe_state,                                             // (op, operand, scale|scale_inv|history) FP8 state
   rng_state,                                                // the call's Philox {seed, offset}, copied in first
   activation,                                               // a value between two forward groups
   gradient,                                                 // a gradient between two backward groups
-  saved_context,                                            // (op, name) context a forward kernel or GEMM writes
+  saved_context,                                            // (op, key) context a forward kernel or GEMM writes
   fp8,                                                      // (linear, operand, row|col|scale_inv)
                                                             // an FP8 copy of a GEMM operand, or its scale_inv
   temp,                                                     // scratch: partial sums, recomputed values, masks
@@ -251,7 +251,7 @@ struct Program {
   std::vector<int> channel_grads;
   // The saved set: ids of the buffers a training forward leaves for the backward (in the saved block, or
   // the caller's forward tensors). "Saved" names four things, each its own word: Storage::saved_block (the
-  // memory), BufferRole::saved_context (an op's (op, name) context), Builder::saved_context (its lookup),
+  // memory), BufferRole::saved_context (an op's (op, key) context), Builder::saved_context (its lookup),
   // this set; jf_program_info.saved lists the saved block's tensors (the C ABI's name, unchanged).
   std::vector<int> saved_set() const;
 

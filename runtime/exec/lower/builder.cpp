@@ -1,4 +1,4 @@
-// The program builder: buffers by role, saved context by (op, name), GEMM and kernel steps with their
+// The program builder: buffers by role, saved context by (op, codegen::Key), GEMM and kernel steps with their
 // arguments bound to buffer ids once, so the executor never looks anything up by name.
 #include "exec/lower/builder.hpp"
 
@@ -51,8 +51,8 @@ int Builder::caller(BufferRole role, const std::string& name, int op, int slot, 
   return add(b);
 }
 
-int Builder::keyed(int id, const std::string& key) {
-  p_.buffers.at(static_cast<size_t>(id)).key = key;
+int Builder::keyed(int id, Key key) {
+  p_.buffers.at(static_cast<size_t>(id)).key = codegen::key_name(key);
   return id;
 }
 
@@ -107,24 +107,25 @@ int Builder::grad_of(int i) {
   return id;
 }
 
-int Builder::param(int op, const std::string& name) {
-  auto key = std::make_pair(op, name);
-  if (auto it = params_.find(key); it != params_.end()) return it->second;
+int Builder::param(int op, Key key) {
+  const auto k = std::make_pair(op, key);
+  if (auto it = params_.find(k); it != params_.end()) return it->second;
+  const std::string name = codegen::key_name(key);
   for (const auto& prm : p_.ops.at(static_cast<size_t>(op)).params)
     if (prm.name == name)
-      return params_[key] = keyed(caller(BufferRole::param, "op" + std::to_string(op) + "." + name, op, -1,
-                                         p_.recipe.dtype, ops::rows_of(prm.shape), ops::cols_of(prm.shape)),
-                                  name);
+      return params_[k] = keyed(caller(BufferRole::param, "op" + std::to_string(op) + "." + name, op, -1,
+                                       p_.recipe.dtype, ops::rows_of(prm.shape), ops::cols_of(prm.shape)),
+                                key);
   fail(Status::internal, "{} has no parameter '{}'", p_.ops[op].label(), name);
 }
 
-int Builder::grad(int op, const std::string& name) {
-  auto key = std::make_pair(op, name);
-  if (auto it = grads_.find(key); it != grads_.end()) return it->second;
-  const Buffer prm = p_.buffer(param(op, name));
-  return grads_[key] = keyed(caller(BufferRole::grad, "grad op" + std::to_string(op) + "." + name, op, -1,
-                                    prm.dtype, prm.rows, prm.cols),
-                             name);
+int Builder::grad(int op, Key key) {
+  const auto k = std::make_pair(op, key);
+  if (auto it = grads_.find(k); it != grads_.end()) return it->second;
+  const Buffer prm = p_.buffer(param(op, key));
+  return grads_[k] = keyed(caller(BufferRole::grad, "grad op" + std::to_string(op) + "." + codegen::key_name(key), op,
+                                  -1, prm.dtype, prm.rows, prm.cols),
+                           key);
 }
 
 // The four caller tensors of add_extra_input / make_extra_output ops, by role: one accessor, one table.
@@ -260,7 +261,8 @@ int Builder::fp8_state(int op, fp8::Operand operand, fp8::Part part) {
   const int64_t len = part == fp8::Part::history ? std::max(1, p_.recipe.amax_history) : 1;
   const std::string tensor = fp8::name(operand);
   const std::string name = "op" + std::to_string(op) + "." + (tensor.empty() ? "" : tensor + ".") + fp8::name(part);
-  const int id = keyed(caller(BufferRole::recipe_state, name, op, -1, ops::DType::f32, 1, len), fp8::name(part));
+  const int id = caller(BufferRole::recipe_state, name, op, -1, ops::DType::f32, 1, len);
+  p_.buffers[static_cast<size_t>(id)].key = fp8::name(part);  // bound by (fp8_operand, fp8_part), typed
   p_.buffers[static_cast<size_t>(id)].fp8_operand = operand;
   p_.buffers[static_cast<size_t>(id)].fp8_part = part;
   return state_[key] = id;
@@ -328,16 +330,17 @@ int Builder::rng_state() {
   return p_.rng;
 }
 
-size_t Builder::saved_size(int op, const std::string& name) const {
+size_t Builder::saved_size(int op, Key key) const {
   const auto& o = p_.ops.at(static_cast<size_t>(op));
   const int64_t rows = ops::rows_of(o.in), cols = ops::cols_of(o.in);
-  if (name == "mean" || name == "rstd") return static_cast<size_t>(rows) * 4;
-  if (name == "mask") return static_cast<size_t>(rows * ((cols + 7) / 8));
-  if (name == "output") return dtype_bytes_of(ops::rows_of(o.out), ops::cols_of(o.out));
+  if (key == Key::mean || key == Key::rstd) return static_cast<size_t>(rows) * 4;
+  if (key == Key::mask) return static_cast<size_t>(rows * ((cols + 7) / 8));
+  if (key == Key::output) return dtype_bytes_of(ops::rows_of(o.out), ops::cols_of(o.out));
   return dtype_bytes_of(rows, cols);
 }
 
-int Builder::saved_new(int op, const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes) {
+int Builder::saved_new(int op, Key key, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes) {
+  const char* name = codegen::key_name(key);
   if (!p_.training) fail(Status::internal, "an inference program saves no context ({} '{}')", p_.ops[op].label(), name);
   Buffer b;
   b.role = BufferRole::saved_context;
@@ -349,17 +352,17 @@ int Builder::saved_new(int op, const std::string& name, ops::DType dtype, int64_
   b.cols = cols;
   b.bytes = bytes;
   b.key = name;
-  b.needs_align16 = name != "mask";
+  b.needs_align16 = key != Key::mask;
   int id = add(b);
-  saved_[{op, name}] = id;
+  saved_[{op, key}] = id;
   return id;
 }
 
-void Builder::save_alias(int op, const std::string& name, int id) {
+void Builder::save_alias(int op, Key key, int id) {
   if (!p_.training) return;
   auto& b = p_.buffers.at(static_cast<size_t>(id));
   if (b.storage == Storage::fwd_arena) b.storage = Storage::saved_block;  // must outlive the forward call
-  saved_[{op, name}] = id;
+  saved_[{op, key}] = id;
 }
 
 void Builder::boundary_saves(int b, int e) {
@@ -368,22 +371,22 @@ void Builder::boundary_saves(int b, int e) {
     for (auto k : p_.ops[i].saved) {
       // An FP8 linear's wgrad reads the transposed FP8 copy of its input (saved by the cast), not this.
       if (k == ops::SavedKind::input && i == b && !(p_.recipe.is_fp8() && p_.ops[i].family == ops::Family::linear))
-        save_alias(i, "input", act(b));
-      if (k == ops::SavedKind::output && i + 1 == e) save_alias(i, "output", act(e));
+        save_alias(i, Key::input, act(b));
+      if (k == ops::SavedKind::output && i + 1 == e) save_alias(i, Key::output, act(e));
     }
 }
 
-void Builder::forget_saved(int op, const std::string& name) { saved_.erase({op, name}); }
+void Builder::forget_saved(int op, Key key) { saved_.erase({op, key}); }
 
-int Builder::saved_context(int op, const std::string& name) const {
-  auto it = saved_.find({op, name});
+int Builder::saved_context(int op, Key key) const {
+  auto it = saved_.find({op, key});
   if (it == saved_.end())
     fail(Status::internal, "{}: saved context '{}' missing: the forward group did not save what this backward needs",
-         p_.ops.at(static_cast<size_t>(op)).label(), name);
+         p_.ops.at(static_cast<size_t>(op)).label(), codegen::key_name(key));
   return it->second;
 }
 
-void Builder::provide_saved(int op, const std::string& name, int id) { saved_[{op, name}] = id; }
+void Builder::provide_saved(int op, Key key, int id) { saved_[{op, key}] = id; }
 
 int Builder::temp(const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes) {
   Buffer b;
@@ -475,38 +478,38 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
   switch (a.role) {
     case Arg::Role::in: k.buffer = in; break;
     case Arg::Role::out: k.buffer = out; break;
-    case Arg::Role::param: k.buffer = param(a.op, a.name); break;
+    case Arg::Role::param: k.buffer = param(a.op, a.key); break;
     case Arg::Role::saved:
-      if (a.writes && saved_.count({a.op, a.name})) {
-        k.buffer = saved_.at({a.op, a.name});  // declared by the lowering itself (its own dtype and size)
+      if (a.writes && saved_.count({a.op, a.key})) {
+        k.buffer = saved_.at({a.op, a.key});  // declared by the lowering itself (its own dtype and size)
       } else if (a.writes) {
         const auto& o = p_.ops[a.op];
-        const bool stats = a.name == "mean" || a.name == "rstd", mask = a.name == "mask";
-        const bool output = a.name == "output";
-        k.buffer = saved_new(a.op, a.name, stats ? ops::DType::f32 : p_.recipe.dtype,
+        const bool stats = a.key == Key::mean || a.key == Key::rstd, mask = a.key == Key::mask;
+        const bool output = a.key == Key::output;
+        k.buffer = saved_new(a.op, a.key, stats ? ops::DType::f32 : p_.recipe.dtype,
                              ops::rows_of(output ? o.out : o.in),
                              stats ? 1 : mask ? (ops::cols_of(o.in) + 7) / 8 : ops::cols_of(output ? o.out : o.in),
-                             saved_size(a.op, a.name));
+                             saved_size(a.op, a.key));
       } else {
-        k.buffer = saved_context(a.op, a.name);
+        k.buffer = saved_context(a.op, a.key);
       }
       break;
     case Arg::Role::extra_in: k.buffer = extra_in(a.op); break;
     case Arg::Role::extra_out: k.buffer = extra_out(a.op); break;
     case Arg::Role::grad_extra_out:
-      k.buffer = a.name == "channel" ? channel_grad(a.op) : grad_extra_out(a.op);
+      k.buffer = a.key == Key::channel ? channel_grad(a.op) : grad_extra_out(a.op);
       break;
     case Arg::Role::grad_extra_in: k.buffer = grad_extra_in(a.op); break;
     case Arg::Role::partials: {
       // fp32 [parts, width]; parts is known once the launch shape is (lay_out, layout.hpp).
       int64_t width = 0;
       for (const auto& f : ks.gen.finalize)
-        if (f.op == a.op && f.name == a.name) width = f.cols;
-      k.buffer = temp("partials op" + std::to_string(a.op) + "." + a.name, ops::DType::f32, -1, width);
+        if (f.op == a.op && f.key == a.key) width = f.cols;
+      k.buffer = temp("partials op" + std::to_string(a.op) + "." + codegen::key_name(a.key), ops::DType::f32, -1, width);
       for (size_t i = 0; i < ks.gen.finalize.size(); ++i) {
         const auto& f = ks.gen.finalize[i];
-        if (f.op == a.op && f.name == a.name)
-          ks.finalize.push_back({k.buffer, grad(f.op, f.name), f.cols, f.kernel, f.slot, f.count, static_cast<int>(i)});
+        if (f.op == a.op && f.key == a.key)
+          ks.finalize.push_back({k.buffer, grad(f.op, f.key), f.cols, f.kernel, f.slot, f.count, static_cast<int>(i)});
       }
       break;
   }

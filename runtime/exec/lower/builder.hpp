@@ -1,5 +1,6 @@
 // The program builder that implementations lower groups with: value, parameter, saved and scratch
-// buffers by role, GEMM and kernel steps. Saved context is keyed by (op, name) here, once, at build time.
+// buffers by role, GEMM and kernel steps. Parameters and saved context are keyed by (op, codegen::Key)
+// here, once, at build time.
 #pragma once
 #include <map>
 #include <tuple>
@@ -10,6 +11,8 @@
 #include "exec/ir/program.hpp"
 
 namespace jitfuse::exec {
+
+using Key = codegen::Key;  // what a parameter or saved context is within its op
 
 class Builder {
  public:
@@ -26,8 +29,8 @@ class Builder {
   int act(int i);
   // The gradient of the value entering op i (n: the caller's grad_output, 0: the caller's grad_input).
   int grad_of(int i);
-  int param(int op, const std::string& name);
-  int grad(int op, const std::string& name);
+  int param(int op, codegen::Key key);
+  int grad(int op, codegen::Key key);
   // The caller's extra tensors of op `op` (an add_extra_input's or make_extra_output's), by role:
   // extra_in, extra_out, grad_extra_out or grad_extra_in.
   int extra(BufferRole role, int op);
@@ -62,18 +65,18 @@ class Builder {
   Fp8Operand& fp8_operand(int lin, fp8::Operand operand);
   int rng_state();  // the call's Philox state (Program::rng), created on first use
 
-  // Forward: saved context (op, name) written into the saved block by a kernel or a GEMM epilogue.
-  int saved_new(int op, const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes);
-  // Forward: saved context (op, name) is the value buffer `id` (kept alive in the saved block if scratch).
-  void save_alias(int op, const std::string& name, int id);
+  // Forward: saved context (op, key) written into the saved block by a kernel or a GEMM epilogue.
+  int saved_new(int op, codegen::Key key, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes);
+  // Forward: saved context (op, key) is the value buffer `id` (kept alive in the saved block if scratch).
+  void save_alias(int op, codegen::Key key, int id);
   // Forward: what ops [b, e) of a group save at its boundaries (an op's input at b, its output at e);
   // context inside the group is written by the group's own kernels.
   void boundary_saves(int b, int e);
-  void forget_saved(int op, const std::string& name);
-  // Backward: the buffer holding saved context (op, name); throws if the forward did not save it.
-  int saved_context(int op, const std::string& name) const;
-  // Backward: (op, name) is provided by a buffer the backward itself computed (recompute strategies).
-  void provide_saved(int op, const std::string& name, int id);
+  void forget_saved(int op, codegen::Key key);
+  // Backward: the buffer holding saved context (op, key); throws if the forward did not save it.
+  int saved_context(int op, codegen::Key key) const;
+  // Backward: (op, key) is provided by a buffer the backward itself computed (recompute strategies).
+  void provide_saved(int op, codegen::Key key, int id);
 
   int temp(const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes = 0);
 
@@ -108,10 +111,10 @@ class Builder {
   KArg bind_arg(const codegen::Arg& a, KernelStep& ks, int in, int out, fp8::Operand fp8_tensor);
   int add(Buffer b);
   int caller(BufferRole role, const std::string& name, int op, int slot, ops::DType dt, int64_t rows, int64_t cols);
-  int keyed(int id, const std::string& key);
+  int keyed(int id, codegen::Key key);
   void touch(int id);
   size_t dtype_bytes_of(int64_t rows, int64_t cols) const;
-  size_t saved_size(int op, const std::string& name) const;
+  size_t saved_size(int op, codegen::Key key) const;
 
   Program& p_;
   std::string seq_;
@@ -119,7 +122,7 @@ class Builder {
   int group_ = -1;
   fuser::Group g_;
   std::vector<int> act_, grad_;
-  std::map<std::pair<int, std::string>, int> params_, grads_, saved_;
+  std::map<std::pair<int, codegen::Key>, int> params_, grads_, saved_;  // by (op, key), typed
   std::map<std::pair<int, BufferRole>, int> extra_;
   std::map<std::pair<int, fp8::Operand>, Fp8Operand> fp8_;
   Fp8UpdateStep batch_;  // the current pass's batched FP8 update, added as a step by end_pass

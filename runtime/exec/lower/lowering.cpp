@@ -209,7 +209,7 @@ GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
            cuda::epilogue_name(epi));
     if (!b.fp8_operand(lin, fp8::Operand::input).ready) fp8_cast_operand(b, lin, fp8::Operand::input, x, lin, lin);
     if (!b.fp8_operand(lin, fp8::Operand::weight).ready)
-      fp8_cast_operand(b, lin, fp8::Operand::weight, b.param(lin, "weight"), lin, lin);
+      fp8_cast_operand(b, lin, fp8::Operand::weight, b.param(lin, Key::weight), lin, lin);
     const auto& xin = b.fp8_operand(lin, fp8::Operand::input);
     const auto& w = b.fp8_operand(lin, fp8::Operand::weight);
     g.call.fp8 = fp8_gemm(ops::DType::e4m3, ops::DType::e4m3, true);
@@ -220,7 +220,7 @@ GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
     return g;
   }
   g.a = x;
-  g.b = b.param(lin, "weight");
+  g.b = b.param(lin, Key::weight);
   return g;
 }
 
@@ -262,7 +262,7 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
   }
   b.gemm(dg, who + ": FP8 dgrad " + op.label() + " (E5M2 dy x E4M3 W^T)");
   // dW[n,k] = dy^T[n,m] . (x^T[k,m])^T
-  GemmStep wg = tn(n, k, m, dy.col, dy.scale_inv, x.col, x.scale_inv, b.grad(lin, "weight"));
+  GemmStep wg = tn(n, k, m, dy.col, dy.scale_inv, x.col, x.scale_inv, b.grad(lin, Key::weight));
   wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
   b.gemm(wg, who + ": FP8 wgrad " + op.label() + " (E5M2 dy^T x E4M3 x^T)");
 }
@@ -276,7 +276,7 @@ void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
   GemmStep dg = b.linear_gemm(lin, cuda::GemmKind::dgrad);
   dg.call.alpha = lb.alpha;
   dg.a = lb.dy;
-  dg.b = b.param(lin, "weight");
+  dg.b = b.param(lin, Key::weight);
   dg.d = lb.dx;
   if (lb.accumulate >= 0) {
     dg.call.beta = 1.f;
@@ -291,13 +291,13 @@ void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
   GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::wgrad);
   wg.call.alpha = lb.alpha;
   wg.a = lb.dy;
-  wg.b = lb.input >= 0 ? lb.input : b.saved_context(lin, "input");
-  wg.d = b.grad(lin, "weight");
+  wg.b = lb.input >= 0 ? lb.input : b.saved_context(lin, Key::input);
+  wg.d = b.grad(lin, Key::weight);
   wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
   if (lb.bias_grad_op >= 0) {
     // db = column sums of dy, taken by the wgrad GEMM that reads dy anyway (ones: the fallback's column).
     wg.call.epilogue = cuda::Epilogue::bgradb;
-    wg.bias = b.grad(lb.bias_grad_op, "bias");
+    wg.bias = b.grad(lb.bias_grad_op, Key::bias);
     wg.bias_grad_fallback = true;
     wg.ones = b.temp("ones", b.recipe().dtype, wg.call.m, 1);
   }

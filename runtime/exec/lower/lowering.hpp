@@ -65,7 +65,7 @@ struct LinearBackward {
   cuda::Epilogue dgrad_epilogue = cuda::Epilogue::none;
   int dgrad_aux = -1, dgrad_bias = -1;
   int bias_grad_op = -1;
-  int input = -1;  // the linear's saved input (default: saved_context(lin, "input"))
+  int input = -1;  // the linear's saved input (default: saved_context(lin, Key::input))
 };
 void linear_backward(Builder& b, int lin, const LinearBackward& lb);
 

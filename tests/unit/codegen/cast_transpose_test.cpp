@@ -138,7 +138,7 @@ TEST_CASE("cast_transpose: backward dgelu + dbias, E5M2 gradients", "[codegen][c
   REQUIRE(g.finalize.size() == 1);
   CHECK(g.finalize[0].kernel == "jf_bias_gelu_cast_transpose_bwd_fin0_bias");
   CHECK(g.finalize[0].op == 3);
-  CHECK(g.finalize[0].name == "bias");
+  CHECK(g.finalize[0].key == codegen::Key::bias);
   CHECK(g.finalize[0].cols == 4096);
   const std::string& s = g.source;
   CHECK(has(s, "gr[e] = jf_op_gelu_tanh::bwd(s[e], gr[e]);"));

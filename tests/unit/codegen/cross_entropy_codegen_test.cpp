@@ -75,7 +75,7 @@ TEST_CASE("cross_entropy kernels: names, launches, arguments", "[codegen][cross_
 
   KernelSpec sc = spec(K::scale, 2, 4096);
   sc.ce->src_op = 0;
-  sc.ce->src = "dW";
+  sc.ce->src = Key::dW;
   sc.ce->accumulate = true;
   const Generated s = generate(sc);
   CHECK(s.kernel == "jf_cross_entropy_bwd");  // label "cross_entropy" here: the name follows the spec's label
@@ -83,7 +83,7 @@ TEST_CASE("cross_entropy kernels: names, launches, arguments", "[codegen][cross_
   CHECK(find(s, Arg::Role::saved, "dW")->op == 0);
   CHECK(find(s, Arg::Role::saved, "scale")->op == 2);
   CHECK_THAT(s.source, Catch::Contains("v[e] = o[e] + g * v[e]"));
-  sc.ce->src = "dx";  // another saved tensor of the same width: the same source
+  sc.ce->src = Key::dx;  // another saved tensor of the same width: the same source
   CHECK(generate(sc).source == s.source);
 
   KernelSpec bad = spec(K::rows_fwd);

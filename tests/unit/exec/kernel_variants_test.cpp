@@ -326,7 +326,7 @@ TEST_CASE("the gradients of one width finalize in one launch: a layernorm's dgam
       for (size_t i = 0; i < w.grads.size(); ++i) {
         const auto& f = k->finalize[i];
         const auto& g = k->gen.finalize[i];
-        CHECK(g.name == w.grads[i]);
+        CHECK(codegen::key_name(g.key) == w.grads[i]);
         CHECK(f.key == k->finalize[0].key);  // one kernel
         CHECK(f.slot == static_cast<int>(i));
         CHECK(f.count == static_cast<int>(w.grads.size()));

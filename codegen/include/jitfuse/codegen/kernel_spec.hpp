@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace jitfuse::codegen {
@@ -54,6 +55,19 @@ struct GatedSpec {
   bool save_input = false;
 };
 
+// What an (op, key) tensor is, typed: a parameter of the op, or context a forward saves for its backward
+// (a joint strategy's own too). The program builder binds parameters, saved context, partial sums and a
+// channel's gradient by (op, Key), never by a string; key_name is what sources, buffers and explain print.
+enum class Key : uint8_t {
+  none,
+  input, output, mean, rstd, mask, lse, scale,  // saved context
+  dx, dW, db,                                   // the chunked loss's gradients, computed in its forward
+  weight, bias,                                 // parameters (ops::Op::params names), and their partials
+  channel,                                      // grad_extra_out: the gradient a channel's readers summed
+};
+const char* key_name(Key k);                      // "input", "weight", ...; "" for none
+std::optional<Key> parse_key(std::string_view name);  // a parameter's name (ops::Op::params) -> its key
+
 // A trailing FP8 cast of the kernel's output and the per-tensor amax reduction its scale comes from.
 // Two kinds of owner:
 //  - a quantize op (tensor empty): E4M3, the recipe state of op `op` ({scale, scale_inv, amax_history});
@@ -89,8 +103,8 @@ struct CrossEntropySpec {
     fill_ones,  // out[r] = 1 for r < rows (the column of ones of a column-sum GEMM)
   } kernel = Kernel::rows_fwd;
   int op = -1;                // the cross_entropy op (labels, saved lse and scale)
-  int src_op = -1;            // scale: the saved tensor it reads
-  std::string src;
+  int src_op = -1;            // scale: the saved tensor (src_op, src) it reads
+  Key src = Key::none;
   std::string reduction = "mean";
   int64_t ignore_index = -100;
   double label_smoothing = 0, z_loss = 0, softcap = 0;
@@ -150,8 +164,9 @@ struct Arg {
     fp8_colwise,   // (op) cast_transpose: the transposed FP8 codes, unsigned char [cols, rows] (written)
   } role;
   int op = -1;       // the op's index in the sequence (the source names it by its position in the kernel)
-  std::string name;
+  std::string name;  // what it is ("in", "rows", "scale_input", ...); for keyed roles key_name(key)
   bool writes = false;
+  Key key = Key::none;  // param, saved, partials, grad_extra_out (channel): what the builder binds it by
 };
 
 struct Launch {
@@ -178,7 +193,7 @@ struct Finalize {
   std::string kernel;  // "<kernel>_fin<position>_<name>[_<position>_<name>...]": unique in its module, the
                        // same at any depth
   int op = -1;         // the op's index in the sequence
-  std::string name;  // "bias", "weight"
+  Key key = Key::none;  // the parameter: Key::bias, Key::weight
   int64_t cols = 0;
   int slot = 0, count = 1;
 };

@@ -61,13 +61,13 @@ void lower_cross_entropy(Builder& b, int i) {
   const bool train = b.training();
   codegen::KernelSpec rows_spec = cross_entropy_spec(b, i, K::rows_fwd);
   rows_spec.ce->save = train;
-  if (train) b.saved_new(i, "lse", ops::DType::f32, rows, 1, static_cast<size_t>(rows) * 4);
+  if (train) b.saved_new(i, Key::lse, ops::DType::f32, rows, 1, static_cast<size_t>(rows) * 4);
   const int losses = none ? b.act(i + 1) : b.temp("losses op" + std::to_string(i), ops::DType::f32, rows, 1);
   b.kernel(rows_spec, meta, b.act(i), losses, rows, who + " (loss and lse per row)");
   if (!none) {
     codegen::KernelSpec red = cross_entropy_spec(b, i, K::reduce);
     red.ce->save = train;
-    if (train) b.saved_new(i, "scale", ops::DType::f32, 1, 1, 4);
+    if (train) b.saved_new(i, Key::scale, ops::DType::f32, 1, 1, 4);
     b.kernel(red, meta, losses, b.act(i + 1), rows, who + " (" + op.str("reduction") + " over the rows)");
   }
   b.boundary_saves(i, i + 1);

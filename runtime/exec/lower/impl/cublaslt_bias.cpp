@@ -18,7 +18,7 @@ class Bias final : public CublasEpilogue {
   void forward(Builder& b, int, int y) const override {
     const int lin = role(b, ops::Family::linear);
     GemmStep g = linear_forward(b, lin, b.act(lin), y, cuda::Epilogue::bias);
-    g.bias = b.param(role(b, ops::Family::bias), "bias");
+    g.bias = b.param(role(b, ops::Family::bias), Key::bias);
     b.gemm(g, b.group().rule + ": cublaslt BIAS");
   }
 };

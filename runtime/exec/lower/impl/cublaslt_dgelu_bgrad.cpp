@@ -30,8 +30,8 @@ class DgeluBgrad final : public CublasEpilogue {
     lb.dy = b.grad_of(g.end);
     lb.dx = b.grad_of(g.begin);
     lb.dgrad_epilogue = cuda::Epilogue::dgelu_bgrad;
-    lb.dgrad_aux = b.saved_context(act, "input");
-    lb.dgrad_bias = b.grad(role(b, ops::Family::bias, 0), "bias");
+    lb.dgrad_aux = b.saved_context(act, Key::input);
+    lb.dgrad_bias = b.grad(role(b, ops::Family::bias, 0), Key::bias);
     if (lin + 1 < g.end) lb.bias_grad_op = role(b, ops::Family::bias, 1);
     linear_backward(b, lin, lb);
   }

@@ -60,7 +60,7 @@ void CublasEpilogue::lower(Builder& b, const rules::Impl& impl) const {
 
 int epilogue_saved_input(Builder& b, int op) {
   const auto& o = b.ops()[op];
-  return b.saved_new(op, "input", b.recipe().dtype, ops::rows_of(o.in), ops::cols_of(o.in),
+  return b.saved_new(op, Key::input, b.recipe().dtype, ops::rows_of(o.in), ops::cols_of(o.in),
                      static_cast<size_t>(ops::numel(o.in)) * ops::dtype_bytes(b.recipe().dtype));
 }
 

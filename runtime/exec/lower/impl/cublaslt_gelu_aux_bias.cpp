@@ -23,7 +23,7 @@ class GeluAuxBias final : public CublasEpilogue {
   void forward(Builder& b, int, int y) const override {
     const int lin = role(b, ops::Family::linear), act = role(b, ops::Family::pointwise);
     GemmStep g = linear_forward(b, lin, b.act(lin), y, cuda::Epilogue::gelu_bias);
-    g.bias = b.param(role(b, ops::Family::bias), "bias");
+    g.bias = b.param(role(b, ops::Family::bias), Key::bias);
     if (b.training()) {
       g.call.epilogue = cuda::Epilogue::gelu_aux_bias;
       g.aux = epilogue_saved_input(b, act);

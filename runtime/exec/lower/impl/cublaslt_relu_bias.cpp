@@ -15,7 +15,7 @@ class ReluBias final : public CublasEpilogue {
   void forward(Builder& b, int, int y) const override {
     const int lin = role(b, ops::Family::linear);
     GemmStep g = linear_forward(b, lin, b.act(lin), y, cuda::Epilogue::relu_bias);
-    g.bias = b.param(role(b, ops::Family::bias), "bias");
+    g.bias = b.param(role(b, ops::Family::bias), Key::bias);
     b.gemm(g, b.group().rule + ": cublaslt RELU_BIAS");
   }
 };

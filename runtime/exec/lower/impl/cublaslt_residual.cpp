@@ -25,7 +25,7 @@ class Residual final : public CublasEpilogue {
     const auto& mid = b.ops()[begin + 1];
     if (mid.family == ops::Family::bias) {
       g.call.epilogue = cuda::Epilogue::bias;
-      g.bias = b.param(mid.index, "bias");
+      g.bias = b.param(mid.index, Key::bias);
     } else if (mid.family != ops::Family::add_extra_input) {  // scale
       g.call.alpha = static_cast<float>(mid.consts.at(0));
     }  // else [linear add_extra_input]: the plain GEMM accumulating into the residual

@@ -92,7 +92,7 @@ class GeneratedFp8Cast final : public Implementation {
       const bool gemm_quantizes = q >= 0 && b.recipe().kind == ops::RecipeKind::fp8_delayed;
       GemmStep gs = linear_forward(b, lin, b.act(lin), b.act(gemm_quantizes || add >= 0 ? g.end : gemm_end),
                                    bias ? cuda::Epilogue::bias : cuda::Epilogue::none);
-      if (bias) gs.bias = b.param(lin + 1, "bias");
+      if (bias) gs.bias = b.param(lin + 1, Key::bias);
       if (gemm_quantizes) quantize_output(b, gs, q);
       if (add >= 0) {  // y = x W^T (+ b) + e: the residual is the GEMM's C (bf16, as D)
         gs.call.beta = 1.f;

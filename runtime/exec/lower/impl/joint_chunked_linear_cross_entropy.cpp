@@ -78,11 +78,11 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const std::string who = g.rule + ": chunked_linear_cross_entropy";
     Buffers bf{};
     bf.x = b.act(o.lin);
-    bf.w = b.param(o.lin, "weight");
-    bf.dx = b.saved_new(o.lin, "dx", dt, o.rows, o.h, static_cast<size_t>(o.rows * o.h * e));
-    bf.dw = b.saved_new(o.lin, "dW", dt, o.v, o.h, static_cast<size_t>(o.v * o.h * e));
-    bf.db = o.bias < 0 ? -1 : b.saved_new(o.bias, "db", dt, 1, o.v, static_cast<size_t>(o.v * e));
-    b.saved_new(o.ce, "scale", ops::DType::f32, 1, 1, 4);
+    bf.w = b.param(o.lin, Key::weight);
+    bf.dx = b.saved_new(o.lin, Key::dx, dt, o.rows, o.h, static_cast<size_t>(o.rows * o.h * e));
+    bf.dw = b.saved_new(o.lin, Key::dW, dt, o.v, o.h, static_cast<size_t>(o.v * o.h * e));
+    bf.db = o.bias < 0 ? -1 : b.saved_new(o.bias, Key::db, dt, 1, o.v, static_cast<size_t>(o.v * e));
+    b.saved_new(o.ce, Key::scale, ops::DType::f32, 1, 1, 4);
     bf.logits = b.temp("logits chunk", dt, chunk, o.v);
     bf.losses = b.temp("losses op" + std::to_string(o.ce), ops::DType::f32, o.rows, 1);
     bf.ones = -1;
@@ -123,7 +123,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     head.d = bf.logits;
     if (o.bias >= 0) {
       head.call.epilogue = cuda::Epilogue::bias;
-      head.bias = b.param(o.bias, "bias");
+      head.bias = b.param(o.bias, Key::bias);
     }
     b.gemm(head, at + ": logits = x W^T" + (o.bias >= 0 ? " + b" : "") + (plan.empty() ? "" : "; " + plan));
     codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::fused);
@@ -162,7 +162,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const std::string who = g.rule + ": chunked_linear_cross_entropy";
     const nlohmann::json meta = b.kernel_meta(o.ce, "backward");
     const int dy = b.grad_of(g.end);
-    auto scale = [&](int src_op, const char* src, int out, int64_t rows, int64_t cols, bool accumulate,
+    auto scale = [&](int src_op, codegen::Key src, int out, int64_t rows, int64_t cols, bool accumulate,
                      const std::string& what) {
       codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::scale);
       k.cols = cols;
@@ -171,11 +171,11 @@ class ChunkedLinearCrossEntropy final : public Implementation {
       k.ce->accumulate = accumulate;
       b.kernel(k, meta, dy, out, rows, who + ": " + what);
     };
-    scale(o.lin, "dx", b.grad_of(g.begin), o.rows, o.h, false, "dx = g scale saved dx");
+    scale(o.lin, Key::dx, b.grad_of(g.begin), o.rows, o.h, false, "dx = g scale saved dx");
     const bool acc = b.ops()[static_cast<size_t>(o.lin)].flag("accumulate_grad");
-    scale(o.lin, "dW", b.grad(o.lin, "weight"), o.v, o.h, acc,
+    scale(o.lin, Key::dW, b.grad(o.lin, Key::weight), o.v, o.h, acc,
           acc ? "dW += g scale saved dW" : "dW = g scale saved dW");
-    if (o.bias >= 0) scale(o.bias, "db", b.grad(o.bias, "bias"), 1, o.v, false, "db = g scale saved db");
+    if (o.bias >= 0) scale(o.bias, Key::db, b.grad(o.bias, Key::bias), 1, o.v, false, "db = g scale saved db");
   }
 
   // Rows per chunk: the chunk's logits fit kChunkBudget (rows x V x dtype bytes), in multiples of 128 rows when at

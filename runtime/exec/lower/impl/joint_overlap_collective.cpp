@@ -95,7 +95,7 @@ class OverlapCollective final : public Implementation {
     GemmStep gs = b.linear_gemm(lin, kind);
     gs.call.m = rows;
     gs.a = a;
-    gs.b = b.param(lin, "weight");
+    gs.b = b.param(lin, Key::weight);
     gs.d = d;
     gs.a_offset = a_off;
     gs.d_offset = d_off;
@@ -108,7 +108,7 @@ class OverlapCollective final : public Implementation {
     GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::wgrad);
     wg.a = dy;
     wg.b = x;
-    wg.d = b.grad(lin, "weight");
+    wg.d = b.grad(lin, Key::weight);
     wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
     b.gemm(wg, who(b) + ": wgrad " + op.label());
   }
@@ -128,7 +128,7 @@ class OverlapCollective final : public Implementation {
                      fmt::format("{}: rows {}..{} of {}", who(b), row0, row0 + c.rows, b.ops()[lin].label()));
         }
       b.boundary_saves(ag, lin + 1);
-      b.save_alias(lin, "input", full);  // the gathered input: inside the group, so the group saves it
+      b.save_alias(lin, Key::input, full);  // the gathered input: inside the group, so the group saves it
       return;
     }
     const int dy = b.grad_of(lin + 1), dfull = b.grad_of(lin), dx = b.grad_of(ag);
@@ -140,7 +140,7 @@ class OverlapCollective final : public Implementation {
                                               b.ops()[lin].label()));
         transfer(b, Collective::reduce, ag, r, dfull, row0 * k, dx, j * c.rows * k, c.rows * k, {gm});
       }
-    wgrad(b, lin, dy, b.saved_context(lin, "input"));
+    wgrad(b, lin, dy, b.saved_context(lin, Key::input));
   }
 
   // [linear lin, reduce_scatter rs]: x [W n, k] -> partial [W n, N] -> y shard [n, N].
@@ -169,7 +169,7 @@ class OverlapCollective final : public Implementation {
         chunk_gemm(b, lin, cuda::GemmKind::dgrad, dfull, row0 * n_out, dx, row0 * k, c.rows, {bc},
                    fmt::format("{}: dgrad rows {}..{} of {}", who(b), row0, row0 + c.rows, b.ops()[lin].label()));
       }
-    wgrad(b, lin, dfull, b.saved_context(lin, "input"));
+    wgrad(b, lin, dfull, b.saved_context(lin, Key::input));
   }
 };
 

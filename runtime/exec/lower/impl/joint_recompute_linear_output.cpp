@@ -39,12 +39,12 @@ class RecomputeLinearOutput final : public Implementation {
     const auto& o = b.ops()[lin];
     const int h = b.temp("recomputed op" + std::to_string(lin) + ".output", b.recipe().dtype, ops::rows_of(o.out),
                          ops::cols_of(o.out));
-    b.gemm(linear_forward(b, lin, b.saved_context(lin, "input"), h), who + " (recompute h = x W^T)");
-    b.provide_saved(act, "input", h);
+    b.gemm(linear_forward(b, lin, b.saved_context(lin, Key::input), h), who + " (recompute h = x W^T)");
+    b.provide_saved(act, Key::input, h);
     const int dh = b.temp("grad op" + std::to_string(lin) + ".output", b.recipe().dtype, ops::rows_of(o.out),
                           ops::cols_of(o.out));
     lower_chain(b, act, g.end, opt, rows, b.grad_of(g.end), dh);
-    b.forget_saved(act, "input");
+    b.forget_saved(act, Key::input);
     LinearBackward lb;
     lb.dy = dh;
     lb.dx = b.grad_of(g.begin);

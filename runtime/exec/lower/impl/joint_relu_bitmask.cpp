@@ -35,19 +35,19 @@ class ReluBitmask final : public Implementation {
     const auto& o1 = b.ops()[l1];
     if (b.forward()) {
       GemmStep c1 = linear_forward(b, l1, b.act(l1), b.act(l2), cuda::Epilogue::relu_bias);
-      c1.bias = b.param(b1, "bias");
+      c1.bias = b.param(b1, Key::bias);
       if (b.training()) {
         c1.call.epilogue = cuda::Epilogue::relu_aux_bias;
-        c1.aux = b.saved_new(relu, "mask", b.recipe().dtype, ops::rows_of(o1.out), 0,
+        c1.aux = b.saved_new(relu, Key::mask, b.recipe().dtype, ops::rows_of(o1.out), 0,
                              cuda::relu_mask_bytes(ops::cols_of(o1.out), ops::rows_of(o1.out)));
-        b.save_alias(l1, "input", b.act(l1));
-        b.save_alias(l2, "input", b.act(l2));
+        b.save_alias(l1, Key::input, b.act(l1));
+        b.save_alias(l2, Key::input, b.act(l2));
       }
       b.gemm(c1, who + " (" + cuda::epilogue_name(c1.call.epilogue) + ")");
       GemmStep c2 = linear_forward(b, l2, b.act(l2), b.act(g.end));
       if (b2 >= 0) {
         c2.call.epilogue = cuda::Epilogue::bias;
-        c2.bias = b.param(b2, "bias");
+        c2.bias = b.param(b2, Key::bias);
       }
       b.gemm(c2, who + (b2 >= 0 ? " (BIAS)" : ""));
       return;
@@ -58,8 +58,8 @@ class ReluBitmask final : public Implementation {
     second.dy = b.grad_of(g.end);
     second.dx = dh;
     second.dgrad_epilogue = cuda::Epilogue::drelu_bgrad;
-    second.dgrad_aux = b.saved_context(relu, "mask");
-    second.dgrad_bias = b.grad(b1, "bias");
+    second.dgrad_aux = b.saved_context(relu, Key::mask);
+    second.dgrad_bias = b.grad(b1, Key::bias);
     second.bias_grad_op = b2;
     linear_backward(b, l2, second);
     LinearBackward first;
