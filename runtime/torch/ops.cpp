@@ -177,6 +177,7 @@ std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, const
   a.workspace = p.forward_workspace ? workspace.data_ptr() : nullptr;
   a.workspace_bytes = p.forward_workspace;
   a.fp8_weights_unchanged = s.fp8 && fp8_promise() && !capturing(stream) ? 1 : 0;
+  sp->record(a.fp8_weights_unchanged ? "forward:fp8_weights_unchanged" : "forward");
   jf_saved saved_handle = nullptr;
   if (jf_program_forward(p.handle, &a, &saved_handle, stream) != JF_OK) fail_call("jf_program_forward", s);
   if (saved_handle) jf_saved_release(saved_handle, stream);  // training with nothing to save
@@ -286,6 +287,7 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
               " bytes, the program of input ", dims_str(input.sizes()), " saves ", p.saved_bytes,
               ": was the forward run with training=True?");
 
+  sp->record("backward");
   return call_backward(s, p, dev, stream, input, extra_inputs, output, extra_outputs, params, saved, grad_output,
                        grad_extra_outputs);
 }
@@ -514,7 +516,10 @@ bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::
     for (auto& t : params) ps.push_back(t.contiguous());
     out = call_forward(key, input.contiguous(), extras, ps, rng_state, training || grad);
   }
-  out.resize(1 + n_extra_outputs);  // the saved block (and an FP8 output's scale_inv) stay with the node
+  // The saved block stays with the node; an E4M3 output (FP8, trailing quantize) keeps the scale_inv that
+  // decodes it, last, for the caller's Float8Tensor.
+  const bool fp8_out = !out.empty() && out[0].scalar_type() == at::kFloat8_e4m3fn;
+  out.resize(1 + n_extra_outputs + (fp8_out ? 1 : 0));
   return true;
 }
 

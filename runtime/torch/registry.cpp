@@ -149,6 +149,22 @@ std::shared_ptr<Program> Sequence::program(c10::IntArrayRef shape, bool training
   return p;
 }
 
+void Sequence::watch(bool on) {
+  std::lock_guard<std::mutex> g(mu_);
+  watched_.clear();
+  watching_.store(on, std::memory_order_relaxed);
+}
+
+std::vector<std::string> Sequence::watched() {
+  std::lock_guard<std::mutex> g(mu_);
+  return watched_;
+}
+
+void Sequence::record_locked(const char* call) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (watching_.load(std::memory_order_relaxed)) watched_.emplace_back(call);
+}
+
 void register_sequence(std::shared_ptr<Sequence> s) {
   std::lock_guard<std::mutex> g(g_mu);
   g_sequences[{s->key, s->device}] = std::move(s);

@@ -7,7 +7,7 @@ Host time per call is the point of this file (issue 12): each per-call helper wa
 
 - :func:`route` decides how a forward runs on the pure-Python path, for ``Sequential``'s eager call and
   ``jitfuse::forward``'s Python Autograd kernel alike (with the C++ extension loaded, its ``module_forward``
-  and C++ Autograd kernel decide instead, for every Sequential without an FP8 recipe; docs/python.md "Who
+  and C++ Autograd kernel decide instead, for every Sequential, FP8 recipes included; docs/python.md "Who
   decides how a forward runs"); :func:`check_arguments` raises the module's errors for a call it did not
   send DIRECT.
 - :class:`ForwardArgs` / :class:`BackwardArgs`: the ``jf_forward_args`` / ``jf_backward_args`` of one input

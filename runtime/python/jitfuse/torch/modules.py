@@ -25,7 +25,7 @@ from ._calls import DIRECT, check_arguments, needs_grad, route
 from ._dtypes import FP8_RECIPES, RECIPE_OF_DTYPE
 from ._ext import EXT as _EXT
 from ._ops import eager_call
-from ._registry import DeviceProgram, _programs, define, device_program, existing_programs, forget
+from ._registry import DeviceProgram, _programs, define, device_program, existing_programs, forget, program_of
 from .float8 import Float8Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -839,16 +839,18 @@ class Sequential(nn.Module):
         return self._eager_forward(input, *extra_inputs)
 
     def _eager_forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
-        """forward when not traced by Dynamo. With the C++ extension and no FP8 recipe, the extension's
-        module_forward (its C++ Autograd kernel decides the rest). Otherwise on the route
-        :func:`jitfuse.torch._calls.route` chooses: DIRECT calls the program here (no dispatcher hop; under
-        autograd, one autograd node around it), through the module's :class:`~jitfuse.torch._ops.EagerCall`.
-        Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler) takes the
-        custom op, which also raises the errors."""
+        """forward when not traced by Dynamo. With the C++ extension, every recipe (FP8 included) takes the
+        extension's module_forward (its C++ Autograd kernel decides the rest; an E4M3 output comes back with
+        its scale_inv and is wrapped here), except a trailing Quantize under autograd, which takes
+        :meth:`_forward_op` (see there). Without the extension, on the route :func:`jitfuse.torch._calls.route`
+        chooses: DIRECT calls the program here (no dispatcher hop; under autograd, one autograd node around
+        it), through the module's :class:`~jitfuse.torch._ops.EagerCall`. Anything unusual (a wrong dtype or
+        device, a tensor subclass, a dispatch mode, the profiler) takes the custom op, which also raises the
+        errors."""
         if self._jf_labels:
             return self._labels_forward(input, extra_inputs)
         training = self.training
-        ext = ext_forward is not None and self.recipe is None
+        ext = ext_forward is not None
         params = self._params(not ext)
         if _autocast_on():
             input, extra_inputs, params = _autocast(input, extra_inputs, params)
@@ -856,13 +858,14 @@ class Sequential(nn.Module):
         if ext:
             # The C++ op does the rest (contiguity, grad, autograd, checks); None: a call the checked path
             # must answer (an input off CUDA, tensors of another dtype or device).
-            if key is not None and len(extra_inputs) == self._n_extra_inputs:
+            if (key is not None and len(extra_inputs) == self._n_extra_inputs
+                    and not (self._jf_fp8_output and needs_grad(input, extra_inputs, params))):
                 out = ext_forward(key, input, extra_inputs, params,
                                   _draw_rng(input) if self._jf_uses_rng[training] and input.is_cuda else None,
                                   training, self._n_extra_outputs)
                 if out is not None:
                     self.__dict__["_jf_last_shape"] = input.shape  # what explain() shows (a plain dict store)
-                    return out
+                    return self._fp8_output(out, input.dtype) if self._jf_fp8_output else out
             return self._forward_op(input, extra_inputs, [p if p.is_contiguous() else p.contiguous() for p in params])
         r = route(input, extra_inputs, params)
         if key is None or len(extra_inputs) != self._n_extra_inputs or not r & DIRECT:
@@ -936,9 +939,17 @@ class Sequential(nn.Module):
         check_arguments(self.name, self.recipe, key, self._n_extra_inputs, input, extra_inputs, params)
         grad = needs_grad(input, extra_inputs, params)
         rng = _draw_rng(input) if self._jf_uses_rng[training] else None
-        # Train mode runs the training program with or without grad (see EagerCall.module_forward).
-        outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs],
-                                                 params, rng, grad or training)
+        x, extras = input.contiguous(), [e.contiguous() for e in extra_inputs]
+        if self._jf_fp8_output and grad and _EXT is not None and not _is_compiling():
+            # The extension's autograd node would return the E4M3 codes as its differentiable output, and
+            # autograd would round the gradient reaching them to E4M3. The Float8Tensor (dtype bfloat16) must
+            # be the node's output: a Python node around the C++ op below autograd, as the pure-Python
+            # Autograd kernel builds it (jitfuse::forward and jitfuse::backward still run in C++).
+            self.__dict__["_jf_last_shape"] = input.shape
+            outs = eager_call(program_of(key, x)).node(False, True, x, extras, params, rng)
+        else:
+            # Train mode runs the training program with or without grad (see EagerCall.module_forward).
+            outs = torch.ops.jitfuse.forward.default(key, x, extras, params, rng, grad or training)
         out = outs[0]
         if self._jf_fp8_output and not isinstance(out, Float8Tensor):
             # An E4M3 output (trailing quantize): the op's list has its scale_inv after the extra outputs.
@@ -951,6 +962,12 @@ class Sequential(nn.Module):
         if self._n_extra_outputs:
             return (out, *outs[1:1 + self._n_extra_outputs])  # then (scale_inv,) (saved block,)
         return out
+
+    def _fp8_output(self, out: Any, nominal: torch.dtype) -> Union[Tensor, Tuple[Tensor, ...]]:
+        """The extension's answer for a trailing Quantize, (codes, *extra_outputs, scale_inv), as the module
+        returns it: a :class:`Float8Tensor` (and the extra outputs)."""
+        f8 = Float8Tensor(out[0], out[-1], nominal)
+        return (f8, *out[1:-1]) if self._n_extra_outputs else f8
 
     def recast_fp8_weights(self) -> None:
         """Kept for compatibility: every forward casts the FP8 weights unless inside
