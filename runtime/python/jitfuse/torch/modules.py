@@ -19,13 +19,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
-from .._channels import ChannelError, Wiring, check_channel_name, wire
+from .._channels import ChannelError, Wiring, wire
 from ..lib import Explanation
 from ._calls import DIRECT, check_arguments, needs_grad, route
 from ._dtypes import FP8_RECIPES, RECIPE_OF_DTYPE
 from ._ext import EXT as _EXT
 from ._ops import eager_call
-from ._registry import DeviceProgram, _programs, define, device_program, existing_programs, forget, program_of
+from ._registry import (DeviceProgram, _programs, context, define, device_program, existing_programs, forget,
+                        program_of)
 from .float8 import Float8Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -447,7 +448,7 @@ class AddExtraInput(BasicOp):
 
     def __init__(self, channel: Optional[str] = None):
         super().__init__()
-        self.channel = None if channel is None else check_channel_name(channel, type(self).__name__)
+        self.channel = channel  # its name is checked by the library when a Sequential wires it
 
     @property
     def n_extra_inputs(self) -> int:  # type: ignore[override]
@@ -469,7 +470,7 @@ class MakeExtraOutput(BasicOp):
 
     def __init__(self, channel: Optional[str] = None, returned: bool = False):
         super().__init__()
-        self.channel = None if channel is None else check_channel_name(channel, type(self).__name__)
+        self.channel = channel  # its name is checked by the library when a Sequential wires it
         if not isinstance(returned, bool):
             raise TypeError(f"{type(self).__name__}: returned must be True or False, not {returned!r}")
         if returned and self.channel is None:
@@ -706,8 +707,9 @@ class Sequential(nn.Module):
       (``Fork(name, returned=True)``) or may come from the caller (``input_channels=["skip"]``: one extra
       input, numbered at its first reader). Extra inputs are numbered in op order over AddExtraInput ops
       without a channel and first readers of input channels; extra outputs over MakeExtraOutput ops without
-      a channel or returned (``wiring`` lists both; :attr:`n_extra_inputs`, :attr:`n_extra_outputs`). A
-      wiring the library would refuse raises :class:`jitfuse.torch.ChannelError` (a ``ValueError``) here.
+      a channel or returned (``wiring`` lists both, as the library numbered them; :attr:`n_extra_inputs`,
+      :attr:`n_extra_outputs`). A wiring the library refuses raises :class:`jitfuse.torch.ChannelError` (a
+      ``ValueError``) here, with the library's message naming the op.
     - ``device``/``dtype``: moved/cast onto every op's parameters when given.
     """
 
@@ -730,26 +732,22 @@ class Sequential(nn.Module):
         self.recipe = recipe
         self.name = name
         self._ops: Tuple[BasicOp, ...] = tuple(ops)
-        # Channels: checked here, as the library checks them, so a bad wiring fails when the module is built
-        # (naming the op); the slots number the caller's extra tensors (docs/python.md#channels).
+        # Channels: the library's parser checks the ops under the recipe and numbers the caller's extra tensors,
+        # so a bad wiring (or an op out of place: CrossEntropy before the end or under FP8, Quantize before the
+        # end under FP8) fails when the module is built, with the library's message naming the op
+        # (docs/python.md#channels).
         try:
-            self.wiring: Wiring = wire([op.spec(True) for op in ops], input_channels)
+            self.wiring: Wiring = wire([op.spec(True) for op in ops], input_channels, ctx=context(-1),
+                                       recipe=recipe or "bf16", name=name)
         except ChannelError as e:
-            raise ChannelError(f"{name}: {e}") from None
+            raise ChannelError(f"{name}: {e.message}", e.status) from None
         self.input_channels: Tuple[str, ...] = self.wiring.input_channels
         self._n_extra_inputs = self.wiring.n_extra_inputs
         self._n_extra_outputs = self.wiring.n_extra_outputs
         # CrossEntropy's labels: extra input slot -> label dtype (integer, no gradient; see _labels_forward).
-        for i, op in enumerate(ops[:-1]):
-            if isinstance(op, CrossEntropy):
-                raise ValueError(f"{name}: op {i} (CrossEntropy) must be the last op (it turns the stream into a "
-                                 f"loss); end the Sequential there")
         self._jf_labels: Dict[int, torch.dtype] = {k: ops[s.op].label_dtype
                                                    for k, s in enumerate(self.wiring.extra_inputs)
-                                                   if isinstance(ops[s.op], CrossEntropy)}
-        if self._jf_labels and recipe in FP8_RECIPES:
-            raise ValueError(f"{name}: CrossEntropy has no FP8 form (recipe {recipe}); run the head and its loss in "
-                             f"a bfloat16 Sequential of their own")
+                                                   if s.kind == "labels"}
         # (library op index, name) of each parameter: a parallel Linear is two ops of the library's sequence
         # (its inserted collective, docs/parallel.md), so indices count n_ops().
         starts = [sum(o.n_ops() for o in ops[:i]) for i in range(len(ops))]
