@@ -30,7 +30,6 @@ struct Program {
   std::vector<int64_t> out_shape;
   at::ScalarType out_dtype = at::kFloat;
   std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> extra_outputs;
-  std::vector<std::vector<int64_t>> param_shapes;  // in the entry's parameter order
   size_t saved_bytes = 0;
   size_t forward_workspace = 0;
   size_t backward_workspace = 0;
