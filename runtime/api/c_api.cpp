@@ -256,6 +256,15 @@ jf_status jf_sequence_destroy(jf_sequence seq) {
 
 int jf_sequence_num_ops(jf_sequence seq) { return seq ? static_cast<int>(seq->impl->def.ops.size()) : -1; }
 
+jf_status jf_sequence_wiring(jf_sequence seq, const char** json_out) {
+  return guarded([&] {
+    need(json_out, "json_out");
+    *json_out = nullptr;
+    need(seq, "seq");
+    *json_out = seq->impl->wiring.c_str();
+  });
+}
+
 jf_status jf_builder_create(const char* name, jf_builder* out) {
   return guarded([&] {
     need(out, "out");

@@ -71,7 +71,8 @@ void Context::set_allocator(const exec::Allocator& a) {
   runtime_.allocator = a;
 }
 
-Sequence::Sequence(Context& c, ops::SequenceDef d, ops::Recipe r) : ctx(c), def(std::move(d)), recipe(r) {}
+Sequence::Sequence(Context& c, ops::SequenceDef d, ops::Recipe r)
+    : ctx(c), def(std::move(d)), recipe(r), wiring(ops::wiring_json(def).dump()) {}
 
 Sequence::~Sequence() = default;
 

@@ -86,6 +86,8 @@ class Sequence {
   ops::SequenceDef def;
   ops::Recipe recipe;
   std::string explain_buffer;
+  // jf_sequence_wiring's answer: made once with the sequence (immutable, so any thread may read it).
+  std::string wiring;
 
   // The output tensor's dtype: E4M3 when an FP8 recipe ends the sequence in quantize, else the recipe's.
   ops::DType output_dtype() const;

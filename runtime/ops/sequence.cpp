@@ -59,7 +59,7 @@ void read_input_channels(const nlohmann::json& j, SequenceDef& def, const At& at
   if (!a.is_array() || a.size() > kMaxOps)
     fail(Status::parse_error, "{}: \"input_channels\" must be an array of channel names", at("/input_channels"));
   for (size_t k = 0; k < a.size(); ++k) {
-    const std::string where = at("/input_channels/" + std::to_string(k));
+    const std::string where = fmt::format("{}: input_channels[{}]", at("/input_channels/" + std::to_string(k)), k);
     std::string n = checked_channel_name(a[k], where);
     for (const auto& m : def.input_channels)
       if (m == n) fail(Status::parse_error, "{}: channel '{}' is declared twice in \"input_channels\"", where, n);
@@ -67,18 +67,21 @@ void read_input_channels(const nlohmann::json& j, SequenceDef& def, const At& at
   }
 }
 
+WiringSlot slot_of(const OpDef& d, const char* kind) { return WiringSlot{d.json_index, d.index, d.channel, kind}; }
+
 // Every channel has one source (an earlier make_extra_output, or "input_channels") and at least one use;
-// counts the caller's extra tensors (SequenceDef::extra_inputs / extra_outputs).
+// numbers the caller's extra tensors (SequenceDef::extra_input_slots / extra_output_slots, and the counts).
 void check_channels(SequenceDef& def, const At& at) {
   std::map<std::string, int> writer, reads;  // writer: op index (-1: the caller's)
   for (const auto& n : def.input_channels) writer[n] = -1;
   auto op_at = [&](const OpDef& d, const char* key) {
     return fmt::format("{}: op {} ({})", at("/ops/" + std::to_string(d.json_index) + "/" + key), d.index, d.kind);
   };
+  auto& ins = def.extra_input_slots;
   for (const auto& d : def.ops) {
     const Family fam = d.info->family;
     if (fam == Family::make_extra_output) {
-      if (d.channel.empty() || d.returned) ++def.extra_outputs;
+      if (d.channel.empty() || d.returned) def.extra_output_slots.push_back(slot_of(d, d.returned ? "returned" : "output"));
       if (d.channel.empty()) continue;
       if (auto it = writer.find(d.channel); it != writer.end())
         fail(Status::invalid_argument, "{}: channel '{}' already has a source ({}): a channel has one source; name "
@@ -86,10 +89,13 @@ void check_channels(SequenceDef& def, const At& at) {
              it->second < 0 ? std::string("\"input_channels\"") : "op " + std::to_string(it->second));
       writer[d.channel] = d.index;
     }
-    if (d.info->takes_extra_input) def.nograd_extra_inputs.push_back(def.extra_inputs++);
+    if (d.info->takes_extra_input) {
+      def.nograd_extra_inputs.push_back(static_cast<int>(ins.size()));
+      ins.push_back(slot_of(d, "labels"));
+    }
     if (fam != Family::add_extra_input) continue;
     if (d.channel.empty()) {
-      ++def.extra_inputs;
+      ins.push_back(slot_of(d, "add"));
       continue;
     }
     auto it = writer.find(d.channel);
@@ -105,9 +111,11 @@ void check_channels(SequenceDef& def, const At& at) {
                       : std::string("write it with an earlier make_extra_output {\"channel\": \"...\"} or declare it "
                                     "in \"input_channels\""));
     }
-    if (it->second < 0 && reads[d.channel] == 0) ++def.extra_inputs;
+    if (it->second < 0 && reads[d.channel] == 0) ins.push_back(slot_of(d, "channel"));
     ++reads[d.channel];
   }
+  def.extra_inputs = static_cast<int>(ins.size());
+  def.extra_outputs = static_cast<int>(def.extra_output_slots.size());
   for (const auto& d : def.ops)
     if (d.info->family == Family::make_extra_output && !d.channel.empty() && !d.returned && reads[d.channel] == 0)
       fail(Status::invalid_argument, "{}: channel '{}' is never read: read it with add_extra_input {{\"channel\": "
@@ -115,9 +123,28 @@ void check_channels(SequenceDef& def, const At& at) {
            d.channel, d.channel);
   for (size_t k = 0; k < def.input_channels.size(); ++k)
     if (reads[def.input_channels[k]] == 0)
-      fail(Status::invalid_argument, "{}: input channel '{}' is never read: read it with add_extra_input "
-           "{{\"channel\": \"{}\"}} or remove it", at("/input_channels/" + std::to_string(k)), def.input_channels[k],
-           def.input_channels[k]);
+      fail(Status::invalid_argument, "{}: input_channels[{}]: input channel '{}' is never read: read it with "
+           "add_extra_input {{\"channel\": \"{}\"}} or remove it", at("/input_channels/" + std::to_string(k)), k,
+           def.input_channels[k], def.input_channels[k]);
+}
+
+// The channels of a sequence check_channels accepted: input channels first (declared order), then each
+// make_extra_output's channel in op order, with their readers.
+void list_channels(SequenceDef& def) {
+  std::map<std::string, size_t> at;
+  for (const auto& n : def.input_channels) {
+    at[n] = def.channels.size();
+    def.channels.push_back(WiringChannel{n, -1, {}, false});
+  }
+  for (const auto& d : def.ops) {
+    if (d.channel.empty()) continue;
+    if (d.info->family == Family::make_extra_output) {
+      at[d.channel] = def.channels.size();
+      def.channels.push_back(WiringChannel{d.channel, d.json_index, {}, d.returned});
+    } else {
+      def.channels[at.at(d.channel)].readers.push_back(d.json_index);
+    }
+  }
 }
 
 // A loss (OpKind::last_only) ends the sequence: nothing after it has a value to take.
@@ -274,6 +301,7 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
   for (size_t i = 0; i < j["ops"].size(); ++i) read_op(j["ops"][i], i, def, canon, registry, at);
   read_input_channels(j, def, at);
   check_channels(def, at);
+  list_channels(def);
   check_last_only(def, at);
   def.canonical = def.input_channels.empty() ? canon.dump()
                                              : nlohmann::json{{"input_channels", def.input_channels}, {"ops", canon}}.dump();
@@ -282,6 +310,23 @@ SequenceDef parse_sequence(const std::string& text, const std::string& where, co
 
 SequenceDef parse_sequence_file(const std::string& path, const Registry& registry) {
   return parse_sequence(json_util::read_file(path), path, registry);
+}
+
+nlohmann::json wiring_json(const SequenceDef& def) {
+  auto slots = [](const std::vector<WiringSlot>& v) {
+    nlohmann::json a = nlohmann::json::array();
+    for (size_t k = 0; k < v.size(); ++k)
+      a.push_back({{"slot", k}, {"op", v[k].op}, {"index", v[k].index}, {"kind", v[k].kind},
+                   {"channel", v[k].channel.empty() ? nlohmann::json(nullptr) : nlohmann::json(v[k].channel)}});
+    return a;
+  };
+  nlohmann::json channels = nlohmann::json::array();
+  for (const auto& c : def.channels)
+    channels.push_back({{"name", c.name}, {"source", c.source}, {"readers", c.readers}, {"returned", c.returned}});
+  return {{"extra_inputs", slots(def.extra_input_slots)},
+          {"extra_outputs", slots(def.extra_output_slots)},
+          {"channels", std::move(channels)},
+          {"input_channels", def.input_channels}};
 }
 
 namespace {

@@ -20,10 +20,33 @@ struct OpDef {
   bool returned = false;  // "returned" (make_extra_output of a channel)
 };
 
+// One of the caller's extra tensors, as the parser numbers them (check_channels; jf_sequence_wiring).
+struct WiringSlot {
+  int op = 0;           // the op that owns it, as the document counts ("ops" position)
+  int index = 0;        // the same op in the sequence (after the parser's inserted collectives)
+  std::string channel;  // its channel, "" if none
+  // Extra inputs: "add" (add_extra_input without a channel), "channel" (the first reader of an input
+  // channel), "labels" (an op's own extra input: cross_entropy). Extra outputs: "output" (make_extra_output
+  // without a channel), "returned" (a channel also handed to the caller).
+  std::string kind;
+};
+
+// A named channel: its source (the document's op index of its make_extra_output, -1 for an input channel),
+// its readers (document op indices, in order) and whether the caller also gets it.
+struct WiringChannel {
+  std::string name;
+  int source = -1;
+  std::vector<int> readers;
+  bool returned = false;
+};
+
 struct SequenceDef {
   std::string name;
   std::vector<OpDef> ops;
   int extra_inputs = 0, extra_outputs = 0;  // the caller's extra tensors (slots; channels count per rules below)
+  // The same slots in order, and the channels (input channels first, then by source): the sequence's wiring.
+  std::vector<WiringSlot> extra_input_slots, extra_output_slots;
+  std::vector<WiringChannel> channels;
   // Extra input slots of an op's own dtype (OpKind::takes_extra_input: cross_entropy's labels): they have no
   // gradient, so the backward's grad_extra_inputs holds NULL there.
   std::vector<int> nograd_extra_inputs;
@@ -56,6 +79,11 @@ SequenceDef parse_sequence_file(const std::string& path, const Registry& registr
 // amax history length and margin, used by the FP8 recipes and ignored by the others), after checking
 // what the recipe can run (under the FP8 recipes quantize, the FP8 cast, only as the last op).
 void apply_recipe(const SequenceDef& def, Recipe& recipe);
+
+// The wiring as JSON (jf_sequence_wiring, docs/c_api.md): {"extra_inputs": [slot...], "extra_outputs":
+// [slot...], "channels": [{"name", "source", "readers", "returned"}], "input_channels": [name...]}, a slot
+// being {"slot", "op", "index", "kind", "channel" (null if none)}.
+nlohmann::json wiring_json(const SequenceDef& def);
 
 // Shapes through the whole sequence; an error names the op where they stop fitting.
 // `par`: the group's world size and this rank (shards of parallel linears, shapes around collectives).

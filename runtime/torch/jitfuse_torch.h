@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -29,7 +30,6 @@ struct Program {
   std::vector<int64_t> out_shape;
   at::ScalarType out_dtype = at::kFloat;
   std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> extra_outputs;
-  std::vector<std::vector<int64_t>> param_shapes;  // in the entry's parameter order
   size_t saved_bytes = 0;
   size_t forward_workspace = 0;
   size_t backward_workspace = 0;
@@ -59,9 +59,20 @@ struct Sequence {
   std::shared_ptr<Program> program(c10::IntArrayRef shape, bool training, void* stream);
   ~Sequence();
 
+  // Which calls the C ABI saw from this extension, for tests that must tell the paths apart (the Python
+  // package's GPU tests: `_jitfuse_torch_C.watch_calls` / `watched_calls`). Off: one relaxed load per call.
+  void watch(bool on);
+  std::vector<std::string> watched();
+  void record(const char* call) {
+    if (watching_.load(std::memory_order_relaxed)) record_locked(call);
+  }
+
  private:
+  void record_locked(const char* call);
   std::mutex mu_;
   std::vector<std::shared_ptr<Program>> programs_;
+  std::atomic<bool> watching_{false};
+  std::vector<std::string> watched_;  // guarded by mu_
 };
 
 // The registry. A miss asks the resolver (the Python package: it creates the sequence and registers it).
@@ -92,6 +103,8 @@ std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::T
 
 // Sequential's eager call: checks nothing the op checks; returns false (and leaves `out` empty) where the
 // caller must take its checked path (an input off CUDA, tensors of another dtype or device than the input).
+// `out`: [output, *extra_outputs], then, for an E4M3 output (an FP8 sequence ending in quantize), the float32
+// [1] scale_inv that decodes it (the caller wraps both in a Float8Tensor).
 bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
                     const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state, bool training,
                     int n_extra_outputs, std::vector<at::Tensor>& out);

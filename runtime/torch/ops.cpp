@@ -30,7 +30,7 @@ std::string dims_str(c10::IntArrayRef d) {
   return o.str();
 }
 
-// The names Python prints (the messages match the pure-Python path's).
+// The names Python prints (the extension's own messages: devices, counts, the Meta kernel's dtype check).
 const char* py_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return "torch.float32";
@@ -59,6 +59,9 @@ DLDataType dl_of(at::ScalarType t) {
   }
 }
 
+// A tensor as the library sees it: its own sizes, strides and dtype, so the library's checks of every call
+// (shape against the program, dtype against the recipe, row-major layout) judge the tensor itself and its
+// error names it (jf_last_error, through fail_call): one set of checks and messages for every host.
 DLTensor dl(const at::Tensor& t, int device) {
   DLTensor d{};
   d.data = t.data_ptr();
@@ -66,24 +69,17 @@ DLTensor dl(const at::Tensor& t, int device) {
   d.ndim = static_cast<int>(t.dim());
   d.dtype = dl_of(t.scalar_type());
   d.shape = const_cast<int64_t*>(t.sizes().data());
-  d.strides = nullptr;  // compact row-major: checked before
+  d.strides = const_cast<int64_t*>(t.strides().data());
   d.byte_offset = 0;
   return d;
 }
 
-// One tensor against what the program reads: a clear error naming it, never a kernel reading wrong memory.
-void check(const Sequence& s, const std::string& label, const at::Tensor& t, int device, at::ScalarType dtype,
-           const std::vector<int64_t>* shape) {
+// What the library cannot see in a DLTensor: that a tensor exists and lives on the call's device (a pointer
+// of another device would be read as this one's).
+void check(const Sequence& s, const std::string& label, const at::Tensor& t, int device) {
   TORCH_CHECK(t.defined(), "jitfuse: sequence '", s.name, "': ", label, " is an undefined tensor");
   TORCH_CHECK_TYPE(t.is_cuda() && t.get_device() == device, "jitfuse: sequence '", s.name, "': ", label, " is on ",
                    t.device().str(), ", the call runs on cuda:", device);
-  TORCH_CHECK(shape == nullptr || t.sizes() == c10::IntArrayRef(*shape), "jitfuse: sequence '", s.name, "': ", label,
-              " has shape ", dims_str(t.sizes()), ", the program expects ", dims_str(*shape),
-              " (a parameter replaced by one of another shape?)");
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "jitfuse: sequence '", s.name, "': ", label, " is ",
-                   py_dtype(t.scalar_type()), ", the program runs ", py_dtype(dtype));
-  TORCH_CHECK(t.is_contiguous(), "jitfuse: sequence '", s.name, "': ", label, " is not contiguous (strides ",
-              dims_str(t.strides()), "): jitfuse reads row-major tensors; pass .contiguous()");
 }
 
 [[noreturn]] void fail_call(const char* fn, const Sequence& s) {
@@ -124,13 +120,12 @@ std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, const
                    "': expected ", s.n_extra_inputs, " extra input(s), got ", extra_inputs.size());
   TORCH_CHECK_TYPE(params.size() == s.params.size(), "jitfuse: sequence '", s.name, "': expected ",
                    s.params.size(), " parameters, got ", params.size());
-  check(s, "input", input, dev, s.dtype, nullptr);
+  check(s, "input", input, dev);
+  for (size_t i = 0; i < extra_inputs.size(); ++i) check(s, "extra input " + std::to_string(i), extra_inputs[i], dev);
+  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
   auto pp = sp->program(input.sizes(), training, stream);
   const Program& p = *pp;
-  for (size_t i = 0; i < extra_inputs.size(); ++i)
-    check(s, "extra input " + std::to_string(i), extra_inputs[i], dev, s.dtype, nullptr);
-  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev, s.dtype, &p.param_shapes[i]);
   if (rng_state.has_value() && rng_state->defined()) {
     const at::Tensor& r = *rng_state;
     TORCH_CHECK(r.is_cuda() && r.get_device() == dev && r.scalar_type() == at::kLong && r.numel() == 2 &&
@@ -177,6 +172,7 @@ std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, const
   a.workspace = p.forward_workspace ? workspace.data_ptr() : nullptr;
   a.workspace_bytes = p.forward_workspace;
   a.fp8_weights_unchanged = s.fp8 && fp8_promise() && !capturing(stream) ? 1 : 0;
+  sp->record(a.fp8_weights_unchanged ? "forward:fp8_weights_unchanged" : "forward");
   jf_saved saved_handle = nullptr;
   if (jf_program_forward(p.handle, &a, &saved_handle, stream) != JF_OK) fail_call("jf_program_forward", s);
   if (saved_handle) jf_saved_release(saved_handle, stream);  // training with nothing to save
@@ -269,23 +265,24 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
                    s.n_extra_outputs, " extra outputs (and their gradients) and ", s.params.size(),
                    " parameters; got ", extra_inputs.size(), ", ", extra_outputs.size(), " (",
                    grad_extra_outputs.size(), ") and ", params.size());
-  check(s, "input", input, dev, s.dtype, nullptr);
+  check(s, "input", input, dev);
+  for (size_t i = 0; i < extra_inputs.size(); ++i) check(s, "extra input " + std::to_string(i), extra_inputs[i], dev);
+  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev);
+  check(s, "output", output, dev);
+  for (size_t i = 0; i < extra_outputs.size(); ++i) check(s, "extra output " + std::to_string(i), extra_outputs[i], dev);
+  check(s, "grad_output", grad_output, dev);
+  for (size_t i = 0; i < grad_extra_outputs.size(); ++i)
+    check(s, "grad of extra output " + std::to_string(i), grad_extra_outputs[i], dev);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
   auto pp = sp->program(input.sizes(), true, stream);
   const Program& p = *pp;
-  for (size_t i = 0; i < extra_inputs.size(); ++i)
-    check(s, "extra input " + std::to_string(i), extra_inputs[i], dev, s.dtype, nullptr);
-  for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev, s.dtype, &p.param_shapes[i]);
-  check(s, "grad_output", grad_output, dev, s.dtype, &p.out_shape);
-  for (size_t i = 0; i < grad_extra_outputs.size(); ++i)
-    check(s, "grad of extra output " + std::to_string(i), grad_extra_outputs[i], dev, s.dtype,
-          &p.extra_outputs[i].first);
   TORCH_CHECK(saved.defined() && saved.is_cuda() && saved.scalar_type() == at::kByte &&
                   static_cast<size_t>(saved.numel()) == p.saved_bytes,
               "jitfuse: sequence '", s.name, "': the saved buffer has ", saved.defined() ? saved.numel() : 0,
               " bytes, the program of input ", dims_str(input.sizes()), " saves ", p.saved_bytes,
               ": was the forward run with training=True?");
 
+  sp->record("backward");
   return call_backward(s, p, dev, stream, input, extra_inputs, output, extra_outputs, params, saved, grad_output,
                        grad_extra_outputs);
 }
@@ -514,7 +511,10 @@ bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::
     for (auto& t : params) ps.push_back(t.contiguous());
     out = call_forward(key, input.contiguous(), extras, ps, rng_state, training || grad);
   }
-  out.resize(1 + n_extra_outputs);  // the saved block (and an FP8 output's scale_inv) stay with the node
+  // The saved block stays with the node; an E4M3 output (FP8, trailing quantize) keeps the scale_inv that
+  // decodes it, last, for the caller's Float8Tensor.
+  const bool fp8_out = !out.empty() && out[0].scalar_type() == at::kFloat8_e4m3fn;
+  out.resize(1 + n_extra_outputs + (fp8_out ? 1 : 0));
   return true;
 }
 

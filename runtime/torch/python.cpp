@@ -30,7 +30,8 @@ at::ScalarType dtype_named(const std::string& n) {
 bool from_jitfuse(const c10::Error& e) { return e.msg().rfind("jitfuse", 0) == 0; }
 
 // Sequential's eager call: the op through the dispatcher (autograd, modes and subclasses see it), with the
-// GIL released as PyTorch's own ops do. None: the caller takes its checked path.
+// GIL released as PyTorch's own ops do. None: the caller takes its checked path. One tensor, or a tuple
+// (output, *extra_outputs[, scale_inv of an E4M3 output]) when there is more than the output.
 py::object module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
                           const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state,
                           bool training, int n_extra_outputs) {
@@ -49,7 +50,7 @@ py::object module_forward(int64_t key, const at::Tensor& input, const std::vecto
     throw;
   }
   if (!ok) return py::none();
-  if (n_extra_outputs == 0) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[0])));
+  if (out.size() == 1) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[0])));
   py::tuple t(out.size());
   for (size_t i = 0; i < out.size(); ++i)
     t[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[i])));
@@ -144,6 +145,12 @@ PYBIND11_MODULE(_jitfuse_torch_C, m) {
     Py_XDECREF(old);
     jitfuse_torch::set_resolver(&resolve);
   });
+  // Tests: record which calls of a sequence reached the C ABI from here ("forward", "forward:fp8_weights_unchanged",
+  // "backward"), from watch_calls(key, device, True) on; watch_calls clears the record.
+  m.def("watch_calls", [](int64_t key, int device, bool on) { jitfuse_torch::sequence(key, device)->watch(on); },
+        py::arg("key"), py::arg("device"), py::arg("on") = true);
+  m.def("watched_calls", [](int64_t key, int device) { return jitfuse_torch::sequence(key, device)->watched(); },
+        py::arg("key"), py::arg("device"));
   m.def("set_fp8_promise", &jitfuse_torch::set_fp8_promise);
   m.def("fp8_promise", &jitfuse_torch::fp8_promise);
 }

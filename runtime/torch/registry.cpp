@@ -133,12 +133,10 @@ std::shared_ptr<Program> Sequence::program(c10::IntArrayRef shape, bool training
     p->extra_outputs.emplace_back(shape_of(info.outputs[i]), scalar_of(info.outputs[i].dtype));
   TORCH_CHECK(info.n_params == static_cast<int>(params.size()), "jitfuse: sequence '", name, "': the module passes ",
               params.size(), " parameters, the library's program has ", info.n_params);
-  for (auto& [op, pname] : params) {
-    const jf_tensor_info* hit = nullptr;
-    for (int i = 0; i < info.n_params; ++i)
-      if (info.params[i].op_index == op && pname == info.params[i].name) hit = &info.params[i];
+  for (auto& [op, pname] : params) {  // their shapes and dtypes the library checks at every call
+    bool hit = false;
+    for (int i = 0; i < info.n_params; ++i) hit = hit || (info.params[i].op_index == op && pname == info.params[i].name);
     TORCH_CHECK(hit, "jitfuse: sequence '", name, "': op ", op, " has no parameter '", pname, "' in the library");
-    p->param_shapes.push_back(shape_of(*hit));
   }
   TORCH_CHECK(!info.uses_rng || info.rng_offset_advance == 1, "jitfuse: sequence '", name,
               "' advances the Philox offset by ", info.rng_offset_advance, " per call; this package assumes 1");
@@ -147,6 +145,22 @@ std::shared_ptr<Program> Sequence::program(c10::IntArrayRef shape, bool training
   p->backward_workspace = info.backward_workspace_bytes;
   programs_.push_back(p);
   return p;
+}
+
+void Sequence::watch(bool on) {
+  std::lock_guard<std::mutex> g(mu_);
+  watched_.clear();
+  watching_.store(on, std::memory_order_relaxed);
+}
+
+std::vector<std::string> Sequence::watched() {
+  std::lock_guard<std::mutex> g(mu_);
+  return watched_;
+}
+
+void Sequence::record_locked(const char* call) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (watching_.load(std::memory_order_relaxed)) watched_.emplace_back(call);
 }
 
 void register_sequence(std::shared_ptr<Sequence> s) {

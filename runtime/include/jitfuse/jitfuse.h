@@ -74,6 +74,11 @@ JF_API jf_status jf_sequence_create(jf_context ctx, const char* json, const char
 JF_API jf_status jf_sequence_create_from_file(jf_context ctx, const char* path, const char* recipe, jf_sequence* out);
 JF_API jf_status jf_sequence_destroy(jf_sequence seq);
 JF_API int jf_sequence_num_ops(jf_sequence seq);
+/* The sequence's wiring as the parser numbered it, as JSON text owned by the sequence (valid as long as it,
+ * the same text at every call; any thread): {"extra_inputs": [slot...], "extra_outputs": [slot...],
+ * "channels": [{"name", "source", "readers", "returned"}...], "input_channels": [name...]}, each slot
+ * {"slot", "op", "index", "kind", "channel"} in slot order. Needs no GPU (docs/c_api.md, "Sequence"). */
+JF_API jf_status jf_sequence_wiring(jf_sequence seq, const char** json_out);
 
 /* Builder: add ops one at a time (attributes as a JSON object text, may be NULL), then finish. */
 typedef struct jf_builder_s* jf_builder;

@@ -1,17 +1,21 @@
-# Named channels of the sequence format (jitfuse.sequence/1, docs/ops.md#add_extra_input): checks a list of op
-# dicts and numbers the caller's extra tensors, exactly as the library's parser does (runtime/ops/sequence.cpp),
-# so that jitfuse.torch refuses a bad wiring when a module is built. Standard library only (no PyTorch).
-"""Named channels: validation and slot numbering of a sequence's extra inputs and outputs.
+# Named channels of the sequence format (jitfuse.sequence/1, docs/ops.md#channels): the wiring of a list of op
+# dicts as the library's parser checks and numbers it (jf_sequence_wiring), so that jitfuse.torch refuses a bad
+# wiring when a module is built, with the library's message. No PyTorch; needs libjitfuse (no GPU).
+"""Named channels: a sequence's extra input and extra output slots and its channels, as the library numbers them.
 
 An op ``make_extra_output`` may write the stream into a channel (``"channel": "residual"``), hidden from
 the caller unless ``"returned": true``; an ``add_extra_input`` with a channel adds the channel (written by an
 earlier ``make_extra_output``, or provided by the caller when the document declares it in
-``"input_channels"``). :func:`wire` checks a sequence's channels and numbers the caller's extra tensors:
+``"input_channels"``). :func:`wire` hands the ops to the library's parser (``jf_sequence_create`` on a
+planning context, then ``jf_sequence_wiring``) and returns what it numbered:
 
-- extra inputs, in op order: every ``add_extra_input`` without a channel, the FIRST reader of each input
-  channel (one slot per input channel, however many ops read it), and the labels of a ``cross_entropy``
-  (integers, no gradient: :data:`LABELS_OPS`);
-- extra outputs, in op order: every ``make_extra_output`` without a channel or with ``"returned": true``.
+- extra inputs, in op order: every ``add_extra_input`` without a channel (kind ``"add"``), the FIRST reader of
+  each input channel (``"channel"``: one slot per input channel, however many ops read it), and the labels of
+  a ``cross_entropy`` (``"labels"``: integers, no gradient);
+- extra outputs, in op order: every ``make_extra_output`` without a channel (``"output"``) or with
+  ``"returned": true`` (``"returned"``).
+
+A document the parser refuses raises :class:`ChannelError` with the library's message (naming the op).
 
 >>> w = wire([{"op": "make_extra_output", "channel": "residual"}, {"op": "gelu"},
 ...           {"op": "add_extra_input", "channel": "residual"}])
@@ -19,37 +23,29 @@ earlier ``make_extra_output``, or provided by the caller when the document decla
 (0, 0)
 """
 
-import re
-from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
-MAX_CHANNEL_NAME = 64
-_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,%d}\Z" % MAX_CHANNEL_NAME)
-FORK = "make_extra_output"
-READER = "add_extra_input"
-# Ops that read an extra input of their own (integer labels, one per row) beside the stream.
-LABELS_OPS = ("cross_entropy",)
+from .errors import JitfuseError
 
 
-class ChannelError(ValueError):
-    """A channel wiring the sequence format refuses (the library refuses the same document)."""
-
-
-def check_channel_name(name: Any, where: str) -> str:
-    """``name`` if it is a valid channel name (1 to 64 characters from A-Z a-z 0-9 _ . -), else ChannelError."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ChannelError(f"{where}: a channel name is a string of 1 to {MAX_CHANNEL_NAME} characters from "
-                           f"A-Z a-z 0-9 _ . -, not {name!r}")
-    return name
+class ChannelError(JitfuseError, ValueError):
+    """The library's parser refused the document :func:`wire` handed it: a channel wiring (read before it is
+    written, written twice, never read, a bad name, ...) or anything else it refuses in a sequence (an op out
+    of place, a bad attribute). ``message`` is the library's (jf_last_error), ``status`` its jf_status."""
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One of the caller's extra tensors: the op that owns it (a plain add_extra_input or make_extra_output,
-    the first reader of an input channel, or a returned channel's make_extra_output) and its channel."""
+    """One of the caller's extra tensors: the op that owns it (its index in the ops given to :func:`wire`: a
+    plain add_extra_input or make_extra_output, the first reader of an input channel, a returned channel's
+    make_extra_output, a cross_entropy's labels), its channel and its kind (see the module)."""
 
     op: int
     channel: Optional[str] = None
+    kind: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         return f"op {self.op}" + (f" (channel {self.channel!r})" if self.channel is not None else "")
@@ -90,88 +86,60 @@ class Wiring:
                 return c
         raise KeyError(name)
 
+    @classmethod
+    def from_json(cls, j: Mapping[str, Any]) -> "Wiring":
+        """The Wiring of jf_sequence_wiring's JSON."""
+        def slots(key: str) -> Tuple[Slot, ...]:
+            return tuple(Slot(int(s["op"]), s.get("channel"), str(s["kind"])) for s in j[key])
+        channels = tuple(Channel(str(c["name"]), int(c["source"]), tuple(int(r) for r in c["readers"]),
+                                 bool(c["returned"])) for c in j["channels"])
+        return cls(slots("extra_inputs"), slots("extra_outputs"), channels, tuple(j["input_channels"]))
 
-def wire(ops: Sequence[Mapping[str, Any]], input_channels: Iterable[str] = ()) -> Wiring:
-    """Checks the channels of ``ops`` (op dicts of the sequence format) and ``input_channels`` (the document's
-    ``"input_channels"``) and numbers the caller's extra tensors. Raises :class:`ChannelError` naming the op
-    index for: ``channel``/``returned`` on another op, an invalid name, ``returned`` without a channel or not a
-    bool, an input channel declared twice, a second source for a channel, a channel read before anything
-    writes it, a hidden channel nobody reads, an input channel nobody reads."""
-    if isinstance(input_channels, str):
-        raise ChannelError(f"input_channels must be a list of channel names, not the string {input_channels!r}")
-    declared: List[str] = []
-    for k, n in enumerate(input_channels):
-        n = check_channel_name(n, f"input_channels[{k}]")
-        if n in declared:
-            raise ChannelError(f"input_channels[{k}]: channel {n!r} is declared twice")
-        declared.append(n)
 
-    writer: Dict[str, int] = {n: -1 for n in declared}  # op index of the source; -1: the caller's
-    returned: Dict[str, bool] = {}
-    readers: Dict[str, List[int]] = {n: [] for n in declared}
-    ins: List[Slot] = []
-    outs: List[Slot] = []
-    names: List[Tuple[int, str, bool]] = []  # (op, channel, returned) of each op, for the later passes
-    for i, o in enumerate(ops):
-        kind = o.get("op")
-        where = f"op {i} ({kind})"
-        channel, ret = o.get("channel"), o.get("returned")
-        if ("channel" in o or "returned" in o) and kind not in (FORK, READER):
-            key = "channel" if "channel" in o else "returned"
-            raise ChannelError(f"{where}: {key!r} belongs to make_extra_output (writes a channel) and "
-                               f"add_extra_input (reads one), not to {kind}")
-        if "channel" in o:
-            channel = check_channel_name(channel, where)
-        if "returned" in o:
-            if kind != FORK:
-                raise ChannelError(f"{where}: 'returned' belongs to make_extra_output")
-            if not isinstance(ret, bool):
-                raise ChannelError(f"{where}: 'returned' must be True or False, not {ret!r}")
-            if ret and channel is None:
-                raise ChannelError(f"{where}: 'returned' needs a channel (a make_extra_output without one is "
-                                   f"always the caller's extra output)")
-        ret = bool(ret)
-        names.append((i, channel, ret))
-        if kind in LABELS_OPS:
-            ins.append(Slot(i))  # its labels
-            continue
-        if kind == FORK:
-            if channel is None or ret:
-                outs.append(Slot(i, channel))
-            if channel is None:
-                continue
-            if channel in writer:
-                src = writer[channel]
-                raise ChannelError(f"{where}: channel {channel!r} already has a source "
-                                   f"({'input_channels' if src < 0 else f'op {src}'}): a channel has one source; "
-                                   f"name this one differently")
-            writer[channel] = i
-            returned[channel] = ret
-            readers[channel] = []
-        elif kind == READER:
-            if channel is None:
-                ins.append(Slot(i))
-                continue
-            if channel not in writer:
-                later = next((j for j, o2 in enumerate(ops) if j > i and o2.get("op") == FORK
-                              and o2.get("channel") == channel), None)
-                hint = (f"its make_extra_output is op {later}, after this reader; a source comes before its readers"
-                        if later is not None else
-                        "write it with an earlier MakeExtraOutput(channel=...) / Fork(...), or declare it in "
-                        "input_channels")
-                raise ChannelError(f"{where}: channel {channel!r} is read before anything writes it: {hint}")
-            if writer[channel] < 0 and not readers[channel]:
-                ins.append(Slot(i, channel))  # the first reader of an input channel owns its extra input
-            readers[channel].append(i)
-    for i, channel, ret in names:
-        if ops[i].get("op") == FORK and channel is not None and not ret and not readers[channel]:
-            raise ChannelError(f"op {i} (make_extra_output): channel {channel!r} is never read: read it with "
-                               f"add_extra_input (AddChannel({channel!r})) after this op, or set returned=True "
-                               f"to hand it to the caller")
-    for k, n in enumerate(declared):
-        if not readers[n]:
-            raise ChannelError(f"input_channels[{k}]: input channel {n!r} is never read: read it with "
-                               f"add_extra_input (AddChannel({n!r})) or remove it")
-    channels = tuple(Channel(n, writer[n], tuple(readers[n]), returned.get(n, False))
-                     for n in sorted(writer, key=lambda n: writer[n]))
-    return Wiring(tuple(ins), tuple(outs), channels, tuple(declared))
+_planning_lock = threading.Lock()
+_planning: Optional[Any] = None
+
+
+def _planning_context() -> Any:
+    """The context :func:`wire` parses in when given none (built-in rules and ``JITFUSE_RULE_PATH``)."""
+    global _planning
+    with _planning_lock:
+        if _planning is None:
+            from .lib import Context
+            _planning = Context()
+        return _planning
+
+
+def document(ops: Sequence[Mapping[str, Any]], input_channels: Any = (), name: str = "wiring") -> str:
+    """The sequence document (JSON text) of ``ops`` and ``input_channels`` that :func:`wire` parses. A string
+    ``input_channels`` is passed as it is (the library refuses it); any other iterable becomes a list."""
+    doc: Dict[str, Any] = {"format": "jitfuse.sequence/1", "name": name}
+    if isinstance(input_channels, str) or input_channels:
+        doc["input_channels"] = input_channels if isinstance(input_channels, str) else list(input_channels)
+    doc["ops"] = list(ops)
+    try:
+        return json.dumps(doc, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ChannelError(f"the ops are not a JSON sequence document: {e}") from None
+
+
+def wire(ops: Sequence[Mapping[str, Any]], input_channels: Iterable[str] = (), ctx: Optional[Any] = None,
+         recipe: str = "bf16", name: str = "wiring") -> Wiring:
+    """The wiring of ``ops`` (op dicts of the sequence format) with ``input_channels`` (the document's
+    ``"input_channels"``), as the library's parser checks and numbers it: ``ctx`` (a :class:`jitfuse.Context`,
+    default: one planning context of this process) creates the sequence ``name`` under ``recipe`` (the wiring
+    does not depend on it; what the recipe refuses, e.g. a loss under FP8, is refused here too) and reports
+    it with ``jf_sequence_wiring``. Needs no GPU. Raises :class:`ChannelError` with the library's message for
+    any document the library refuses."""
+    if not isinstance(input_channels, str):
+        input_channels = list(input_channels)
+    text = document(ops, input_channels, name)
+    from .lib import Sequence
+    try:
+        seq = Sequence(ctx if ctx is not None else _planning_context(), text, recipe)
+    except JitfuseError as e:  # the message names the op; the function (jf_sequence_create) would be noise
+        raise ChannelError(e.message, e.status) from None
+    try:
+        return seq.wiring()
+    finally:
+        seq.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
 
 from . import _abi
+from ._channels import Wiring
 from .errors import (AbiMismatchError, InvalidArgumentError, JitfuseError, LibraryNotFoundError, RuleError,
                      RuleLoadError, error_for_status, parse_rule_errors)
 
@@ -635,6 +636,13 @@ class Sequence(_Owned):
 
     def __len__(self) -> int:
         return self.num_ops
+
+    def wiring(self) -> Wiring:
+        """The extra input and extra output slots and the channels, as the library's parser numbered them
+        (``jf_sequence_wiring``; no GPU): a :class:`jitfuse._channels.Wiring`."""
+        out = ctypes.c_char_p()
+        self._lib.check(self._lib.cdll.jf_sequence_wiring(self.handle, ctypes.byref(out)), "jf_sequence_wiring")
+        return Wiring.from_json(json.loads(out.value.decode()))
 
     def explain(self, shape: Iterable[int], training: bool = True, arch: int = 90,
                 world_size: Optional[int] = None, rank: int = 0) -> Explanation:

@@ -18,6 +18,7 @@ def test_wiring_counts_the_labels_as_the_last_extra_input():
               {"op": "cross_entropy"}])
     assert w.n_extra_inputs == 2
     assert w.extra_inputs == (Slot(0), Slot(2))
+    assert [s.kind for s in w.extra_inputs] == ["add", "labels"]  # the library's: no gradient for the labels
 
 
 def test_library_plans_the_chunked_head_and_refuses_none(ctx):
@@ -90,11 +91,14 @@ class TestModule:
             jt.CrossEntropy(ignore_index=1.5)
         with pytest.raises(TypeError, match="label_dtype must be torch.int64 or torch.int32"):
             jt.CrossEntropy(label_dtype=torch.float32)
-        with pytest.raises(ValueError, match=r"op 0 \(CrossEntropy\) must be the last op"):
+        # The library's refusals, when the module is built (jt.ChannelError: a ValueError).
+        with pytest.raises(jt.ChannelError, match=r"sequential: .*op 0 \(cross_entropy\) must be the sequence's "
+                                                  r"last op \(it turns the stream into a loss\); op 1 \(identity\)"):
             jt.Sequential(jt.CrossEntropy(), jt.Identity())
-        with pytest.raises(ValueError, match="no FP8 form"):
+        with pytest.raises(jt.ChannelError, match=r"head: sequence 'head': op 1 \(cross_entropy\) under recipe "
+                                                  r"fp8_delayed: a loss has no FP8 form"):
             jt.Sequential(jt.Linear(16, 32), jt.CrossEntropy(), recipe="fp8_delayed", device="cpu",
-                          dtype=torch.bfloat16)
+                          dtype=torch.bfloat16, name="head")
 
     def test_labels_checked_before_the_library(self):
         jt, torch = self.jt, self.torch

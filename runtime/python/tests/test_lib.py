@@ -326,3 +326,46 @@ def test_cli_cache_dir_and_ls(tmp_path, repo):
 def test_cli_version():
     r = _cli("version")
     assert r.returncode == 0 and f"C ABI {_abi.EXPECTED_ABI_VERSION}" in r.stdout
+
+
+def _dl(storage, shape, dtype=(_abi.kDLBfloat, 16), strides=None):
+    """A DLTensor over host bytes that are never read (every call below is refused before any device work)."""
+    d = _abi.DLTensor()
+    d.data = ctypes.cast(storage, ctypes.c_void_p)
+    d.device = _abi.DLDevice(_abi.kDLCUDA, 0)
+    d.ndim = len(shape)
+    d.dtype = _abi.DLDataType(dtype[0], dtype[1], 1)
+    d._dims = (ctypes.c_int64 * len(shape))(*shape)
+    d.shape = ctypes.cast(d._dims, ctypes.POINTER(ctypes.c_int64))
+    if strides is not None:
+        d._strides = (ctypes.c_int64 * len(shape))(*strides)
+        d.strides = ctypes.cast(d._strides, ctypes.POINTER(ctypes.c_int64))
+    return d
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"bias": ((16,),)}, "tensor 'params op 0 (bias) 'bias'': expected shape 8, got 16"),
+    ({"bias": ((8,), (_abi.kDLFloat, 16))}, "tensor 'params op 0 (bias) 'bias'': expected dtype bf16 for this recipe, "
+                                            "got float16"),
+    ({"input": ((4, 8), (_abi.kDLBfloat, 16), (1, 4))},
+     "tensor 'input' is not contiguous row-major: strides (1,4) for shape 4x8"),
+    ({"extra": ((4, 4),)}, "tensor 'extra input 0 (op 1)': expected shape 4x8, got 4x4"),
+])
+def test_the_library_names_a_tensor_of_the_wrong_shape_dtype_or_layout(ctx, bad, message):
+    """The per-call checks both jitfuse.torch paths hand every tensor to as it is (its own shape, strides and
+    dtype): their messages are these, word for word (the C++ extension and ForwardArgs.call_as_they_are
+    format none of their own). Refused before any device work, so no GPU is needed."""
+    seq = jitfuse.Sequence(ctx, '{"name": "blk", "ops": [{"op": "bias"}, {"op": "add_extra_input"}]}', "bf16")
+    storage = (ctypes.c_char * 4096)()
+    t = {"input": ((4, 8),), "extra": ((4, 8),), "output": ((4, 8),), "bias": ((8,),), **bad}
+    x, e, out, b = (_dl(storage, *t[k]) for k in ("input", "extra", "output", "bias"))
+    a = _abi.jf_forward_args()
+    a.input, a.output = ctypes.pointer(x), ctypes.pointer(out)
+    extras = (ctypes.POINTER(_abi.DLTensor) * 1)(ctypes.pointer(e))
+    a.extra_inputs, a.n_extra_inputs = ctypes.cast(extras, ctypes.POINTER(ctypes.POINTER(_abi.DLTensor))), 1
+    p = (_abi.jf_param * 1)()
+    p[0].op_index, p[0].name, p[0].tensor = 0, b"bias", ctypes.pointer(b)
+    a.params, a.n_params = ctypes.cast(p, ctypes.POINTER(_abi.jf_param)), 1
+    assert seq.lib.cdll.jf_forward(seq.handle, ctypes.byref(a), None, None) == _abi.JF_ERR_INVALID_ARGUMENT
+    assert seq.lib.last_error() == message
+    seq.close()

@@ -1,6 +1,7 @@
 # GPU tests of jitfuse.torch's C++ extension (runtime/torch): the path chosen by JITFUSE_TORCH_EXTENSION, the C++
 # eager call against the pure-Python one in the same process (bit-identical) and float64, the C++ autograd
-# under saved-tensor hooks and checkpointing, hostile calls of the C++ ops, and torch.compile with zero breaks.
+# under saved-tensor hooks and checkpointing, hostile calls of the C++ ops, torch.compile with zero breaks, and FP8
+# modules (trailing Quantize included) through the extension only.
 # Run twice: JITFUSE_TORCH_EXTENSION=1 and =0 (the other tests of the package run on whichever path is loaded).
 import os
 from pathlib import Path
@@ -17,7 +18,8 @@ import jitfuse  # noqa: E402
 import jitfuse.torch as jt  # noqa: E402
 from jitfuse.errors import JitfuseError  # noqa: E402
 from jitfuse.torch import _ext, modules  # noqa: E402
-from test_torch_gpu import DEV, check, mlp, randomize, reference, transformer_layer  # noqa: E402
+from test_torch_gpu import (DEV, FP8_RECIPES, FP8_TOL, check, fp8_errors, fp8_inputs, fp8_mlp, fp8_step,  # noqa: E402
+                            gelu_tanh, mlp, randomize, reference, rel_err, transformer_layer)
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -117,11 +119,13 @@ def test_hostile_calls_of_the_ops_raise_clear_errors():
         torch.ops.jitfuse.forward.default(123456789, x, [e], params, None, False)
     with pytest.raises(Exception, match="extra input"):
         torch.ops.jitfuse.forward.default(key, x, [], params, None, False)
-    with pytest.raises(Exception, match="not contiguous|contiguous"):
+    # Shapes, dtypes and layouts are the library's to check (its messages, naming the tensor).
+    with pytest.raises(Exception, match=r"tensor 'input' is not contiguous row-major: strides \(1,8\) for shape 8x64"):
         torch.ops.jitfuse.forward.default(key, x.t().contiguous().t(), [e], params, None, False)
-    with pytest.raises(Exception, match=r"has shape \[32\]|shape"):
+    with pytest.raises(Exception, match=r"tensor 'params op 1 \(linear\) 'weight'': expected shape 128x64, got "
+                                        r"32x64"):
         torch.ops.jitfuse.forward.default(key, x, [e], params[:2] + [params[2][:32]] + params[3:], None, False)
-    with pytest.raises(Exception, match="float16|dtype"):
+    with pytest.raises(Exception, match=r"tensor 'input': expected dtype bf16 for this recipe, got float16"):
         torch.ops.jitfuse.forward.default(key, x.half(), [e.half()], [p.half() for p in params], None, False)
     with torch.no_grad():
         outs = torch.ops.jitfuse.forward.default(key, x, [e], params, None, True)
@@ -143,8 +147,109 @@ def test_module_errors_keep_their_types():
         model(x, x)
     model(x)
     model[1].bias = torch.nn.Parameter(torch.randn(16, device=DEV, dtype=BF16))
-    with pytest.raises(JitfuseError, match=r"op 1 bias has shape \[16\]"):
+    with pytest.raises(JitfuseError, match=r"tensor 'params op 1 \(bias\) 'bias'': expected shape 32, got 16"):
         model(x)
+
+
+# ---- FP8 through the extension (issue 41, "one torch path") ---------------------------------------------
+
+def _refuse_the_ctypes_path(monkeypatch):
+    """Any call of the pure-Python path's kernels (DeviceProgram.forward / .backward: ctypes
+    jf_program_forward / jf_program_backward) fails the test."""
+    from jitfuse.torch._registry import DeviceProgram
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a call took the ctypes path although the C++ extension is loaded")
+    monkeypatch.setattr(DeviceProgram, "forward", refuse)
+    monkeypatch.setattr(DeviceProgram, "backward", refuse)
+
+
+@needs_ext
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_modules_run_through_the_extension(monkeypatch, recipe):
+    """An FP8 Sequential (its own salted key) trains and infers through the extension only: every forward and
+    backward reaches the C ABI from C++ (the extension's record), none through ctypes; the output and every
+    gradient match float64 within the FP8 tolerance; the fp8_weights_unchanged promise reaches the C++ op."""
+    model = fp8_mlp(recipe)
+    g = torch.Generator(device=DEV).manual_seed(41)
+    key, dev = model._jf_keys[True][BF16], torch.cuda.current_device()
+    _refuse_the_ctypes_path(monkeypatch)
+    fp8_step(model, *fp8_inputs(g))  # prepares (the delayed recipe state starts from scale 1)
+    _ext.EXT.watch_calls(key, dev)
+    for call in range(3):
+        x, e, dy = fp8_inputs(g)
+        y, grads = fp8_step(model, x, e, dy)
+        errs, _ = fp8_errors(model, x, e, dy, y, grads)
+        assert all(v <= FP8_TOL for v in errs.values()), f"call {call}: {errs}"
+    x, e, dy = fp8_inputs(g)
+    with torch.no_grad():
+        model(x, e)  # fp8_delayed: this input's amax in the history, so the next two calls use one scale
+        y_recast = model(x, e).clone()
+        with jt.fp8_weights_unchanged():
+            y_reused = model(x, e).clone()
+    assert torch.equal(y_reused, y_recast)  # same weights: reusing their FP8 copies gives the same bits
+    (r_y,), *_ = reference(model, x, [e], dy, [])
+    assert rel_err(y_recast, r_y) <= FP8_TOL
+    assert _ext.EXT.watched_calls(key, dev) == ["forward", "backward"] * 3 + ["forward", "forward",
+                                                                             "forward:fp8_weights_unchanged"]
+
+
+@needs_ext
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_quantize_output_through_the_extension(monkeypatch, recipe):
+    """A trailing Quantize with the extension: without a gradient, module_forward returns the E4M3 codes and
+    the scale_inv that decodes them (a copy per call: an earlier output still decodes after later calls
+    moved the recipe state), wrapped in a Float8Tensor; with one, the Python node around the C++ op keeps
+    the gradient bf16 (1e-4 and 1000 arrive unrounded). Against float64, output memory poisoned with E4M3
+    NaN codes first; no call through ctypes."""
+    model = jt.Sequential(jt.Bias(256), jt.GELU(), jt.Quantize(), recipe=recipe, device=DEV, dtype=BF16)
+    randomize(model)
+    key, dev = model._jf_keys[True][BF16], torch.cuda.current_device()
+    _refuse_the_ctypes_path(monkeypatch)
+    g = torch.Generator(device=DEV).manual_seed(42)
+    x = torch.randn(64, 256, device=DEV, dtype=BF16, generator=g)
+    ref = gelu_tanh(x.double() + model[0].bias.detach().double())
+    with torch.no_grad():
+        for _ in range(3):  # fp8_delayed: the scale comes from the amax history of earlier calls
+            model(x)
+    _ext.EXT.watch_calls(key, dev)
+    ys = []
+    for scale in (1.0, 0.25):  # the second input moves the amax (fp8_current: the scale moves on; a larger
+        # input would saturate under fp8_delayed, whose scale comes from the history)
+        poison = torch.full((64, 256), 0x7F, device=DEV, dtype=torch.uint8)  # E4M3 NaN codes
+        del poison  # freed: the output's codes take this block from the caching allocator
+        with torch.no_grad():
+            y = model(x * scale)
+        assert isinstance(y, jt.Float8Tensor) and y.dtype == BF16 and not y.requires_grad
+        assert y.fp8_data.dtype == torch.float8_e4m3fn and y.fp8_data.shape == x.shape
+        assert y.scale_inv.dtype == torch.float32 and y.scale_inv.shape == (1,)
+        state = registry_state(key, dev)
+        assert torch.equal(y.scale_inv, state[1:2])  # this call's scale_inv, as the recipe state holds it
+        ys.append(y)
+    for scale, y in zip((1.0, 0.25), ys):  # each output decodes with its own scale_inv
+        r = gelu_tanh(x.double() * scale + model[0].bias.detach().double())
+        assert rel_err(y.dequantize(), r) <= FP8_TOL, scale
+    # With a gradient: a Float8Tensor whose gradient arrives in bf16, unrounded.
+    xg = x.clone().requires_grad_()
+    y = model(xg)
+    assert isinstance(y, jt.Float8Tensor) and y.requires_grad and y.dtype == BF16
+    assert rel_err(y.dequantize(), ref) <= FP8_TOL
+    dy = torch.where(torch.rand(64, 256, device=DEV, generator=g) < 0.5, 1e-4, 1000.0).to(BF16)
+    model.zero_grad(set_to_none=True)
+    y.backward(dy)
+    x64 = x.double().requires_grad_()
+    b64 = model[0].bias.detach().double().requires_grad_()
+    gelu_tanh(x64 + b64).backward(dy.double())
+    assert torch.isfinite(xg.grad).all()
+    check("grad_input", xg.grad, x64.grad, BF16, chain=2)
+    check("grad bias", model[0].bias.grad, b64.grad, BF16, gemm=True, chain=2)
+    assert _ext.EXT.watched_calls(key, dev) == ["forward", "forward", "forward", "backward"]
+
+
+def registry_state(key, dev):
+    """The trailing quantize's recipe-state block [scale, scale_inv, amax_history...] of (key, device)."""
+    from jitfuse.torch._registry import device_program
+    return device_program(key, dev).fp8_output_state()
 
 
 def test_compiled_fullgraph_and_reduce_overhead_have_no_breaks():

@@ -642,17 +642,30 @@ def fp8_errors(model, x, e, dy, y, grads):
 
 
 def fp8_flags(model):
-    """Records the fp8_weights_unchanged value every forward of model's program hands jf_program_forward."""
+    """A callable giving the fp8_weights_unchanged value of every forward of model's (training) program that
+    reached jf_program_forward, in order, on whichever path serves the process. With the C++ extension every
+    FP8 call goes through it: the extension's record of its C ABI calls is read, and the ctypes
+    jf_program_forward of the pure-Python path must never have been called (asserted at every read)."""
+    from jitfuse.torch import _ext
     from jitfuse.torch._registry import device_program
-    prog = device_program(model._jf_keys[True][torch.bfloat16], torch.cuda.current_device())
-    flags = []
+    key, dev = model._jf_keys[True][torch.bfloat16], torch.cuda.current_device()
+    prog = device_program(key, dev)
+    ctypes_flags = []
     orig = prog._jf_program_forward
 
     def spy(handle, args_ref, saved_handle_ref, stream):
-        flags.append(args_ref._obj.fp8_weights_unchanged)
+        ctypes_flags.append(args_ref._obj.fp8_weights_unchanged)
         return orig(handle, args_ref, saved_handle_ref, stream)
     prog._jf_program_forward = spy
-    return flags
+    if not _ext.active():
+        return lambda: list(ctypes_flags)
+    _ext.EXT.watch_calls(key, dev)
+
+    def ext_flags():
+        assert ctypes_flags == [], "an FP8 forward took the ctypes path although the C++ extension is loaded"
+        calls = _ext.EXT.watched_calls(key, dev)
+        return [int(c == "forward:fp8_weights_unchanged") for c in calls if c.startswith("forward")]
+    return ext_flags
 
 
 def fp8_inputs(g, m=256, h=512):
@@ -707,7 +720,7 @@ def test_fp8_mlp_training_against_float64(recipe):
                 worst[k] = max(worst.get(k, 0.0), v)
     print(f"\n{recipe}: worst normwise errors over the calls: " + ", ".join(f"{k} {v:.4f}" for k, v in worst.items()))
     # Every forward casts the weights (nothing promised they are unchanged).
-    assert flags == [0] * 8, flags
+    assert flags() == [0] * 8, flags()
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -724,13 +737,13 @@ def test_fp8_unchanged_weights_reuse_is_bit_identical_to_recasting(recipe):
         with jt.fp8_weights_unchanged():
             y_reused = model(x, e).clone()
         y_recast = model(x, e).clone()
-    assert flags == [0, 0, 1, 0], flags
+    assert flags() == [0, 0, 1, 0], flags()
     assert torch.equal(y_reused, y_recast)
     # Training calls read the same copies.
     x = x.clone().requires_grad_()
     with jt.fp8_weights_unchanged():
         model(x, e).backward(torch.ones_like(x))
-    assert flags[-1] == 1
+    assert flags()[-1] == 1
     # A parameter replaced by another tensor (a new pointer) is cast even under the promise (the library
     # checks the pointers it cast from).
     with torch.no_grad(), jt.fp8_weights_unchanged():
@@ -789,7 +802,7 @@ def test_fp8_cuda_graph_training_step_follows_optimizer(recipe):
     with torch.cuda.graph(graph):
         static_y = model(x, e)
         static_y.backward(dy)
-    assert flags == [0], flags  # a captured forward casts at every replay
+    assert flags() == [0], flags()  # a captured forward casts at every replay
     prev = None
     for i in range(3):
         graph.replay()
@@ -807,6 +820,6 @@ def test_fp8_cuda_graph_training_step_follows_optimizer(recipe):
     with torch.no_grad():
         y1 = model(x.detach(), e)
         model(x.detach(), e)
-    assert flags[-2:] == [0, 0], flags
+    assert flags()[-2:] == [0, 0], flags()
     (r_y,), _, _, _ = reference(model, x, [e], dy, [])
     assert rel_err(y1, r_y) <= FP8_TOL

@@ -320,3 +320,37 @@ TEST_CASE("C ABI: jf_sequence_explain checks its shape arguments", "[api][untrus
   CHECK(last() == "params[0].name 'wei\\xffght' is not valid UTF-8 (names must be UTF-8 text)");
   jf_sequence_destroy(s);
 }
+
+TEST_CASE("C ABI: jf_sequence_wiring reports the parser's wiring and refuses NULL arguments", "[api][untrusted]") {
+  Abi a;
+  const char* js = "unchanged";
+  CHECK(jf_sequence_wiring(nullptr, &js) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "seq is NULL");
+  CHECK(js == nullptr);  // set to NULL before anything else is checked
+  jf_sequence s = a.seq(R"({"input_channels": ["skip"], "ops": [
+      {"op": "make_extra_output", "channel": "residual", "returned": true}, {"op": "gelu"},
+      {"op": "add_extra_input", "channel": "skip"}, {"op": "add_extra_input"},
+      {"op": "add_extra_input", "channel": "residual"}, {"op": "add_extra_input", "channel": "skip"}]})");
+  CHECK(jf_sequence_wiring(s, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "json_out is NULL");
+  REQUIRE(jf_sequence_wiring(s, &js) == JF_OK);
+  REQUIRE(js != nullptr);
+  const std::string first = js;
+  const char* again = nullptr;
+  REQUIRE(jf_sequence_wiring(s, &again) == JF_OK);
+  CHECK(again == js);  // one string for the sequence's lifetime
+  CHECK(first ==
+        R"({"channels":[{"name":"skip","readers":[2,5],"returned":false,"source":-1},)"
+        R"({"name":"residual","readers":[4],"returned":true,"source":0}],)"
+        R"("extra_inputs":[{"channel":"skip","index":2,"kind":"channel","op":2,"slot":0},)"
+        R"({"channel":null,"index":3,"kind":"add","op":3,"slot":1}],)"
+        R"("extra_outputs":[{"channel":"residual","index":0,"kind":"returned","op":0,"slot":0}],)"
+        R"("input_channels":["skip"]})");
+  jf_sequence_destroy(s);
+  // A document whose wiring the parser refuses never becomes a sequence: the refusal names the op.
+  jf_sequence bad = nullptr;
+  CHECK(jf_sequence_create(a.ctx, R"({"ops": [{"op": "gelu"}, {"op": "add_extra_input", "channel": "r"}]})", "bf16",
+                           &bad) == JF_ERR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("op 1 (add_extra_input): channel 'r' is read before anything writes it"));
+  CHECK(bad == nullptr);
+}

@@ -81,6 +81,72 @@ TEST_CASE("fan-out, returned and caller channels number the caller's slots as do
   CHECK_FALSE(ops[7].grad_accumulate);
 }
 
+TEST_CASE("the parser records the wiring it numbered: slots with their kinds, channels with readers",
+          "[ops][channels]") {
+  ops::SequenceDef def;
+  // The ops of the test above, then cross_entropy's labels as the last extra input.
+  auto ops = wired(seq(R"([{"op": "add_extra_input", "channel": "skip"},
+                           {"op": "make_extra_output", "channel": "r", "returned": true},
+                           {"op": "make_extra_output"}, {"op": "gelu"},
+                           {"op": "add_extra_input", "channel": "r"}, {"op": "add_extra_input"},
+                           {"op": "add_extra_input", "channel": "r"},
+                           {"op": "add_extra_input", "channel": "skip"}, {"op": "cross_entropy"}])",
+                       R"("input_channels": ["skip"],)"),
+                   &def, {4, 8});
+  REQUIRE(def.extra_input_slots.size() == 3);
+  REQUIRE(def.extra_output_slots.size() == 2);
+  CHECK(def.extra_inputs == 3);
+  CHECK(def.extra_outputs == 2);
+  auto is = [](const ops::WiringSlot& s, int op, const char* kind, const char* channel) {
+    return s.op == op && s.index == op && s.kind == kind && s.channel == channel;
+  };
+  CHECK(is(def.extra_input_slots[0], 0, "channel", "skip"));
+  CHECK(is(def.extra_input_slots[1], 5, "add", ""));
+  CHECK(is(def.extra_input_slots[2], 8, "labels", ""));
+  CHECK(def.nograd_extra_inputs == std::vector<int>{2});
+  CHECK(is(def.extra_output_slots[0], 1, "returned", "r"));
+  CHECK(is(def.extra_output_slots[1], 2, "output", ""));
+  // The numbering infer gives each op is the recorded one.
+  for (size_t k = 0; k < def.extra_input_slots.size(); ++k)
+    CHECK(ops[static_cast<size_t>(def.extra_input_slots[k].index)].extra_slot == static_cast<int>(k));
+  for (size_t k = 0; k < def.extra_output_slots.size(); ++k)
+    CHECK(ops[static_cast<size_t>(def.extra_output_slots[k].index)].extra_slot == static_cast<int>(k));
+  REQUIRE(def.channels.size() == 2);  // the input channel first, then by source
+  CHECK(def.channels[0].name == "skip");
+  CHECK(def.channels[0].source == -1);
+  CHECK(def.channels[0].readers == std::vector<int>{0, 7});
+  CHECK_FALSE(def.channels[0].returned);
+  CHECK(def.channels[1].name == "r");
+  CHECK(def.channels[1].source == 1);
+  CHECK(def.channels[1].readers == std::vector<int>{4, 6});
+  CHECK(def.channels[1].returned);
+  const auto j = ops::wiring_json(def);
+  CHECK(j["extra_inputs"][0] == nlohmann::json{{"slot", 0}, {"op", 0}, {"index", 0}, {"kind", "channel"},
+                                               {"channel", "skip"}});
+  CHECK(j["extra_inputs"][1]["channel"].is_null());
+  CHECK(j["extra_inputs"][2]["kind"] == "labels");
+  CHECK(j["extra_outputs"][0]["kind"] == "returned");
+  CHECK(j["channels"][1] == nlohmann::json{{"name", "r"}, {"source", 1}, {"readers", {4, 6}}, {"returned", true}});
+  CHECK(j["input_channels"] == nlohmann::json{"skip"});
+}
+
+TEST_CASE("the wiring counts document ops and sequence ops apart after an inserted collective", "[ops][channels]") {
+  ops::SequenceDef def;
+  ops::Registry reg;
+  // A row-parallel linear is followed by the all_reduce the parser inserts: op 1 of the document is op 2.
+  def = ops::parse_sequence(seq(R"([{"op": "linear", "in_features": 8, "out_features": 8, "tensor_parallel": "row"},
+                                    {"op": "add_extra_input"}])"),
+                            "seq.json", reg);
+  REQUIRE(def.ops.size() == 3);
+  REQUIRE(def.extra_input_slots.size() == 1);
+  CHECK(def.extra_input_slots[0].op == 1);
+  CHECK(def.extra_input_slots[0].index == 2);
+  CHECK(def.extra_input_slots[0].kind == "add");
+  const auto empty = ops::wiring_json(ops::parse_sequence(seq(R"([{"op": "gelu"}])"), "seq.json", reg));
+  CHECK(empty == nlohmann::json{{"extra_inputs", nlohmann::json::array()}, {"extra_outputs", nlohmann::json::array()},
+                                {"channels", nlohmann::json::array()}, {"input_channels", nlohmann::json::array()}});
+}
+
 TEST_CASE("sequences without channels parse exactly as before", "[ops][channels]") {
   ops::SequenceDef def;
   auto ops = wired(seq(R"([{"op": "make_extra_output"}, {"op": "add_extra_input"}, {"op": "add_extra_input"}])"), &def);

@@ -7,12 +7,13 @@ Host time per call is the point of this file (issue 12): each per-call helper wa
 
 - :func:`route` decides how a forward runs on the pure-Python path, for ``Sequential``'s eager call and
   ``jitfuse::forward``'s Python Autograd kernel alike (with the C++ extension loaded, its ``module_forward``
-  and C++ Autograd kernel decide instead, for every Sequential without an FP8 recipe; docs/python.md "Who
+  and C++ Autograd kernel decide instead, for every Sequential, FP8 recipes included; docs/python.md "Who
   decides how a forward runs"); :func:`check_arguments` raises the module's errors for a call it did not
   send DIRECT.
 - :class:`ForwardArgs` / :class:`BackwardArgs`: the ``jf_forward_args`` / ``jf_backward_args`` of one input
-  shape; :meth:`ForwardArgs.bind` is the one check of a call's tensors against the program (shape against
-  the module's definition, dtype, contiguity), on every route that runs the program.
+  shape; :meth:`ForwardArgs.bind` compares a call's tensors with the block (shape against the module's
+  definition, dtype, contiguity) and, when one differs, the call goes to the library with the tensors as
+  they are (:meth:`ForwardArgs.call_as_they_are`): the library's checks and messages, as the C++ extension's.
 - :func:`run_forward` / :func:`run_backward`: the kernels (``DeviceProgram.forward`` / ``.backward``).
 """
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import _abi
-from ..errors import JitfuseError
+from ..errors import JitfuseError, error_for_status
 from ..lib import ProgramInfo
 from ._dtypes import LABEL_DTYPES, TORCH_TO_DL, torch_dtype
 
@@ -288,34 +289,53 @@ class ForwardArgs:
         self.saved_handle = _abi.jf_saved()
         self.saved_handle_ref = ctypes.byref(self.saved_handle)
 
-    def bind(self, x: Tensor, extras: List[Tensor], out: Tensor, extra_outs: List[Tensor], params: List[Tensor]) -> None:
-        """Checks every tensor the call reads against what its DLTensor says and sets the data pointers.
-        The blocks are built once per input shape: a parameter replaced by one of another shape, dtype or
-        layout after a call ran, or a non-contiguous one, is an error here, never a kernel reading the
-        wrong memory. The one argument check of the package: every route that runs the program passes here."""
+    def bind(self, x: Tensor, extras: List[Tensor], out: Tensor, extra_outs: List[Tensor], params: List[Tensor]) -> bool:
+        """Sets the data pointers of the block's DLTensors, once every tensor the call reads is what its DLTensor
+        says (the block is built once per input shape: a parameter replaced by one of another shape, dtype or
+        layout, or a non-contiguous one, differs). True when all are; False when one is not: then the caller
+        hands the library the tensors as they are (:meth:`call_as_they_are`), whose checks judge them and whose
+        error names the tensor, never a kernel reading the wrong memory. The package formats no message."""
         for d, t, s in zip(self.dls, (x, *extras, out, *extra_outs, *params), self.shapes):
             if s is not None and (t.shape != s or (t.dtype is not self.dtype and t.dtype not in LABEL_DTYPES)
                                   or not t.is_contiguous()):
-                raise JitfuseError(self.mismatch(x, extras, params))
+                return False
             d.data = t.data_ptr()
+        return True
 
-    def mismatch(self, x: Tensor, extras: List[Tensor], params: List[Tensor]) -> str:
-        """The error for a tensor that does not match the program (shape, dtype, contiguity), naming it."""
-        names = ["input"] + [f"extra input {i}" for i in range(len(extras))]
-        tensors = [x, *extras]
-        names += [f"op {op} {n.decode()}" for op, n in self.param_names]
-        tensors += list(params)
-        shapes = [s for s in self.shapes if s is not None]
-        for name, t, s in zip(names, tensors, shapes):
-            if t.shape != s:
-                return (f"jitfuse: sequence {self.name!r}: {name} has shape {list(t.shape)}, the program "
-                        f"expects {list(s)} (a parameter replaced by one of another shape?)")
-            if t.dtype is not self.dtype and t.dtype not in LABEL_DTYPES:
-                return f"jitfuse: sequence {self.name!r}: {name} is {t.dtype}, the program runs {self.dtype}"
-            if not t.is_contiguous():
-                return (f"jitfuse: sequence {self.name!r}: {name} is not contiguous (strides "
-                        f"{list(t.stride())}): jitfuse reads row-major tensors; pass .contiguous()")
-        return f"jitfuse: sequence {self.name!r}: a tensor does not match the program"
+    def call_as_they_are(self, prog: Any, x: Tensor, extras: List[Tensor], out: Tensor, extra_outs: List[Tensor],
+                         params: List[Tensor], stream: int) -> int:
+        """jf_program_forward with DLTensors describing the call's tensors as they are (their own shapes,
+        strides and dtypes) and every other field as the call set it in ``args``: the library's per-call
+        checks, the same as the C++ extension's calls meet, refuse a tensor naming it, and a call they accept
+        runs. Only after :meth:`bind` found a tensor unlike the block, never in the steady state."""
+        tensors = [x, *extras, out, *extra_outs, *params]
+        arr = (_abi.DLTensor * len(tensors))()
+        keep = [arr]
+        for d, t in zip(arr, tensors):
+            dt = TORCH_TO_DL.get(t.dtype)
+            if dt is None:
+                raise JitfuseError(f"jitfuse: sequence {self.name!r}: a tensor of {t.dtype} cannot be passed to "
+                                   f"jitfuse")
+            dims, strides = (ctypes.c_int64 * t.dim())(*t.shape), (ctypes.c_int64 * t.dim())(*t.stride())
+            keep += [dims, strides]
+            d.data = t.data_ptr()
+            d.device = _abi.DLDevice(_abi.kDLCUDA, prog.device_index)
+            d.ndim = t.dim()
+            d.dtype = _abi.DLDataType(dt[0], dt[1], 1)
+            d.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
+            d.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+        ne, neo = len(extras), len(extra_outs)
+        ins, outs = _ptrs(arr, 1, ne), _ptrs(arr, 2 + ne, neo)
+        pars = _param_array(self.param_names, arr, 2 + ne + neo)
+        a = _abi.jf_forward_args()
+        ctypes.memmove(ctypes.byref(a), self.args_ref, ctypes.sizeof(a))  # counts, buffers, rng, training, FP8
+        a.input = ctypes.pointer(arr[0])
+        a.extra_inputs = ctypes.cast(ins, ctypes.POINTER(ctypes.POINTER(_abi.DLTensor)))
+        a.output = ctypes.pointer(arr[1 + ne])
+        a.extra_outputs = ctypes.cast(outs, ctypes.POINTER(ctypes.POINTER(_abi.DLTensor)))
+        a.params = ctypes.cast(pars, ctypes.POINTER(_abi.jf_param))
+        status = prog._jf_program_forward(self.handle, ctypes.byref(a), self.saved_handle_ref, stream)
+        return status
 
 
 class BackwardArgs:
@@ -419,15 +439,17 @@ def run_forward(prog: Any, x: Tensor, extras: List[Tensor], params: List[Tensor]
         ws = (_workspace(c.ws_bytes, dev_i, stream, c.device) if cache_workspace
               else x.new_empty(c.ws_shape, dtype=_uint8))
         a.workspace = ws.data_ptr()
-    c.bind(x, extras, out, extra_outs, params)
     a.rng_state = rng_state.data_ptr() if rng_state is not None else None
     if c.saved_block_bytes:
         a.saved = saved_block.data_ptr()
     if prog.fp8:
         a.fp8_weights_unchanged = int(_fp8_promise.active and not _capturing())
-    status = prog._jf_program_forward(c.handle, c.args_ref, c.saved_handle_ref, stream)
+    if c.bind(x, extras, out, extra_outs, params):
+        status = prog._jf_program_forward(c.handle, c.args_ref, c.saved_handle_ref, stream)
+    else:  # a tensor unlike the block: the library judges the tensors as they are
+        status = c.call_as_they_are(prog, x, extras, out, extra_outs, params, stream)
     if status:
-        prog._lib.check(status, "jf_program_forward")
+        raise error_for_status(status, f"sequence {c.name!r}: {prog._lib.last_error()}", "jf_program_forward")
     if c.returns_saved_handle and c.saved_handle.value:  # training with nothing to save: nothing is in it
         prog._cdll.jf_saved_release(c.saved_handle, stream)
         c.saved_handle.value = None

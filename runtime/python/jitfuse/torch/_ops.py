@@ -9,10 +9,13 @@ argument, an int ``key`` (see :mod:`jitfuse.torch._registry`). So
 - the key is the same in every process for the same sequence, so Inductor's on-disk FX graph cache
   never binds a cached graph to another sequence.
 
-On the pure-Python path (no C++ extension, or an FP8 ``Sequential``) how an eager forward runs is decided
-once, by :func:`jitfuse.torch._calls.route`, for ``Sequential`` and for the op's Autograd kernel alike; a forward that needs a gradient is one :class:`_Forward` node around
-either the direct program call (``Sequential``) or the op below autograd (the Autograd kernel), both
-built and run by :class:`EagerCall`.
+On the pure-Python path (no C++ extension) how an eager forward runs is decided once, by
+:func:`jitfuse.torch._calls.route`, for ``Sequential`` and for the op's Autograd kernel alike; a forward that
+needs a gradient is one :class:`_Forward` node around either the direct program call (``Sequential``) or
+the op below autograd (the Autograd kernel), both built and run by :class:`EagerCall`. With the extension,
+the one Python node left is that of an FP8 ``Sequential`` ending in ``Quantize`` under autograd: its
+:class:`Float8Tensor` output must be the node's (so the gradient reaching it stays bfloat16), around the C++
+op below autograd (``Sequential._forward_op``).
 """
 
 from typing import Any, List, Optional, Tuple

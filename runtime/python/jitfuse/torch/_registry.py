@@ -173,7 +173,7 @@ class DeviceProgram:
             dtype = {"fp32": "float32", "fp16": "float16"}.get(d.recipe, "bfloat16")
             _ext.EXT.register_sequence(d.key, device_index, int(self._handle), d.name, dtype, list(d.params),
                                        list(d.accumulate), d.n_extra_inputs, d.n_extra_outputs, self.fp8,
-                                       self.fp8_output, len(d.ops) - 1)
+                                       self.fp8_output, self.sequence.num_ops - 1)  # the library's last op
 
     def info(self, shape: Tuple[int, ...], training: bool) -> ProgramInfo:
         """The prepared program of (shape, training); prepares it (plan, compile or load) on first use.

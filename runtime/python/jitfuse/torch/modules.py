@@ -19,13 +19,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
-from .._channels import ChannelError, Wiring, check_channel_name, wire
+from .._channels import ChannelError, Wiring, wire
 from ..lib import Explanation
 from ._calls import DIRECT, check_arguments, needs_grad, route
 from ._dtypes import FP8_RECIPES, RECIPE_OF_DTYPE
 from ._ext import EXT as _EXT
 from ._ops import eager_call
-from ._registry import DeviceProgram, _programs, define, device_program, existing_programs, forget
+from ._registry import (DeviceProgram, _programs, context, define, device_program, existing_programs, forget,
+                        program_of)
 from .float8 import Float8Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -447,7 +448,7 @@ class AddExtraInput(BasicOp):
 
     def __init__(self, channel: Optional[str] = None):
         super().__init__()
-        self.channel = None if channel is None else check_channel_name(channel, type(self).__name__)
+        self.channel = channel  # its name is checked by the library when a Sequential wires it
 
     @property
     def n_extra_inputs(self) -> int:  # type: ignore[override]
@@ -469,7 +470,7 @@ class MakeExtraOutput(BasicOp):
 
     def __init__(self, channel: Optional[str] = None, returned: bool = False):
         super().__init__()
-        self.channel = None if channel is None else check_channel_name(channel, type(self).__name__)
+        self.channel = channel  # its name is checked by the library when a Sequential wires it
         if not isinstance(returned, bool):
             raise TypeError(f"{type(self).__name__}: returned must be True or False, not {returned!r}")
         if returned and self.channel is None:
@@ -706,8 +707,9 @@ class Sequential(nn.Module):
       (``Fork(name, returned=True)``) or may come from the caller (``input_channels=["skip"]``: one extra
       input, numbered at its first reader). Extra inputs are numbered in op order over AddExtraInput ops
       without a channel and first readers of input channels; extra outputs over MakeExtraOutput ops without
-      a channel or returned (``wiring`` lists both; :attr:`n_extra_inputs`, :attr:`n_extra_outputs`). A
-      wiring the library would refuse raises :class:`jitfuse.torch.ChannelError` (a ``ValueError``) here.
+      a channel or returned (``wiring`` lists both, as the library numbered them; :attr:`n_extra_inputs`,
+      :attr:`n_extra_outputs`). A wiring the library refuses raises :class:`jitfuse.torch.ChannelError` (a
+      ``ValueError``) here, with the library's message naming the op.
     - ``device``/``dtype``: moved/cast onto every op's parameters when given.
     """
 
@@ -730,26 +732,22 @@ class Sequential(nn.Module):
         self.recipe = recipe
         self.name = name
         self._ops: Tuple[BasicOp, ...] = tuple(ops)
-        # Channels: checked here, as the library checks them, so a bad wiring fails when the module is built
-        # (naming the op); the slots number the caller's extra tensors (docs/python.md#channels).
+        # Channels: the library's parser checks the ops under the recipe and numbers the caller's extra tensors,
+        # so a bad wiring (or an op out of place: CrossEntropy before the end or under FP8, Quantize before the
+        # end under FP8) fails when the module is built, with the library's message naming the op
+        # (docs/python.md#channels).
         try:
-            self.wiring: Wiring = wire([op.spec(True) for op in ops], input_channels)
+            self.wiring: Wiring = wire([op.spec(True) for op in ops], input_channels, ctx=context(-1),
+                                       recipe=recipe or "bf16", name=name)
         except ChannelError as e:
-            raise ChannelError(f"{name}: {e}") from None
+            raise ChannelError(f"{name}: {e.message}", e.status) from None
         self.input_channels: Tuple[str, ...] = self.wiring.input_channels
         self._n_extra_inputs = self.wiring.n_extra_inputs
         self._n_extra_outputs = self.wiring.n_extra_outputs
         # CrossEntropy's labels: extra input slot -> label dtype (integer, no gradient; see _labels_forward).
-        for i, op in enumerate(ops[:-1]):
-            if isinstance(op, CrossEntropy):
-                raise ValueError(f"{name}: op {i} (CrossEntropy) must be the last op (it turns the stream into a "
-                                 f"loss); end the Sequential there")
         self._jf_labels: Dict[int, torch.dtype] = {k: ops[s.op].label_dtype
                                                    for k, s in enumerate(self.wiring.extra_inputs)
-                                                   if isinstance(ops[s.op], CrossEntropy)}
-        if self._jf_labels and recipe in FP8_RECIPES:
-            raise ValueError(f"{name}: CrossEntropy has no FP8 form (recipe {recipe}); run the head and its loss in "
-                             f"a bfloat16 Sequential of their own")
+                                                   if s.kind == "labels"}
         # (library op index, name) of each parameter: a parallel Linear is two ops of the library's sequence
         # (its inserted collective, docs/parallel.md), so indices count n_ops().
         starts = [sum(o.n_ops() for o in ops[:i]) for i in range(len(ops))]
@@ -839,16 +837,18 @@ class Sequential(nn.Module):
         return self._eager_forward(input, *extra_inputs)
 
     def _eager_forward(self, input: Tensor, *extra_inputs: Tensor) -> Union[Tensor, Tuple[Tensor, ...]]:
-        """forward when not traced by Dynamo. With the C++ extension and no FP8 recipe, the extension's
-        module_forward (its C++ Autograd kernel decides the rest). Otherwise on the route
-        :func:`jitfuse.torch._calls.route` chooses: DIRECT calls the program here (no dispatcher hop; under
-        autograd, one autograd node around it), through the module's :class:`~jitfuse.torch._ops.EagerCall`.
-        Anything unusual (a wrong dtype or device, a tensor subclass, a dispatch mode, the profiler) takes the
-        custom op, which also raises the errors."""
+        """forward when not traced by Dynamo. With the C++ extension, every recipe (FP8 included) takes the
+        extension's module_forward (its C++ Autograd kernel decides the rest; an E4M3 output comes back with
+        its scale_inv and is wrapped here), except a trailing Quantize under autograd, which takes
+        :meth:`_forward_op` (see there). Without the extension, on the route :func:`jitfuse.torch._calls.route`
+        chooses: DIRECT calls the program here (no dispatcher hop; under autograd, one autograd node around
+        it), through the module's :class:`~jitfuse.torch._ops.EagerCall`. Anything unusual (a wrong dtype or
+        device, a tensor subclass, a dispatch mode, the profiler) takes the custom op, which also raises the
+        errors."""
         if self._jf_labels:
             return self._labels_forward(input, extra_inputs)
         training = self.training
-        ext = ext_forward is not None and self.recipe is None
+        ext = ext_forward is not None
         params = self._params(not ext)
         if _autocast_on():
             input, extra_inputs, params = _autocast(input, extra_inputs, params)
@@ -856,13 +856,14 @@ class Sequential(nn.Module):
         if ext:
             # The C++ op does the rest (contiguity, grad, autograd, checks); None: a call the checked path
             # must answer (an input off CUDA, tensors of another dtype or device).
-            if key is not None and len(extra_inputs) == self._n_extra_inputs:
+            if (key is not None and len(extra_inputs) == self._n_extra_inputs
+                    and not (self._jf_fp8_output and needs_grad(input, extra_inputs, params))):
                 out = ext_forward(key, input, extra_inputs, params,
                                   _draw_rng(input) if self._jf_uses_rng[training] and input.is_cuda else None,
                                   training, self._n_extra_outputs)
                 if out is not None:
                     self.__dict__["_jf_last_shape"] = input.shape  # what explain() shows (a plain dict store)
-                    return out
+                    return self._fp8_output(out, input.dtype) if self._jf_fp8_output else out
             return self._forward_op(input, extra_inputs, [p if p.is_contiguous() else p.contiguous() for p in params])
         r = route(input, extra_inputs, params)
         if key is None or len(extra_inputs) != self._n_extra_inputs or not r & DIRECT:
@@ -936,9 +937,17 @@ class Sequential(nn.Module):
         check_arguments(self.name, self.recipe, key, self._n_extra_inputs, input, extra_inputs, params)
         grad = needs_grad(input, extra_inputs, params)
         rng = _draw_rng(input) if self._jf_uses_rng[training] else None
-        # Train mode runs the training program with or without grad (see EagerCall.module_forward).
-        outs = torch.ops.jitfuse.forward.default(key, input.contiguous(), [e.contiguous() for e in extra_inputs],
-                                                 params, rng, grad or training)
+        x, extras = input.contiguous(), [e.contiguous() for e in extra_inputs]
+        if self._jf_fp8_output and grad and _EXT is not None and not _is_compiling():
+            # The extension's autograd node would return the E4M3 codes as its differentiable output, and
+            # autograd would round the gradient reaching them to E4M3. The Float8Tensor (dtype bfloat16) must
+            # be the node's output: a Python node around the C++ op below autograd, as the pure-Python
+            # Autograd kernel builds it (jitfuse::forward and jitfuse::backward still run in C++).
+            self.__dict__["_jf_last_shape"] = input.shape
+            outs = eager_call(program_of(key, x)).node(False, True, x, extras, params, rng)
+        else:
+            # Train mode runs the training program with or without grad (see EagerCall.module_forward).
+            outs = torch.ops.jitfuse.forward.default(key, x, extras, params, rng, grad or training)
         out = outs[0]
         if self._jf_fp8_output and not isinstance(out, Float8Tensor):
             # An E4M3 output (trailing quantize): the op's list has its scale_inv after the extra outputs.
@@ -951,6 +960,12 @@ class Sequential(nn.Module):
         if self._n_extra_outputs:
             return (out, *outs[1:1 + self._n_extra_outputs])  # then (scale_inv,) (saved block,)
         return out
+
+    def _fp8_output(self, out: Any, nominal: torch.dtype) -> Union[Tensor, Tuple[Tensor, ...]]:
+        """The extension's answer for a trailing Quantize, (codes, *extra_outputs, scale_inv), as the module
+        returns it: a :class:`Float8Tensor` (and the extra outputs)."""
+        f8 = Float8Tensor(out[0], out[-1], nominal)
+        return (f8, *out[1:-1]) if self._n_extra_outputs else f8
 
     def recast_fp8_weights(self) -> None:
         """Kept for compatibility: every forward casts the FP8 weights unless inside
