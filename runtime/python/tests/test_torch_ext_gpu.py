@@ -406,3 +406,37 @@ def test_a_build_meeting_another_torch_falls_back_to_the_pure_python_ops(tmp_pat
                        cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pure-Python path after the mismatch" in r.stdout
+
+
+EXIT_SCRIPT = r"""
+import torch, jitfuse.torch as jt
+torch.manual_seed(0)
+mods = [jt.Sequential(jt.LayerNorm(256), jt.Linear(256, 512), jt.Bias(512), jt.GELU(), jt.Linear(512, 256),
+                      jt.Bias(256), dtype=torch.bfloat16, device="cuda")]
+for recipe in ("fp8_delayed", "fp8_current"):
+    mods.append(jt.Sequential(jt.Linear(256, 512), jt.Bias(512), jt.GELU(), jt.Linear(512, 256), recipe=recipe,
+                              dtype=torch.bfloat16, device="cuda"))
+x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+for m in mods:
+    for _ in range(2):
+        m(x).float().square().mean().backward()
+    with torch.no_grad():
+        m(x)
+torch.cuda.synchronize()
+print("ok", jt.extension_active())
+"""
+
+
+@pytest.mark.parametrize("ext", ["1", "0"])
+def test_a_process_using_the_modules_exits_cleanly(ext):
+    """Programs held by the C++ extension (and the ctypes path) are closed before their contexts at interpreter
+    exit: the process exits 0 with nothing on stderr about the heap (an abort at exit, H100 run 1 of session 35)."""
+    import subprocess
+    import sys
+    env = dict(os.environ, JITFUSE_TORCH_EXTENSION=ext, MALLOC_CHECK_="3")
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=240,
+                       cwd=str(Path(__file__).parent))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[:1] == ["ok"], r.stdout
+    for bad in ("malloc", "free()", "corrupted", "double free", "fatal signal"):
+        assert bad not in r.stderr, r.stderr[-3000:]

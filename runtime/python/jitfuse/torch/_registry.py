@@ -9,6 +9,7 @@ run from several threads at once), except under FP8 recipes, whose recipe state 
 is salted per module). :func:`forget` drops a module's own keys when it is garbage-collected.
 """
 
+import atexit
 import hashlib
 import json
 import threading
@@ -282,3 +283,18 @@ def write_definitions(path: str, keys: Sequence_[int]) -> int:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return len(defs)
+
+
+def _release_at_exit() -> None:
+    """At interpreter exit, before module globals (the contexts among them) are torn down in whatever order:
+    every key forgotten, which closes the C++ extension's programs (they borrow this registry's sequences)
+    first, then this registry's sequences, while their contexts are still alive. Without it the extension's
+    programs were closed by C++ static destructors after their contexts were gone (heap corruption at exit,
+    H100 run 1 of session 35)."""
+    with _registry_lock:
+        keys = sorted(set(_definitions) | {k for k, _ in _programs})
+    if keys:
+        forget(keys)
+
+
+atexit.register(_release_at_exit)  # after torch's own (atexit runs last-registered first): ours runs before
