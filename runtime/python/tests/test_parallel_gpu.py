@@ -105,3 +105,27 @@ def test_comm_ops_as_modules():
         y.sum().backward()
         assert x.grad is not None and torch.isfinite(x.grad).all()
         x.grad = None
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_explain_plans_this_ranks_program(sp):
+    """explain() of a module built for 2 ranks plans rank 1 of 2 by default (issue 45): the column-parallel
+    GEMM writes this rank's 2F / 2 columns, not the whole layer's 2F, and the collectives are in the plan;
+    world_size=1 still gives the one-rank plan, and an explicit rank is taken."""
+    kw = lambda mode: dict(tensor_parallel=mode, sequence_parallel=sp, world_size=2)  # noqa: E731
+    m = jt.Sequential(jt.RMSNorm(H), jt.Linear(H, 2 * F, **kw("column")), jt.SwiGLU(), jt.Linear(F, H, **kw("row")),
+                      device=DEV, dtype=torch.bfloat16)
+    assert m[1].weight.shape == (F, H)  # the shard: 2F / 2 rows
+    rows = ROWS // 2 if sp else ROWS      # a sequence-parallel input is this rank's rows
+    e = m.explain(shape=(rows, H), training=True, rank=1)
+    gemms = [s for s in e.program.forward if s["kind"] == "gemm"]  # sequence parallel: pipelined row chunks
+    ns = [s["n"] for s in gemms]
+    assert ns[0] == F and set(ns) == {F, H}, ns
+    assert sum(s["m"] for s in gemms if s["n"] == F) == ROWS  # every row of the layer, gathered or not
+    comms = [s["collective"] for s in e.program.forward if s["kind"] == "comm"]
+    assert comms if sp else comms == ["all_reduce"], comms
+    assert e.raw["program"]["parallel"]["world_size"] == 2 and e.raw["program"]["parallel"]["rank"] == 1
+    # The default rank: this process's in the registered group (one rank here: 0).
+    assert m.explain(shape=(rows, H), training=True).raw["program"]["parallel"]["rank"] == 0
+    one = m.explain(shape=(ROWS, H), training=True, world_size=1)
+    assert [s["n"] for s in one.program.forward if s["kind"] == "gemm"][0] == 2 * F

@@ -53,6 +53,15 @@ def world_size(name: str = "tp") -> int:
     return int(dist.get_world_size(g))
 
 
+def rank(name: str = "tp") -> int:
+    """This process's rank in the registered group (0 when none is registered)."""
+    g = _groups.get(name)
+    if g is None:
+        return 0
+    import torch.distributed as dist
+    return int(dist.get_rank(g))
+
+
 def communicator(name: str = "tp", device_index: Optional[int] = None) -> Communicator:
     """This rank's jitfuse communicator of group ``name`` on ``device_index`` (default: the current CUDA
     device), made on first use — a collective call: every rank of the group must make it."""

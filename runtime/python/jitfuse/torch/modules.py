@@ -183,6 +183,7 @@ class Linear(BasicOp):
         if tensor_parallel != "none":
             from . import distributed
             w = int(world_size) if world_size is not None else distributed.world_size(group)
+        self.tp_world_size = w  # the group size its shard was cut for: what explain() plans by default
         out_local = self.out_features // w if tensor_parallel == "column" else self.out_features
         in_local = self.in_features // w if tensor_parallel == "row" else self.in_features
         if (tensor_parallel == "column" and self.out_features % w) or (tensor_parallel == "row" and self.in_features % w):
@@ -988,9 +989,13 @@ class Sequential(nn.Module):
             tuple(int(d) for d in shape), bool(training))
 
     def explain(self, shape: Optional[Iterable[int]] = None, training: Optional[bool] = None,
-                dtype: Optional[torch.dtype] = None, arch: Optional[int] = None) -> Explanation:
+                dtype: Optional[torch.dtype] = None, arch: Optional[int] = None,
+                world_size: Optional[int] = None, rank: Optional[int] = None) -> Explanation:
         """The fusion decisions and program for an input shape (default: the last shape run), without a
-        GPU. ``arch`` defaults to the current GPU's (90 without one)."""
+        GPU. ``arch`` defaults to the current GPU's (90 without one). A tensor-parallel module is planned as
+        one rank of ``world_size`` (default: the size its parallel linears were built for) and ``rank``
+        (default: this process's rank in their registered group, else 0): the shard widths, collectives and
+        buffers of that rank, whose input ``shape`` is (a sequence-parallel input: this rank's rows)."""
         training = self.training if training is None else training
         dtype = dtype or (self._params()[0].dtype if self._params() else torch.bfloat16)
         if self.recipe:
@@ -1007,7 +1012,27 @@ class Sequential(nn.Module):
             if torch.cuda.is_available():
                 major, minor = torch.cuda.get_device_capability()
                 arch = major * 10 + minor
-        return device_program(key, -1).sequence.explain(tuple(shape), training, arch)
+        if world_size is None or rank is None:
+            w, r = self._tp_rank()
+            world_size = w if world_size is None else world_size
+            rank = r if rank is None else rank
+        seq = device_program(key, -1).sequence
+        if world_size <= 1 and not self._tp_ops():
+            return seq.explain(tuple(shape), training, arch)
+        return seq.explain(tuple(shape), training, arch, world_size=int(world_size), rank=int(rank))
+
+    def _tp_ops(self) -> List[BasicOp]:
+        return [op for op in self._ops if getattr(op, "tensor_parallel", "none") != "none"]
+
+    def _tp_rank(self) -> Tuple[int, int]:
+        """(world size, rank) a tensor-parallel module runs as: the size its parallel linears were cut for and
+        this process's rank in their group (0 when the group is not registered); (1, 0) without parallel ops."""
+        ops = self._tp_ops()
+        if not ops:
+            return 1, 0
+        from . import distributed
+        world = max(int(op.tp_world_size) for op in ops)
+        return world, distributed.rank(ops[0].group) if world > 1 else 0
 
     @property
     def n_extra_inputs(self) -> int:
