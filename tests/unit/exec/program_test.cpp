@@ -198,3 +198,56 @@ TEST_CASE("schema.json lists exactly the implementations jitfuse has", "[exec][r
   }
   CHECK(in_schema == have);
 }
+
+TEST_CASE("follow-up steps: each finalize and FP8 update names an earlier step that writes its partials",
+          "[exec][steps]") {
+  // What the executor relies on (issue 41 item 4): a finalize step follows the kernel step whose module holds
+  // it and whose partials it sums; an update's entries name the steps that wrote their amax partials (a kernel,
+  // or an FP8 GEMM's one float); the pass's batched update is its last step (group -1) and no other is.
+  rules::RuleSet rs = rules::RuleSet::with_builtins();
+  int finalizes = 0, per_cast = 0, batched = 0;
+  for (const auto& c : test::builtin_cases()) {
+    auto p = test::case_program(c, rs);
+    for (const auto* steps : {&p->forward, &p->backward})
+      for (size_t i = 0; i < steps->size(); ++i) {
+        const auto& s = (*steps)[i];
+        INFO(c.id() << " step " << i << " " << s.what);
+        CHECK((s.group < 0) == (s.kind == exec::Step::Kind::fp8_update && s.fp8_update.batched));
+        if (s.kind == exec::Step::Kind::finalize) {
+          ++finalizes;
+          const int k = s.finalize.kernel_step;
+          REQUIRE((k >= 0 && static_cast<size_t>(k) < i));
+          const auto& ks = (*steps)[static_cast<size_t>(k)];
+          REQUIRE(ks.kind == exec::Step::Kind::kernel);
+          CHECK(ks.group == s.group);
+          CHECK(ks.weight_cast == s.weight_cast);
+          CHECK(s.finalize.index < static_cast<int>(ks.kernel->gen.finalize.size()));
+          CHECK(s.finalize.pairs.size() == 2 * static_cast<size_t>(s.finalize.count));
+          for (size_t j = 0; j < s.finalize.pairs.size(); j += 2) {  // its partials: what that kernel writes
+            bool written = false;
+            for (const auto& a : ks.kernel->args) written = written || a.buffer == s.finalize.pairs[j];
+            CHECK(written);
+          }
+        }
+        if (s.kind != exec::Step::Kind::fp8_update) continue;
+        (s.fp8_update.batched ? batched : per_cast)++;
+        if (s.fp8_update.batched) CHECK(i + 1 == steps->size());
+        if (!s.fp8_update.batched) CHECK(s.fp8_update.entries.size() == 1);
+        for (const auto& e : s.fp8_update.entries) {
+          REQUIRE((e.step >= 0 && static_cast<size_t>(e.step) < i));
+          const auto& by = (*steps)[static_cast<size_t>(e.step)];
+          if (by.kind == exec::Step::Kind::gemm) {
+            CHECK(by.gemm.d_amax == e.partials);
+          } else {
+            REQUIRE(by.kind == exec::Step::Kind::kernel);
+            CHECK(by.kernel->amax_partials == e.partials);
+            CHECK(!by.kernel->gen.fp8_update.empty());
+          }
+          CHECK((e.history >= 0 && e.scale >= 0));
+        }
+      }
+  }
+  CHECK(finalizes > 20);
+  CHECK(per_cast > 5);
+  CHECK(batched > 5);
+}
