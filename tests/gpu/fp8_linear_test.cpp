@@ -37,7 +37,7 @@ std::vector<std::string> rules_of(jf_sequence seq, const ops::Shape& shape, bool
 
 }  // namespace
 
-TEST_CASE("FP8 linear: standalone casts, the three FP8 GEMMs, bias, accumulate_grad; both recipes", "[fp8_linear]") {
+TEST_CASE("FP8 linear: standalone casts, the three FP8 GEMMs, bias, accumulate_grad, and both recipes", "[fp8_linear]") {
   struct Case {
     const char* ops;
     ops::Shape shape;
@@ -93,7 +93,7 @@ TEST_CASE("FP8 backward: the ops after a linear with no bias write its E5M2 grad
     }
 }
 
-TEST_CASE("FP8 MLP block: layernorm -> E4M3, bias+gelu -> E4M3, dgelu+dbias -> E5M2; both recipes", "[fp8_linear]") {
+TEST_CASE("FP8 MLP block: layernorm -> E4M3, bias+gelu -> E4M3, dgelu+dbias -> E5M2, and both recipes", "[fp8_linear]") {
   const std::string json = test::seq_json(kMlp, "mlp");
   const ops::Shape shape{128, 256};
   for (const char* recipe : {"fp8_current", "fp8_delayed"}) {

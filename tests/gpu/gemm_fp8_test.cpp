@@ -207,7 +207,7 @@ TEST_CASE("FP8 GEMMs with FP8 output: D scale, amax and codes match float64", "[
       for (auto& s : kShapes) run_case(blas, {a, b, out, bias, true}, s[0], s[1], s[2], rng);
 }
 
-TEST_CASE("FP8 GEMMs: prepare caches per FP8 configuration; refused calls throw, never crash", "[gemm_fp8]") {
+TEST_CASE("FP8 GEMMs: prepare caches per FP8 configuration, and refused calls throw, never crash", "[gemm_fp8]") {
   cuda::Blas blas;
   DeviceTensor a({64, 64}, "e4m3"), b({64, 64}, "e4m3"), d({64, 64}, "bf16"), scales({8}, "fp32");
   DeviceTensor ws({static_cast<int64_t>(cuda::kGemmWorkspace / 4)}, "fp32");

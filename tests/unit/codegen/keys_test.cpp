@@ -13,7 +13,7 @@ using namespace jitfuse;
 using codegen::Arg;
 using codegen::Key;
 
-TEST_CASE("every key has one name and parses back; unknown names do not parse", "[codegen][keys]") {
+TEST_CASE("every key has one name and parses back, and unknown names do not parse", "[codegen][keys]") {
   std::set<std::string> names;
   for (int k = static_cast<int>(Key::input); k <= static_cast<int>(Key::channel); ++k) {
     const auto key = static_cast<Key>(k);
@@ -30,7 +30,7 @@ TEST_CASE("every key has one name and parses back; unknown names do not parse", 
   CHECK_FALSE(codegen::parse_key("Weight"));
 }
 
-TEST_CASE("the keyed arguments of every built-in kernel carry their key; the builder binds them by it",
+TEST_CASE("the keyed arguments of every built-in kernel carry their key, and the builder binds them by it",
           "[codegen][keys][exec]") {
   static const rules::RuleSet rs = rules::RuleSet::with_builtins();
   int keyed = 0;
@@ -51,15 +51,29 @@ TEST_CASE("the keyed arguments of every built-in kernel carry their key; the bui
             CHECK(a.name == codegen::key_name(a.key));
           }
           if (!must && a.role != Arg::Role::grad_extra_out) CHECK(a.key == Key::none);
-          // What the builder bound: the op's buffer of that key (partials: a scratch buffer named by it).
-          if (a.role == Arg::Role::param || a.role == Arg::Role::saved) {
-            const auto& b = p->buffer(k.args[i].buffer);
+          if (a.role == Arg::Role::partials)  // a scratch buffer named by its key
+            CHECK(p->buffer(k.args[i].buffer).name ==
+                  "partials op" + std::to_string(a.op) + "." + codegen::key_name(a.key));
+          // What the builder bound: the op's parameter or saved context of that key, or for saved context a
+          // value buffer the forward kept (an alias: the op's input or output between groups), or one the backward
+          // recomputed (provide_saved: a joint strategy's temp).
+          if (a.role != Arg::Role::param && a.role != Arg::Role::saved) continue;
+          const auto& b = p->buffer(k.args[i].buffer);
+          if (a.role == Arg::Role::param) {
+            CHECK(b.role == exec::BufferRole::param);
             CHECK(b.op == a.op);
             CHECK(b.key == codegen::key_name(a.key));
           }
-          if (a.role == Arg::Role::partials)
-            CHECK(p->buffer(k.args[i].buffer).name ==
-                  "partials op" + std::to_string(a.op) + "." + codegen::key_name(a.key));
+          if (a.role == Arg::Role::saved && b.role == exec::BufferRole::saved_context) {
+            CHECK(b.op == a.op);
+            CHECK(b.key == codegen::key_name(a.key));
+          } else if (a.role == Arg::Role::saved) {
+            CHECK((a.key == Key::input || a.key == Key::output));
+            const bool value = b.role == exec::BufferRole::activation || b.role == exec::BufferRole::input ||
+                               b.role == exec::BufferRole::output || b.role == exec::BufferRole::extra_in ||
+                               b.role == exec::BufferRole::temp;
+            CHECK(value);
+          }
         }
       }
   }

@@ -127,7 +127,7 @@ TEST_CASE("JSON: nesting deeper than the limit is refused with a location, witho
   CHECK_NOTHROW(json_util::parse(in_string, "x.json"));
 }
 
-TEST_CASE("sequences: deep values, too many ops, huge values are refused; locations are linear", "[common][untrusted]") {
+TEST_CASE("sequences: deep values, too many ops, huge values are refused, and locations are linear", "[common][untrusted]") {
   ops::Registry reg;
   // A reshape `shape` 100k deep, and a 1M-deep value before a bad op: no stack overflow.
   std::string reshape = "{\"ops\": [{\"op\": \"reshape\", \"shape\": " + std::string(100000, '[') + "4" +

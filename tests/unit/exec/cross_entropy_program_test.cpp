@@ -43,7 +43,7 @@ std::set<std::string> saved_names(const exec::Program& p) {
 
 TEST_CASE(
     "unfused cross_entropy: a row kernel, a reduction, a backward row "
-    "kernel; saves logits and lse",
+    "kernel, and saves logits and lse",
     "[exec][cross_entropy]") {
   auto p = program_of(R"([{"op": "cross_entropy", "label_smoothing": 0.1}])", {7, 50257});
   REQUIRE(p->forward.size() == 2);

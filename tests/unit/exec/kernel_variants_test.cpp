@@ -161,7 +161,7 @@ TEST_CASE("a shape without a vector path has only the scalar variant", "[exec][v
   CHECK_THROWS_AS(lib.request(g, spec, kTarget, {}, true), Error);
 }
 
-TEST_CASE("prefetch of a vector-capable plan compiles only its vector programs; Variants::all the scalar ones too",
+TEST_CASE("prefetch of a vector-capable plan compiles only its vector programs, and Variants::all the scalar ones too",
           "[exec][variants]") {
   const test::Planned layer = test::plan_layers(1, "bf16", true);
   const auto kernels = exec::program_kernels(*layer.program);

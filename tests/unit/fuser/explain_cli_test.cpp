@@ -25,7 +25,7 @@ TEST_CASE("explain on the mlp example: candidates, reasons and final groups", "[
                                     "linear_bias_bwd at ops [1, 3)"));
 }
 
-TEST_CASE("explain --json and --arch; shape reasons", "[fuser][cli]") {
+TEST_CASE("explain --json and --arch, and shape reasons", "[fuser][cli]") {
   jf_test::TempDir dir;
   // Any in_features fuses (issue 27); an out_features that is not a multiple of 8 is refused by GELU_AUX_BIAS
   // (cuBLASLt's aux leading dimension), with its reason, and [linear bias] takes the BIAS epilogue instead.
@@ -114,7 +114,7 @@ TEST_CASE("explain with a broken rules directory reports the errors and uses the
   CHECK_THAT(bad.out, Catch::Contains("cannot read"));
 }
 
-TEST_CASE("planning commands refuse what an FP8 recipe cannot run; bench refuses --iters 0", "[fuser][cli]") {
+TEST_CASE("planning commands refuse what an FP8 recipe cannot run, and bench refuses --iters 0", "[fuser][cli]") {
   jf_test::TempDir dir;
   std::string seq = dir.write("fp8.json", R"J({"format": "jitfuse.sequence/1", "name": "fp8", "ops": [
     {"op": "linear", "in_features": 64, "out_features": 64}, {"op": "quantize"}]})J");

@@ -137,7 +137,7 @@ TEST_CASE("conflicts: priority, then longer window, then earlier rule, then earl
   }
 }
 
-TEST_CASE("joint groups are fixed; forward and backward run independently over them", "[fuser]") {
+TEST_CASE("joint groups are fixed, and forward and backward run independently over them", "[fuser]") {
   RuleSet rs = rules_of(
       "[" + rule("j", "joint", 1, R"J(["bias", "dropout"])J", R"J(, "conditions": {"training": true})J") + "," +
       rule("f_over", "forward", 50, R"J(["dropout", "add_extra_input"])J") + "," +

@@ -82,7 +82,7 @@ TEST_CASE("a repeated class element covers chains of every length up to the boun
   CHECK(spans(p.forward) == "[0,16):chain [16,19):chain");
 }
 
-TEST_CASE("\"+\" needs one op, \"*\" none, and a non-member ends the run", "[fuser][repetition]") {
+TEST_CASE("+ needs one op, * none, and a non-member ends the run", "[fuser][repetition]") {
   RuleSet rs = rules_of("[" + rule("bias_tail", "forward", 5, R"(["bias", "gelu", "@pointwise*"])") + "," +
                         rule("act_run", "backward", 5, R"(["bias", "@activation+"])") + "]");
   auto ops = make_ops(rs, json::parse(R"([{"op": "bias"}, {"op": "gelu"}, {"op": "bias"}, {"op": "gelu"},
@@ -93,7 +93,7 @@ TEST_CASE("\"+\" needs one op, \"*\" none, and a non-member ends the run", "[fus
   CHECK(spans(p.backward) == "[0,2):act_run [2,4):act_run [4,5) [5,6) [6,7)");
 }
 
-TEST_CASE("priority still wins over length; the longer of equal priority wins", "[fuser][repetition]") {
+TEST_CASE("priority still wins over length, and the longer of equal priority wins", "[fuser][repetition]") {
   auto plan_with = [](const std::string& other, int prio) {
     RuleSet rs = rules_of("[" + rule("chain", "forward", 5, R"(["@pointwise", "@pointwise+"])") + "," +
                           rule("pair", "forward", prio, other) + "]");
@@ -180,7 +180,7 @@ TEST_CASE("the explain CLI prints the class match under the taken rule", "[fuser
   CHECK_THAT(r.out, Catch::Contains("ops [1, 4): scale silu relu"));
 }
 
-TEST_CASE("built-in rules fuse pointwise runs in both passes; swiglu scale backward is one group",
+TEST_CASE("built-in rules fuse pointwise runs in both passes, and swiglu scale backward is one group",
           "[fuser][repetition][rules]") {
   RuleSet rs = RuleSet::with_builtins();
   auto plan_of = [&](const char* ops_json) {

@@ -43,7 +43,7 @@ TEST_CASE("an op declared in two files is an error naming both", "[rules][confli
   CHECK(rs.registry().find("t")->declared_in == a + ":2:3");  // the first one stays
 }
 
-TEST_CASE("two rules of one name in a file are an error; the first stays", "[rules][conflicts]") {
+TEST_CASE("two rules of one name in a file are an error, and the first stays", "[rules][conflicts]") {
   std::string text = "{\"format\": \"jitfuse.rules/1\", \"rules\": [\n" + rule("twice") + ",\n" +
                      rule("twice", ", \"priority\": 5") + "\n]}";
   RuleSet rs;

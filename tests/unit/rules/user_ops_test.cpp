@@ -97,7 +97,7 @@ TEST_CASE("broken user op declarations are reported and skipped", "[rules]") {
   }
 }
 
-TEST_CASE("a rule using a broken op fails with unknown op; templates need a directory", "[rules]") {
+TEST_CASE("a rule using a broken op fails with unknown op, and templates need a directory", "[rules]") {
   RuleSet rs;
   std::string text = "{\"format\": \"jitfuse.rules/1\", \"ops\": [" + std::string(kGoodOp) + "], \"rules\": [" +
                      kGoodRule + "]}";
