@@ -131,8 +131,7 @@ struct Fp8UpdateStep {
     int partials = -1, history = -1, scale = -1;
     int scale_inv = -1;     // -1: a cast wrote its copy's own
   };
-  bool batched = false;
-  int kernel_step = -1;     // the cast whose module holds the update (batched: any cast's of the pass)
+  bool batched = false;     // the update kernel: the module's of each entry's cast (one format per pass)
   int history_len = 1;
   std::vector<Entry> entries;  // one per cast update
 };

@@ -440,7 +440,10 @@ void Builder::push(Step s) {
 void Builder::end_pass() {
   end_side_lifetimes();
   if (!batch_.entries.empty()) {
-    if (batch_.kernel_step < 0)
+    const auto& steps = forward_ ? p_.forward : p_.backward;
+    if (std::none_of(batch_.entries.begin(), batch_.entries.end(), [&](const Fp8UpdateStep::Entry& e) {
+          return steps[static_cast<size_t>(e.step)].kind == Step::Kind::kernel;
+        }))
       fail(Status::internal, "FP8 GEMM outputs to update in a pass without a batched cast (whose module holds the "
            "batch kernel)");
     batch_.batched = true;
@@ -610,7 +613,6 @@ void Builder::follow_ups(const KernelStep& ks, int q, fp8::Operand fp8_tensor) {
   Fp8UpdateStep::Entry e{at, ks.amax_partials, fp8_state(q, fp8_tensor, fp8::Part::history),
                          fp8_state(q, fp8_tensor, fp8::Part::scale), -1};
   if (ks.gen.fp8_batched) {  // a cast writes its own scale_inv
-    batch_.kernel_step = at;
     batch_.history_len = std::max(1, p_.recipe.amax_history);
     batch_.entries.push_back(e);
     return;
@@ -621,7 +623,6 @@ void Builder::follow_ups(const KernelStep& ks, int q, fp8::Operand fp8_tensor) {
   s.kind = Step::Kind::fp8_update;
   s.group = group_;
   s.what = fmt::format("FP8 recipe-state update after {}", ks.gen.kernel);
-  s.fp8_update.kernel_step = at;
   s.fp8_update.history_len = std::max(1, p_.recipe.amax_history);
   s.fp8_update.entries.push_back(e);
   push(std::move(s));
