@@ -101,6 +101,9 @@ bool fp8_promise();
 std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
                                      at::TensorList params, const std::optional<at::Tensor>& rng_state, bool training);
 
+// Whether module_forward takes these tensors: all defined, the input on CUDA, the rest of its dtype and device.
+bool module_call_ok(const at::Tensor& input, at::TensorList extra_inputs, at::TensorList params);
+
 // Sequential's eager call: checks nothing the op checks; returns false (and leaves `out` empty) where the
 // caller must take its checked path (an input off CUDA, tensors of another dtype or device than the input).
 // `out`: [output, *extra_outputs], then, for an E4M3 output (an FP8 sequence ending in quantize), the float32

@@ -484,16 +484,21 @@ std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::T
   return forward_handle().call(key, input, extra_inputs, params, rng_state, training);
 }
 
-bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
-                    const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state, bool training,
-                    int n_extra_outputs, std::vector<at::Tensor>& out) {
-  if (!input.is_cuda()) return false;
+bool module_call_ok(const at::Tensor& input, at::TensorList extra_inputs, at::TensorList params) {
+  if (!input.defined() || !input.is_cuda()) return false;
   const auto dt = input.scalar_type();
   const auto dev = input.device();
   for (auto& t : params)
-    if (t.scalar_type() != dt || t.device() != dev) return false;
+    if (!t.defined() || t.scalar_type() != dt || t.device() != dev) return false;
   for (auto& t : extra_inputs)
-    if (t.scalar_type() != dt || t.device() != dev) return false;
+    if (!t.defined() || t.scalar_type() != dt || t.device() != dev) return false;
+  return true;
+}
+
+bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
+                    const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state, bool training,
+                    int n_extra_outputs, std::vector<at::Tensor>& out) {
+  if (!module_call_ok(input, extra_inputs, params)) return false;
   const bool grad = needs_grad(input, extra_inputs, params);
   bool all_contiguous = input.is_contiguous();
   for (auto& t : extra_inputs) all_contiguous = all_contiguous && t.is_contiguous();

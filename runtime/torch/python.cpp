@@ -2,7 +2,10 @@
 // modules, the resolver, the FP8 promise) and Sequential's eager entry, one call from Python to the op.
 #include "jitfuse_torch.h"
 
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -57,6 +60,220 @@ py::object module_forward(int64_t key, const at::Tensor& input, const std::vecto
   return std::move(t);
   END_HANDLE_TH_ERRORS_PYBIND
 }
+
+// ---- Sequential.__call__ in C++ ------------------------------------------------------------------------
+// The module's whole eager call when nothing unusual is about: the checks of Sequential.__call__ (no hook of
+// the module or global one, no Module.compile(), no TorchScript trace, forward not overridden) and of
+// _eager_forward (no labels, no autocast, no FP8 output, a key for the input's dtype, the extra-input count,
+// tensors module_forward takes), the parameters read live from the ops' _parameters, then module_forward.
+// Returns None where Python must decide (its path raises the errors); the random state is drawn only once
+// the call is sure to run here, so a None leaves PyTorch's generator as it was.
+struct ModuleCallState {
+  PyObject* forward = nullptr;       // Sequential.forward
+  PyObject* global_hooks = nullptr;  // tuple of torch.nn.modules.module's four global hook dicts
+  PyObject* draw_rng = nullptr;      // jitfuse.torch.modules._draw_rng
+  PyObject *s_training, *s_keys, *s_refs, *s_labels, *s_fp8_output, *s_rng, *s_n_in, *s_n_out, *s_params,
+      *s_last_shape, *s_compiled, *s_forward;
+  PyObject* s_hooks[4];
+};
+ModuleCallState g_call;
+
+PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
+
+void init_module_call(py::object forward, py::tuple global_hooks, py::object draw_rng) {
+  TORCH_CHECK(global_hooks.size() == 4, "jitfuse: init_module_call takes the four global hook dicts");
+  for (auto h : global_hooks) TORCH_CHECK(PyDict_Check(h.ptr()), "jitfuse: a global hook table is not a dict");
+  g_call.forward = forward.release().ptr();
+  g_call.global_hooks = global_hooks.release().ptr();
+  g_call.draw_rng = draw_rng.release().ptr();
+  g_call.s_training = intern("training");
+  g_call.s_keys = intern("_jf_keys");
+  g_call.s_refs = intern("_jf_param_refs");
+  g_call.s_labels = intern("_jf_labels");
+  g_call.s_fp8_output = intern("_jf_fp8_output");
+  g_call.s_rng = intern("_jf_uses_rng");
+  g_call.s_n_in = intern("_n_extra_inputs");
+  g_call.s_n_out = intern("_n_extra_outputs");
+  g_call.s_params = intern("_parameters");
+  g_call.s_last_shape = intern("_jf_last_shape");
+  g_call.s_compiled = intern("_compiled_call_impl");
+  g_call.s_forward = intern("forward");
+  const char* hooks[4] = {"_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"};
+  for (int i = 0; i < 4; ++i) g_call.s_hooks[i] = intern(hooks[i]);
+}
+
+// An owned reference released at scope end.
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* o) : p(o) {}
+  ~Ref() { Py_XDECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+};
+
+bool is_empty_dict(PyObject* d) { return d != nullptr && PyDict_Check(d) && PyDict_GET_SIZE(d) == 0; }
+
+// The module-level conditions of the fast call (Sequential.__call__'s own list).
+bool plain_call(PyObject* self, PyObject* dict) {
+  for (PyObject* s : g_call.s_hooks)
+    if (!is_empty_dict(PyDict_GetItem(dict, s))) return false;
+  for (Py_ssize_t i = 0; i < 4; ++i)
+    if (PyDict_GET_SIZE(PyTuple_GET_ITEM(g_call.global_hooks, i)) != 0) return false;
+  PyObject* compiled = PyDict_GetItem(dict, g_call.s_compiled);
+  if (compiled != nullptr && compiled != Py_None) return false;
+  if (torch::jit::tracer::isTracing()) return false;
+  Ref fwd(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(self)), g_call.s_forward));
+  if (fwd.p != g_call.forward) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// The parameters read live: refs is [(op, name)], each op's _parameters[name] a tensor.
+bool live_params(PyObject* refs, std::vector<at::Tensor>& params) {
+  if (refs == nullptr || !PyList_Check(refs)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(refs);
+  params.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* ref = PyList_GET_ITEM(refs, i);
+    if (!PyTuple_Check(ref) || PyTuple_GET_SIZE(ref) != 2) return false;
+    Ref op_dict(PyObject_GenericGetDict(PyTuple_GET_ITEM(ref, 0), nullptr));
+    if (op_dict.p == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    PyObject* ps = PyDict_GetItem(op_dict.p, g_call.s_params);
+    PyObject* p = ps != nullptr && PyDict_Check(ps) ? PyDict_GetItem(ps, PyTuple_GET_ITEM(ref, 1)) : nullptr;
+    if (p == nullptr || !THPVariable_Check(p)) return false;
+    params.push_back(THPVariable_Unpack(p));
+  }
+  return true;
+}
+
+// The key of the module's program for (training, the input's dtype); -1: none.
+int64_t module_key(PyObject* dict, bool training, at::ScalarType dt) {
+  PyObject* keys = PyDict_GetItem(dict, g_call.s_keys);
+  PyObject* by_dtype = keys != nullptr && PyDict_Check(keys) ? PyDict_GetItem(keys, training ? Py_True : Py_False)
+                                                              : nullptr;
+  if (by_dtype == nullptr || !PyDict_Check(by_dtype)) return -1;
+  PyObject* k = PyDict_GetItem(by_dtype, reinterpret_cast<PyObject*>(torch::getTHPDtype(dt)));
+  if (k == nullptr || !PyLong_Check(k)) return -1;
+  const long long v = PyLong_AsLongLong(k);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return -1;
+  }
+  return v;
+}
+
+int dict_int(PyObject* dict, PyObject* name, int otherwise) {
+  PyObject* v = PyDict_GetItem(dict, name);
+  if (v == nullptr || !PyLong_Check(v)) return otherwise;
+  const long r = PyLong_AsLong(v);
+  if (r == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return otherwise;
+  }
+  return static_cast<int>(r);
+}
+
+// The input's shape as a tuple of ints (what explain() reads; torch.Size compares equal to it).
+PyObject* shape_tuple(const at::Tensor& t) {
+  const auto sizes = t.sizes();
+  PyObject* r = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
+  if (r == nullptr) return nullptr;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(sizes[i]);
+    if (v == nullptr) {
+      Py_DECREF(r);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(r, static_cast<Py_ssize_t>(i), v);
+  }
+  return r;
+}
+
+PyObject* wrap_outputs(std::vector<at::Tensor>& out) {
+  if (out.size() == 1) return THPVariable_Wrap(std::move(out[0]));
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(out.size()));
+  if (t == nullptr) return nullptr;
+  for (size_t i = 0; i < out.size(); ++i) {
+    PyObject* v = THPVariable_Wrap(std::move(out[i]));
+    if (v == nullptr) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), v);
+  }
+  return t;
+}
+
+// module_call(module, args): the module's output, or None (the caller runs its Python path).
+PyObject* module_call(PyObject* /*m*/, PyObject* const* argv, Py_ssize_t argc) {
+  HANDLE_TH_ERRORS
+  if (argc != 2 || g_call.forward == nullptr || !PyTuple_Check(argv[1])) Py_RETURN_NONE;
+  PyObject* self = argv[0];
+  PyObject* args = argv[1];
+  Ref dict(PyObject_GenericGetDict(self, nullptr));
+  if (dict.p == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  if (!plain_call(self, dict.p)) Py_RETURN_NONE;
+  PyObject* labels = PyDict_GetItem(dict.p, g_call.s_labels);
+  PyObject* fp8_out = PyDict_GetItem(dict.p, g_call.s_fp8_output);
+  if (labels == nullptr || !is_empty_dict(labels) || fp8_out != Py_False) Py_RETURN_NONE;
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  if (n < 1 || n - 1 != dict_int(dict.p, g_call.s_n_in, -1)) Py_RETURN_NONE;
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!THPVariable_Check(PyTuple_GET_ITEM(args, i))) Py_RETURN_NONE;
+  if (at::autocast::is_autocast_enabled(at::kCUDA)) Py_RETURN_NONE;
+  PyObject* training_obj = PyDict_GetItem(dict.p, g_call.s_training);
+  if (training_obj != Py_True && training_obj != Py_False) Py_RETURN_NONE;
+  const bool training = training_obj == Py_True;
+  const at::Tensor& input = THPVariable_Unpack(PyTuple_GET_ITEM(args, 0));
+  std::vector<at::Tensor> extras, params;
+  extras.reserve(n - 1);
+  for (Py_ssize_t i = 1; i < n; ++i) extras.push_back(THPVariable_Unpack(PyTuple_GET_ITEM(args, i)));
+  if (!live_params(PyDict_GetItem(dict.p, g_call.s_refs), params)) Py_RETURN_NONE;
+  const int64_t key = module_key(dict.p, training, input.scalar_type());
+  const int n_extra_outputs = dict_int(dict.p, g_call.s_n_out, -1);
+  if (key < 0 || n_extra_outputs < 0 || !jitfuse_torch::module_call_ok(input, extras, params)) Py_RETURN_NONE;
+  std::optional<at::Tensor> rng;
+  PyObject* uses_rng = PyDict_GetItem(dict.p, g_call.s_rng);
+  PyObject* rng_on = uses_rng != nullptr && PyDict_Check(uses_rng)
+                         ? PyDict_GetItem(uses_rng, training ? Py_True : Py_False) : nullptr;
+  if (rng_on != Py_True && rng_on != Py_False) Py_RETURN_NONE;
+  if (rng_on == Py_True) {
+    Ref r(PyObject_CallOneArg(g_call.draw_rng, PyTuple_GET_ITEM(args, 0)));
+    if (r.p == nullptr) return nullptr;
+    if (!THPVariable_Check(r.p)) Py_RETURN_NONE;
+    rng = THPVariable_Unpack(r.p);
+  }
+  std::vector<at::Tensor> out;
+  bool ok = false;
+  try {
+    py::gil_scoped_release no_gil;
+    ok = jitfuse_torch::module_forward(key, input, extras, params, rng, training, n_extra_outputs, out);
+  } catch (const c10::Error& e) {
+    if (typeid(e) == typeid(c10::Error) && from_jitfuse(e) && g_error_class) {
+      PyErr_SetString(g_error_class, e.what_without_backtrace());
+      return nullptr;
+    }
+    throw;
+  }
+  if (!ok) Py_RETURN_NONE;
+  Ref shape(shape_tuple(input));  // what explain() shows
+  if (shape.p == nullptr || PyDict_SetItem(dict.p, g_call.s_last_shape, shape.p) != 0) return nullptr;
+  return wrap_outputs(out);
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef g_methods[] = {
+    {"module_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&module_call)), METH_FASTCALL,
+     "module_call(module, args): Sequential's eager call in C++, or None where Python must decide"},
+    {nullptr, nullptr, 0, nullptr}};
 
 void register_sequence(int64_t key, int device, uintptr_t seq, const std::string& name, const std::string& dtype,
                        const std::vector<std::pair<int, std::string>>& params, const std::vector<bool>& accumulate,
@@ -130,6 +347,8 @@ PYBIND11_MODULE(_jitfuse_torch_C, m) {
   m.def("module_forward", &module_forward, py::arg("key"), py::arg("input"), py::arg("extra_inputs"),
         py::arg("params"), py::arg("rng_state"), py::arg("training"), py::arg("n_extra_outputs"));
   m.def("register_sequence", &register_sequence);
+  m.def("init_module_call", &init_module_call);
+  if (PyModule_AddFunctions(m.ptr(), g_methods) != 0) throw py::error_already_set();
   m.def("forget", [](const std::vector<int64_t>& keys) {
     for (auto k : keys) jitfuse_torch::forget(k);
   });

@@ -69,10 +69,14 @@ void print_cxx(const nlohmann::json& c) {
   } else if (c["links_libstdcxx_statically"].get<bool>()) {
     std::string parts;
     for (const auto& p : c["static_parts"]) parts += (parts.empty() ? "" : ", ") + p.get<std::string>();
-    std::printf("C++       %s (%s): WARNING: links part of libstdc++ statically (%s is a linker script adding %s); "
-                "AOTInductor packages it builds crash when loaded: set CXX to a GCC whose libstdc++.so is the "
-                "shared library, e.g. CXX=/usr/bin/g++ (docs/deploy.md)\n",
-                compiler.c_str(), from, c["libstdcxx"].get<std::string>().c_str(), parts.c_str());
+    const auto lib = c["libstdcxx"].get<std::string>();
+    const bool archive = lib.size() > 2 && lib.compare(lib.size() - 2, 2, ".a") == 0;
+    const std::string what = archive ? "links libstdc++ statically (no libstdc++.so; its linker takes " + lib + ")"
+                                     : "links part of libstdc++ statically (" + lib + " is a linker script adding " +
+                                           parts + ")";
+    std::printf("C++       %s (%s): WARNING: %s; AOTInductor packages it builds crash when loaded: set CXX to a GCC "
+                "whose libstdc++.so is the shared library, e.g. CXX=/usr/bin/g++ (docs/deploy.md)\n",
+                compiler.c_str(), from, what.c_str());
   } else {
     std::printf("C++       %s (%s): links libstdc++ shared (%s), fine for AOTInductor packages\n", compiler.c_str(),
                 from, c["libstdcxx"].get<std::string>().c_str());

@@ -88,10 +88,11 @@ std::string run_all(const std::string& cmd) {
   return ::pclose(p) == 0 ? out : std::string();
 }
 
-// The libstdc++.so the compiler's linker opens linking an empty shared object (ld --verbose: "attempt to
-// open /x/libstdc++.so succeeded" / "opened script file /x/libstdc++.so"): for a compiler that answers
-// -print-file-name with the bare name although its specs or default -L paths find one (the GPU machine's
-// /opt/gcc). As jitfuse/_toolchain.py's libstdcxx_linked.
+// The libstdc++.so (or, with none, the libstdc++.a) the compiler's linker opens linking an empty shared object
+// (ld --verbose: "attempt to open /x/libstdc++.so succeeded" / "opened script file /x/libstdc++.so"): for a
+// compiler that answers -print-file-name with the bare name although its specs or default -L paths find one,
+// or that has no libstdc++.so at all (the GPU machine's /opt/gcc takes its libstdc++.a). As
+// jitfuse/_toolchain.py's libstdcxx_linked.
 std::string libstdcxx_linked(const std::string& prefix, const std::string& compiler) {
   char dir[] = "/tmp/jitfuse-cxx-XXXXXX";
   if (!::mkdtemp(dir)) return {};
@@ -101,7 +102,7 @@ std::string libstdcxx_linked(const std::string& prefix, const std::string& compi
   ::unlink(so.c_str());
   ::rmdir(dir);
   static const std::regex opened(
-      R"((?:attempt to open (\S*/libstdc\+\+\.so) succeeded|opened script file (\S*/libstdc\+\+\.so)))");
+      R"((?:attempt to open (\S*/libstdc\+\+\.(?:so|a)) succeeded|opened script file (\S*/libstdc\+\+\.so)))");
   for (std::sregex_iterator it(out.begin(), out.end(), opened), end; it != end; ++it) {
     const std::string path = (*it)[1].matched ? (*it)[1].str() : (*it)[2].str();
     if (!path.empty() && path.front() == '/' && ::access(path.c_str(), R_OK) == 0) return path;
@@ -124,6 +125,10 @@ CxxCheck check_inductor_cxx() {
     std::ifstream f(lib, std::ios::binary);
     if (!f) return c;
     c.libstdcxx = lib;
+    if (lib.size() > 2 && lib.compare(lib.size() - 2, 2, ".a") == 0) {  // no libstdc++.so: all of it static
+      c.static_parts = {lib};
+      return c;
+    }
     std::string head(kMaxScriptBytes, '\0');
     f.read(head.data(), static_cast<std::streamsize>(head.size()));
     head.resize(static_cast<size_t>(f.gcount()));

@@ -57,9 +57,12 @@ class StaticLibstdcxx:
         :data:`FIX_CANDIDATES` that links libstdc++ shared here); ``when``: what jitfuse was doing."""
         fix = fix if fix is not None else shared_libstdcxx_compiler() or "/usr/bin/g++"
         head = f"jitfuse ({when})" if when else "jitfuse"
+        what = (f"links libstdc++ statically: it has no libstdc++.so, its linker takes {self.libstdcxx}"
+                if self.libstdcxx.endswith(".a") else
+                f"links part of libstdc++ statically: its libstdc++.so, {self.libstdcxx}, is a linker script adding "
+                f"{', '.join(self.static_parts)}")
         return (f"{head}: the C++ compiler that Inductor builds AOTInductor packages with, {self.path} (from "
-                f"{self.source}), links part of libstdc++ statically: its libstdc++.so, {self.libstdcxx}, is a "
-                f"linker script adding {', '.join(self.static_parts)}. A package it builds crashes when loaded into "
+                f"{self.source}), {what}. A package it builds crashes when loaded into "
                 f"a process that has the shared libstdc++ (SIGSEGV in std::regex under aoti_load_package). Build "
                 f"packages with a compiler whose libstdc++.so is the shared library: CXX={fix} in the environment "
                 f"before torch._inductor is imported, or torch._inductor.config.cpp.cxx = (None, {fix!r}); "
@@ -100,13 +103,15 @@ def libstdcxx_of(cmd: str) -> Optional[str]:
 
 
 # ld's --verbose names each library it opens: "attempt to open /x/libstdc++.so succeeded", and for a linker
-# script also "opened script file /x/libstdc++.so".
-_LD_OPENED = re.compile(r"(?:attempt to open (\S*/libstdc\+\+\.so) succeeded|opened script file (\S*/libstdc\+\+\.so))")
+# script also "opened script file /x/libstdc++.so". A GCC with no libstdc++.so at all opens its libstdc++.a
+# (the GPU machine's /opt/gcc: every C++ object it links carries its own libstdc++).
+_LD_OPENED = re.compile(r"(?:attempt to open (\S*/libstdc\+\+\.(?:so|a)) succeeded|"
+                        r"opened script file (\S*/libstdc\+\+\.so))")
 
 
 def libstdcxx_linked(cmd: str) -> Optional[str]:
-    """The libstdc++.so the linker opens when ``cmd`` links an empty C++ shared object (``-Wl,--verbose``),
-    or None. Writes only a temporary file, removed before returning."""
+    """The libstdc++.so (or, when it has none, the libstdc++.a) the linker opens when ``cmd`` links an empty
+    C++ shared object (``-Wl,--verbose``), or None. Writes only a temporary file, removed before returning."""
     import tempfile
     try:
         with tempfile.TemporaryDirectory(prefix="jitfuse-cxx-") as d:
@@ -171,11 +176,20 @@ def static_parts(inputs: List[str]) -> Tuple[str, ...]:
     return tuple(n for n in inputs if n.endswith(".a") or "nonshared" in os.path.basename(n))
 
 
+def static_parts_of(lib: Optional[str]) -> Tuple[str, ...]:
+    """What of libstdc++ a compiler whose library is ``lib`` links statically: all of it for the archive
+    (``libstdc++.a``), a linker script's static entries, nothing for the shared object."""
+    if not lib:
+        return ()
+    if lib.endswith(".a"):
+        return (lib,)
+    return static_parts(linker_script_inputs(lib) or [])
+
+
 @functools.lru_cache(maxsize=16)
 def _inspect(cmd: str, source: str) -> Optional[StaticLibstdcxx]:
     lib = libstdcxx_of(cmd)
-    inputs = linker_script_inputs(lib) if lib else None
-    parts = static_parts(inputs) if inputs else ()
+    parts = static_parts_of(lib)
     if not parts:
         return None
     return StaticLibstdcxx(cmd, _resolve(cmd) or cmd, source, lib, parts)
@@ -195,7 +209,7 @@ def shared_libstdcxx_compiler() -> Optional[str]:
     """The first of :data:`FIX_CANDIDATES` that exists and links libstdc++ shared, for the message's fix."""
     for c in FIX_CANDIDATES:
         lib = libstdcxx_of(c) if os.access(c, os.X_OK) else None
-        if lib and not static_parts(linker_script_inputs(lib) or []):
+        if lib and not static_parts_of(lib):
             return c
     return None
 

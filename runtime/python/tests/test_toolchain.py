@@ -128,6 +128,31 @@ def test_a_compiler_answering_the_bare_name_is_judged_by_what_its_linker_opens(t
     assert "links part of libstdc++ statically" in found.message()
 
 
+def test_a_compiler_with_no_libstdcxx_so_links_the_archive_and_is_named(tmp_path):
+    # The GPU machine's /opt/gcc (GCC 13.3, run 2 of session 36): ld tries libstdc++.so in each directory and
+    # takes libstdc++.a, so each package it links carries its own libstdc++.
+    lib = tmp_path / "gcc" / "lib" / "gcc" / "x86_64-linux-gnu" / "13" / "libstdc++.a"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"!<arch>\n")
+    d = tmp_path / "gcc" / "bin"
+    d.mkdir(parents=True)
+    exe = d / "g++"
+    exe.write_text("#!/bin/sh\n"
+                   "for a in \"$@\"; do\n"
+                   "  [ \"$a\" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }\n"
+                   "  [ \"$a\" = -Wl,--verbose ] && {\n"
+                   f"    echo 'attempt to open {lib.parent}/libstdc++.so failed'\n"
+                   f"    echo 'attempt to open {lib} succeeded'; echo '{lib}'; exit 0; }}\n"
+                   "done\n"
+                   "exit 1\n")
+    exe.chmod(0o755)
+    found = tc.check(str(exe), "$CXX")
+    assert found is not None and found.libstdcxx == str(lib) and found.static_parts == (str(lib),)
+    msg = found.message(fix="/usr/bin/g++")
+    assert f"links libstdc++ statically: it has no libstdc++.so, its linker takes {lib}" in msg
+    assert "CXX=/usr/bin/g++" in msg
+
+
 def test_the_linker_probe_of_a_real_compiler_finds_its_libstdcxx():
     cxx = shutil.which("g++")
     if not cxx:

@@ -109,6 +109,60 @@ def test_cpp_autograd_under_saved_tensor_hooks_and_checkpoint():
 
 
 @needs_ext
+def test_the_module_call_in_cpp_is_the_python_calls_twin(monkeypatch):
+    """Sequential.__call__ in C++ (modules.ext_call): taken when nothing unusual is about (Python's
+    _eager_forward never runs), the same bits and dropout masks as the Python path, the shape explain() shows;
+    a hook of the module or a global one, autocast, a forward override or a wrong call hand the call back to
+    Python (which runs the hooks and raises the errors), leaving PyTorch's generator as it was."""
+    assert modules.ext_call is not None
+    model = transformer_layer(128, 256, BF16, p=0.1)
+    randomize(model)
+    x = torch.randn(16, 128, device=DEV, dtype=BF16)
+    e0, e1 = torch.randn_like(x), torch.randn_like(x)
+    torch.manual_seed(11)
+    py_out = modules.Sequential._eager_forward(model, x, e0, e1)
+    calls = []
+    real = modules.Sequential._eager_forward
+
+    def counted(self, *a):
+        calls.append(len(a))
+        return real(self, *a)
+    monkeypatch.setattr(modules.Sequential, "_eager_forward", counted)
+    torch.manual_seed(11)
+    cpp_out = model(x, e0, e1)
+    assert calls == [], "the C++ call fell back to Python"
+    for a, b in zip(cpp_out, py_out):
+        assert torch.equal(a, b)
+    assert model._jf_last_shape == x.shape
+
+    seen = []
+    h = model.register_forward_hook(lambda m, i, o: seen.append("module"))
+    model(x, e0, e1)
+    h.remove()
+    g = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append("global"))
+    model(x, e0, e1)
+    g.remove()
+    assert seen == ["module", "global"] and calls == [3, 3]
+    with torch.autocast("cuda", dtype=BF16):
+        model(x.float(), e0, e1)
+    assert calls == [3, 3, 3]
+    state = torch.cuda.get_rng_state()
+    with pytest.raises(TypeError, match="extra input"):
+        model(x, e0)
+    assert torch.equal(torch.cuda.get_rng_state(), state), "a call handed back to Python drew random numbers"
+
+    class Doubled(modules.Sequential):
+        def forward(self, input, *extra):
+            return super().forward(input, *extra)
+    sub = Doubled(jt.Bias(128), jt.GELU(), device=DEV, dtype=BF16)
+    sub(x)
+    assert calls[-1] == 1  # the override's super().forward reached _eager_forward
+    n = len(calls)
+    model(x, e0, e1)
+    assert len(calls) == n
+
+
+@needs_ext
 def test_hostile_calls_of_the_ops_raise_clear_errors():
     model = mlp(64, 128, BF16)
     x = torch.randn(8, 64, device=DEV, dtype=BF16)

@@ -87,3 +87,25 @@ TEST_CASE("doctor asks the linker when the compiler answers -print-file-name wit
   CHECK(j["cxx"]["static_parts"] == nlohmann::json::array({"-lstdc++_nonshared"}));
   CHECK(j["cxx"]["links_libstdcxx_statically"] == true);
 }
+
+TEST_CASE("doctor names a compiler with no libstdc++.so whose linker takes libstdc++.a", "[cli]") {
+  // The GPU machine's /opt/gcc (GCC 13.3): ld --verbose tries libstdc++.so in each directory and takes the
+  // archive, so every package it links carries its own libstdc++.
+  jf_test::TempDir dir;
+  std::string archive = dir.write("gcc/lib/gcc/x86_64-linux-gnu/13/libstdc++.a", "!<arch>\n");
+  const std::string so_dir = archive.substr(0, archive.rfind('/'));
+  std::string exe = dir.write("gcc/bin/g++",
+                              "#!/bin/sh\nfor a in \"$@\"; do\n"
+                              "  [ \"$a\" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }\n"
+                              "  [ \"$a\" = -Wl,--verbose ] && { echo 'attempt to open " + so_dir +
+                              "/libstdc++.so failed';\n    echo 'attempt to open " + archive + " succeeded'; echo '" +
+                              archive + "'; exit 0; }\ndone\nexit 1\n");
+  ::chmod(exe.c_str(), 0755);
+  auto r = run_cli("doctor --json", "CXX='" + exe + "'", true);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j["cxx"]["libstdcxx"] == archive);
+  CHECK(j["cxx"]["static_parts"] == nlohmann::json::array({archive}));
+  CHECK(j["cxx"]["links_libstdcxx_statically"] == true);
+  auto text = run_cli("doctor", "CXX='" + exe + "'", true);
+  CHECK_THAT(text.out, Contains("links libstdc++ statically (no libstdc++.so; its linker takes " + archive));
+}

@@ -50,6 +50,10 @@ _fp8_salt = itertools.count()
 # (dispatcher, C++ autograd, C ABI), or None: the pure-Python path. A module attribute, so that a benchmark can
 # time both paths in one process (set it to None and back).
 ext_forward = _EXT.module_forward if _EXT is not None else None
+# The extension's Sequential.__call__ (runtime/torch/python.cpp, module_call): the whole eager call in C++ when
+# nothing unusual is about; None where Python decides. Set up below the class (it compares Sequential.forward).
+# ext_forward = None (tests, the bench's pure-Python rows) turns both off.
+ext_call = getattr(_EXT, "module_call", None) if _EXT is not None and _FAST_CALL else None
 
 try:  # PyTorch >= 2.4 takes the device type; older ones answer for CUDA without an argument
     torch.is_autocast_enabled("cuda")
@@ -823,7 +827,12 @@ class Sequential(nn.Module):
         # nn.Module.__call__ without its two Python frames (_wrapped_call_impl, _call_impl) when they would
         # only call forward: no hook of this module or global one, no Module.compile(), no TorchScript
         # trace, not traced by Dynamo (which inlines Module.__call__ itself), and forward is this class's.
-        # ~1 us of host time per call (docs/benchmarks.md, session 24); otherwise Module.__call__ runs.
+        # ~1 us of host time per call (docs/benchmarks.md, session 24); otherwise Module.__call__ runs. With
+        # the extension all of that, and _eager_forward's common case, is one C++ call (ext_call).
+        if ext_call is not None and ext_forward is not None and not kwargs and not _is_compiling():
+            out = ext_call(self, args)
+            if out is not None:
+                return out
         if (kwargs or _is_compiling() or not _FAST_CALL or self._forward_pre_hooks or self._forward_hooks
                 or self._backward_pre_hooks or self._backward_hooks or self._compiled_call_impl is not None
                 or _gfp or _gf or _gbp or _gb or _tracing_state() or type(self).forward is not Sequential.forward):
@@ -1079,6 +1088,10 @@ class Sequential(nn.Module):
         if self.input_channels:
             text += f", input_channels={list(self.input_channels)!r}"
         return text
+
+
+if ext_call is not None:
+    _EXT.init_module_call(Sequential.forward, _GLOBAL_HOOKS, _draw_rng)
 
 
 FP8_STATE_FORMAT = "jitfuse.fp8_state/1"
