@@ -14,21 +14,14 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <sstream>
+#include <cstdint>
+
 
 namespace jitfuse_torch {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-std::string dims_str(c10::IntArrayRef d) {
-  std::ostringstream o;
-  o << '[';
-  for (size_t i = 0; i < d.size(); ++i) o << (i ? ", " : "") << d[i];
-  o << ']';
-  return o.str();
-}
 
 // The names Python prints (the extension's own messages: devices, counts, the Meta kernel's dtype check).
 const char* py_dtype(at::ScalarType t) {
@@ -82,6 +75,24 @@ void check(const Sequence& s, const std::string& label, const at::Tensor& t, int
                    t.device().str(), ", the call runs on cuda:", device);
 }
 
+// The counts a call of the ops must have: the one check of them in this layer (CUDA and Meta kernels alike).
+// The library checks them again (jf_program_forward/backward's own messages); this one comes first because
+// the parameters' ABI names are looked up by position in s.params, which must not be read past its end.
+void check_arity(const Sequence& s, const char* fn, size_t n_extra_inputs, size_t n_params,
+                 size_t n_extra_outputs = SIZE_MAX, size_t n_grad_extra_outputs = SIZE_MAX) {
+  const bool backward = n_extra_outputs != SIZE_MAX;
+  const bool ok = static_cast<int>(n_extra_inputs) == s.n_extra_inputs && n_params == s.params.size() &&
+                  (!backward || (static_cast<int>(n_extra_outputs) == s.n_extra_outputs &&
+                                 n_grad_extra_outputs == n_extra_outputs));
+  if (ok) return;
+  TORCH_CHECK_TYPE(false, fn, ": sequence '", s.name, "' takes ", s.n_extra_inputs, " extra input(s)",
+                   backward ? ", " + std::to_string(s.n_extra_outputs) + " extra output(s) and their gradients" : "",
+                   " and ", s.params.size(), " parameter(s); got ", n_extra_inputs,
+                   backward ? ", " + std::to_string(n_extra_outputs) + " (" + std::to_string(n_grad_extra_outputs) +
+                                  ")" : "",
+                   " and ", n_params);
+}
+
 [[noreturn]] void fail_call(const char* fn, const Sequence& s) {
   const char* msg = jf_last_error();
   TORCH_CHECK(false, "jitfuse: ", fn, " (sequence '", s.name, "'): ", msg ? msg : "");
@@ -116,10 +127,7 @@ std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, const
   c10::cuda::CUDAGuard guard(input.device());
   auto sp = sequence(key, dev);
   const Sequence& s = *sp;
-  TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs, "jitfuse: sequence '", s.name,
-                   "': expected ", s.n_extra_inputs, " extra input(s), got ", extra_inputs.size());
-  TORCH_CHECK_TYPE(params.size() == s.params.size(), "jitfuse: sequence '", s.name, "': expected ",
-                   s.params.size(), " parameters, got ", params.size());
+  check_arity(s, "jitfuse::forward", extra_inputs.size(), params.size());
   check(s, "input", input, dev);
   for (size_t i = 0; i < extra_inputs.size(); ++i) check(s, "extra input " + std::to_string(i), extra_inputs[i], dev);
   for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev);
@@ -233,7 +241,7 @@ std::vector<at::Tensor> call_backward(const Sequence& s, const Program& p, int d
   a.params = jp.data();
   a.n_params = static_cast<int>(np);
   a.saved = p.saved_bytes ? saved.data_ptr() : nullptr;
-  a.saved_bytes = p.saved_bytes;
+  a.saved_bytes = saved.nbytes();  // the library checks it against the program's (its message names both)
   a.grad_output = &t[at_go];
   a.grad_extra_outputs = grad_extra_out.data();
   a.n_grad_extra_outputs = static_cast<int>(neo);
@@ -257,14 +265,8 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
   c10::cuda::CUDAGuard guard(input.device());
   auto sp = sequence(key, dev);
   const Sequence& s = *sp;
-  TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs &&
-                       params.size() == s.params.size() &&
-                       static_cast<int>(extra_outputs.size()) == s.n_extra_outputs &&
-                       grad_extra_outputs.size() == extra_outputs.size(),
-                   "jitfuse::backward: sequence '", s.name, "' takes ", s.n_extra_inputs, " extra inputs, ",
-                   s.n_extra_outputs, " extra outputs (and their gradients) and ", s.params.size(),
-                   " parameters; got ", extra_inputs.size(), ", ", extra_outputs.size(), " (",
-                   grad_extra_outputs.size(), ") and ", params.size());
+  check_arity(s, "jitfuse::backward", extra_inputs.size(), params.size(), extra_outputs.size(),
+              grad_extra_outputs.size());
   check(s, "input", input, dev);
   for (size_t i = 0; i < extra_inputs.size(); ++i) check(s, "extra input " + std::to_string(i), extra_inputs[i], dev);
   for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev);
@@ -276,11 +278,8 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
   auto pp = sp->program(input.sizes(), true, stream);
   const Program& p = *pp;
-  TORCH_CHECK(saved.defined() && saved.is_cuda() && saved.scalar_type() == at::kByte &&
-                  static_cast<size_t>(saved.numel()) == p.saved_bytes,
-              "jitfuse: sequence '", s.name, "': the saved buffer has ", saved.defined() ? saved.numel() : 0,
-              " bytes, the program of input ", dims_str(input.sizes()), " saves ", p.saved_bytes,
-              ": was the forward run with training=True?");
+  check(s, "the saved buffer", saved, dev);  // its size: the library's check (call_backward passes its bytes)
+  TORCH_CHECK(saved.is_contiguous(), "jitfuse: sequence '", s.name, "': the saved buffer is not contiguous");
 
   sp->record("backward");
   return call_backward(s, p, dev, stream, input, extra_inputs, output, extra_outputs, params, saved, grad_output,
@@ -330,10 +329,7 @@ std::vector<at::Tensor> forward_meta(int64_t key, const at::Tensor& input, const
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
     sp = sequence(key, dev);
     const Sequence& s = *sp;
-    TORCH_CHECK_TYPE(static_cast<int>(extra_inputs.size()) == s.n_extra_inputs, "jitfuse: sequence '", s.name,
-                     "': expected ", s.n_extra_inputs, " extra input(s), got ", extra_inputs.size());
-    TORCH_CHECK_TYPE(params.size() == s.params.size(), "jitfuse: sequence '", s.name, "': expected ",
-                     s.params.size(), " parameters, got ", params.size());
+    check_arity(s, "jitfuse::forward", extra_inputs.size(), params.size());
     TORCH_CHECK_TYPE(input.scalar_type() == s.dtype, "jitfuse: sequence '", s.name, "': input is ",
                      py_dtype(input.scalar_type()), ", the program runs ", py_dtype(s.dtype));
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
