@@ -128,3 +128,60 @@ def test_bad_labels_raise_clear_errors():
         m(x, torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"labels \(extra input 0\) have shape \[5\]"):
         m(x, torch.zeros(5, device=DEV, dtype=torch.int64))
+
+
+def test_a_hugging_face_llama_trains_with_the_fused_head():
+    """An HF Llama (from a config, random init, Llama-3's 128,256 vocabulary) trained 50 AdamW steps under
+    bf16 autocast twice from the same weights: once with its own head and loss (lm_head, logits.float(),
+    shifted labels with ignore_index -100), once with the head and loss as one jt.Sequential(Linear,
+    CrossEntropy) on the model's own lm_head weight. The first losses agree to bf16 rounding, the curves
+    track each other, and both learn; each step's peak memory is printed beside its loss."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).to(DEV)
+    fused = copy.deepcopy(ref)
+    head = jt.Sequential(jt.Linear(cfg.hidden_size, cfg.vocab_size), jt.CrossEntropy(), device=DEV)
+    head[0].weight = fused.lm_head.weight  # the model's own parameter: AdamW updates it, the head reads it live
+    g = torch.Generator(device="cpu").manual_seed(1)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, 2000, (4, 128), generator=g).to(DEV)
+        labels = ids.clone()
+        labels[:, :3] = -100  # a prompt without loss
+        batches.append((ids, labels))
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=2e-3)
+    opt_f = torch.optim.AdamW(fused.parameters(), lr=2e-3)
+
+    def step(fn, opt):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return float(loss), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    def fused_loss(ids, labels):
+        hidden = fused.model(input_ids=ids).last_hidden_state
+        x = hidden[:, :-1].reshape(-1, cfg.hidden_size)
+        return head(x, labels[:, 1:].reshape(-1))
+
+    curve = []
+    for i in range(50):
+        ids, labels = batches[i % len(batches)]
+        r = step(lambda: ref(input_ids=ids, labels=labels).loss, opt_r)
+        f = step(lambda: fused_loss(ids, labels), opt_f)
+        curve.append((r, f))
+        print(f"step {i}: HF loss {r[0]:.4f} (peak {r[1]:.0f} MiB), fused head {f[0]:.4f} (peak {f[1]:.0f} MiB)")
+    (r0, _), (f0, _) = curve[0]
+    assert abs(f0 - r0) <= 1e-2 * r0, f"first step: fused {f0} vs HF {r0}"
+    for i, ((r, _), (f, _)) in enumerate(curve):
+        assert abs(f - r) <= 0.05 * r + 0.05, f"step {i}: fused {f} vs HF {r}"
+    assert curve[-1][1][0] < 0.5 * f0 and curve[-1][0][0] < 0.5 * r0, "neither model learnt"
