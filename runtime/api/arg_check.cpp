@@ -70,6 +70,7 @@ void check_no_overlap(std::vector<Span>& spans) {
     for (size_t j = i + 1; j < spans.size() && spans[j].begin < spans[i].end; ++j) {
       const Span &a = spans[i], &b = spans[j];
       if (a.begin == a.end || b.begin == b.end || (!a.written && !b.written)) continue;
+      if ((a.over_saved && b.saved_buffer) || (b.over_saved && a.saved_buffer)) continue;  // jf_grad_alias
       fail(Status::invalid_argument, "tensor '{}' (bytes 0x{:x}..0x{:x}) overlaps tensor '{}' (bytes 0x{:x}..0x{:x}) "
            "and {} written by this call: pass separate memory", a.name.str(), a.begin, a.end, b.name.str(), b.begin,
            b.end, a.written && b.written ? "both are" : a.written ? "the first is" : "the second is");

@@ -80,6 +80,8 @@ struct Span {
   SpanName name;
   uintptr_t begin = 0, end = 0;  // [begin, end)
   bool written = false;
+  bool saved_buffer = false;  // the call's saved buffer
+  bool over_saved = false;    // a gradient exactly where the program lets it sit in the saved buffer
 };
 Span span_of(const DLTensor* t, SpanName name, bool written);  // t already passed check_dltensor
 // Two spans that overlap, one of them written, are refused naming both: a captured graph (or the

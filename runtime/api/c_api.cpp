@@ -495,6 +495,25 @@ void backward_tensors(const Sequence& s, const std::vector<jitfuse::ops::Op>& op
   ba.grads = collect_params<void*>(s, ops, a.grads, a.n_grads, "grads", &spans, true);
 }
 
+// The gradients the caller placed exactly where the program lets them sit in the saved buffer
+// (Program::grad_aliases, jf_program_grad_aliases): their overlap with it is allowed. Any other is not.
+void mark_grad_aliases(const Prepared& pp, const void* saved, std::vector<jitfuse::api::Span>& spans) {
+  const auto& p = *pp.program;
+  if (!saved || p.grad_aliases.empty()) return;
+  const auto base = reinterpret_cast<uintptr_t>(saved);
+  for (const auto& ga : p.grad_aliases) {
+    const auto& g = p.buffer(ga.grad);
+    const auto& sv = pp.layout.buffers.at(static_cast<size_t>(ga.saved));
+    const bool input = g.role == jitfuse::exec::BufferRole::grad_input;
+    for (auto& sp : spans) {
+      const bool same = input ? std::string_view(sp.name.kind) == "grad_input"
+                              : std::string_view(sp.name.kind) == "grads" && sp.name.op && sp.name.op->index == g.op &&
+                                    sp.name.param && g.key == sp.name.param;
+      if (same && sp.written && sp.begin == base + sv.offset && sp.end - sp.begin == sv.bytes) sp.over_saved = true;
+    }
+  }
+}
+
 template <class Open>
 void backward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const jf_backward_args& a, jf_stream stream,
                    Open&& open) {
@@ -510,6 +529,8 @@ void backward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const 
   const auto& L = pp->layout;
   if (L.saved_bytes) need(a.saved, "saved (the forward's saved buffer)");
   check_buffer(a.saved, a.saved_bytes, L.saved_bytes, "saved buffer", spans, false);
+  if (a.saved && !spans.empty()) spans.back().saved_buffer = true;
+  mark_grad_aliases(*pp, a.saved, spans);
   check_buffer(a.workspace, a.workspace_bytes, L.bwd_arena, "workspace", spans, true);
   jitfuse::api::check_no_overlap(spans);
   ba.saved = a.saved;
@@ -602,6 +623,17 @@ jf_status jf_program_get_info(jf_program prog, jf_program_info* out) {
     need(prog, "prog");
     need(out, "out");
     *out = prog->seq->info(prog->prepared);
+  });
+}
+
+jf_status jf_program_grad_aliases(jf_program prog, const jf_grad_alias** aliases, int* n) {
+  return guarded([&] {
+    need(prog, "prog");
+    need(aliases, "aliases");
+    need(n, "n");
+    const auto& pi = prog->seq->program_info(prog->prepared);
+    *aliases = pi.grad_aliases.empty() ? nullptr : pi.grad_aliases.data();
+    *n = static_cast<int>(pi.grad_aliases.size());
   });
 }
 

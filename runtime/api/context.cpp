@@ -154,9 +154,13 @@ jf_tensor_info tensor_info(ProgramInfo& pi, std::string name, int op, ops::DType
 }  // namespace
 
 const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared>& pp) {
+  return program_info(pp).info;
+}
+
+const ProgramInfo& Sequence::program_info(const std::shared_ptr<const exec::Prepared>& pp) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& slot = infos_[pp.get()];
-  if (slot) return slot->info;
+  if (slot) return *slot;
   auto pi = std::make_unique<ProgramInfo>();
   const exec::Program& p = *pp->program;
   const exec::Layout& L = pp->layout;
@@ -178,6 +182,14 @@ const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared
       ops::Shape shape = b.rows > 0 ? ops::Shape{b.rows, b.cols} : ops::Shape{static_cast<int64_t>(b.bytes)};
       pi->saved.push_back(tensor_info(*pi, b.name, b.op, b.dtype, shape, b.bytes, b.offset));
     }
+  if (p.training)
+    for (const auto& ga : p.grad_aliases) {
+      const exec::Buffer& g = p.buffer(ga.grad);
+      const exec::Buffer& sv = L.buffers.at(static_cast<size_t>(ga.saved));
+      const bool input = g.role == exec::BufferRole::grad_input;
+      pi->names.push_back(input ? std::string("grad_input") : g.key);
+      pi->grad_aliases.push_back(jf_grad_alias{input ? -1 : g.op, pi->names.back().c_str(), sv.offset, sv.bytes});
+    }
   jf_program_info& info = pi->info;
   info.n_outputs = static_cast<int>(pi->outputs.size());
   info.outputs = pi->outputs.data();
@@ -192,7 +204,7 @@ const jf_program_info& Sequence::info(const std::shared_ptr<const exec::Prepared
   info.uses_rng = p.rng >= 0 ? 1 : 0;
   info.rng_offset_advance = p.rng >= 0 ? 1 : 0;
   slot = std::move(pi);
-  return slot->info;
+  return *slot;
 }
 
 std::shared_ptr<const exec::Program> Sequence::compile(std::vector<ops::Op> ops, bool training, int arch,

@@ -54,6 +54,7 @@ class Context {
 struct ProgramInfo {
   std::deque<std::string> names;  // backing store of the infos' name pointers (a deque: they never move)
   std::vector<jf_tensor_info> outputs, params, saved;
+  std::vector<jf_grad_alias> grad_aliases;  // jf_program_grad_aliases
   jf_program_info info{};
 };
 
@@ -76,6 +77,7 @@ class Sequence {
   std::shared_ptr<const std::vector<ops::Op>> ops_for(const ops::Shape& input);
   // jf_sequence_info's answer for a prepared program (built once per program).
   const jf_program_info& info(const std::shared_ptr<const exec::Prepared>& pp);
+  const ProgramInfo& program_info(const std::shared_ptr<const exec::Prepared>& pp);  // info and grad aliases
 
   // Tensor parallelism: the communicator of the sequence's group (jf_sequence_set_comm), fixed before the
   // first prepare; its world size and rank are what shapes are inferred for.

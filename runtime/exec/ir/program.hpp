@@ -253,6 +253,16 @@ struct Program {
   // memory), BufferRole::saved_context (an op's (op, key) context), Builder::saved_context (its lookup),
   // this set; jf_program_info.saved lists the saved block's tensors (the C ABI's name, unchanged).
   std::vector<int> saved_set() const;
+  // Backward: a caller's gradient (grad_input or a parameter's grad) the program may write in place over
+  // a saved-block tensor of the same bytes, which it reads only to write that gradient (the chunked LM
+  // head's backward scales the dx and dW its forward computed). The host may pass the gradient as that
+  // part of the saved buffer, so the backward allocates nothing (jf_program_grad_aliases); the saved
+  // buffer then holds gradients, not context, and serves no second backward.
+  struct GradAlias {
+    int grad = -1;   // the caller's gradient buffer
+    int saved = -1;  // the saved-block buffer it may occupy
+  };
+  std::vector<GradAlias> grad_aliases;
 
   const Buffer& buffer(int id) const { return buffers.at(static_cast<size_t>(id)); }
   bool has_comm() const;  // any comm step, either direction

@@ -388,6 +388,16 @@ int Builder::saved_context(int op, Key key) const {
 
 void Builder::provide_saved(int op, Key key, int id) { saved_[{op, key}] = id; }
 
+void Builder::alias_saved(int grad, int op, Key key) {
+  const int saved = saved_context(op, key);
+  const Buffer& g = p_.buffer(grad);
+  const Buffer& s = p_.buffer(saved);
+  if ((g.role != BufferRole::grad_input && g.role != BufferRole::grad) || s.storage != Storage::saved_block ||
+      g.bytes != s.bytes || g.dtype != s.dtype)
+    return;
+  p_.grad_aliases.push_back({grad, saved});
+}
+
 int Builder::temp(const std::string& name, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes) {
   Buffer b;
   b.role = BufferRole::temp;

@@ -69,6 +69,10 @@ class Builder {
   int saved_new(int op, codegen::Key key, ops::DType dtype, int64_t rows, int64_t cols, size_t bytes);
   // Forward: saved context (op, key) is the value buffer `id` (kept alive in the saved block if scratch).
   void save_alias(int op, codegen::Key key, int id);
+  // Backward: the caller's gradient `grad` may be written in place over saved context (op, key), which
+  // only the step writing it reads (Program::grad_aliases). Nothing recorded for a gradient that is not
+  // the caller's (an internal buffer) or whose size differs.
+  void alias_saved(int grad, int op, codegen::Key key);
   // Forward: what ops [b, e) of a group save at its boundaries (an op's input at b, its output at e);
   // context inside the group is written by the group's own kernels.
   void boundary_saves(int b, int e);

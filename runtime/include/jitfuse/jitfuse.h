@@ -218,6 +218,19 @@ JF_API jf_status jf_program_open(jf_sequence seq, const int64_t* shape, int ndim
                                  jf_program* out);
 /* What jf_sequence_info says of the same (shape, training). */
 JF_API jf_status jf_program_get_info(jf_program prog, jf_program_info* out);
+/* Gradients a backward may write in place over the saved buffer: passing grad_input (op_index -1, name
+ * "grad_input") or a parameter's gradient (op_index, name) as the `bytes` at `saved_offset` inside the saved
+ * buffer lets the backward allocate nothing for it (the chunked LM head + loss saves dx and dW and its
+ * backward only scales them). Any other overlap with the saved buffer is refused. After such a backward the
+ * saved buffer holds those gradients: it serves no second backward. Empty (*n = 0) for most programs and
+ * in inference; the array lives as long as the handle. */
+typedef struct jf_grad_alias {
+  int op_index;
+  const char* name;
+  size_t saved_offset;
+  size_t bytes;
+} jf_grad_alias;
+JF_API jf_status jf_program_grad_aliases(jf_program prog, const jf_grad_alias** aliases, int* n);
 JF_API jf_status jf_program_forward(jf_program prog, const jf_forward_args* args, jf_saved* saved_out,
                                     jf_stream stream);
 JF_API jf_status jf_program_backward(jf_program prog, const jf_backward_args* args, jf_stream stream);

@@ -112,6 +112,15 @@ class jf_tensor_info(Structure):
     ]
 
 
+class jf_grad_alias(Structure):
+    _fields_ = [
+        ("op_index", c_int),
+        ("name", c_char_p),
+        ("saved_offset", c_size_t),
+        ("bytes", c_size_t),
+    ]
+
+
 class jf_program_info(Structure):
     _fields_ = [
         ("n_outputs", c_int),
@@ -216,6 +225,7 @@ FUNCTIONS: List[Tuple[str, object, list]] = [
     ("jf_backward", _st, [jf_sequence, POINTER(jf_backward_args), jf_stream]),
     ("jf_program_open", _st, [jf_sequence, POINTER(c_int64), c_int, c_int, jf_stream, POINTER(jf_program)]),
     ("jf_program_get_info", _st, [jf_program, POINTER(jf_program_info)]),
+    ("jf_program_grad_aliases", _st, [jf_program, POINTER(POINTER(jf_grad_alias)), POINTER(c_int)]),
     ("jf_program_forward", _st, [jf_program, POINTER(jf_forward_args), POINTER(jf_saved), jf_stream]),
     ("jf_program_backward", _st, [jf_program, POINTER(jf_backward_args), jf_stream]),
     ("jf_program_close", _st, [jf_program]),

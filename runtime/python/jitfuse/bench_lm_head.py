@@ -17,6 +17,10 @@ HEADS: Tuple[Tuple[str, int, int], ...] = (
     ("Llama-3-8B", 4096, 128256), ("Gemma-2-9B", 3584, 256000), ("GPT-2", 768, 50257))
 
 
+# The chunk budgets measured (CrossEntropy's chunk_mib; 256 is its default).
+CHUNKS_MIB = (128, 256, 512, 1024)
+
+
 def _labels(tokens: int, vocab: int) -> torch.Tensor:
     """Random class indices with every tenth row ignored (-100), as shifted causal-LM labels have some."""
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -25,18 +29,23 @@ def _labels(tokens: int, vocab: int) -> torch.Tensor:
     return y.to(DEV)
 
 
-def _measure(step: Callable[[], torch.Tensor], warmup: int, iters: int) -> Tuple[float, float, float]:
-    """(median ms, peak MiB above the memory allocated before the step, the loss) of step()."""
+def _measure(step: Callable[[], torch.Tensor], clear: Callable[[], None], warmup: int,
+             iters: int) -> Tuple[float, float, float]:
+    """(median ms, peak MiB above the memory allocated before the step, the loss) of step(); clear() drops
+    the gradients before each step, so the peak counts the step's gradients and nothing of the last one."""
     for _ in range(warmup):
+        clear()
         step()
     times: List[float] = []
     for _ in range(iters):
+        clear()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         step()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    clear()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -54,9 +63,11 @@ def bench_lm_head(tokens: int = 8192, warmup: int = 3, iters: int = 10,
         x = (torch.randn(tokens, h, device=DEV) * 0.5).to(DT).requires_grad_()
         w = torch.nn.Parameter((torch.randn(v, h, device=DEV) * h ** -0.5).to(DT))
         y = _labels(tokens, v)
-        head = jt.Sequential(jt.Linear(h, v), jt.CrossEntropy(), device=DEV, dtype=DT)
-        with torch.no_grad():
-            head[0].weight.copy_(w)
+        heads = {}
+        for mib in CHUNKS_MIB:
+            heads[mib] = jt.Sequential(jt.Linear(h, v), jt.CrossEntropy(chunk_mib=mib), device=DEV, dtype=DT)
+            with torch.no_grad():
+                heads[mib][0].weight.copy_(w)
 
         def loss_bf16(x_: torch.Tensor, w_: torch.Tensor, y_: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(F.linear(x_, w_), y_, ignore_index=-100)
@@ -69,29 +80,34 @@ def bench_lm_head(tokens: int = 8192, warmup: int = 3, iters: int = 10,
 
         def torch_step(fn: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
             def step() -> torch.Tensor:
-                x.grad = None
-                w.grad = None
                 loss = fn(x, w, y)
                 loss.backward()
                 return loss.detach()
             return step
 
-        def jf_step() -> torch.Tensor:
-            x.grad = None
-            head[0].weight.grad = None
-            loss = head(x, y)
-            loss.backward()
-            return loss.detach()
+        def jf_step(head: jt.Sequential) -> Callable[[], torch.Tensor]:
+            def step() -> torch.Tensor:
+                loss = head(x, y)
+                loss.backward()
+                return loss.detach()
+            return step
+
+        def clear() -> None:
+            x.grad = w.grad = None
+            for m in heads.values():
+                m[0].weight.grad = None
 
         variants = {"PyTorch eager": torch_step(loss_bf16), "PyTorch eager, fp32 logits (HF)": torch_step(loss_hf),
-                    "torch.compile": torch_step(compiled), "jitfuse": jf_step}
-        got = {k: _measure(fn, warmup, iters) for k, fn in variants.items()}
+                    "torch.compile": torch_step(compiled)}
+        for mib, m in heads.items():
+            variants["jitfuse" if mib == 256 else f"jitfuse, chunk_mib={mib}"] = jf_step(m)
+        got = {k: _measure(fn, clear, warmup, iters) for k, fn in variants.items()}
         for k, (ms, peak, loss) in got.items():
             rows.append({"head": f"{name} ({h}x{v})", "variant": k, "ms": ms, "peak MiB": peak,
                          "vs eager time": ms / got["PyTorch eager"][0],
                          "vs eager memory": peak / got["PyTorch eager"][1],
                          "vs compile time": ms / got["torch.compile"][0],
                          "vs compile memory": peak / got["torch.compile"][1], "loss": loss})
-        del head, x, w, y, compiled
+        del heads, x, w, y, compiled
         torch.cuda.empty_cache()
     return rows

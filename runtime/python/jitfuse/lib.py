@@ -782,6 +782,16 @@ class PreparedProgram(_Owned):
                                                           stream), "jf_program_forward")
         return saved_handle.value
 
+    def grad_aliases(self) -> List[Tuple[int, str, int, int]]:
+        """jf_program_grad_aliases: (op index, name, byte offset in the saved buffer, bytes) of each gradient
+        the backward may write in place over the saved buffer (op index -1: ``"grad_input"``)."""
+        arr = ctypes.POINTER(_abi.jf_grad_alias)()
+        n = ctypes.c_int(0)
+        self._lib.check(self._lib.cdll.jf_program_grad_aliases(self.handle, ctypes.byref(arr), ctypes.byref(n)),
+                        "jf_program_grad_aliases")
+        return [(arr[i].op_index, arr[i].name.decode(), int(arr[i].saved_offset), int(arr[i].bytes))
+                for i in range(n.value)]
+
     def backward(self, args: _abi.jf_backward_args, stream: Optional[int] = None) -> None:
         """jf_program_backward; as :meth:`Sequence.backward`."""
         self._lib.check(self._lib.cdll.jf_program_backward(self.handle, ctypes.byref(args), stream),

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+import jitfuse  # noqa: E402
 import jitfuse.torch as jt  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -180,8 +181,59 @@ def test_a_hugging_face_llama_trains_with_the_fused_head():
         f = step(lambda: fused_loss(ids, labels), opt_f)
         curve.append((r, f))
         print(f"step {i}: HF loss {r[0]:.4f} (peak {r[1]:.0f} MiB), fused head {f[0]:.4f} (peak {f[1]:.0f} MiB)")
-    (r0, _), (f0, _) = curve[0]
-    assert abs(f0 - r0) <= 1e-2 * r0, f"first step: fused {f0} vs HF {r0}"
-    for i, ((r, _), (f, _)) in enumerate(curve):
-        assert abs(f - r) <= 0.05 * r + 0.05, f"step {i}: fused {f} vs HF {r}"
-    assert curve[-1][1][0] < 0.5 * f0 and curve[-1][0][0] < 0.5 * r0, "neither model learnt"
+    # The fused loss comes back in bf16 (as F.cross_entropy of bf16 logits; HF's is float32): 1 % is a few of
+    # its ulps at 6-12. Step by step only while the runs are near: AdamW on two roundings of the same
+    # gradients drifts apart (H100, session 36: within 1 % through step 23, up to 7 % at step 48), so the
+    # end of the curve is compared as the mean of its last ten steps.
+    for i, ((r, _), (f, _)) in enumerate(curve[:10]):
+        assert abs(f - r) <= 1e-2 * r, f"step {i}: fused {f} vs HF {r}"
+    tail_r = sum(r for (r, _), _ in curve[-10:]) / 10
+    tail_f = sum(f for _, (f, _) in curve[-10:]) / 10
+    assert abs(tail_f - tail_r) <= 0.04 * tail_r, f"last ten steps: fused {tail_f} vs HF {tail_r}"
+    assert tail_f < 0.6 * curve[0][1][0] and tail_r < 0.6 * curve[0][0][0], "the models did not learn"
+    assert all(f_peak < r_peak for (_, r_peak), (_, f_peak) in curve[1:]), "the fused head used more memory"
+
+
+def test_the_head_backward_writes_in_place_and_serves_one_backward():
+    """The chunked head's backward scales the saved dx and dW in place (jf_program_grad_aliases): it allocates
+    no gradient (W.grad lives in the forward's saved block), the gradients still match float64 for an upstream
+    gradient other than 1, and a second backward through the same forward is refused with a message."""
+    from jitfuse.torch import _calls
+    torch.manual_seed(3)
+    m = jt.Sequential(jt.Linear(64, 50257), jt.CrossEntropy(), device=DEV, dtype=torch.bfloat16)
+    w = m[0].weight
+    x = torch.randn(300, 64, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    y = labels_for((300,), 50257)
+    loss = m(x, y)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    (loss * 0.37).backward(retain_graph=True)
+    torch.cuda.synchronize()
+    grew = torch.cuda.max_memory_allocated() - before
+    assert grew < w.numel() * w.element_size() // 4, f"the backward allocated {grew} bytes"
+    assert w.grad.untyped_storage().nbytes() > w.numel() * w.element_size()  # a view of the saved block
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    (reference(xr, wr, None, y, "mean", -100, 0.0, 0.0, 0.0) * 0.37).sum().backward()
+    check("grad x (in place)", x.grad, xr.grad, torch.bfloat16)
+    check("grad W (in place)", w.grad, wr.grad, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="second backward .* retain_graph=True is not supported"):
+        loss.backward()
+
+    # A gradient anywhere else in the saved block is refused by the library (only the exact place is allowed).
+    prog = m._jf_keys[True][torch.bfloat16]
+    from jitfuse.torch._registry import device_program
+    dp = device_program(prog, x.get_device())
+    c = dp._tls.calls[("b", x.shape)]
+    kept = list(c.aliases)
+    (i0, _, n0, s0, t0), (_, off1, _, _, _) = sorted(kept)
+    assert i0 == 0  # grad_input, then the weight's gradient
+    saved = torch.empty(c.saved_block_bytes, dtype=torch.uint8, device=DEV)
+    c.aliases = [(0, off1, n0, s0, t0)]  # dx over the saved dW
+    try:
+        with pytest.raises(jitfuse.JitfuseError, match="overlaps"):
+            _calls.run_backward(dp, x.detach(), [y], loss.detach(), [], [w.detach()], saved,
+                                torch.ones(1, device=DEV, dtype=torch.bfloat16), [], in_place=True)
+    finally:
+        c.aliases = kept

@@ -247,7 +247,7 @@ def test_struct_layouts_match_the_header(tmp_path, repo):
     if cc is None:
         pytest.skip("no C compiler")
     structs = [_abi.DLTensor, _abi.jf_tensor_info, _abi.jf_program_info, _abi.jf_param, _abi.jf_forward_args,
-               _abi.jf_backward_args, _abi.jf_fp8_state, _abi.jf_allocator]
+               _abi.jf_backward_args, _abi.jf_fp8_state, _abi.jf_allocator, _abi.jf_grad_alias]
     lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <jitfuse/jitfuse.h>", "int main(void) {"]
     expect = []
     for s in structs:

@@ -73,7 +73,9 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const auto& g = b.group();
     const ops::DType dt = b.recipe().dtype;
     const int64_t e = ops::dtype_bytes(dt);
-    const int64_t chunk = chunk_rows(o.rows, o.v, e);
+    const double budget = static_cast<double>(b.ops()[static_cast<size_t>(o.ce)].attrs.value("chunk_mib", 256)) *
+                          1024.0 * 1024.0;
+    const int64_t chunk = chunk_rows(o.rows, o.v, e, budget);
     const int64_t chunks = (o.rows + chunk - 1) / chunk;
     const std::string who = g.rule + ": chunked_linear_cross_entropy";
     Buffers bf{};
@@ -94,7 +96,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
         "{} chunk(s) of {} rows (logits chunk {} of the {} budget); saves dx + "
         "dW{} = {}, "
         "the unfused ops save {} (the logits)",
-        chunks, chunk, mib(static_cast<double>(chunk * o.v * e)), mib(kChunkBudget), o.bias < 0 ? "" : " + db",
+        chunks, chunk, mib(static_cast<double>(chunk * o.v * e)), mib(budget), o.bias < 0 ? "" : " + db",
         mib(fused), mib(unfused));
     if (o.bias >= 0) {  // the column of ones of db's column-sum GEMM
       bf.ones = b.temp("ones", dt, chunk, 1);
@@ -162,6 +164,8 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const std::string who = g.rule + ": chunked_linear_cross_entropy";
     const nlohmann::json meta = b.kernel_meta(o.ce, "backward");
     const int dy = b.grad_of(g.end);
+    // Each kernel reads its saved tensor only to write its gradient, element for element: the caller may
+    // pass the gradient as that part of the saved buffer (Builder::alias_saved), unless it accumulates.
     auto scale = [&](int src_op, codegen::Key src, int out, int64_t rows, int64_t cols, bool accumulate,
                      const std::string& what) {
       codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::scale);
@@ -170,6 +174,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
       k.ce->src = src;
       k.ce->accumulate = accumulate;
       b.kernel(k, meta, dy, out, rows, who + ": " + what);
+      if (!accumulate) b.alias_saved(out, src_op, src);
     };
     scale(o.lin, Key::dx, b.grad_of(g.begin), o.rows, o.h, false, "dx = g scale saved dx");
     const bool acc = b.ops()[static_cast<size_t>(o.lin)].flag("accumulate_grad");
@@ -178,11 +183,10 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     if (o.bias >= 0) scale(o.bias, Key::db, b.grad(o.bias, Key::bias), 1, o.v, false, "db = g scale saved db");
   }
 
-  // Rows per chunk: the chunk's logits fit kChunkBudget (rows x V x dtype bytes), in multiples of 128 rows when at
-  // least 128 fit (whole GEMM tiles), at least 1, at most the rows.
-  static constexpr double kChunkBudget = 256.0 * 1024 * 1024;
-  static int64_t chunk_rows(int64_t rows, int64_t v, int64_t e) {
-    int64_t c = static_cast<int64_t>(kChunkBudget) / std::max<int64_t>(1, v * e);
+  // Rows per chunk: the chunk's logits fit `budget` bytes (the op's chunk_mib: rows x V x dtype bytes), in
+  // multiples of 128 rows when at least 128 fit (whole GEMM tiles), at least 1, at most the rows.
+  static int64_t chunk_rows(int64_t rows, int64_t v, int64_t e, double budget) {
+    int64_t c = static_cast<int64_t>(budget) / std::max<int64_t>(1, v * e);
     if (c >= 128) c = c / 128 * 128;
     return std::clamp<int64_t>(c, 1, rows);
   }

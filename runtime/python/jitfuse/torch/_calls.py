@@ -395,6 +395,15 @@ class BackwardArgs:
         self.args_ref = ctypes.byref(a)
         self.program = prog.sequence.open(self.shape, True)  # as ForwardArgs.program
         self.handle = self.program.handle
+        # Gradients the backward may write in place over the saved block (jf_program_grad_aliases): index 0
+        # grad_input, 1 + i parameter i's gradient -> (byte offset, bytes, shape, dtype).
+        slots = {(op, name.decode()): i for i, (op, name) in enumerate(prog.names)}
+        self.aliases: List[Tuple[int, int, int, Tuple[int, ...], torch.dtype]] = []
+        for op, name, off, nbytes in self.program.grad_aliases():
+            i = 0 if op < 0 else 1 + slots.get((op, name), -2)
+            if i >= 0:
+                like = x if i == 0 else params[i - 1]
+                self.aliases.append((i, off, nbytes, tuple(like.shape), like.dtype))
 
 
 class CallCache(threading.local):
@@ -461,10 +470,19 @@ def run_forward(prog: Any, x: Tensor, extras: List[Tensor], params: List[Tensor]
     return [out, *extra_outs]
 
 
+def wrote_in_place(prog: Any, x: Tensor) -> bool:
+    """Whether run_backward(..., in_place=True) of ``x``'s shape writes gradients over the saved block."""
+    c = prog._tls.calls.get(("b", x.shape))
+    return c is not None and bool(c.aliases)
+
+
 def run_backward(prog: Any, x: Tensor, extras: List[Tensor], output: Tensor, extra_outputs: List[Tensor],
                  params: List[Tensor], saved_block: Tensor, grad_output: Tensor, grad_extra_outputs: List[Tensor],
-                 cache_workspace: bool = False) -> List[Tensor]:
-    """[grad_input, *grad_extra_inputs, *grads]; ``cache_workspace`` as in :func:`run_forward`."""
+                 cache_workspace: bool = False, in_place: bool = False) -> List[Tensor]:
+    """[grad_input, *grad_extra_inputs, *grads]; ``cache_workspace`` as in :func:`run_forward`. ``in_place``:
+    the gradients the program allows it (jf_program_grad_aliases: the chunked LM head's dx and dW) are views
+    of ``saved_block``, written over what they are computed from, so this backward allocates nothing for
+    them; the caller must not pass that saved block to a backward again."""
     dev_i = x.get_device()
     if dev_i != prog.device_index or dev_i != _cuda_get_device():
         if dev_i != prog.device_index:
@@ -472,22 +490,26 @@ def run_backward(prog: Any, x: Tensor, extras: List[Tensor], output: Tensor, ext
                                f"{prog.device_index}")
         with torch.cuda.device(dev_i):
             return run_backward(prog, x, extras, output, extra_outputs, params, saved_block, grad_output,
-                                grad_extra_outputs, cache_workspace)
+                                grad_extra_outputs, cache_workspace, in_place)
     c = prog._tls.calls.get(("b", x.shape))
     if c is None:
         c = prog._tls.calls[("b", x.shape)] = BackwardArgs(prog, prog.info(tuple(int(d) for d in x.shape), True),
                                                            x, extras, params)
-    if saved_block.numel() != c.saved_block_bytes:
-        raise JitfuseError(f"jitfuse: the saved buffer has {saved_block.numel()} bytes, the program of input "
-                           f"{list(c.shape)} saves {c.saved_block_bytes}: was the forward run with training=True?")
-    grad_input = _empty_like(x)
     # None for CrossEntropy's labels: no gradient (their slot of grad_extra_inputs is NULL).
     grad_extras = [None if e.dtype in LABEL_DTYPES else _empty_like(e) for e in extras] if extras else []
-    if c.any_accumulate:
-        grads = [torch.zeros_like(p) if acc else _empty_like(p) for p, acc in zip(params, c.accumulate)]
+    over = {}
+    if in_place and c.aliases and saved_block.numel() >= c.saved_block_bytes:
+        for i, off, nbytes, shape, dt in c.aliases:
+            over[i] = saved_block[off:off + nbytes].view(dt).view(shape)
+    grad_input = over[0] if 0 in over else _empty_like(x)
+    if c.any_accumulate:  # the library lets no accumulating gradient sit over the saved block
+        grads = [torch.zeros_like(p) if acc else over.get(1 + i, None) for i, (p, acc)
+                 in enumerate(zip(params, c.accumulate))]
+        grads = [g if g is not None else _empty_like(p) for g, p in zip(grads, params)]
     else:
-        grads = [_empty_like(p) for p in params]
+        grads = [over[1 + i] if 1 + i in over else _empty_like(p) for i, p in enumerate(params)]
     a = c.args
+    a.saved_bytes = saved_block.numel()  # the library checks it against the program's (its message names both)
     stream = _get_raw_stream(dev_i)
     if c.ws_bytes:
         ws = (_workspace(c.ws_bytes, dev_i, stream, c.device) if cache_workspace

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import _ext
-from ._calls import DIRECT, GRAD, _functorch_active, direct_call_ok, route, traced_device_index
+from ._calls import DIRECT, GRAD, _functorch_active, direct_call_ok, route, traced_device_index, wrote_in_place
 from ._dtypes import LABEL_DTYPES, torch_dtype
 from ._registry import DeviceProgram, device_program, program_of
 from .float8 import Float8Tensor
@@ -178,6 +178,11 @@ class EagerCall:
         """[grad_input, *grad_extra_inputs, *grad_params] of the node's forward."""
         if not ctx.training:
             raise RuntimeError("jitfuse: backward through a forward that ran with training=False (no saved context)")
+        if getattr(ctx, "jf_in_place", False):
+            raise RuntimeError(
+                "jitfuse: a second backward through one forward of a Sequential whose gradients were computed in "
+                "its forward (Linear + CrossEntropy: the first backward wrote them over the saved dx and dW); "
+                "retain_graph=True is not supported there: run the forward again")
         saved_tensors = ctx.saved_tensors
         ne, npar = ctx.ne, ctx.npar
         x = saved_tensors[0]
@@ -204,8 +209,12 @@ class EagerCall:
         # backward, which returns None for the labels.
         labels = any(e.dtype in LABEL_DTYPES for e in extras)
         if ctx.direct and not torch.compiler.is_compiling() and (labels or direct_call_ok(gl[0], gl[1:], ())):
-            return self.prog.backward(x, extras, output, extra_outputs, params, saved_block, gl[0], gl[1:],
-                                      cache_workspace=True)
+            # The gradients the program computed in its forward are scaled in place over the saved block (no
+            # allocation: the LM head's dW is the size of its weight); the node then serves no second backward.
+            res = self.prog.backward(x, extras, output, extra_outputs, params, saved_block, gl[0], gl[1:],
+                                     cache_workspace=True, in_place=True)
+            ctx.jf_in_place = wrote_in_place(self.prog, x)
+            return res
         return torch.ops.jitfuse.backward.default(self.key, x, extras, output, extra_outputs, params, saved_block,
                                                   gl[0], gl[1:])
 
