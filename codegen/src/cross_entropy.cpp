@@ -212,7 +212,7 @@ class CrossEntropy {
     labels_arg();
     k.line("__shared__ float jf_sm[96];");
     row_index(k);
-    k.line("ST* row = in + lr * {};", v_);
+    k.line("ST* row = in + lr * {};", ce_.ld > v_ ? ce_.ld : v_);  // rows padded to 16 bytes at an odd V
     k.line("if ({}) {{", ignored());
     k.line("  jf_ce_zero_row<DT, JF_VEC>(row, {});", v_);
     k.line("  if (threadIdx.x == 0) out[r] = 0.f;");

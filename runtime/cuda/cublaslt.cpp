@@ -165,7 +165,7 @@ void check_gemm_call(const GemmCall& call) {
 // versions held, field for field), compared as a struct.
 struct GemmKey {
   int kind = 0;
-  int64_t m = 0, n = 0, k = 0;
+  int64_t m = 0, n = 0, k = 0, ldy = 0;
   int dt = 0, epi = 0;
   bool beta = false;
   // A, B, C, D: the alignment of every column start (pointer and leading dimension: operand_alignment);
@@ -175,7 +175,7 @@ struct GemmKey {
   int at = 0, bt = 0, bias_dt = -1;
   bool fast_accum = false, amax = false;
   auto tie() const {
-    return std::tie(kind, m, n, k, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, al_bias, fp8, at, bt, bias_dt,
+    return std::tie(kind, m, n, k, ldy, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, al_bias, fp8, at, bt, bias_dt,
                     fast_accum, amax);
   }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
@@ -203,23 +203,24 @@ struct Problem {
 
 Problem problem_of(const GemmCall& g) {
   Problem p;
+  const uint64_t ldy = static_cast<uint64_t>(g.ldy > g.n ? g.ldy : g.n);
   switch (g.kind) {
     case GemmKind::fwd:  // y^T[n,m] = W(kxn col-major)^T * x^T(kxm)
       p.m = g.n; p.n = g.m; p.k = g.k;
       p.A = g.b; p.ta = CUBLAS_OP_T; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
       p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.k; p.b_cols = g.m; p.ldb = g.k;
-      p.ldd = g.n;
+      p.ldd = ldy;
       break;
     case GemmKind::dgrad:  // dx^T[k,m] = W^T(kxn) * dy^T(nxm)
       p.m = g.k; p.n = g.m; p.k = g.n;
       p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
-      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.n; p.b_cols = g.m; p.ldb = g.n;
+      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.n; p.b_cols = g.m; p.ldb = ldy;
       p.ldd = g.k;
       break;
     case GemmKind::wgrad:  // dW^T[k,n] = x^T(kxm) * dy(mxn)
       p.m = g.k; p.n = g.n; p.k = g.m;
       p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.m; p.lda = g.k;
-      p.B = g.a; p.tb = CUBLAS_OP_T; p.b_rows = g.n; p.b_cols = g.m; p.ldb = g.n;
+      p.B = g.a; p.tb = CUBLAS_OP_T; p.b_rows = g.n; p.b_cols = g.m; p.ldb = ldy;
       p.ldd = g.k;
       break;
   }
@@ -262,6 +263,7 @@ GemmKey key_of(const GemmCall& g, const Problem& p) {
   k.m = g.m;
   k.n = g.n;
   k.k = g.k;
+  k.ldy = g.ldy > g.n ? g.ldy : 0;
   k.dt = static_cast<int>(p.dt);
   k.epi = static_cast<int>(p.epi);
   k.beta = g.beta != 0.f;

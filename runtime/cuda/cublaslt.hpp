@@ -76,6 +76,10 @@ struct GemmCall {
                             // relu_aux_bias: ReLU bit-mask out; drelu_bgrad: ReLU bit-mask in
   void* workspace = nullptr;  // kGemmWorkspace bytes, 256-byte aligned
   std::optional<Fp8Gemm> fp8;  // set: A and B are FP8 (see Fp8Gemm); kept last for aggregate initialisers
+  // Row stride (elements) of the [m, n] matrix: fwd's y (D, and C), dgrad's and wgrad's dy; 0: n. Larger
+  // than n pads the rows (the chunked LM head's logits at an odd vocabulary: 16-byte aligned rows). After
+  // fp8, which aggregate initialisers stop before.
+  int64_t ldy = 0;
 };
 
 // Throws invalid_argument (naming the problem's dims and what to change) when `call` breaks a rule of

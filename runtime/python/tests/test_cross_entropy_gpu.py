@@ -225,6 +225,10 @@ def test_the_head_backward_writes_in_place_and_serves_one_backward():
     prog = m._jf_keys[True][torch.bfloat16]
     from jitfuse.torch._registry import device_program
     dp = device_program(prog, x.get_device())
+    # The argument block of this thread (the backward above ran on autograd's): built by a plain call first.
+    scratch = torch.zeros(dp.info(tuple(x.shape), True).saved_bytes, dtype=torch.uint8, device=DEV)
+    _calls.run_backward(dp, x.detach(), [y], loss.detach(), [], [w.detach()], scratch,
+                        torch.ones(1, device=DEV, dtype=torch.bfloat16), [])
     c = dp._tls.calls[("b", x.shape)]
     kept = list(c.aliases)
     (i0, _, n0, s0, t0), (_, off1, _, _, _) = sorted(kept)

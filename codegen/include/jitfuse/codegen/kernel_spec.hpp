@@ -112,6 +112,7 @@ struct CrossEntropySpec {
   bool save = false;          // rows_fwd: write the lse; reduce: write the scale
   bool accumulate = false;    // scale: out += (linear accumulate_grad)
   int64_t grid_rows = 0;      // row kernels: blocks, one per row of `in` (0: the call's rows)
+  int64_t ld = 0;             // fused: the logits' row stride in elements (0: the vocabulary, cols)
 };
 
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the

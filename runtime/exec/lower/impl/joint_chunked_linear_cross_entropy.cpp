@@ -51,6 +51,9 @@ class ChunkedLinearCrossEntropy final : public Implementation {
   struct Ops {
     int lin, bias, ce;
     int64_t rows, h, v;
+    // The logits chunk's row stride: V rounded up to 8 elements, so every row starts 16-byte aligned and
+    // the three GEMMs take cuBLASLt's aligned kernels at an odd vocabulary (GPT-2's 50257).
+    int64_t ld() const { return (v + 7) / 8 * 8; }
   };
   static Ops ops_of(const Builder& b) {
     const auto& g = b.group();
@@ -75,7 +78,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const int64_t e = ops::dtype_bytes(dt);
     const double budget = static_cast<double>(b.ops()[static_cast<size_t>(o.ce)].attrs.value("chunk_mib", 256)) *
                           1024.0 * 1024.0;
-    const int64_t chunk = chunk_rows(o.rows, o.v, e, budget);
+    const int64_t chunk = chunk_rows(o.rows, o.ld(), e, budget);
     const int64_t chunks = (o.rows + chunk - 1) / chunk;
     const std::string who = g.rule + ": chunked_linear_cross_entropy";
     Buffers bf{};
@@ -85,7 +88,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     bf.dw = b.saved_new(o.lin, Key::dW, dt, o.v, o.h, static_cast<size_t>(o.v * o.h * e));
     bf.db = o.bias < 0 ? -1 : b.saved_new(o.bias, Key::db, dt, 1, o.v, static_cast<size_t>(o.v * e));
     b.saved_new(o.ce, Key::scale, ops::DType::f32, 1, 1, 4);
-    bf.logits = b.temp("logits chunk", dt, chunk, o.v);
+    bf.logits = b.temp("logits chunk", dt, chunk, o.ld());
     bf.losses = b.temp("losses op" + std::to_string(o.ce), ops::DType::f32, o.rows, 1);
     bf.ones = -1;
     const nlohmann::json meta = b.kernel_meta(o.ce, "forward");
@@ -96,7 +99,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
         "{} chunk(s) of {} rows (logits chunk {} of the {} budget); saves dx + "
         "dW{} = {}, "
         "the unfused ops save {} (the logits)",
-        chunks, chunk, mib(static_cast<double>(chunk * o.v * e)), mib(budget), o.bias < 0 ? "" : " + db",
+        chunks, chunk, mib(static_cast<double>(chunk * o.ld() * e)), mib(budget), o.bias < 0 ? "" : " + db",
         mib(fused), mib(unfused));
     if (o.bias >= 0) {  // the column of ones of db's column-sum GEMM
       bf.ones = b.temp("ones", dt, chunk, 1);
@@ -119,6 +122,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
                    const nlohmann::json& meta, const std::string& plan) const {
     GemmStep head = b.linear_gemm(o.lin, cuda::GemmKind::fwd);
     head.call.m = m;
+    head.call.ldy = o.ld();
     head.a = bf.x;
     head.a_offset = c0 * o.h;
     head.b = bf.w;
@@ -130,9 +134,11 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     b.gemm(head, at + ": logits = x W^T" + (o.bias >= 0 ? " + b" : "") + (plan.empty() ? "" : "; " + plan));
     codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::fused);
     k.ce->grid_rows = m;  // rows [c0, c0 + m) of the labels: the kernel's `rows` is c0 + m
+    k.ce->ld = o.ld();
     b.kernel(k, meta, bf.logits, bf.losses, c0 + m, at + ": loss per row, dlogits in place");
     GemmStep dg = b.linear_gemm(o.lin, cuda::GemmKind::dgrad);
     dg.call.m = m;
+    dg.call.ldy = o.ld();
     dg.a = bf.logits;
     dg.b = bf.w;
     dg.d = bf.dx;
@@ -143,6 +149,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
       if (bias_sum && o.bias < 0) break;
       GemmStep wg = b.linear_gemm(o.lin, cuda::GemmKind::wgrad);
       wg.call.m = m;
+      wg.call.ldy = o.ld();
       wg.a = bf.logits;
       wg.b = bias_sum ? bf.ones : bf.x;
       wg.b_offset = bias_sum ? 0 : c0 * o.h;
