@@ -75,6 +75,11 @@ class CrossEntropy {
         g.launch.grid_x = 1;
         fill_ones(k);
         break;
+      case K::count:
+        threads = kReduceThreads;
+        g.launch.grid_x = 1;
+        count(k);
+        break;
     }
     k.close();
     g.launch.bx = threads;
@@ -100,12 +105,16 @@ class CrossEntropy {
         return "dx_r = g_r ((1 + 2 z_loss lse_r) softmax(z_r) - (1 - eps) "
                "onehot(y_r) - eps/V) z'(x_r)";
       case K::fused:
-        return "a chunk of rows: loss_r, and dx_r for g = 1 in place of the "
-               "logits";
+        return ce_.prescaled ? "a chunk of rows: loss_r, and dx_r for g = scale in place of the logits"
+                             : "a chunk of rows: loss_r, and dx_r for g = 1 in place of the "
+                               "logits";
       case K::scale:
-        return "out (+)= g[0] * scale[0] * src";
+        return ce_.prescaled ? "out (+)= g[0] * src (nothing where g[0] = 1 in place)"
+                             : "out (+)= g[0] * scale[0] * src";
       case K::fill_ones:
         return "out[r] = 1";
+      case K::count:
+        return std::string("scale = ") + (mean_ ? "1 / #(y_r != ignore_index)" : "1") + " (one block)";
     }
     return "";
   }
@@ -210,8 +219,10 @@ class CrossEntropy {
     args_.ptr(Arg::Role::out, -1, "out", "out", "float", true);
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
     labels_arg();
+    if (ce_.prescaled) args_.ptr(Arg::Role::saved, ce_.op, Key::scale, "s_scale", "float", false);
     k.line("__shared__ float jf_sm[96];");
     row_index(k);
+    if (ce_.prescaled) k.line("const float sc = s_scale[0];  // loaded early: its latency hides under the row's");
     k.line("ST* row = in + lr * {};", ce_.ld > v_ ? ce_.ld : v_);  // rows padded to 16 bytes at an odd V
     k.line("if ({}) {{", ignored());
     k.line("  jf_ce_zero_row<DT, JF_VEC>(row, {});", v_);
@@ -221,8 +232,20 @@ class CrossEntropy {
     stats(k, "row");
     k.line("if (threadIdx.x == 0) out[r] = {};", loss_expr("row"));
     k.line("__syncthreads();  // z[y] is read before the row is overwritten");
-    k.line("const float g = {} ? 1.f : {};", in_range(), kNaN);
+    k.line("const float g = {} ? {} : {};", in_range(), ce_.prescaled ? "sc" : "1.f", kNaN);
     grad(k, "row", "row", "g");
+  }
+
+  void count(Writer& k) {
+    args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
+    labels_arg();
+    const std::string scale = fmt::format("s{}_scale", ce_.op);
+    args_.ptr(Arg::Role::saved, ce_.op, Key::scale, scale, "float", true);
+    k.line("__shared__ float jf_sm[64];");
+    k.line("float s;");
+    k.line("int n;");
+    k.line("jf_ce_reduce<LT>(nullptr, {}, rows, {}, jf_sm, &s, &n);", labels_, i64(ce_.ignore_index));
+    k.line("if (threadIdx.x == 0) {}[0] = {};", scale, mean_ ? "1.f / (float)n" : "1.f");
   }
 
   void scale(Writer& k) {
@@ -231,8 +254,16 @@ class CrossEntropy {
     args_.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
     args_.ptr(Arg::Role::saved, ce_.src_op, ce_.src, "src", "ST", false);
-    args_.ptr(Arg::Role::saved, ce_.op, Key::scale, "scale", "float", false);
-    k.line("const float g = DT::load(in[0]) * scale[0];");
+    if (ce_.prescaled) {
+      // The forward scaled src already; in place (out is src: jf_program_grad_aliases) with g = 1 (the
+      // usual loss.backward()) there is nothing to write. Each element is read once, by the thread that
+      // then writes it, so out may be src.
+      k.line("const float g = DT::load(in[0]);");
+      if (!ce_.accumulate) k.line("if (g == 1.f && (const void*)out == (const void*)src) return;");
+    } else {
+      args_.ptr(Arg::Role::saved, ce_.op, Key::scale, "scale", "float", false);
+      k.line("const float g = DT::load(in[0]) * scale[0];");
+    }
     k.line("const jf_i64 n = rows * {};", v_);
     k.line(
         "for (jf_i64 i = ((jf_i64)blockIdx.x * blockDim.x + threadIdx.x) * "

@@ -177,17 +177,8 @@ __device__ __forceinline__ void jf_ce_zero_row(typename DT::storage* dx, int v) 
   if (tail + t < v) dx[tail + t] = DT::store(0.f);
 }
 
-// Sum of the rows' losses and count of rows not ignored, over one block (fixed order: deterministic).
-template <typename LT>
-__device__ __forceinline__ void jf_ce_reduce(const float* __restrict__ loss, const LT* __restrict__ labels, jf_i64 rows,
-                                             jf_i64 ignore, float* smem, float* sum, int* count) {
-  float s = 0.f;
-  int n = 0;
-  for (jf_i64 r = threadIdx.x; r < rows; r += blockDim.x)
-    if ((jf_i64)labels[r] != ignore) {
-      s += loss[r];
-      ++n;
-    }
+// A block's sum of `s` and of `n` (fixed order: deterministic); every thread gets both.
+__device__ __forceinline__ void jf_ce_block_sum(float s, int n, float* smem, float* sum, int* count) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -209,4 +200,18 @@ __device__ __forceinline__ void jf_ce_reduce(const float* __restrict__ loss, con
   }
   *sum = s;
   *count = n;
+}
+
+// Sum of the rows' losses (loss: null for the count alone) and count of rows not ignored, over one block.
+template <typename LT>
+__device__ __forceinline__ void jf_ce_reduce(const float* __restrict__ loss, const LT* __restrict__ labels, jf_i64 rows,
+                                             jf_i64 ignore, float* smem, float* sum, int* count) {
+  float s = 0.f;
+  int n = 0;
+  for (jf_i64 r = threadIdx.x; r < rows; r += blockDim.x)
+    if ((jf_i64)labels[r] != ignore) {
+      if (loss) s += loss[r];
+      ++n;
+    }
+  jf_ce_block_sum(s, n, smem, sum, count);
 }

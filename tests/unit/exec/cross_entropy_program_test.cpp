@@ -82,18 +82,28 @@ TEST_CASE(
   CHECK(p->plan.forward[0].end == 2);
   REQUIRE(p->plan.backward.size() == 1);
   CHECK(p->plan.backward[0].rule == "linear_cross_entropy_chunked");
-  // One chunk: head GEMM, the fused kernel, dgrad, wgrad; then the reduction.
-  REQUIRE(p->forward.size() == 5);
-  CHECK(p->forward[0].gemm.call.kind == cuda::GemmKind::fwd);
-  CHECK(p->forward[1].kernel->gen.kernel == "jf_cross_entropy_fused_fwd");
-  CHECK(p->forward[2].gemm.call.kind == cuda::GemmKind::dgrad);
-  CHECK(p->forward[3].gemm.call.kind == cuda::GemmKind::wgrad);
-  CHECK(p->forward[3].gemm.call.beta == 0.f);
-  CHECK(p->forward[4].kernel->gen.kernel == "jf_cross_entropy_reduce_fwd");
-  // The backward only scales what the forward saved.
+  // The scale from the labels; one chunk: head GEMM, the fused kernel, dgrad, wgrad; then the reduction.
+  REQUIRE(p->forward.size() == 6);
+  CHECK(p->forward[0].kernel->gen.kernel == "jf_cross_entropy_count_fwd");
+  CHECK(p->forward[1].gemm.call.kind == cuda::GemmKind::fwd);
+  CHECK(p->forward[2].kernel->gen.kernel == "jf_cross_entropy_fused_fwd");
+  CHECK(p->forward[2].kernel->spec.ce->prescaled);
+  CHECK(p->forward[3].gemm.call.kind == cuda::GemmKind::dgrad);
+  CHECK(p->forward[4].gemm.call.kind == cuda::GemmKind::wgrad);
+  CHECK(p->forward[4].gemm.call.beta == 0.f);
+  CHECK(p->forward[5].kernel->gen.kernel == "jf_cross_entropy_reduce_fwd");
+  // The odd vocabulary's logits rows are padded to 8 elements: every GEMM reading or writing them says so.
+  for (int i : {1, 3, 4}) CHECK(p->forward[static_cast<size_t>(i)].gemm.call.ldy == 50264);
+  CHECK(p->forward[2].kernel->spec.ce->ld == 50264);
+  // The backward only multiplies what the forward saved by the upstream gradient, and may do it in place.
   REQUIRE(p->backward.size() == 2);
   for (const auto& s : p->backward) CHECK(s.kernel->gen.kernel == "jf_cross_entropy_scale_bwd");
-  CHECK(saved_names(*p) == std::set<std::string>{"op0.dx", "op0.dW", "op1.scale"});
+  REQUIRE(p->grad_aliases.size() == 2);
+  CHECK(p->buffer(p->grad_aliases[0].grad).role == exec::BufferRole::grad_input);
+  CHECK(p->buffer(p->grad_aliases[0].saved).name == "op0.dx");
+  CHECK(p->buffer(p->grad_aliases[1].grad).role == exec::BufferRole::grad);
+  CHECK(p->buffer(p->grad_aliases[1].saved).name == "op0.dW");
+  CHECK(saved_names(*p) == std::set<std::string>{"op0.dx", "op0.dW"});  // the scale is applied in the forward
   for (int id : p->saved_set()) CHECK(p->buffer(id).cols != 50257);  // no logits, no lse
   CHECK(p->saved_bytes == (7 * 64 * 2 + 255) / 256 * 256 + (50257 * 64 * 2 + 255) / 256 * 256 + 256);
 
@@ -112,8 +122,8 @@ TEST_CASE(
   CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 8);
   CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::dgrad) == 8);
   CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::wgrad) == 8);
-  CHECK(count(p->forward, exec::Step::Kind::kernel) == 9);  // 8 chunk kernels + the reduction
-  CHECK(p->forward.size() == 33);
+  CHECK(count(p->forward, exec::Step::Kind::kernel) == 10);  // the count, 8 chunk kernels, the reduction
+  CHECK(p->forward.size() == 34);
   int64_t first = -1, c0 = 0;
   for (const auto& s : p->forward) {
     if (s.kind != exec::Step::Kind::gemm || s.gemm.call.kind != cuda::GemmKind::fwd) continue;
@@ -147,7 +157,9 @@ TEST_CASE(
   CHECK(q->plan.forward.at(0).end == 3);
   CHECK(count(q->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 4);
   CHECK(count(q->forward, exec::Step::Kind::gemm, cuda::GemmKind::wgrad) == 8);  // dW and db per chunk
-  CHECK(q->forward.front().kernel->gen.kernel == "jf_cross_entropy_ones_fwd");
+  CHECK(q->forward.at(0).kernel->gen.kernel == "jf_cross_entropy_count_fwd");
+  CHECK(q->forward.at(1).kernel->gen.kernel == "jf_cross_entropy_ones_fwd");
+  CHECK(q->grad_aliases.size() == 3);  // dx, dW, db
   CHECK(saved_names(*q).count("op1.db") == 1);
   CHECK(q->backward.size() == 3);
   // accumulate_grad: the backward adds g scale dW into the weight's gradient.
@@ -158,6 +170,11 @@ TEST_CASE(
   REQUIRE(a->backward.size() == 2);
   CHECK(a->backward[1].kernel->spec.ce->accumulate);
   CHECK_FALSE(a->backward[0].kernel->spec.ce->accumulate);
+  REQUIRE(a->grad_aliases.size() == 1);  // dx only: an accumulating gradient never sits over the saved dW
+  CHECK(a->buffer(a->grad_aliases[0].grad).role == exec::BufferRole::grad_input);
+  // chunk_mib sets the budget: 16 MiB of 128256-wide bf16 logits is 65 rows, below one 128-row tile.
+  auto c = program_of(head(64, 128256, R"({"op": "cross_entropy", "chunk_mib": 16})"), {300, 64});
+  CHECK(count(c->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 5);  // 65-row chunks: 4 x 65 + 40
 }
 
 TEST_CASE(

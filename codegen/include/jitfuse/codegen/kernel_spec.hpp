@@ -101,6 +101,7 @@ struct CrossEntropySpec {
     fused,      // a chunk of rows: loss_r into the fp32 out[r] and dlogits for g = 1 in place of `in`
     scale,      // out (+)= in[0] * scale[0] * src: the joint strategy's backward (src: saved (src_op, src))
     fill_ones,  // out[r] = 1 for r < rows (the column of ones of a column-sum GEMM)
+    count,      // one block: saves the scale (1 / rows not ignored for "mean", else 1) from the labels alone
   } kernel = Kernel::rows_fwd;
   int op = -1;                // the cross_entropy op (labels, saved lse and scale)
   int src_op = -1;            // scale: the saved tensor (src_op, src) it reads
@@ -113,6 +114,9 @@ struct CrossEntropySpec {
   bool accumulate = false;    // scale: out += (linear accumulate_grad)
   int64_t grid_rows = 0;      // row kernels: blocks, one per row of `in` (0: the call's rows)
   int64_t ld = 0;             // fused: the logits' row stride in elements (0: the vocabulary, cols)
+  // fused: dlogits for g = scale[0] (the saved scale, written by count first); scale: src is already
+  // scaled, out (+)= g[0] * src, and nothing runs where g[0] is 1 and out is src (in place).
+  bool prescaled = false;
 };
 
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the

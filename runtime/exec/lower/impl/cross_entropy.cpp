@@ -42,6 +42,9 @@ codegen::KernelSpec cross_entropy_spec(const Builder& b, int i, K kernel) {
     case K::fill_ones:
       spec.label = "cross_entropy_ones";
       break;
+    case K::count:
+      spec.label = "cross_entropy_count";
+      break;
   }
   return spec;
 }

@@ -1,9 +1,11 @@
 // Joint strategy chunked_linear_cross_entropy ([linear, bias?, cross_entropy], reduction mean or sum): the
 // language-model head and its loss in chunks of rows, the gradient computed in the forward (Liger Kernel's fused linear
-// cross-entropy). Per chunk: the head GEMM writes the chunk's logits, one kernel turns them into the rows' losses and,
-// in place, dlogits for an upstream gradient of 1, then the dgrad GEMM writes the chunk's rows of dx and the wgrad GEMM
-// adds its dW (and a column-sum GEMM its db). The forward saves dx, dW (db) and the reduction's scale, never the
-// logits; the backward scales them by the upstream gradient.
+// cross-entropy). First one block counts the rows not ignored (the reduction's scale). Per chunk: the head GEMM writes
+// the chunk's logits, one kernel turns them into the rows' losses and, in place, dlogits for an upstream gradient of
+// 1 (the scale applied), then the dgrad GEMM writes the chunk's rows of dx and the wgrad GEMM adds its dW (and a
+// column-sum GEMM its db). The forward saves dx, dW (db), never the logits; the backward multiplies them by the
+// upstream gradient, in place over the saved block where the host allows it (Program::grad_aliases), and does
+// nothing there for the usual upstream gradient of 1.
 #include <fmt/format.h>
 
 #include "exec/lower/impl/cross_entropy.hpp"
@@ -101,6 +103,11 @@ class ChunkedLinearCrossEntropy final : public Implementation {
         "the unfused ops save {} (the logits)",
         chunks, chunk, mib(static_cast<double>(chunk * o.ld() * e)), mib(budget), o.bias < 0 ? "" : " + db",
         mib(fused), mib(unfused));
+    // The scale first (1 / rows not ignored, from the labels alone), so the chunks write dlogits, dx and dW
+    // scaled for an upstream gradient of 1 and the backward has nothing to do for loss.backward().
+    b.kernel(cross_entropy_spec(b, o.ce, K::count), meta, -1, -1, o.rows,
+             who + ": scale = " + (b.ops()[o.ce].str("reduction") == "mean" ? "1 / rows not ignored" : "1") +
+                 ", for the chunks' dlogits");
     if (o.bias >= 0) {  // the column of ones of db's column-sum GEMM
       bf.ones = b.temp("ones", dt, chunk, 1);
       b.kernel(cross_entropy_spec(b, o.ce, K::fill_ones), meta, -1, bf.ones, chunk, who + " (ones for db); " + plan);
@@ -112,9 +119,8 @@ class ChunkedLinearCrossEntropy final : public Implementation {
       chunk_steps(b, o, bf, c0, m, at, meta, c0 == 0 ? plan : std::string());
     }
     codegen::KernelSpec red = cross_entropy_spec(b, o.ce, K::reduce);
-    red.ce->save = true;
     b.kernel(red, meta, bf.losses, b.act(g.end), o.rows,
-             who + ": loss = " + b.ops()[o.ce].str("reduction") + " of the rows' losses; scale for the backward");
+             who + ": loss = " + b.ops()[o.ce].str("reduction") + " of the rows' losses");
   }
 
   // Rows [c0, c0 + m): the head GEMM, the loss and dlogits kernel, dgrad into dx, wgrad (and db) accumulated.
@@ -135,6 +141,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::fused);
     k.ce->grid_rows = m;  // rows [c0, c0 + m) of the labels: the kernel's `rows` is c0 + m
     k.ce->ld = o.ld();
+    k.ce->prescaled = true;
     b.kernel(k, meta, bf.logits, bf.losses, c0 + m, at + ": loss per row, dlogits in place");
     GemmStep dg = b.linear_gemm(o.lin, cuda::GemmKind::dgrad);
     dg.call.m = m;
@@ -164,7 +171,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     }
   }
 
-  // grad = g * scale * saved, g the loss's upstream gradient, scale 1 / (rows not ignored) or 1.
+  // grad = g * saved, g the loss's upstream gradient (the forward applied the scale, 1 / rows not ignored or 1).
   void backward(Builder& b) const {
     const Ops o = ops_of(b);
     const auto& g = b.group();
@@ -180,14 +187,15 @@ class ChunkedLinearCrossEntropy final : public Implementation {
       k.ce->src_op = src_op;
       k.ce->src = src;
       k.ce->accumulate = accumulate;
+      k.ce->prescaled = true;
       b.kernel(k, meta, dy, out, rows, who + ": " + what);
       if (!accumulate) b.alias_saved(out, src_op, src);
     };
-    scale(o.lin, Key::dx, b.grad_of(g.begin), o.rows, o.h, false, "dx = g scale saved dx");
+    scale(o.lin, Key::dx, b.grad_of(g.begin), o.rows, o.h, false, "dx = g saved dx (nothing in place at g = 1)");
     const bool acc = b.ops()[static_cast<size_t>(o.lin)].flag("accumulate_grad");
     scale(o.lin, Key::dW, b.grad(o.lin, Key::weight), o.v, o.h, acc,
-          acc ? "dW += g scale saved dW" : "dW = g scale saved dW");
-    if (o.bias >= 0) scale(o.bias, Key::db, b.grad(o.bias, Key::bias), 1, o.v, false, "db = g scale saved db");
+          acc ? "dW += g saved dW" : "dW = g saved dW (nothing in place at g = 1)");
+    if (o.bias >= 0) scale(o.bias, Key::db, b.grad(o.bias, Key::bias), 1, o.v, false, "db = g saved db");
   }
 
   // Rows per chunk: the chunk's logits fit `budget` bytes (the op's chunk_mib: rows x V x dtype bytes), in
