@@ -80,6 +80,11 @@ class CrossEntropy {
         g.launch.grid_x = 1;
         count(k);
         break;
+      case K::pad_rows:
+        threads = kScaleThreads;
+        g.launch.grid_x = kScaleBlocks;
+        pad_rows(k);
+        break;
     }
     k.close();
     g.launch.bx = threads;
@@ -115,6 +120,8 @@ class CrossEntropy {
         return "out[r] = 1";
       case K::count:
         return std::string("scale = ") + (mean_ ? "1 / #(y_r != ignore_index)" : "1") + " (one block)";
+      case K::pad_rows:
+        return fmt::format("out = in ({} rows of {}), then zero rows", ce_.pad_from, v_);
     }
     return "";
   }
@@ -291,6 +298,15 @@ class CrossEntropy {
         "false>(out + i, v, m);");
     k.close();
     k.line("}}");
+  }
+
+  void pad_rows(Writer& k) {
+    args_.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
+    args_.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
+    args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
+    k.line("const jf_i64 n = rows * {}, n_in = {};", v_, i64(ce_.pad_from * v_));
+    k.line("for (jf_i64 i = (jf_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (jf_i64)gridDim.x * blockDim.x)");
+    k.line("  out[i] = i < n_in ? in[i] : DT::store(0.f);");
   }
 
   void fill_ones(Writer& k) {

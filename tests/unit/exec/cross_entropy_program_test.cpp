@@ -82,19 +82,28 @@ TEST_CASE(
   CHECK(p->plan.forward[0].end == 2);
   REQUIRE(p->plan.backward.size() == 1);
   CHECK(p->plan.backward[0].rule == "linear_cross_entropy_chunked");
-  // The scale from the labels; one chunk: head GEMM, the fused kernel, dgrad, wgrad; then the reduction.
-  REQUIRE(p->forward.size() == 6);
-  CHECK(p->forward[0].kernel->gen.kernel == "jf_cross_entropy_count_fwd");
-  CHECK(p->forward[1].gemm.call.kind == cuda::GemmKind::fwd);
-  CHECK(p->forward[2].kernel->gen.kernel == "jf_cross_entropy_fused_fwd");
-  CHECK(p->forward[2].kernel->spec.ce->prescaled);
-  CHECK(p->forward[3].gemm.call.kind == cuda::GemmKind::dgrad);
-  CHECK(p->forward[4].gemm.call.kind == cuda::GemmKind::wgrad);
-  CHECK(p->forward[4].gemm.call.beta == 0.f);
-  CHECK(p->forward[5].kernel->gen.kernel == "jf_cross_entropy_reduce_fwd");
-  // The odd vocabulary's logits rows are padded to 8 elements: every GEMM reading or writing them says so.
-  for (int i : {1, 3, 4}) CHECK(p->forward[static_cast<size_t>(i)].gemm.call.ldy == 50264);
-  CHECK(p->forward[2].kernel->spec.ce->ld == 50264);
+  // The weight padded to 50264 rows (an odd vocabulary); the scale from the labels; one chunk: head GEMM,
+  // the fused kernel, dgrad, wgrad; then the reduction.
+  REQUIRE(p->forward.size() == 7);
+  CHECK(p->forward[0].kernel->gen.kernel == "jf_cross_entropy_pad_fwd");
+  CHECK(p->forward[0].kernel->spec.ce->pad_from == 50257);
+  CHECK(p->forward[1].kernel->gen.kernel == "jf_cross_entropy_count_fwd");
+  CHECK(p->forward[2].gemm.call.kind == cuda::GemmKind::fwd);
+  CHECK(p->forward[3].kernel->gen.kernel == "jf_cross_entropy_fused_fwd");
+  CHECK(p->forward[3].kernel->spec.ce->prescaled);
+  CHECK(p->forward[4].gemm.call.kind == cuda::GemmKind::dgrad);
+  CHECK(p->forward[5].gemm.call.kind == cuda::GemmKind::wgrad);
+  CHECK(p->forward[5].gemm.call.beta == 0.f);
+  CHECK(p->forward[6].kernel->gen.kernel == "jf_cross_entropy_reduce_fwd");
+  // The logits rows are padded to 8 elements: every GEMM reading or writing them says so; the head and the
+  // dgrad run over the padded vocabulary (the padded weight), the wgrad over the real one.
+  for (int i : {2, 4, 5}) CHECK(p->forward[static_cast<size_t>(i)].gemm.call.ldy == 50264);
+  CHECK(p->forward[2].gemm.call.n == 50264);
+  CHECK(p->forward[4].gemm.call.n == 50264);
+  CHECK(p->forward[5].gemm.call.n == 50257);
+  CHECK(p->buffer(p->forward[2].gemm.b).name == "weight padded");
+  CHECK(p->buffer(p->forward[4].gemm.b).name == "weight padded");
+  CHECK(p->forward[3].kernel->spec.ce->ld == 50264);
   // The backward only multiplies what the forward saved by the upstream gradient, and may do it in place.
   REQUIRE(p->backward.size() == 2);
   for (const auto& s : p->backward) CHECK(s.kernel->gen.kernel == "jf_cross_entropy_scale_bwd");
@@ -157,8 +166,10 @@ TEST_CASE(
   CHECK(q->plan.forward.at(0).end == 3);
   CHECK(count(q->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 4);
   CHECK(count(q->forward, exec::Step::Kind::gemm, cuda::GemmKind::wgrad) == 8);  // dW and db per chunk
-  CHECK(q->forward.at(0).kernel->gen.kernel == "jf_cross_entropy_count_fwd");
-  CHECK(q->forward.at(1).kernel->gen.kernel == "jf_cross_entropy_ones_fwd");
+  CHECK(q->forward.at(0).kernel->gen.kernel == "jf_cross_entropy_pad_fwd");  // the weight
+  CHECK(q->forward.at(1).kernel->gen.kernel == "jf_cross_entropy_pad_fwd");  // the bias
+  CHECK(q->forward.at(2).kernel->gen.kernel == "jf_cross_entropy_count_fwd");
+  CHECK(q->forward.at(3).kernel->gen.kernel == "jf_cross_entropy_ones_fwd");
   CHECK(q->grad_aliases.size() == 3);  // dx, dW, db
   CHECK(saved_names(*q).count("op1.db") == 1);
   CHECK(q->backward.size() == 3);

@@ -102,6 +102,7 @@ struct CrossEntropySpec {
     scale,      // out (+)= in[0] * scale[0] * src: the joint strategy's backward (src: saved (src_op, src))
     fill_ones,  // out[r] = 1 for r < rows (the column of ones of a column-sum GEMM)
     count,      // one block: saves the scale (1 / rows not ignored for "mean", else 1) from the labels alone
+    pad_rows,   // out [rows, cols] = in [pad_from, cols] and zero rows after (the head's weight padded to 8 rows)
   } kernel = Kernel::rows_fwd;
   int op = -1;                // the cross_entropy op (labels, saved lse and scale)
   int src_op = -1;            // scale: the saved tensor (src_op, src) it reads
@@ -117,6 +118,7 @@ struct CrossEntropySpec {
   // fused: dlogits for g = scale[0] (the saved scale, written by count first); scale: src is already
   // scaled, out (+)= g[0] * src, and nothing runs where g[0] is 1 and out is src (in place).
   bool prescaled = false;
+  int64_t pad_from = 0;       // pad_rows: the rows of `in`
 };
 
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the

@@ -45,6 +45,9 @@ codegen::KernelSpec cross_entropy_spec(const Builder& b, int i, K kernel) {
     case K::count:
       spec.label = "cross_entropy_count";
       break;
+    case K::pad_rows:
+      spec.label = "cross_entropy_pad";
+      break;
   }
   return spec;
 }

@@ -71,7 +71,31 @@ class ChunkedLinearCrossEntropy final : public Implementation {
   // The buffers a forward's chunks share.
   struct Buffers {
     int x, w, dx, dw, db, logits, losses, ones;
+    int w_head = -1, b_head = -1;  // the weight and bias the head and dgrad GEMMs read (padded at an odd V)
   };
+
+  // At a vocabulary that is not a multiple of 8, cuBLASLt has only its unaligned kernels for GEMMs of that
+  // dimension (H100, GPT-2's 50257: 3x slower), as Inductor's pad_mm knows: the head and dgrad GEMMs run
+  // over V rounded up to 8, on a copy of the weight (and bias) with zero rows after it. The padded logits
+  // columns are then 0, which the fused kernel leaves alone, so the dgrad's sum over them adds nothing; the
+  // wgrad keeps V. One copy of the weight per forward (its bytes once, against three GEMMs over it).
+  void pad_head(Builder& b, const Ops& o, Buffers& bf, const nlohmann::json& meta, const std::string& who) const {
+    bf.w_head = bf.w;
+    bf.b_head = o.bias < 0 ? -1 : b.param(o.bias, Key::bias);
+    if (o.v == o.ld()) return;
+    const ops::DType dt = b.recipe().dtype;
+    auto pad = [&](int src, int64_t cols, const std::string& name) {
+      const int out = b.temp(name + " padded", dt, o.ld(), cols);
+      codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::pad_rows);
+      k.cols = cols;
+      k.ce->pad_from = o.v;
+      b.kernel(k, meta, src, out, o.ld(),
+               fmt::format("{}: the {} with zero rows to {} (aligned GEMMs at vocabulary {})", who, name, o.ld(), o.v));
+      return out;
+    };
+    bf.w_head = pad(bf.w, o.h, "weight");
+    if (o.bias >= 0) bf.b_head = pad(bf.b_head, 1, "bias");
+  }
 
   void forward(Builder& b) const {
     const Ops o = ops_of(b);
@@ -94,6 +118,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     bf.losses = b.temp("losses op" + std::to_string(o.ce), ops::DType::f32, o.rows, 1);
     bf.ones = -1;
     const nlohmann::json meta = b.kernel_meta(o.ce, "forward");
+    pad_head(b, o, bf, meta, who);
     // What the unfused ops would save: the linear's input (unless it is the caller's), the logits, the lse.
     const double unfused = static_cast<double>((o.lin > 0 ? o.rows * o.h * e : 0) + o.rows * o.v * e + o.rows * 4 + 4);
     const double fused = static_cast<double>(o.rows * o.h * e + o.v * o.h * e + (o.bias < 0 ? 0 : o.v * e) + 4);
@@ -128,14 +153,15 @@ class ChunkedLinearCrossEntropy final : public Implementation {
                    const nlohmann::json& meta, const std::string& plan) const {
     GemmStep head = b.linear_gemm(o.lin, cuda::GemmKind::fwd);
     head.call.m = m;
+    head.call.n = o.ld();  // the padded weight's rows (pad_head)
     head.call.ldy = o.ld();
     head.a = bf.x;
     head.a_offset = c0 * o.h;
-    head.b = bf.w;
+    head.b = bf.w_head;
     head.d = bf.logits;
     if (o.bias >= 0) {
       head.call.epilogue = cuda::Epilogue::bias;
-      head.bias = b.param(o.bias, Key::bias);
+      head.bias = bf.b_head;
     }
     b.gemm(head, at + ": logits = x W^T" + (o.bias >= 0 ? " + b" : "") + (plan.empty() ? "" : "; " + plan));
     codegen::KernelSpec k = cross_entropy_spec(b, o.ce, K::fused);
@@ -145,9 +171,10 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     b.kernel(k, meta, bf.logits, bf.losses, c0 + m, at + ": loss per row, dlogits in place");
     GemmStep dg = b.linear_gemm(o.lin, cuda::GemmKind::dgrad);
     dg.call.m = m;
+    dg.call.n = o.ld();  // the sum runs over the padded columns too: zero logits times zero rows
     dg.call.ldy = o.ld();
     dg.a = bf.logits;
-    dg.b = bf.w;
+    dg.b = bf.w_head;
     dg.d = bf.dx;
     dg.d_offset = c0 * o.h;
     b.gemm(dg, at + ": dx = dlogits W");
