@@ -34,7 +34,8 @@ void register_cross_entropy(Registry& r) {
       {AttrSpec::Type::string, "label_dtype", "int64", {"int64", "int32"}, {}, {}},
       // The chunked head after a linear (linear_cross_entropy_chunked): MiB of logits one chunk of rows may
       // hold. Larger chunks run larger GEMMs and accumulate dW fewer times, for that much more memory.
-      {AttrSpec::Type::integer, "chunk_mib", 256, {}, 16.0, 65536.0},
+      // 0: automatic (256 MiB, but at least 2048 rows).
+      {AttrSpec::Type::integer, "chunk_mib", 0, {}, 0.0, 65536.0},
   };
   k.takes_extra_input = true;
   k.last_only = true;

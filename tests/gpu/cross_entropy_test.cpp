@@ -73,9 +73,11 @@ TEST_CASE(
 }
 
 TEST_CASE("the joint head over several chunks, and the same ops unfused", "[cross_entropy]") {
-  // 1030 rows of 128256 bf16 logits: chunks of 1024 and 6 rows (the 256 MiB budget); dW accumulates.
-  run_check(head(16, 128256), "bf16", {1030, 16});
-  run_check(head(16, 128256, R"("reduction": "sum")", true), "bf16", {1030, 16});
+  // 1030 rows of 128256 bf16 logits: chunks of 1024 and 6 rows (a 256 MiB budget); dW accumulates. An odd
+  // vocabulary (the weight padded to 8 rows) over three chunks of 128 rows and one of 2 (chunk_mib 16).
+  run_check(head(16, 128256, R"("chunk_mib": 256)"), "bf16", {1030, 16});
+  run_check(head(16, 128256, R"("reduction": "sum", "chunk_mib": 256)", true), "bf16", {1030, 16});
+  run_check(head(24, 50257, R"("chunk_mib": 16, "label_smoothing": 0.1)", true), "bf16", {386, 24});
   {
     test::ScopedEnv off("JITFUSE_DISABLE_FUSION", "1");
     run_check(head(64, 50257, R"("label_smoothing": 0.1)", true), "bf16", {7, 64});

@@ -58,10 +58,10 @@ def reference(x, w, b, y, reduction, ignore, eps, z_loss, softcap):
 
 
 def run(dtype, rows, h, v, bias=False, reduction="mean", ignore=-100, eps=0.0, z_loss=0.0, softcap=0.0,
-        label_dtype=torch.int64, seed=0):
+        label_dtype=torch.int64, seed=0, chunk_mib=None):
     torch.manual_seed(seed)
     ops = [jt.Linear(h, v)] + ([jt.Bias(v)] if bias else []) + [
-        jt.CrossEntropy(reduction, ignore, eps, z_loss, softcap, label_dtype)]
+        jt.CrossEntropy(reduction, ignore, eps, z_loss, softcap, label_dtype, chunk_mib=chunk_mib)]
     m = jt.Sequential(*ops, device=DEV, dtype=dtype)
     if bias:
         with torch.no_grad():
@@ -102,8 +102,10 @@ def test_ignore_index_label_smoothing_z_loss_softcap_int32(dtype):
 
 
 def test_several_chunks_bf16():
-    # 1030 rows of Llama-3's vocabulary: chunks of 1024 and 6 rows under the 256 MiB logits budget.
-    run(torch.bfloat16, (1030,), 16, 128256)
+    # 1030 rows of Llama-3's vocabulary: chunks of 1024 and 6 rows under a 256 MiB logits budget; GPT-2's odd
+    # vocabulary (the weight and bias padded to 50264 rows) in 128-row chunks (16 MiB), an upstream gradient != 1.
+    run(torch.bfloat16, (1030,), 16, 128256, chunk_mib=256)
+    run(torch.bfloat16, (300,), 24, 50257, bias=True, chunk_mib=16)
 
 
 def test_eval_mode_and_no_grad_give_the_loss():

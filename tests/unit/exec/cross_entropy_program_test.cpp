@@ -126,8 +126,11 @@ TEST_CASE(
     "the joint head: chunks from the 256 MiB logits budget, steps per "
     "chunk, bias and accumulate_grad",
     "[exec][cross_entropy]") {
-  // Llama-3-8B's head at 8192 tokens, bf16: 1024 rows x 128256 x 2 B = 250.5 MiB per chunk, 8 chunks.
-  auto p = program_of(head(4096, 128256), {8192, 4096});
+  // Llama-3-8B's head at 8192 tokens, bf16, chunk_mib 256: 1024 rows x 128256 x 2 B = 250.5 MiB per chunk,
+  // 8 chunks. Automatic (no chunk_mib): 256 MiB but at least 2048 rows, 4 chunks.
+  auto automatic = program_of(head(4096, 128256), {8192, 4096});
+  CHECK(count(automatic->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 4);
+  auto p = program_of(head(4096, 128256, R"({"op": "cross_entropy", "chunk_mib": 256})"), {8192, 4096});
   CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 8);
   CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::dgrad) == 8);
   CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::wgrad) == 8);
@@ -215,7 +218,7 @@ TEST_CASE("tools/examples/lm_head.json: a norm, then the head and its loss as th
   auto p = exec::compile(def, ops::parse_recipe("bf16"), {8192, 4096}, o, rs);
   REQUIRE(p->plan.forward.size() == 2);
   CHECK(p->plan.forward[1].rule == "linear_cross_entropy_chunked");
-  CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 8);
+  CHECK(count(p->forward, exec::Step::Kind::gemm, cuda::GemmKind::fwd) == 4);  // automatic chunks: 2048 rows
   // The norm's output is the head's x: the wgrad of every chunk reads it, so it lives through the last chunk.
   const auto& x = p->buffer(p->values.at(1));
   CHECK(x.last >= static_cast<int>(p->forward.size()) - 3);

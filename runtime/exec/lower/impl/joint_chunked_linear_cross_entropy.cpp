@@ -102,9 +102,9 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const auto& g = b.group();
     const ops::DType dt = b.recipe().dtype;
     const int64_t e = ops::dtype_bytes(dt);
-    const double budget = static_cast<double>(b.ops()[static_cast<size_t>(o.ce)].attrs.value("chunk_mib", 256)) *
-                          1024.0 * 1024.0;
-    const int64_t chunk = chunk_rows(o.rows, o.ld(), e, budget);
+    const int64_t mib_attr = b.ops()[static_cast<size_t>(o.ce)].attrs.value("chunk_mib", int64_t{0});
+    const double budget = static_cast<double>(mib_attr > 0 ? mib_attr : kAutoMib) * 1024.0 * 1024.0;
+    const int64_t chunk = chunk_rows(o.rows, o.ld(), e, budget, mib_attr <= 0);
     const int64_t chunks = (o.rows + chunk - 1) / chunk;
     const std::string who = g.rule + ": chunked_linear_cross_entropy";
     Buffers bf{};
@@ -123,10 +123,11 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const double unfused = static_cast<double>((o.lin > 0 ? o.rows * o.h * e : 0) + o.rows * o.v * e + o.rows * 4 + 4);
     const double fused = static_cast<double>(o.rows * o.h * e + o.v * o.h * e + (o.bias < 0 ? 0 : o.v * e) + 4);
     std::string plan = fmt::format(
-        "{} chunk(s) of {} rows (logits chunk {} of the {} budget); saves dx + "
+        "{} chunk(s) of {} rows (logits chunk {} for the {} budget{}); saves dx + "
         "dW{} = {}, "
         "the unfused ops save {} (the logits)",
-        chunks, chunk, mib(static_cast<double>(chunk * o.ld() * e)), mib(budget), o.bias < 0 ? "" : " + db",
+        chunks, chunk, mib(static_cast<double>(chunk * o.ld() * e)), mib(budget),
+        mib_attr > 0 ? "" : fmt::format(", at least {} rows", kAutoMinRows), o.bias < 0 ? "" : " + db",
         mib(fused), mib(unfused));
     // The scale first (1 / rows not ignored, from the labels alone), so the chunks write dlogits, dx and dW
     // scaled for an upstream gradient of 1 and the backward has nothing to do for loss.backward().
@@ -226,9 +227,15 @@ class ChunkedLinearCrossEntropy final : public Implementation {
   }
 
   // Rows per chunk: the chunk's logits fit `budget` bytes (the op's chunk_mib: rows x V x dtype bytes), in
-  // multiples of 128 rows when at least 128 fit (whole GEMM tiles), at least 1, at most the rows.
-  static int64_t chunk_rows(int64_t rows, int64_t v, int64_t e, double budget) {
+  // multiples of 128 rows when at least 128 fit (whole GEMM tiles), at least 1, at most the rows. `automatic`
+  // (chunk_mib 0, the default): 256 MiB, but at least kAutoMinRows rows. Each chunk re-reads and re-writes
+  // all of dW (the wgrad's beta = 1), which costs in proportion to V x H per chunk: on an H100 (session 36,
+  // docs/benchmarks.md) 1024-row chunks of Llama-3's head ran 4-10 % over torch.compile, 2048-row ones
+  // 2-3 %, and larger ones gained little more.
+  static constexpr int64_t kAutoMib = 256, kAutoMinRows = 2048;
+  static int64_t chunk_rows(int64_t rows, int64_t v, int64_t e, double budget, bool automatic) {
     int64_t c = static_cast<int64_t>(budget) / std::max<int64_t>(1, v * e);
+    if (automatic) c = std::max(c, kAutoMinRows);
     if (c >= 128) c = c / 128 * 128;
     return std::clamp<int64_t>(c, 1, rows);
   }

@@ -583,7 +583,8 @@ class CrossEntropy(BasicOp):
 
     After a :class:`Linear` (and :class:`Bias`), with ``"mean"`` or ``"sum"``, training runs the head in
     chunks of rows and computes the gradients in the forward (the logits are never whole in memory;
-    docs/rules.md); ``chunk_mib`` (16 to 65536, default 256) bounds one chunk's logits. Its backward scales
+    docs/rules.md); ``chunk_mib`` bounds one chunk's logits (default None: 256 MiB, but at least 2048
+    rows). Its backward scales
     those gradients in place (no allocation), so one forward serves one backward (no ``retain_graph``).
     Runs eagerly: ``torch.compile`` breaks the graph around the Sequential."""
 
@@ -592,7 +593,7 @@ class CrossEntropy(BasicOp):
 
     def __init__(self, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, softcap: float = 0.0, label_dtype: torch.dtype = torch.int64,
-                 chunk_mib: int = 256):
+                 chunk_mib: Optional[int] = None):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"CrossEntropy reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
@@ -608,15 +609,17 @@ class CrossEntropy(BasicOp):
         self.reduction, self.ignore_index = reduction, ignore_index
         self.label_smoothing, self.z_loss, self.softcap = float(label_smoothing), float(z_loss), float(softcap)
         self.label_dtype = label_dtype
-        if isinstance(chunk_mib, bool) or not isinstance(chunk_mib, int) or not 16 <= chunk_mib <= 65536:
-            raise ValueError(f"CrossEntropy chunk_mib must be an int in [16, 65536], not {chunk_mib!r}")
+        if chunk_mib is not None and (isinstance(chunk_mib, bool) or not isinstance(chunk_mib, int)
+                                      or not 1 <= chunk_mib <= 65536):
+            raise ValueError(f"CrossEntropy chunk_mib must be None (automatic) or an int in [1, 65536], "
+                             f"not {chunk_mib!r}")
         self.chunk_mib = chunk_mib
 
     def attrs(self, training: bool) -> Dict[str, Any]:
         return {"reduction": self.reduction, "ignore_index": self.ignore_index,
                 "label_smoothing": self.label_smoothing, "z_loss": self.z_loss, "softcap": self.softcap,
                 "label_dtype": "int32" if self.label_dtype == torch.int32 else "int64",
-                **({"chunk_mib": self.chunk_mib} if self.chunk_mib != 256 else {})}
+                **({"chunk_mib": self.chunk_mib} if self.chunk_mib is not None else {})}
 
 
 class _Collective(BasicOp):
