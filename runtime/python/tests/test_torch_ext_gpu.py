@@ -493,6 +493,8 @@ def test_a_process_using_the_modules_exits_cleanly(ext):
     exit: the process exits 0 with nothing on stderr about the heap (an abort at exit, H100 run 1 of session 35)."""
     import subprocess
     import sys
+    if ext == "1" and _ext.find(torch.__version__)[0] is None:
+        pytest.skip("the C++ extension is not built here (" + _ext.find(torch.__version__)[1] + ")")
     env = dict(os.environ, JITFUSE_TORCH_EXTENSION=ext, MALLOC_CHECK_="3")
     r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=240,
                        cwd=str(Path(__file__).parent))
