@@ -32,6 +32,25 @@ at::ScalarType dtype_named(const std::string& n) {
 
 bool from_jitfuse(const c10::Error& e) { return e.msg().rfind("jitfuse", 0) == 0; }
 
+// jitfuse_torch::module_forward with the GIL released as PyTorch's own ops do: 1 ran, 0 declined (the caller
+// takes its checked path), -1 a jitfuse error, set as jitfuse.JitfuseError (TypeError / ValueError and
+// PyTorch's errors propagate unchanged as C++ exceptions).
+int run_module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
+                       const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state,
+                       bool training, int n_extra_outputs, std::vector<at::Tensor>& out) {
+  try {
+    py::gil_scoped_release no_gil;
+    return jitfuse_torch::module_forward(key, input, extra_inputs, params, rng_state, training, n_extra_outputs,
+                                         out) ? 1 : 0;
+  } catch (const c10::Error& e) {
+    if (typeid(e) == typeid(c10::Error) && from_jitfuse(e) && g_error_class) {
+      PyErr_SetString(g_error_class, e.what_without_backtrace());
+      return -1;
+    }
+    throw;
+  }
+}
+
 // Sequential's eager call: the op through the dispatcher (autograd, modes and subclasses see it), with the
 // GIL released as PyTorch's own ops do. None: the caller takes its checked path. One tensor, or a tuple
 // (output, *extra_outputs[, scale_inv of an E4M3 output]) when there is more than the output.
@@ -40,19 +59,9 @@ py::object module_forward(int64_t key, const at::Tensor& input, const std::vecto
                           bool training, int n_extra_outputs) {
   HANDLE_TH_ERRORS
   std::vector<at::Tensor> out;
-  bool ok = false;
-  try {
-    py::gil_scoped_release no_gil;
-    ok = jitfuse_torch::module_forward(key, input, extra_inputs, params, rng_state, training, n_extra_outputs, out);
-  } catch (const c10::Error& e) {
-    // jitfuse's own errors as jitfuse.JitfuseError (TypeError / ValueError and PyTorch's errors unchanged).
-    if (typeid(e) == typeid(c10::Error) && from_jitfuse(e) && g_error_class) {
-      PyErr_SetString(g_error_class, e.what_without_backtrace());
-      throw py::error_already_set();
-    }
-    throw;
-  }
-  if (!ok) return py::none();
+  const int ran = run_module_forward(key, input, extra_inputs, params, rng_state, training, n_extra_outputs, out);
+  if (ran < 0) throw py::error_already_set();
+  if (ran == 0) return py::none();
   if (out.size() == 1) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[0])));
   py::tuple t(out.size());
   for (size_t i = 0; i < out.size(); ++i)
@@ -252,18 +261,9 @@ PyObject* module_call(PyObject* /*m*/, PyObject* const* argv, Py_ssize_t argc) {
     rng = THPVariable_Unpack(r.p);
   }
   std::vector<at::Tensor> out;
-  bool ok = false;
-  try {
-    py::gil_scoped_release no_gil;
-    ok = jitfuse_torch::module_forward(key, input, extras, params, rng, training, n_extra_outputs, out);
-  } catch (const c10::Error& e) {
-    if (typeid(e) == typeid(c10::Error) && from_jitfuse(e) && g_error_class) {
-      PyErr_SetString(g_error_class, e.what_without_backtrace());
-      return nullptr;
-    }
-    throw;
-  }
-  if (!ok) Py_RETURN_NONE;
+  const int ran = run_module_forward(key, input, extras, params, rng, training, n_extra_outputs, out);
+  if (ran < 0) return nullptr;
+  if (ran == 0) Py_RETURN_NONE;
   Ref shape(shape_tuple(input));  // what explain() shows
   if (shape.p == nullptr || PyDict_SetItem(dict.p, g_call.s_last_shape, shape.p) != 0) return nullptr;
   return wrap_outputs(out);

@@ -2,7 +2,6 @@
 # forward and backward) through jitfuse's chunked joint fusion against PyTorch eager and torch.compile, in one
 # process: step time (CUDA events, warm-up, median) and the step's peak memory above what was resident before
 # it (inputs, weight), for Llama-3-8B, Gemma-2-9B and GPT-2 heads at 8192 tokens, bf16. GPU only.
-import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -33,18 +32,12 @@ def _measure(step: Callable[[], torch.Tensor], clear: Callable[[], None], warmup
              iters: int) -> Tuple[float, float, float]:
     """(median ms, peak MiB above the memory allocated before the step, the loss) of step(); clear() drops
     the gradients before each step, so the peak counts the step's gradients and nothing of the last one."""
-    for _ in range(warmup):
-        clear()
+    from .bench import time_cuda
+
+    def run() -> None:
+        clear()  # host work only: drops references, the caching allocator keeps the memory
         step()
-    times: List[float] = []
-    for _ in range(iters):
-        clear()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = time_cuda(run, iters, warmup)
     clear()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -52,7 +45,7 @@ def _measure(step: Callable[[], torch.Tensor], clear: Callable[[], None], warmup
     loss = step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return statistics.median(times), peak, float(loss)
+    return ms, peak, float(loss)
 
 
 def bench_lm_head(tokens: int = 8192, warmup: int = 3, iters: int = 10,
