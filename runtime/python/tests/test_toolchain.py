@@ -45,6 +45,24 @@ def fake_compiler(d, answer, name="g++"):
     return exe
 
 
+def linker_probed_compiler(d, verbose_lines, name="g++"):
+    """A compiler that answers `-print-file-name=libstdc++.so` with the bare name and prints `verbose_lines`
+    when it links with `-Wl,--verbose` (what ld says of the libraries it opens); anything else fails."""
+    d.mkdir(parents=True, exist_ok=True)
+    exe = d / name
+    echoes = "".join(f"    echo '{line}'\n" for line in verbose_lines)
+    exe.write_text("#!/bin/sh\n"
+                   "for a in \"$@\"; do\n"
+                   "  [ \"$a\" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }\n"
+                   "  [ \"$a\" = -Wl,--verbose ] && {\n"
+                   f"{echoes}"
+                   "    exit 0; }\n"
+                   "done\n"
+                   "exit 1\n")
+    exe.chmod(0o755)
+    return exe
+
+
 def devtoolset_compiler(tmp_path, script=DEVTOOLSET_SCRIPT):
     lib = tmp_path / "gcc" / "lib" / "libstdc++.so"
     lib.parent.mkdir(parents=True)
@@ -109,19 +127,9 @@ def test_a_compiler_answering_the_bare_name_is_judged_by_what_its_linker_opens(t
     lib = tmp_path / "gcc" / "lib64" / "libstdc++.so"
     lib.parent.mkdir(parents=True)
     lib.write_text(DEVTOOLSET_SCRIPT)
-    d = tmp_path / "gcc" / "bin"
-    d.mkdir(parents=True)
-    exe = d / "g++"
-    exe.write_text("#!/bin/sh\n"
-                   "for a in \"$@\"; do\n"
-                   "  [ \"$a\" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }\n"
-                   "  [ \"$a\" = -Wl,--verbose ] && {\n"
-                   "    echo 'attempt to open /nowhere/libstdc++.so failed'\n"
-                   f"    echo 'attempt to open {lib} succeeded'\n"
-                   f"    echo 'opened script file {lib}'; exit 0; }}\n"
-                   "done\n"
-                   "exit 1\n")
-    exe.chmod(0o755)
+    exe = linker_probed_compiler(tmp_path / "gcc" / "bin", ["attempt to open /nowhere/libstdc++.so failed",
+                                                          f"attempt to open {lib} succeeded",
+                                                          f"opened script file {lib}"])
     assert tc.libstdcxx_of(str(exe)) == str(lib)
     found = tc.check(str(exe))
     assert found is not None and found.libstdcxx == str(lib) and found.static_parts == ("-lstdc++_nonshared",)
@@ -134,18 +142,8 @@ def test_a_compiler_with_no_libstdcxx_so_links_the_archive_and_is_named(tmp_path
     lib = tmp_path / "gcc" / "lib" / "gcc" / "x86_64-linux-gnu" / "13" / "libstdc++.a"
     lib.parent.mkdir(parents=True)
     lib.write_bytes(b"!<arch>\n")
-    d = tmp_path / "gcc" / "bin"
-    d.mkdir(parents=True)
-    exe = d / "g++"
-    exe.write_text("#!/bin/sh\n"
-                   "for a in \"$@\"; do\n"
-                   "  [ \"$a\" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }\n"
-                   "  [ \"$a\" = -Wl,--verbose ] && {\n"
-                   f"    echo 'attempt to open {lib.parent}/libstdc++.so failed'\n"
-                   f"    echo 'attempt to open {lib} succeeded'; echo '{lib}'; exit 0; }}\n"
-                   "done\n"
-                   "exit 1\n")
-    exe.chmod(0o755)
+    exe = linker_probed_compiler(tmp_path / "gcc" / "bin", [f"attempt to open {lib.parent}/libstdc++.so failed",
+                                                          f"attempt to open {lib} succeeded", str(lib)])
     found = tc.check(str(exe), "$CXX")
     assert found is not None and found.libstdcxx == str(lib) and found.static_parts == (str(lib),)
     msg = found.message(fix="/usr/bin/g++")
