@@ -5,6 +5,8 @@
 #include <algorithm>
 
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include <fmt/ranges.h>
 
@@ -156,6 +158,23 @@ ops::Shape checked_shape(const int64_t* shape, int ndim, const char* what) {
 
 namespace {
 
+// What a sequence's extra inputs are, for the messages that count them: the kinds of its slots (the wiring).
+std::string extra_inputs_note(const ops::SequenceDef& s) {
+  bool add = false, channel = false, labels = false;
+  for (const auto& slot : s.extra_input_slots) {
+    add = add || slot.kind == "add";
+    channel = channel || slot.kind == "channel";
+    labels = labels || slot.kind == "labels";
+  }
+  std::vector<std::string> parts;
+  if (add || (!channel && !labels)) parts.emplace_back("add_extra_input ops without a channel");
+  if (channel) parts.emplace_back("one per input channel");
+  if (labels) parts.emplace_back("the labels of cross_entropy");
+  std::string note = parts[0];
+  for (size_t i = 1; i < parts.size(); ++i) note += (i + 1 == parts.size() ? " and " : ", ") + parts[i];
+  return note;
+}
+
 void check_dtype(const DLTensor* t, const Name& name, ops::DType want) {
   if (!dtype_matches(t->dtype, want))
     fail(Status::invalid_argument, "tensor '{}': expected dtype {} for this recipe, got {}", name.str(),
@@ -172,8 +191,8 @@ void check_forward_args(const ops::SequenceDef& s, ops::DType dtype, ops::DType 
   check_dltensor(output, "output");
   check_dtype(output, "output", out_dtype);
   if (n_extra_inputs != s.extra_inputs)
-    fail(Status::invalid_argument, "sequence '{}' takes {} extra input(s) (add_extra_input ops{}), got {}", s.name,
-         s.extra_inputs, s.nograd_extra_inputs.empty() ? "" : " and the labels of cross_entropy", n_extra_inputs);
+    fail(Status::invalid_argument, "sequence '{}' takes {} extra input(s) ({}), got {}", s.name, s.extra_inputs,
+         extra_inputs_note(s), n_extra_inputs);
   if (n_extra_outputs != s.extra_outputs)
     fail(Status::invalid_argument, "sequence '{}' makes {} extra output(s) (make_extra_output ops), got {}",
          s.name, s.extra_outputs, n_extra_outputs);
@@ -205,6 +224,24 @@ void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTe
            "(cross_entropy), which have no gradient", i, i);
     }
   }
+}
+
+void check_counts(const ops::SequenceDef& s, const char* caller, int n_params_declared, const CallCounts& got) {
+  const bool backward = got.extra_outputs >= 0, params = n_params_declared >= 0;
+  if (got.extra_inputs == s.extra_inputs && (!params || got.params == n_params_declared) &&
+      (!backward || (got.extra_outputs == s.extra_outputs && got.grad_extra_outputs == got.extra_outputs)))
+    return;
+  if (caller) check_name(caller, "caller");
+  const std::string prefix = caller ? fmt::format("{}: ", caller) : std::string();
+  const std::string outs = backward ? fmt::format(", {} extra output(s) and their gradients", s.extra_outputs) : "";
+  const std::string outs_got =
+      backward ? fmt::format(", {} ({})", got.extra_outputs, got.grad_extra_outputs) : std::string();
+  if (params)
+    fail(Status::invalid_argument, "{}sequence '{}' takes {} extra input(s) ({}){} and {} parameter(s); got {}{} and {}",
+         prefix, s.name, s.extra_inputs, extra_inputs_note(s), outs, n_params_declared, got.extra_inputs, outs_got,
+         got.params);
+  fail(Status::invalid_argument, "{}sequence '{}' takes {} extra input(s) ({}){}; got {}{}", prefix, s.name,
+       s.extra_inputs, extra_inputs_note(s), outs, got.extra_inputs, outs_got);
 }
 
 void* check_own_extra_input(const DLTensor* t, const SpanName& name, const ops::ExtraInputSpec& spec,

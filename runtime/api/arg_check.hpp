@@ -58,6 +58,14 @@ void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTe
                          int n_grad_extra_outputs, const DLTensor* grad_input, const DLTensor* const* grad_extra_inputs,
                          int n_grad_extra_inputs);
 
+// The counts of a call whose tensors come by position (jf_sequence_check_counts; jitfuse.torch's one count
+// check): `n_params_declared` < 0 leaves the parameters out, `n_extra_outputs` < 0 the outputs (a forward).
+// Throws Error(invalid_argument) with the message the host layers show, prefixed "<caller>: " if given.
+struct CallCounts {
+  int extra_inputs = 0, params = -1, extra_outputs = -1, grad_extra_outputs = -1;
+};
+void check_counts(const ops::SequenceDef& s, const char* caller, int n_params_declared, const CallCounts& got);
+
 // The name of a Span, kept as parts (no string per call): `kind` alone ("input", "saved buffer"),
 // "<kind> <slot> (op <index>)" (extra inputs and outputs) or "<kind> <op label> '<param>'" (parameters
 // and gradients). `op` and `param` point into the sequence's ops, alive for the call.

@@ -265,6 +265,21 @@ jf_status jf_sequence_wiring(jf_sequence seq, const char** json_out) {
   });
 }
 
+jf_status jf_sequence_check_counts(jf_sequence seq, const char* caller, const int64_t* shape, int ndim,
+                                   int n_extra_inputs, int n_params, int n_extra_outputs, int n_grad_extra_outputs) {
+  return guarded([&] {
+    need(seq, "seq");
+    auto& s = *seq->impl;
+    int declared = -1;
+    if (n_params >= 0) {
+      const auto ops = s.ops_for(jitfuse::api::checked_shape(shape, ndim, "shape"));
+      declared = static_cast<int>(jitfuse::exec::param_slot_count(*ops));
+    }
+    jitfuse::api::check_counts(s.def, caller, declared,
+                               {n_extra_inputs, n_params, n_extra_outputs, n_grad_extra_outputs});
+  });
+}
+
 jf_status jf_builder_create(const char* name, jf_builder* out) {
   return guarded([&] {
     need(out, "out");

@@ -104,11 +104,10 @@ std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::T
 // Whether module_forward takes these tensors: all defined, the input on CUDA, the rest of its dtype and device.
 bool module_call_ok(const at::Tensor& input, at::TensorList extra_inputs, at::TensorList params);
 
-// Sequential's eager call: checks nothing the op checks; returns false (and leaves `out` empty) where the
-// caller must take its checked path (an input off CUDA, tensors of another dtype or device than the input).
-// `out`: [output, *extra_outputs], then, for an E4M3 output (an FP8 sequence ending in quantize), the float32
-// [1] scale_inv that decodes it (the caller wraps both in a Float8Tensor).
-bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
+// Sequential's eager call, for tensors module_call_ok takes (its callers check that first): checks nothing
+// the op checks. `out`: [output, *extra_outputs], then, for an E4M3 output (an FP8 sequence ending in quantize),
+// the float32 [1] scale_inv that decodes it (the caller wraps both in a Float8Tensor).
+void module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
                     const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state, bool training,
                     int n_extra_outputs, std::vector<at::Tensor>& out);
 

@@ -75,22 +75,35 @@ void check(const Sequence& s, const std::string& label, const at::Tensor& t, int
                    t.device().str(), ", the call runs on cuda:", device);
 }
 
-// The counts a call of the ops must have: the one check of them in this layer (CUDA and Meta kernels alike).
-// The library checks them again (jf_program_forward/backward's own messages); this one comes first because
-// the parameters' ABI names are looked up by position in s.params, which must not be read past its end.
-void check_arity(const Sequence& s, const char* fn, size_t n_extra_inputs, size_t n_params,
+std::vector<int64_t> concrete_sizes(const at::Tensor& t) {
+  std::vector<int64_t> out;
+  out.reserve(t.dim());
+  for (const c10::SymInt& d : t.sym_sizes()) out.push_back(d.guard_int(__FILE__, __LINE__));
+  return out;
+}
+
+// The counts a call of the ops must have (CUDA and Meta kernels alike), before the parameters' ABI names are
+// looked up by position in s.params. A call with the registered counts passes at once; any other gets the
+// library's verdict and message (jf_sequence_check_counts: the one count check of both torch layers).
+void check_arity(const Sequence& s, const char* fn, const at::Tensor& input, size_t n_extra_inputs, size_t n_params,
                  size_t n_extra_outputs = SIZE_MAX, size_t n_grad_extra_outputs = SIZE_MAX) {
   const bool backward = n_extra_outputs != SIZE_MAX;
   const bool ok = static_cast<int>(n_extra_inputs) == s.n_extra_inputs && n_params == s.params.size() &&
                   (!backward || (static_cast<int>(n_extra_outputs) == s.n_extra_outputs &&
                                  n_grad_extra_outputs == n_extra_outputs));
   if (ok) return;
-  TORCH_CHECK_TYPE(false, fn, ": sequence '", s.name, "' takes ", s.n_extra_inputs, " extra input(s)",
-                   backward ? ", " + std::to_string(s.n_extra_outputs) + " extra output(s) and their gradients" : "",
-                   " and ", s.params.size(), " parameter(s); got ", n_extra_inputs,
-                   backward ? ", " + std::to_string(n_extra_outputs) + " (" + std::to_string(n_grad_extra_outputs) +
-                                  ")" : "",
-                   " and ", n_params);
+  auto count = [](size_t n) { return static_cast<int>(std::min<size_t>(n, 1u << 30)); };
+  const std::vector<int64_t> shape = concrete_sizes(input);
+  if (jf_sequence_check_counts(s.seq, fn, shape.data(), static_cast<int>(shape.size()), count(n_extra_inputs),
+                               count(n_params), backward ? count(n_extra_outputs) : -1,
+                               backward ? count(n_grad_extra_outputs) : -1) != JF_OK) {
+    const char* msg = jf_last_error();
+    TORCH_CHECK_TYPE(false, msg ? msg : "jitfuse: wrong argument counts");
+  }
+  // The library counts the parameters of the ops, this extension those the module registered: they differ
+  // only if the registration was wrong.
+  TORCH_CHECK_TYPE(false, fn, ": sequence '", s.name, "' was registered with ", s.params.size(),
+                   " parameter(s); got ", n_params);
 }
 
 [[noreturn]] void fail_call(const char* fn, const Sequence& s) {
@@ -127,7 +140,7 @@ std::vector<at::Tensor> forward_cuda(int64_t key, const at::Tensor& input, const
   c10::cuda::CUDAGuard guard(input.device());
   auto sp = sequence(key, dev);
   const Sequence& s = *sp;
-  check_arity(s, "jitfuse::forward", extra_inputs.size(), params.size());
+  check_arity(s, "jitfuse::forward", input, extra_inputs.size(), params.size());
   check(s, "input", input, dev);
   for (size_t i = 0; i < extra_inputs.size(); ++i) check(s, "extra input " + std::to_string(i), extra_inputs[i], dev);
   for (size_t i = 0; i < params.size(); ++i) check(s, s.param_labels[i], params[i], dev);
@@ -265,7 +278,7 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
   c10::cuda::CUDAGuard guard(input.device());
   auto sp = sequence(key, dev);
   const Sequence& s = *sp;
-  check_arity(s, "jitfuse::backward", extra_inputs.size(), params.size(), extra_outputs.size(),
+  check_arity(s, "jitfuse::backward", input, extra_inputs.size(), params.size(), extra_outputs.size(),
               grad_extra_outputs.size());
   check(s, "input", input, dev);
   for (size_t i = 0; i < extra_inputs.size(); ++i) check(s, "extra input " + std::to_string(i), extra_inputs[i], dev);
@@ -309,13 +322,6 @@ struct NoMetaInclude {
   NoMetaInclude& operator=(const NoMetaInclude&) = delete;
 };
 
-std::vector<int64_t> concrete_sizes(const at::Tensor& t) {
-  std::vector<int64_t> out;
-  out.reserve(t.dim());
-  for (const c10::SymInt& d : t.sym_sizes()) out.push_back(d.guard_int(__FILE__, __LINE__));
-  return out;
-}
-
 std::vector<at::Tensor> forward_meta(int64_t key, const at::Tensor& input, const OptTensors& extra_inputs_opt,
                                      const OptTensors& params_opt, const std::optional<at::Tensor>& rng_state,
                                      bool training) {
@@ -329,7 +335,7 @@ std::vector<at::Tensor> forward_meta(int64_t key, const at::Tensor& input, const
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
     sp = sequence(key, dev);
     const Sequence& s = *sp;
-    check_arity(s, "jitfuse::forward", extra_inputs.size(), params.size());
+    check_arity(s, "jitfuse::forward", input, extra_inputs.size(), params.size());
     TORCH_CHECK_TYPE(input.scalar_type() == s.dtype, "jitfuse: sequence '", s.name, "': input is ",
                      py_dtype(input.scalar_type()), ", the program runs ", py_dtype(s.dtype));
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
@@ -491,10 +497,9 @@ bool module_call_ok(const at::Tensor& input, at::TensorList extra_inputs, at::Te
   return true;
 }
 
-bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
+void module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
                     const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state, bool training,
                     int n_extra_outputs, std::vector<at::Tensor>& out) {
-  if (!module_call_ok(input, extra_inputs, params)) return false;
   const bool grad = needs_grad(input, extra_inputs, params);
   bool all_contiguous = input.is_contiguous();
   for (auto& t : extra_inputs) all_contiguous = all_contiguous && t.is_contiguous();
@@ -516,7 +521,6 @@ bool module_forward(int64_t key, const at::Tensor& input, const std::vector<at::
   // decodes it, last, for the caller's Float8Tensor.
   const bool fp8_out = !out.empty() && out[0].scalar_type() == at::kFloat8_e4m3fn;
   out.resize(1 + n_extra_outputs + (fp8_out ? 1 : 0));
-  return true;
 }
 
 }  // namespace jitfuse_torch

@@ -32,16 +32,16 @@ at::ScalarType dtype_named(const std::string& n) {
 
 bool from_jitfuse(const c10::Error& e) { return e.msg().rfind("jitfuse", 0) == 0; }
 
-// jitfuse_torch::module_forward with the GIL released as PyTorch's own ops do: 1 ran, 0 declined (the caller
-// takes its checked path), -1 a jitfuse error, set as jitfuse.JitfuseError (TypeError / ValueError and
-// PyTorch's errors propagate unchanged as C++ exceptions).
+// jitfuse_torch::module_forward (for tensors module_call_ok takes) with the GIL released as PyTorch's own ops
+// do: 1 ran, -1 a jitfuse error, set as jitfuse.JitfuseError (TypeError / ValueError and PyTorch's errors
+// propagate unchanged as C++ exceptions).
 int run_module_forward(int64_t key, const at::Tensor& input, const std::vector<at::Tensor>& extra_inputs,
                        const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state,
                        bool training, int n_extra_outputs, std::vector<at::Tensor>& out) {
   try {
     py::gil_scoped_release no_gil;
-    return jitfuse_torch::module_forward(key, input, extra_inputs, params, rng_state, training, n_extra_outputs,
-                                         out) ? 1 : 0;
+    jitfuse_torch::module_forward(key, input, extra_inputs, params, rng_state, training, n_extra_outputs, out);
+    return 1;
   } catch (const c10::Error& e) {
     if (typeid(e) == typeid(c10::Error) && from_jitfuse(e) && g_error_class) {
       PyErr_SetString(g_error_class, e.what_without_backtrace());
@@ -58,10 +58,10 @@ py::object module_forward(int64_t key, const at::Tensor& input, const std::vecto
                           const std::vector<at::Tensor>& params, const std::optional<at::Tensor>& rng_state,
                           bool training, int n_extra_outputs) {
   HANDLE_TH_ERRORS
+  if (!jitfuse_torch::module_call_ok(input, extra_inputs, params)) return py::none();
   std::vector<at::Tensor> out;
-  const int ran = run_module_forward(key, input, extra_inputs, params, rng_state, training, n_extra_outputs, out);
-  if (ran < 0) throw py::error_already_set();
-  if (ran == 0) return py::none();
+  if (run_module_forward(key, input, extra_inputs, params, rng_state, training, n_extra_outputs, out) < 0)
+    throw py::error_already_set();
   if (out.size() == 1) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[0])));
   py::tuple t(out.size());
   for (size_t i = 0; i < out.size(); ++i)
@@ -261,9 +261,7 @@ PyObject* module_call(PyObject* /*m*/, PyObject* const* argv, Py_ssize_t argc) {
     rng = THPVariable_Unpack(r.p);
   }
   std::vector<at::Tensor> out;
-  const int ran = run_module_forward(key, input, extras, params, rng, training, n_extra_outputs, out);
-  if (ran < 0) return nullptr;
-  if (ran == 0) Py_RETURN_NONE;
+  if (run_module_forward(key, input, extras, params, rng, training, n_extra_outputs, out) < 0) return nullptr;
   Ref shape(shape_tuple(input));  // what explain() shows
   if (shape.p == nullptr || PyDict_SetItem(dict.p, g_call.s_last_shape, shape.p) != 0) return nullptr;
   return wrap_outputs(out);

@@ -79,6 +79,16 @@ JF_API int jf_sequence_num_ops(jf_sequence seq);
  * "channels": [{"name", "source", "readers", "returned"}...], "input_channels": [name...]}, each slot
  * {"slot", "op", "index", "kind", "channel"} in slot order. Needs no GPU (docs/c_api.md, "Sequence"). */
 JF_API jf_status jf_sequence_wiring(jf_sequence seq, const char** json_out);
+/* The argument counts of a call whose tensors come by position (a host layer such as jitfuse.torch), checked
+ * against the sequence: JF_OK, or JF_ERR_INVALID_ARGUMENT with the one message for a wrong count (jf_last_error:
+ * "<caller>: sequence 'name' takes 1 extra input(s) (...) and 3 parameter(s); got 0 and 3"). caller: names the
+ * call in the message (NULL: none). n_params < 0: parameters not checked (shape may be NULL); otherwise they
+ * are counted on the ops inferred for the input `shape` (what the call passes). n_extra_outputs < 0: a forward
+ * (outputs and their gradients not checked); otherwise a backward's n_extra_outputs and n_grad_extra_outputs
+ * are checked too. Needs no GPU. */
+JF_API jf_status jf_sequence_check_counts(jf_sequence seq, const char* caller, const int64_t* shape, int ndim,
+                                          int n_extra_inputs, int n_params, int n_extra_outputs,
+                                          int n_grad_extra_outputs);
 
 /* Builder: add ops one at a time (attributes as a JSON object text, may be NULL), then finish. */
 typedef struct jf_builder_s* jf_builder;

@@ -215,6 +215,7 @@ FUNCTIONS: List[Tuple[str, object, list]] = [
     ("jf_sequence_destroy", _st, [jf_sequence]),
     ("jf_sequence_num_ops", c_int, [jf_sequence]),
     ("jf_sequence_wiring", _st, [jf_sequence, POINTER(c_char_p)]),
+    ("jf_sequence_check_counts", _st, [jf_sequence, c_char_p, POINTER(c_int64), c_int, c_int, c_int, c_int, c_int]),
     ("jf_builder_create", _st, [c_char_p, POINTER(jf_builder)]),
     ("jf_builder_add", _st, [jf_builder, c_char_p, c_char_p]),
     ("jf_builder_finish", _st, [jf_builder, jf_context, c_char_p, POINTER(jf_sequence)]),

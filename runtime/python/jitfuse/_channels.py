@@ -143,3 +143,19 @@ def wire(ops: Sequence[Mapping[str, Any]], input_channels: Iterable[str] = (), c
         return seq.wiring()
     finally:
         seq.close()
+
+
+def count_error(ops: Sequence[Mapping[str, Any]], input_channels: Iterable[str], ctx: Optional[Any], recipe: str,
+                name: str, caller: str, n_extra_inputs: int) -> str:
+    """The library's message for a call of the sequence :func:`wire` numbered with ``n_extra_inputs`` extra
+    inputs (``jf_sequence_check_counts``: the one count check of both torch layers). Needs no GPU."""
+    from .lib import Sequence as LibSequence
+    seq = LibSequence(ctx if ctx is not None else _planning_context(), document(ops, list(input_channels), name),
+                      recipe)
+    try:
+        seq.check_counts(caller, n_extra_inputs)
+    except JitfuseError as e:
+        return e.message
+    finally:
+        seq.close()
+    return f"{caller}: {n_extra_inputs} extra input(s) is the count the library expects, yet not the module's"

@@ -644,6 +644,21 @@ class Sequence(_Owned):
         self._lib.check(self._lib.cdll.jf_sequence_wiring(self.handle, ctypes.byref(out)), "jf_sequence_wiring")
         return Wiring.from_json(json.loads(out.value.decode()))
 
+    def check_counts(self, caller: Optional[str], n_extra_inputs: int, shape: Optional[Iterable[int]] = None,
+                     n_params: int = -1, n_extra_outputs: int = -1, n_grad_extra_outputs: int = -1) -> None:
+        """The library's check of a call's tensor counts (``jf_sequence_check_counts``; no GPU): raises
+        :class:`InvalidArgumentError` with its message ("<caller>: sequence 'mlp' takes 1 extra input(s) (...);
+        got 0") for a wrong count. ``n_params`` >= 0 counts the parameters of the ops inferred for ``shape``;
+        ``n_extra_outputs`` >= 0 checks a backward's extra outputs and their gradients too."""
+        dims = (ctypes.c_int64 * 0)()
+        nd = 0
+        if shape is not None:
+            dims_l = [int(d) for d in shape]
+            dims, nd = (ctypes.c_int64 * len(dims_l))(*dims_l), len(dims_l)
+        self._lib.check(self._lib.cdll.jf_sequence_check_counts(
+            self.handle, caller.encode() if caller is not None else None, dims, nd, int(n_extra_inputs),
+            int(n_params), int(n_extra_outputs), int(n_grad_extra_outputs)), "jf_sequence_check_counts")
+
     def explain(self, shape: Iterable[int], training: bool = True, arch: int = 90,
                 world_size: Optional[int] = None, rank: int = 0) -> Explanation:
         """The fusion decisions and the program for an input shape, without compiling or running anything

@@ -170,3 +170,25 @@ def test_the_programs_caller_buffers_are_the_slots(ctx, case):
     assert _caller_slots(e, "grad_extra_in") == {f"grad_extra_input[{k}]" for k in range(len(ins))}
     assert _caller_slots(e, "grad_extra_out") == {f"grad_extra_output[{k}]" for k in range(len(outs))}
     seq.close()
+
+
+def test_count_checks_are_the_librarys(ctx):
+    # jf_sequence_check_counts: the verdict and message both torch layers show for a wrong count.
+    from jitfuse._channels import count_error
+    seq = jitfuse.Sequence(ctx, {"name": "blk", "input_channels": ["r"],
+                                 "ops": [add("r"), NORM, LIN, add(), fork()]})
+    seq.check_counts("blk", 2)
+    seq.check_counts("blk", 2, shape=(8, H), n_params=2)
+    seq.check_counts("blk", 2, shape=(8, H), n_params=2, n_extra_outputs=1, n_grad_extra_outputs=1)
+    with pytest.raises(jitfuse.InvalidArgumentError,
+                       match=r": blk: sequence 'blk' takes 2 extra input\(s\) \(add_extra_input ops without a channel "
+                             r"and one per input channel\) and 2 parameter\(s\); got 2 and 3$"):
+        seq.check_counts("blk", 2, shape=(8, H), n_params=3)
+    with pytest.raises(jitfuse.InvalidArgumentError, match=r"1 extra output\(s\) and their gradients; got 2, 1 \(0\)$"):
+        seq.check_counts("blk", 2, n_extra_outputs=1, n_grad_extra_outputs=0)
+    with pytest.raises(jitfuse.InvalidArgumentError, match=r"expected shape|linear"):
+        seq.check_counts("blk", 2, shape=(8, H + 1), n_params=2)
+    seq.close()
+    msg = count_error([add("r"), GELU, add()], ["r"], ctx, "bf16", "blk", "mod", 0)
+    assert msg == ("mod: sequence 'blk' takes 2 extra input(s) (add_extra_input ops without a channel and one per "
+                   "input channel); got 0")

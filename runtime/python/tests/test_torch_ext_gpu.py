@@ -183,13 +183,15 @@ def test_hostile_calls_of_the_ops_raise_clear_errors():
         torch.ops.jitfuse.forward.default(key, x.half(), [e.half()], [p.half() for p in params], None, False)
     with torch.no_grad():
         outs = torch.ops.jitfuse.forward.default(key, x, [e], params, None, True)
-    with pytest.raises(TypeError, match=rf"jitfuse::forward: sequence '.*' takes 1 extra input\(s\) and "
+    with pytest.raises(TypeError, match=rf"jitfuse::forward: sequence '.*' takes 1 extra input\(s\) \(add_extra_input ops "
+                                        rf"without a channel\) and "
                                         rf"{len(params)} parameter\(s\); got 1 and {len(params) + 1}"):
         torch.ops.jitfuse.forward.default(key, x, [e], params + params[:1], None, False)
     # The saved buffer's size is the library's check (its message names both sizes).
     with pytest.raises(Exception, match=r"saved buffer is \d+ bytes; this program needs \d+"):
         torch.ops.jitfuse.backward.default(key, x, [e], outs[0], [], params, outs[-1][:-1], torch.ones_like(x), [])
-    with pytest.raises(TypeError, match=r"jitfuse::backward: .* takes 1 extra input\(s\), 0 extra output\(s\)"):
+    with pytest.raises(TypeError, match=r"jitfuse::backward: .* takes 1 extra input\(s\) \(add_extra_input ops without a "
+                                          r"channel\), 0 extra output\(s\)"):
         torch.ops.jitfuse.backward.default(key, x, [], outs[0], [], params, outs[-1], torch.ones_like(x), [])
     # The process survives every one of them: a good call still runs and matches float64.
     with torch.no_grad():

@@ -164,7 +164,7 @@ TEST_CASE("C ABI: jf_forward checks every tensor struct before planning", "[api]
   in.t.strides = nullptr;
   args.n_extra_inputs = 1;
   CHECK(fwd(&in.t, &out.t) == JF_ERR_INVALID_ARGUMENT);
-  CHECK(last() == "sequence 'sequence' takes 0 extra input(s) (add_extra_input ops), got 1");
+  CHECK(last() == "sequence 'sequence' takes 0 extra input(s) (add_extra_input ops without a channel), got 1");
   args.n_extra_inputs = 0;
   CHECK(jf_forward(s, nullptr, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() == "args is NULL");

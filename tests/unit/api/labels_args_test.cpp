@@ -51,8 +51,8 @@ TEST_CASE(
   };
   CHECK(fwd(0) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() ==
-        "sequence 'sequence' takes 1 extra input(s) (add_extra_input "
-        "ops and the labels of cross_entropy), got 0");
+        "sequence 'sequence' takes 1 extra input(s) (the labels of "
+        "cross_entropy), got 0");
   labels.t.dtype = {kDLFloat, 32, 1};
   CHECK(fwd(1) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() ==

@@ -107,16 +107,13 @@ def route(x: Tensor, extras: Sequence_[Tensor], params: Sequence_[Tensor]) -> in
     return r
 
 
-def check_arguments(name: str, recipe: Optional[str], key: Optional[int], n_extra_inputs: int, x: Tensor,
-                    extras: Sequence_[Tensor], params: Sequence_[Tensor]) -> None:
+def check_arguments(name: str, recipe: Optional[str], key: Optional[int], x: Tensor, params: Sequence_[Tensor],
+                    extras: Sequence_[Tensor] = ()) -> None:
     """The errors of a module call that :func:`route` did not send DIRECT, raised before the op is called
-    (also at trace time: the fake kernel checks nothing): the number of extra inputs, an input dtype the
-    module has no program for (``key`` None), a tensor off CUDA or of another dtype or device than the
-    input. What the prepared program checks per call (shapes against the definition, contiguity) is
-    :meth:`ForwardArgs.bind`'s."""
-    if len(extras) != n_extra_inputs:
-        raise TypeError(f"{name}: expected {n_extra_inputs} extra input(s) (one per AddExtraInput without a "
-                        f"channel and one per input channel), got {len(extras)}")
+    (also at trace time: the fake kernel checks nothing): an input dtype the module has no program for
+    (``key`` None), a tensor off CUDA or of another dtype or device than the input. The count of extra inputs
+    is the library's check (``Sequential._check_count``); what the prepared program checks per call (shapes
+    against the definition, contiguity) is :meth:`ForwardArgs.bind`'s."""
     if key is None:
         raise TypeError(f"{name}: input dtype {x.dtype} is not supported "
                         f"({'bfloat16 under ' + recipe if recipe else 'float32, float16 or bfloat16'})")

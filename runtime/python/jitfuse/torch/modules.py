@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
-from .._channels import ChannelError, Wiring, wire
+from .._channels import ChannelError, Wiring, count_error, wire
 from ..lib import Explanation
 from ._calls import DIRECT, check_arguments, needs_grad, route
 from ._dtypes import FP8_RECIPES, RECIPE_OF_DTYPE
@@ -751,14 +751,15 @@ class Sequential(nn.Module):
         # so a bad wiring (or an op out of place: CrossEntropy before the end or under FP8, Quantize before the
         # end under FP8) fails when the module is built, with the library's message naming the op
         # (docs/python.md#channels).
+        specs = [op.spec(True) for op in ops]
         try:
-            self.wiring: Wiring = wire([op.spec(True) for op in ops], input_channels, ctx=context(-1),
-                                       recipe=recipe or "bf16", name=name)
+            self.wiring: Wiring = wire(specs, input_channels, ctx=context(-1), recipe=recipe or "bf16", name=name)
         except ChannelError as e:
             raise ChannelError(f"{name}: {e.message}", e.status) from None
         self.input_channels: Tuple[str, ...] = self.wiring.input_channels
         self._n_extra_inputs = self.wiring.n_extra_inputs
         self._n_extra_outputs = self.wiring.n_extra_outputs
+        self._jf_specs = specs  # for the library's message on a wrong count of extra inputs (_check_count)
         # CrossEntropy's labels: extra input slot -> label dtype (integer, no gradient; see _labels_forward).
         self._jf_labels: Dict[int, torch.dtype] = {k: ops[s.op].label_dtype
                                                    for k, s in enumerate(self.wiring.extra_inputs)
@@ -898,6 +899,13 @@ class Sequential(nn.Module):
             return tuple(outs)
         return outs[0]
 
+    def _check_count(self, extra_inputs: Tuple[Tensor, ...]) -> None:
+        """A wrong number of extra inputs raises TypeError with the library's message (the one count check of
+        both torch layers: jf_sequence_check_counts, which the C++ ops ask too)."""
+        if len(extra_inputs) != self._n_extra_inputs:
+            raise TypeError(count_error(self._jf_specs, self.input_channels, context(-1), self.recipe or "bf16",
+                                        self.name, self.name, len(extra_inputs)))
+
     @_compiler_disable
     def _labels_forward(self, input: Tensor, extra_inputs: Tuple[Tensor, ...]) -> Union[Tensor, Tuple[Tensor, ...]]:
         """forward of a Sequential ending in CrossEntropy: the labels are an integer extra input without a
@@ -905,15 +913,13 @@ class Sequential(nn.Module):
         (one autograd node when a gradient is needed), after the checks the op would make. torch.compile
         breaks the graph around it (``torch.compiler.disable``)."""
         name = self.name
-        if len(extra_inputs) != self._n_extra_inputs:
-            raise TypeError(f"{name}: expected {self._n_extra_inputs} extra input(s) (the labels of CrossEntropy "
-                            f"last), got {len(extra_inputs)}")
+        self._check_count(extra_inputs)
         params = self._params()
         if _autocast_on():  # floating tensors only: the labels pass unchanged
             input, extra_inputs, params = _autocast(input, extra_inputs, params)
         training = self.training
         key = self._jf_keys[training].get(input.dtype)
-        check_arguments(name, self.recipe, key, 0, input, (), params)
+        check_arguments(name, self.recipe, key, input, params)
         rows = tuple(input.shape[:-1]) or (1,)
         for k, e in enumerate(extra_inputs):
             want = self._jf_labels.get(k)
@@ -954,7 +960,8 @@ class Sequential(nn.Module):
                 input, extra_inputs, params = _autocast(input, extra_inputs, params)
         training = self.training
         key = self._jf_keys[training].get(input.dtype)
-        check_arguments(self.name, self.recipe, key, self._n_extra_inputs, input, extra_inputs, params)
+        self._check_count(extra_inputs)
+        check_arguments(self.name, self.recipe, key, input, params, extra_inputs)
         grad = needs_grad(input, extra_inputs, params)
         rng = _draw_rng(input) if self._jf_uses_rng[training] else None
         x, extras = input.contiguous(), [e.contiguous() for e in extra_inputs]
