@@ -1,6 +1,6 @@
 # Training-step timings of jitfuse.torch against PyTorch eager and torch.compile (MLP block and the
 # transformer-layer skeleton), and the host overhead per custom-op call at small M. GPU only.
-"""python -m jitfuse.bench [--iters N] [--case default|paths|stack|export|lm_head]
+"""python -m jitfuse.bench [--iters N] [--case default|paths|stack|export|lm_head|hf]
 
 Cases (bf16): the MLP block of tools/examples/mlp.json at 8192x4096 -> 16384 -> 4096 and the transformer
 layer of tools/examples/transformer_layer.json at 8192x1024, one training step (forward + backward, no
@@ -166,13 +166,20 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-steps", action="store_true", help="only the host-overhead table")
-    ap.add_argument("--case", choices=("default", "paths", "stack", "export", "lm_head"), default="default",
+    ap.add_argument("--case", choices=("default", "paths", "stack", "export", "lm_head", "hf"), default="default",
                     help="paths: host time per call, C++ extension vs pure-Python vs PyTorch (one process); "
                          "stack: 4-layer Llama/GPT-2 block stacks, training step wall and GPU time; "
-                         "lm_head: linear + cross-entropy fwd+bwd, time and peak memory vs eager and compile")
+                         "lm_head: linear + cross-entropy fwd+bwd, time and peak memory vs eager and compile; "
+                         "hf: Hugging Face models, unmodified vs jitfuse.torch.hf.apply, training step")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"jitfuse.torch C++ extension: {'loaded' if jt.extension_active() else 'not loaded'}")
+    if a.case == "hf":
+        from .bench_hf import bench_hf
+        print("\nHugging Face training step (forward + loss, backward, AdamW), bf16, 8192 tokens, median ms of "
+              "interleaved rounds:\n")
+        print(table(bench_hf()))
+        return
     if a.case == "lm_head":
         from .bench_lm_head import bench_lm_head
         print("\nLM head + cross-entropy, forward + backward, 8192 tokens, bf16 (median ms; peak MiB above the "

@@ -22,6 +22,7 @@ from ._ops import backward_op, forward_op  # noqa: E402
 from .float8 import Float8Tensor  # noqa: E402
 from .._channels import ChannelError, Wiring  # noqa: E402
 from . import distributed  # noqa: E402
+from . import hf  # noqa: E402
 from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, AllGather, AllReduce, BasicOp, Bias, CrossEntropy, Dropout,  # noqa: E402
                       Fork, Fp8Sequential, ReduceScatter, Identity, LayerNorm, Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
                       Sequential, SiLU, SReLU, SwiGLU, export_definitions)
@@ -37,5 +38,5 @@ __all__ = [
     "ReGLU", "LayerNorm", "RMSNorm", "Dropout", "Scale", "Identity", "Reshape", "Quantize", "AddExtraInput",
     "MakeExtraOutput", "Fork", "AddChannel", "ChannelError", "Wiring", "forward_op", "backward_op", "Fp8Sequential",
     "Float8Tensor", "fp8_weights_unchanged", "extension_active", "export_definitions", "AllGather", "ReduceScatter",
-    "AllReduce", "distributed", "UnsupportedTorchError", "CrossEntropy",
+    "AllReduce", "distributed", "hf", "UnsupportedTorchError", "CrossEntropy",
 ]

@@ -1,0 +1,262 @@
+# GPU tests of jitfuse.torch.hf.apply: unmodified Hugging Face models (from a config, random init) with their
+# norms and MLPs swapped in place, against a float64 copy of the unmodified model (logits and gradients), in
+# AdamW training with autocast and gradient checkpointing, greedy generate(), save_pretrained/from_pretrained,
+# revert, and hostile modules (a forward that computes something else, dtypes the swap does not take).
+import copy
+import warnings
+
+import pytest
+
+from conftest import need_torch
+
+torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch refuses
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+
+import jitfuse.torch as jt  # noqa: E402
+from jitfuse.torch import hf  # noqa: E402
+from jitfuse.torch._registry import existing_programs  # noqa: E402
+from test_torch_gpu import DEV  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+V, H, F, L = 256, 64, 160, 2
+
+
+def _cfg(arch):
+    t = transformers
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=4,
+                  max_position_embeddings=128)
+    if arch == "llama":
+        return t.LlamaConfig(num_key_value_heads=2, **common), t.LlamaForCausalLM
+    if arch == "mistral":
+        return t.MistralConfig(num_key_value_heads=2, sliding_window=None, **common), t.MistralForCausalLM
+    if arch == "qwen2":
+        return t.Qwen2Config(num_key_value_heads=2, **common), t.Qwen2ForCausalLM
+    if arch == "qwen3":
+        if not hasattr(t, "Qwen3Config"):
+            pytest.skip("this transformers has no Qwen3")
+        return t.Qwen3Config(num_key_value_heads=2, head_dim=16, **common), t.Qwen3ForCausalLM
+    if arch == "gemma":
+        return t.GemmaConfig(num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+                             **common), t.GemmaForCausalLM
+    if arch == "gemma2":
+        return t.Gemma2Config(num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+                              query_pre_attn_scalar=16, **common), t.Gemma2ForCausalLM
+    if arch == "phi3":
+        return t.Phi3Config(num_key_value_heads=4, pad_token_id=0, **common), t.Phi3ForCausalLM
+    if arch == "gpt2":
+        return (t.GPT2Config(vocab_size=V, n_embd=H, n_layer=L, n_head=4, n_positions=128, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0), t.GPT2LMHeadModel)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2"]
+
+
+def build(arch, dtype=torch.float32, seed=0):
+    cfg, cls = _cfg(arch)
+    cfg._attn_implementation = "eager"  # float64 reference: eager attention runs in any dtype
+    torch.manual_seed(seed)
+    m = cls(cfg).to(DEV, dtype)
+    with torch.no_grad():  # random norm weights (Gemma's start at 0, Llama's at 1): the probe must tell them apart
+        for n, p in m.named_parameters():
+            if "norm" in n or "ln_" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def ids(batch=2, seq=24, seed=1):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, V, (batch, seq), generator=g).to(DEV)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def expected_swaps(arch):
+    norms_per_layer = {"gemma2": 4, "qwen3": 4}.get(arch, 2)  # Qwen3: q_norm, k_norm too
+    return L, L * norms_per_layer + 1  # MLPs; norms (+ the final norm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_apply_matches_float64_forward_and_backward(arch):
+    model = build(arch)
+    ref = copy.deepcopy(model).double()
+    report = hf.apply(model)
+    n_mlp, n_norm = expected_swaps(arch)
+    mlps = [e for e in report.swapped if e.kind == "mlp"]
+    norms = [e for e in report.swapped if e.kind == "norm"]
+    assert len(mlps) == n_mlp and len(norms) == n_norm, str(report)
+    assert not report.left, str(report)
+    x = ids()
+    # Outputs poisoned before the call cannot show through: every logit comes from this forward.
+    out = model(x, labels=x)
+    r = ref(x, labels=x)
+    assert rel_err(out.logits, r.logits) < 2e-3, arch  # fp32 GEMMs may run TF32
+    out.loss.backward()
+    r.loss.backward()
+    checked = 0
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if any(k in n for k in ("mlp", "norm", "ln_")) and p.grad is not None:
+            assert rel_err(p.grad, q.grad) < 5e-3, f"{arch}: grad of {n}"
+            checked += 1
+    assert checked >= 3 * L, arch
+    # Every swapped module ran jitfuse: its sequence has a program on this device.
+    for path, seq in hf.swapped(model).items():
+        assert existing_programs(seq._jf_keys[True][torch.float32]), path
+
+
+def test_state_dict_is_unchanged_and_save_pretrained_round_trips(tmp_path):
+    model = build("llama")
+    keys = list(model.state_dict().keys())
+    params_before = [id(p) for p in model.parameters()]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hf.apply(model)
+    assert list(model.state_dict().keys()) == keys
+    assert [id(p) for p in model.parameters()] == params_before  # the same Parameter objects
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # gate and up share one buffer: the fused GEMM's weight is a view of their memory.
+    mlp = model.model.layers[0].mlp
+    g, u = mlp.gate_proj.weight, mlp.up_proj.weight
+    assert u.data_ptr() == g.data_ptr() + g.numel() * g.element_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = ids()
+    model(x, labels=x).loss.backward()
+    opt.step()
+    model.save_pretrained(tmp_path)
+    again = type(model).from_pretrained(tmp_path, attn_implementation="eager").to(DEV)
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    hf.apply(again)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, again(x).logits)
+
+
+def test_generate_gives_the_unmodified_models_greedy_tokens():
+    for arch in ("llama", "gpt2"):
+        model = build(arch)
+        plain = copy.deepcopy(model)
+        hf.apply(model)
+        prompt = ids(batch=1, seq=8, seed=3)
+        kw = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            a = model.generate(prompt, **kw)
+            b = plain.generate(prompt, **kw)
+        assert torch.equal(a, b), arch
+
+
+def test_revert_restores_the_original_forwards():
+    model = build("qwen2")
+    plain = copy.deepcopy(model)
+    n = len(hf.apply(model).swapped)
+    assert hf.revert(model) == n and not hf.swapped(model)
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, plain(x).logits)  # the original kernels on the same values
+    assert len(hf.apply(model).swapped) == n  # and again
+
+
+def test_deepcopy_of_an_applied_model_reads_its_own_parameters():
+    model = build("llama")
+    hf.apply(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.model.layers[0].mlp.parameters():
+            p.mul_(0.5)
+    x = ids()
+    with torch.no_grad():
+        assert not torch.equal(model(x).logits, twin(x).logits)
+        ref = copy.deepcopy(twin)
+        hf.revert(ref)
+        assert rel_err(twin(x).logits, ref(x).logits) < 2e-3
+
+
+def test_adamw_autocast_checkpointing_tracks_the_unmodified_model():
+    # Optimizer built BEFORE apply (the Parameters stay the same objects), bf16 autocast over fp32 weights,
+    # gradient checkpointing on: the loss curve stays within rounding of the unmodified model's.
+    def run(swap, steps=30):
+        model = build("llama", seed=5)
+        model.gradient_checkpointing_enable()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if swap:
+            hf.apply(model)
+        losses = []
+        g = torch.Generator(device="cpu").manual_seed(7)
+        for _ in range(steps):
+            x = torch.randint(0, V // 4, (4, 32), generator=g).to(DEV)  # a learnable distribution
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+    a, b = run(True), run(False)
+    assert abs(a[0] - b[0]) / b[0] < 0.01
+    assert b[-1] < 0.8 * b[0] and a[-1] < 0.8 * a[0]  # both learn
+    tail = lambda v: sum(v[-5:]) / 5  # noqa: E731
+    assert abs(tail(a) - tail(b)) / tail(b) < 0.05, (a, b)
+
+
+def test_hostile_modules_are_left_with_the_reason():
+    model = build("llama")
+
+    class Doubled(type(model.model.layers[0].mlp)):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model.model.layers[0].mlp.__class__ = Doubled
+    act = model.model.layers[1].mlp.act_fn
+    model.model.layers[1].mlp.act_fn = nn.Softplus()
+    ref = copy.deepcopy(model)
+    report = hf.apply(model)
+    left = {e.path: e.reason for e in report.left}
+    assert "model.layers.0.mlp" in left and "does not compute" in left["model.layers.0.mlp"], str(report)
+    assert "model.layers.1.mlp" in left and "activation" in left["model.layers.1.mlp"], str(report)
+    x = ids()
+    with torch.no_grad():
+        assert rel_err(model(x).logits, ref(x).logits) < 2e-3  # a correct model, never a wrong one
+    model.model.layers[1].mlp.act_fn = act
+
+
+def test_inputs_the_swap_does_not_take_run_the_original_forward():
+    model = build("llama")
+    norm = model.model.norm
+    plain = copy.deepcopy(norm)
+    hf.apply(model)
+    x16 = torch.randn(5, H, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():  # float32 weight, bfloat16 input outside autocast: HF's output is float32
+        y = norm(x16)
+        assert y.dtype == plain(x16).dtype and torch.equal(y, plain(x16))
+        xc = torch.randn(5, H)
+        assert torch.equal(norm.cpu()(xc), plain.cpu()(xc))  # off CUDA
+    norm.to(DEV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            z = norm(torch.randn(5, H, device=DEV))
+    assert z.dtype == torch.float32
+
+
+def test_a_moved_model_still_runs_and_apply_rejoins():
+    model = build("llama")
+    hf.apply(model)
+    model.to(torch.bfloat16)  # .to() gives gate and up their own storage
+    hf._warned_split = False  # the warning is once per process
+    x = ids()
+    with pytest.warns(UserWarning, match="no longer share one buffer"):
+        with torch.no_grad():
+            a = model(x).logits
+    hf.apply(model)
+    mlp = model.model.layers[0].mlp
+    g = mlp.gate_proj.weight
+    assert mlp.up_proj.weight.data_ptr() == g.data_ptr() + g.numel() * g.element_size()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, a)
