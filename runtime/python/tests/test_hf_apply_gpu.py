@@ -165,13 +165,23 @@ def test_revert_restores_the_original_forwards():
 def test_deepcopy_of_an_applied_model_reads_its_own_parameters():
     model = build("llama")
     hf.apply(model)
-    twin = copy.deepcopy(model)
+    twin = copy.deepcopy(model)  # Parameter.__deepcopy__ clones each: gate and up lose their shared buffer
     with torch.no_grad():
         for p in twin.model.layers[0].mlp.parameters():
             p.mul_(0.5)
     x = ids()
+    hf._warned_split = False
     with torch.no_grad():
-        assert not torch.equal(model(x).logits, twin(x).logits)
+        with pytest.warns(UserWarning, match="no longer share one buffer"):
+            y = twin(x).logits
+        assert not torch.equal(model(x).logits, y)
+    assert len(hf.apply(twin).swapped) > 0  # re-joins them: no copy per call
+    mlp = twin.model.layers[0].mlp
+    assert hf._adjacent(mlp.gate_proj.weight, mlp.up_proj.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            assert torch.equal(twin(x).logits, y)
         ref = copy.deepcopy(twin)
         hf.revert(ref)
         assert rel_err(twin(x).logits, ref(x).logits) < 2e-3
