@@ -23,6 +23,8 @@ from .float8 import Float8Tensor  # noqa: E402
 from .._channels import ChannelError, Wiring  # noqa: E402
 from . import distributed  # noqa: E402
 from . import hf  # noqa: E402
+from . import _dynamo_backend  # noqa: E402
+from ._dynamo_backend import backend, explain  # noqa: E402
 from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, AllGather, AllReduce, BasicOp, Bias, CrossEntropy, Dropout,  # noqa: E402
                       Fork, Fp8Sequential, ReduceScatter, Identity, LayerNorm, Linear, MakeExtraOutput, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
                       Sequential, SiLU, SReLU, SwiGLU, export_definitions)
@@ -33,10 +35,12 @@ if extension_active():
     # builds packages that crash when loaded (docs/deploy.md): say so now, once, not after the crash.
     _toolchain.warn_if_static("loading the C++ extension that exported models call", stacklevel=2)
 
+_dynamo_backend.register()
+
 __all__ = [
     "Sequential", "BasicOp", "Op", "Linear", "Bias", "GELU", "ReLU", "SiLU", "QGELU", "SReLU", "SwiGLU", "GEGLU",
     "ReGLU", "LayerNorm", "RMSNorm", "Dropout", "Scale", "Identity", "Reshape", "Quantize", "AddExtraInput",
     "MakeExtraOutput", "Fork", "AddChannel", "ChannelError", "Wiring", "forward_op", "backward_op", "Fp8Sequential",
     "Float8Tensor", "fp8_weights_unchanged", "extension_active", "export_definitions", "AllGather", "ReduceScatter",
-    "AllReduce", "distributed", "hf", "UnsupportedTorchError", "CrossEntropy",
+    "AllReduce", "distributed", "hf", "backend", "explain", "UnsupportedTorchError", "CrossEntropy",
 ]

@@ -1,0 +1,583 @@
+# torch.compile(model, backend="jitfuse"): chains of ops jitfuse knows, found in the FX graph Dynamo captures
+# (torch-function level, before autograd), become jitfuse sequences on the graph's own parameters; the rest of
+# the graph goes to Inductor unchanged. docs/python.md, "torch.compile: backend=\"jitfuse\"".
+"""The ``jitfuse`` backend of ``torch.compile``.
+
+``torch.compile(model, backend="jitfuse")`` (registered when ``jitfuse.torch`` is imported) or
+``torch.compile(model, backend=jitfuse.torch.backend(...))``. In each graph Dynamo captures, a *chain* is a
+run of ops where each op's only consumer is the next one: norms (``F.layer_norm``, ``F.rms_norm``, Hugging
+Face's hand-written RMSNorm, Gemma's ``1 + weight`` form), ``F.linear`` (with or without bias), GPT-2's
+Conv1D (``addmm`` on a ``[in, out]`` weight), activations (``F.silu``, ``F.gelu``, ``F.relu`` and the GELU
+tanh formula written out, as HF's ``NewGELUActivation``), gated products ``act(x W_g^T) * (x W_u^T)``,
+dropout, and a residual add at the end (the chain's own input: a channel; another tensor: an extra input).
+A chain with at least one linear becomes one call of the ``jitfuse::forward`` op (so autograd, the
+backward op and CUDA graphs work as for ``jitfuse.torch.Sequential``); jitfuse's rules decide its fusion.
+Everything else, and every chain left out, is compiled by Inductor (``compile_fx``). :func:`reports` and
+:func:`explain` list what each compile found and what it left, with the reason; ``JITFUSE_LOG=info`` logs
+one line per compile.
+"""
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from . import modules as _m
+
+log = logging.getLogger("jitfuse.torch.backend")
+
+_LINEAR = {torch._C._nn.linear, F.linear}
+_ADDMM = {torch.addmm}
+_LAYER_NORM = {F.layer_norm, torch.layer_norm}
+_RMS_NORM = {f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)) if f is not None}
+_DROPOUT = {F.dropout}
+_ACTS: Dict[Any, str] = {F.silu: "silu", torch.nn.functional.relu: "relu", torch.relu: "relu"}
+_GELU = {F.gelu, torch._C._nn.gelu}
+_GATED = {"silu": _m.SwiGLU, "gelu_tanh": _m.GEGLU, "relu": _m.ReGLU}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _val(n: Any) -> Optional[Tensor]:
+    if not isinstance(n, fx.Node):
+        return None
+    v = n.meta.get("example_value", n.meta.get("val"))
+    return v if isinstance(v, Tensor) else None
+
+
+def _is_fn(n: Any, fns: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in fns
+
+
+def _is_method(n: Any, name: str) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target == name
+
+
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _other(n: fx.Node, x: Any) -> Any:
+    """The operand of a binary node that is not ``x`` (None if neither or both are)."""
+    a, b = n.args[0], n.args[1]
+    if a is x and b is not x:
+        return b
+    if b is x and a is not x:
+        return a
+    return None
+
+
+def _param(n: Any, dims: int) -> bool:
+    """A placeholder or attribute (a parameter of the graph) with ``dims`` dims of a float dtype."""
+    v = _val(n)
+    return (isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr") and v is not None and v.dim() == dims
+            and v.dtype in _FLOATS)
+
+
+def _only_user(n: fx.Node) -> Optional[fx.Node]:
+    us = list(n.users)
+    return us[0] if len(us) == 1 else None
+
+
+# ---- one step of a chain -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Param:
+    """A parameter of the chain's sequence: graph nodes and how the call gets it (``as_is``, ``cat`` of two,
+    ``t``: a transpose made row-major)."""
+
+    nodes: Tuple[fx.Node, ...]
+    how: str
+    shape: Tuple[int, ...]
+
+
+@dataclass
+class _Step:
+    ops: List[Tuple[str, Dict[str, Any], List[Tuple[str, _Param]]]]  # (op, attrs, [(abi name, param)])
+    covered: List[fx.Node]
+    out: fx.Node
+    extra: Optional[fx.Node] = None       # an add's other operand (extra input)
+    channel: bool = False                 # the add's other operand is the chain's input
+    kind: str = ""
+
+
+def _norm_step(s: fx.Node) -> Optional[_Step]:
+    """A norm reading ``s``: F.layer_norm / F.rms_norm, or HF's RMSNorm written out (Llama's, Gemma's)."""
+    h = _val(s).shape[-1] if _val(s) is not None else None
+    for u in s.users:
+        if _is_fn(u, _LAYER_NORM) and u.args[0] is s and len(u.args) >= 3:
+            shape, w = u.args[1], u.args[2]
+            b = u.args[3] if len(u.args) > 3 else u.kwargs.get("bias")
+            eps = _num(u.args[4] if len(u.args) > 4 else u.kwargs.get("eps", 1e-5))
+            if tuple(shape) == (h,) and _param(w, 1) and _param(b, 1) and eps:
+                return _Step([("layernorm", {"eps": eps}, [("weight", _Param((w,), "as_is", (h,))),
+                                                           ("bias", _Param((b,), "as_is", (h,)))])], [u], u,
+                             kind="layernorm")
+        if _is_fn(u, _RMS_NORM) and u.args[0] is s:
+            w = u.args[2] if len(u.args) > 2 else u.kwargs.get("weight")
+            eps = _num(u.args[3] if len(u.args) > 3 else u.kwargs.get("eps"))
+            if tuple(u.args[1]) == (h,) and _param(w, 1) and eps:
+                return _Step([("rmsnorm", {"eps": eps}, [("weight", _Param((w,), "as_is", (h,)))])], [u], u,
+                             kind="rmsnorm")
+        # HF: x32 = s.to(float32) / s.float(); var = x32.pow(2).mean(-1, keepdim=True); y = x32 * rsqrt(var + eps)
+        if (_is_method(u, "to") and (torch.float32 in u.args[1:] or u.kwargs.get("dtype") == torch.float32)) or \
+                _is_method(u, "float"):
+            st = _hf_rms(s, u, h)
+            if st is not None:
+                return st
+    return None
+
+
+def _hf_rms(s: fx.Node, x32: fx.Node, h: Optional[int]) -> Optional[_Step]:
+    users = list(x32.users)
+    pw = next((v for v in users if _is_method(v, "pow") and v.args[1] == 2), None)
+    mul = next((v for v in users if _is_fn(v, {operator.mul}) and _other(v, x32) is not None), None)
+    if pw is None or mul is None or len(users) != 2:
+        return None
+    mean = _only_user(pw)
+    if not _is_method(mean, "mean") or mean.args[1:] not in ((-1,), (-1, True)) or \
+            not (mean.kwargs.get("keepdim") or mean.args[2:] == (True,)):
+        return None
+    add = _only_user(mean)
+    eps = _num(_other(add, mean)) if _is_fn(add, {operator.add}) else None
+    rs = _only_user(add) if eps else None
+    if not _is_fn(rs, {torch.rsqrt}) or _other(mul, x32) is not rs or _only_user(rs) is not mul:
+        return None
+    covered = [x32, pw, mean, add, rs, mul]
+    nxt = _only_user(mul)
+    # Llama: weight * y.to(input_dtype) (the cast may be absent); Gemma: y * (1.0 + weight.float()), type_as(s)
+    if _is_method(nxt, "to") or _is_method(nxt, "type_as"):
+        covered.append(nxt)
+        nxt = _only_user(nxt)
+    if _is_fn(nxt, {operator.mul}):
+        w = _other(nxt, covered[-1])
+        if _param(w, 1):
+            return _Step([("rmsnorm", {"eps": eps}, [("weight", _Param((w,), "as_is", (h,)))])], covered + [nxt], nxt,
+                         kind="rmsnorm (HF)")
+        if _is_fn(w, {operator.add}) and _num(_other(w, w.args[0] if isinstance(w.args[0], fx.Node) else w.args[1])) == 1.0:
+            wf = w.args[1] if isinstance(w.args[1], fx.Node) else w.args[0]
+            src = wf.args[0] if _is_method(wf, "float") else wf
+            if _param(src, 1) and len(w.users) == 1 and (wf is src or len(wf.users) == 1):
+                out = _only_user(nxt)
+                extra = [w] + ([wf] if wf is not src else [])
+                if _is_method(out, "type_as") and out.args[1] is s:
+                    return _Step([("rmsnorm", {"eps": eps, "zero_centered_gamma": True},
+                                   [("weight", _Param((src,), "as_is", (h,)))])], covered + extra + [nxt, out], out,
+                                 kind="rmsnorm (HF, 1 + weight)")
+    return None
+
+
+def _linear_of(u: fx.Node, s: fx.Node) -> Optional[Tuple[fx.Node, Optional[fx.Node]]]:
+    if _is_fn(u, _LINEAR) and u.args[0] is s and _param(u.args[1], 2):
+        b = u.args[2] if len(u.args) > 2 else u.kwargs.get("bias")
+        if b is None or _param(b, 1):
+            return u.args[1], b
+    return None
+
+
+def _linear_step(s: fx.Node) -> Optional[_Step]:
+    u = _only_user(s)
+    if u is None:
+        return None
+    wb = _linear_of(u, s)
+    if wb is not None:
+        w, b = wb
+        out_f, in_f = _val(w).shape
+        ops = [("linear", {"in_features": in_f, "out_features": out_f}, [("weight", _Param((w,), "as_is", (out_f, in_f)))])]
+        if b is not None:
+            ops.append(("bias", {}, [("bias", _Param((b,), "as_is", (out_f,)))]))
+        return _Step(ops, [u], u, kind="linear")
+    # GPT-2's Conv1D: view(s, -1, k) -> addmm(bias, ., W[k, n]) -> view(..., [..., n])
+    if _is_method(u, "view") and _is_fn(_only_user(u), _ADDMM):
+        mm = _only_user(u)
+        b, a, w = mm.args[0], mm.args[1], mm.args[2]
+        back = _only_user(mm)
+        if a is u and _param(w, 2) and _param(b, 1) and _is_method(back, "view") and not mm.kwargs:
+            in_f, out_f = _val(w).shape
+            return _Step([("linear", {"in_features": in_f, "out_features": out_f},
+                           [("weight", _Param((w,), "t", (out_f, in_f)))]),
+                          ("bias", {}, [("bias", _Param((b,), "as_is", (out_f,)))])], [u, mm, back], back,
+                         kind="linear (Conv1D)")
+    return None
+
+
+def _act_of(u: fx.Node, s: fx.Node) -> Optional[str]:
+    if not isinstance(u, fx.Node) or not u.args or u.args[0] is not s:
+        return None
+    if _is_fn(u, _ACTS):
+        return _ACTS[u.target]
+    if _is_fn(u, _GELU):
+        approx = u.kwargs.get("approximate", u.args[1] if len(u.args) > 1 else "none")
+        return "gelu_tanh" if approx == "tanh" else "gelu_erf"
+    return None
+
+
+def _gelu_formula(s: fx.Node) -> Optional[Tuple[List[fx.Node], fx.Node]]:
+    """0.5 * s * (1 + tanh(sqrt(2/pi) * (s + 0.044715 * s**3))) as HF's NewGELUActivation writes it."""
+    us = list(s.users)
+    if len(us) != 3:
+        return None
+    half = next((u for u in us if _is_fn(u, {operator.mul}) and _num(_other(u, s)) == 0.5), None)
+    cube = next((u for u in us if (_is_fn(u, {torch.pow}) or _is_method(u, "pow")) and u.args[0] is s
+                 and _num(u.args[1]) == 3.0), None)
+    inner = next((u for u in us if _is_fn(u, {operator.add}) and _other(u, s) is not None), None)
+    if not (half and cube and inner):
+        return None
+    c = _only_user(cube)
+    if not (_is_fn(c, {operator.mul}) and abs((_num(_other(c, cube)) or 0) - 0.044715) < 1e-9 and _other(inner, s) is c):
+        return None
+    k = _only_user(inner)
+    if not (_is_fn(k, {operator.mul}) and abs((_num(_other(k, inner)) or 0) - 0.7978845608028654) < 1e-6):
+        return None
+    t = _only_user(k)
+    if not _is_fn(t, {torch.tanh}) and not _is_method(t, "tanh"):
+        return None
+    one = _only_user(t)
+    if not (_is_fn(one, {operator.add}) and _num(_other(one, t)) == 1.0):
+        return None
+    out = _only_user(one)
+    if not (_is_fn(out, {operator.mul}) and _other(out, one) is half and _only_user(half) is out):
+        return None
+    return [half, cube, c, inner, k, t, one, out], out
+
+
+def _act_step(s: fx.Node) -> Optional[_Step]:
+    u = _only_user(s)
+    name = _act_of(u, s) if u is not None else None
+    if name is not None:
+        op = {"silu": ("silu", {}), "relu": ("relu", {}), "gelu_tanh": ("gelu", {"approximate": "tanh"}),
+              "gelu_erf": ("gelu", {"approximate": "none"})}[name]
+        return _Step([(op[0], op[1], [])], [u], u, kind=name)
+    g = _gelu_formula(s)
+    if g is not None:
+        return _Step([("gelu", {"approximate": "tanh"}, [])], g[0], g[1], kind="gelu_tanh (written out)")
+    return None
+
+
+def _gated_step(s: fx.Node) -> Optional[_Step]:
+    """act(linear(s, Wg)) * linear(s, Wu) with two weights of one shape, as HF's gated MLPs write it."""
+    us = list(s.users)
+    if len(us) != 2:
+        return None
+    lins = [(u, _linear_of(u, s)) for u in us]
+    if any(wb is None or wb[1] is not None for _, wb in lins):
+        return None
+    for (g, (wg, _)), (u, (wu, _)) in (lins, lins[::-1]):
+        act = _only_user(g)
+        name = _act_of(act, g) if act is not None else None
+        mul = _only_user(act) if name else None
+        if name in _GATED and _is_fn(mul, {operator.mul}) and _other(mul, act) is u and _only_user(u) is mul:
+            if _val(wg).shape != _val(wu).shape:
+                return None
+            n, k = _val(wg).shape
+            ops = [("linear", {"in_features": k, "out_features": 2 * n},
+                    [("weight", _Param((wg, wu), "cat", (2 * n, k)))]),
+                   ({"silu": "swiglu", "gelu_tanh": "geglu", "relu": "reglu"}[name], {}, [])]
+            return _Step(ops, [g, u, act, mul], mul, kind=f"gated ({name})")
+    return None
+
+
+def _dropout_step(s: fx.Node) -> Optional[_Step]:
+    u = _only_user(s)
+    if not _is_fn(u, _DROPOUT) or u.args[0] is not s:
+        return None
+    p = _num(u.args[1] if len(u.args) > 1 else u.kwargs.get("p", 0.5))
+    training = u.args[2] if len(u.args) > 2 else u.kwargs.get("training", True)
+    inplace = u.args[3] if len(u.args) > 3 else u.kwargs.get("inplace", False)
+    if p is None or not isinstance(training, bool) or inplace or not 0 <= p < 1:
+        return None
+    return _Step([("dropout", {"p": p, "training": training}, [])] if training and p > 0 else [], [u], u,
+                 kind="dropout")
+
+
+def _add_step(s: fx.Node, start: fx.Node, dtype: torch.dtype) -> Optional[_Step]:
+    u = _only_user(s)
+    if not _is_fn(u, {operator.add}) or u.kwargs:
+        return None
+    e = _other(u, s)
+    ve, vs = _val(e), _val(s)
+    if ve is None or vs is None or tuple(ve.shape) != tuple(vs.shape) or ve.dtype != dtype:
+        return None
+    if e is start:
+        return _Step([], [u], u, channel=True, kind="residual (channel)")
+    return _Step([], [u], u, extra=e, kind="add")
+
+
+def _scale_step(s: fx.Node) -> Optional[_Step]:
+    u = _only_user(s)
+    if _is_fn(u, {operator.mul}) and _num(_other(u, s)) is not None:
+        return _Step([("scale", {"value": _num(_other(u, s))}, [])], [u], u, kind="scale")
+    return None
+
+
+# ---- chains ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Chain:
+    """One chain found in a graph: ``ops`` (the sequence's op dicts), the graph nodes it replaced, and its
+    kinds (what each step matched)."""
+
+    input: str
+    output: str
+    ops: List[Dict[str, Any]]
+    kinds: List[str]
+    replaced: List[str]
+    swapped: bool = True
+    reason: str = ""
+
+
+@dataclass
+class GraphReport:
+    """What one compile of the backend did with one graph: the chains swapped, the chains and ops left to
+    Inductor (with the reason)."""
+
+    graph: int
+    chains: List[Chain] = field(default_factory=list)
+    left: List[Tuple[str, str]] = field(default_factory=list)   # (node, reason)
+
+    def __str__(self) -> str:
+        sw = [c for c in self.chains if c.swapped]
+        lines = [f"jitfuse backend, graph {self.graph}: {len(sw)} chain(s) swapped, {len(self.left)} op(s) left to "
+                 f"Inductor"]
+        for c in self.chains:
+            tag = "swapped" if c.swapped else "left   "
+            lines.append(f"  {tag} {c.input} -> {c.output}: " + " -> ".join(o["op"] for o in c.ops)
+                         + (f" -- {c.reason}" if c.reason else ""))
+        for n, why in self.left:
+            lines.append(f"  left    {n}: {why}")
+        return "\n".join(lines)
+
+
+_REPORTS: List[GraphReport] = []
+
+
+def reports() -> List[GraphReport]:
+    """Every graph the backend compiled in this process, in order (a copy)."""
+    return list(_REPORTS)
+
+
+def explain(model: Any = None) -> str:
+    """The fusion report of every graph the backend compiled in this process (``model``: accepted for the
+    ``jitfuse.torch.explain(compiled_model)`` spelling; Dynamo does not tell a backend which module a graph
+    came from, so all are listed)."""
+    return "\n".join(str(r) for r in _REPORTS) or "jitfuse backend: nothing compiled yet"
+
+
+def _extend(start: fx.Node, taken: set, dtype: torch.dtype) -> Tuple[List[_Step], str]:
+    """The longest chain from ``start``, and why it stopped."""
+    steps: List[_Step] = []
+    s = start
+    why = "end of the graph"
+    first = True
+    while True:
+        if not first and any(u in taken for u in s.users):
+            why = "a consumer already in a chain"
+            break
+        st = None
+        for f in ((_norm_step, _gated_step, _linear_step) if first else
+                  (_gated_step, _linear_step, _act_step, _dropout_step, _scale_step, _norm_step)):
+            st = f(s)
+            if st is not None:
+                break
+        if st is None and not first:
+            st = _add_step(s, start, dtype)
+        if st is None:
+            users = list(s.users)
+            why = (f"{s.name} has {len(users)} consumers" if len(users) != 1 else
+                   f"{users[0].name} ({getattr(users[0].target, '__name__', users[0].target)}) is not an op the "
+                   f"backend matches")
+            break
+        if not first and len(s.users) != len(set(s.users) & set(st.covered)):
+            why = f"{s.name} has a consumer outside the chain"
+            break
+        if st.channel and any(x.channel for x in steps):
+            break
+        steps.append(st)
+        s = st.out
+        first = False
+        if st.channel or st.extra is not None:
+            why = "the residual add ends it"
+            break
+    return steps, why
+
+
+def _dtype_ok(steps: List[_Step], start: fx.Node, dtype: torch.dtype, autocast: bool) -> str:
+    """Why the chain cannot run as one sequence of ``dtype`` ('' if it can)."""
+    v = _val(start)
+    if v is None or v.dtype not in _FLOATS or v.device.type != "cuda":
+        return "its input is not a float tensor on CUDA"
+    if autocast:
+        return ""
+    for st in steps:
+        for _, _, ps in st.ops:
+            for _, p in ps:
+                if any(_val(n).dtype != dtype for n in p.nodes):
+                    return f"a parameter's dtype is not the input's {dtype} (outside autocast)"
+    return ""
+
+
+class _Chain(nn.Module):
+    """The graph's call of one chain: ``forward(x, *extras, *params)`` runs its Sequential through the
+    ``jitfuse::forward`` op (autocast casts first, as Sequential does)."""
+
+    def __init__(self, seq: "_m.Sequential", n_extras: int, out_dtype: Optional[torch.dtype]):
+        super().__init__()
+        self.__dict__["seq"] = seq
+        self.n_extras = n_extras
+        self.out_dtype = out_dtype
+
+    def forward(self, x: Tensor, *rest: Tensor) -> Tensor:
+        seq = self.__dict__["seq"]
+        extras = tuple(rest[:self.n_extras])
+        params = list(rest[self.n_extras:])
+        if _m._autocast_on():
+            x, extras, params = _m._autocast(x, extras, params)
+        params = [p if p.is_contiguous() else p.contiguous() for p in params]
+        y = seq._forward_op(x, extras, params)
+        return y.to(self.out_dtype) if self.out_dtype is not None and y.dtype != self.out_dtype else y
+
+
+class _Given(_m.BasicOp):
+    """An op whose parameters the graph passes per call (shapes known here, for the sequence's definition)."""
+
+    def __init__(self, op: str, attrs: Dict[str, Any], params: List[Tuple[str, Tuple[int, ...]]], dtype: torch.dtype):
+        super().__init__()
+        self.op = op
+        self._jf_attrs = dict(attrs)
+        self._jf_given = list(params)
+        self._jf_dtype = dtype
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return dict(self._jf_attrs)
+
+    def jf_params(self) -> List[Tuple[str, Any]]:
+        return [(n, torch.empty(s, device="meta", dtype=self._jf_dtype)) for n, s in self._jf_given]
+
+
+def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int, training: bool) -> Chain:
+    g = gm.graph
+    out = steps[-1].out
+    channel = any(st.channel for st in steps)
+    extras = [st.extra for st in steps if st.extra is not None]
+    vx = _val(start)
+    ops: List[_m.BasicOp] = []
+    pnodes: List[Tuple[str, Tuple[fx.Node, ...]]] = []
+    if channel:
+        ops.append(_m.Fork("residual"))
+    for st in steps:
+        for op, attrs, ps in st.ops:
+            if op == "dropout":
+                d = _m.Dropout(attrs["p"])
+                ops.append(d)
+                continue
+            ops.append(_Given(op, attrs, [(n, p.shape) for n, p in ps], vx.dtype))
+            pnodes += [(p.how, p.nodes) for _, p in ps]
+        if st.channel:
+            ops.append(_m.AddChannel("residual"))
+        elif st.extra is not None:
+            ops.append(_m.AddExtraInput())
+    seq = _m.Sequential(*ops, name=f"compiled.chain{index}")
+    seq.train(training)
+    vo = _val(out)
+    mod = _Chain(seq, len(extras), vo.dtype if vo is not None else None)
+    name = f"jitfuse_chain_{index}"
+    gm.add_submodule(name, mod)
+    with g.inserting_before(out):
+        args: List[fx.Node] = []
+        for how, nodes in pnodes:
+            if how == "cat":
+                args.append(g.call_function(torch.cat, ((nodes[0], nodes[1]),)))
+            elif how == "t":
+                args.append(g.call_method("t", (nodes[0],)))
+            else:
+                args.append(nodes[0])
+        call = g.call_module(name, (start, *extras, *args))
+    out.replace_all_uses_with(call)
+    covered = [n for st in steps for n in st.covered]
+    for n in reversed(covered):
+        if not n.users:
+            g.erase_node(n)
+    kinds = [st.kind for st in steps]
+    return Chain(start.name, out.name, [o.spec(training) for o in ops], kinds, [n.name for n in covered])
+
+
+@dataclass
+class Options:
+    """``jitfuse.torch.backend(...)``'s options."""
+
+    inductor: bool = True          # the rest of the graph through Inductor (False: run it as captured)
+    min_linears: int = 1           # a chain needs this many linears to be swapped
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> Callable[..., Any]:
+    autocast = bool(_m._autocast_on())
+    adtype = _m._autocast_dtype() if autocast else None
+    training = torch.is_grad_enabled()
+    report = GraphReport(len(_REPORTS))
+    taken: set = set()
+    index = sum(len(r.chains) for r in _REPORTS)
+    for node in list(gm.graph.nodes):
+        if node in taken or node.graph is not gm.graph or _val(node) is None:
+            continue
+        v = _val(node)
+        if v.dtype not in _FLOATS or v.dim() < 1:
+            continue
+        dtype = adtype or v.dtype
+        steps, why = _extend(node, taken, dtype)
+        if not steps:
+            continue
+        n_lin = sum(1 for st in steps for op, _, _ in st.ops if op == "linear")
+        covered = [n for st in steps for n in st.covered]
+        if n_lin < opts.min_linears or len(steps) < 2:  # a lone linear (+ bias): Inductor's GEMM is the same
+            continue
+        bad = _dtype_ok(steps, node, dtype, autocast)
+        if bad:
+            report.chains.append(Chain(node.name, steps[-1].out.name, [{"op": k} for k in (st.kind for st in steps)],
+                                       [st.kind for st in steps], [], swapped=False, reason=bad))
+            continue
+        taken.update(covered)
+        try:
+            report.chains.append(_rewrite(gm, steps, node, index, training or any(
+                o[0] == "dropout" and o[1].get("training") for st in steps for o in st.ops)))
+            index += 1
+        except Exception as e:  # noqa: BLE001 - a chain jitfuse refuses stays with Inductor, named
+            report.chains.append(Chain(node.name, steps[-1].out.name, [], [st.kind for st in steps], [],
+                                       swapped=False, reason=f"{type(e).__name__}: {e}"))
+    for node in gm.graph.nodes:
+        if _is_fn(node, _LINEAR | _ADDMM | _LAYER_NORM | _RMS_NORM):
+            report.left.append((node.name, "not in a chain: its input or output has other consumers, or a "
+                                           "parameter is not a graph input"))
+    gm.graph.lint()
+    gm.recompile()
+    _REPORTS.append(report)
+    log.info("%s", report)
+    if not opts.inductor:
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs)
+
+
+def backend(**options: Any) -> Callable[..., Any]:
+    """A ``torch.compile`` backend with options: ``torch.compile(m, backend=jitfuse.torch.backend(inductor=False))``.
+    ``inductor``: compile the rest of the graph with Inductor (default True); ``min_linears``: the linears a
+    chain needs to be swapped (default 1)."""
+    opts = Options(**options)
+
+    def jitfuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return _compile(gm, example_inputs, opts)
+    return jitfuse_backend
+
+
+def register() -> None:
+    """Registers ``backend="jitfuse"`` with Dynamo (once; importing jitfuse.torch does it)."""
+    try:
+        from torch._dynamo import list_backends, register_backend
+        if "jitfuse" not in list_backends(exclude_tags=()):
+            register_backend(name="jitfuse")(backend())
+    except Exception as e:  # noqa: BLE001 - a torch without Dynamo: the backend is simply absent
+        log.debug("jitfuse: torch.compile backend not registered: %s", e)

@@ -1,0 +1,144 @@
+# GPU tests of torch.compile(model, backend="jitfuse"): unmodified Hugging Face models (from a config, random
+# init) and small hand-written graphs, against float64 eager references (logits and gradients), the fusion
+# report (which chains, which ops left and why), training under autocast against Inductor's, and graphs whose
+# intermediates have other consumers (left to Inductor, the model still right).
+import copy
+
+import pytest
+
+from conftest import need_torch
+
+torch = need_torch()  # or a skip of this module: no torch, or one jitfuse.torch refuses
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import jitfuse.torch as jt  # noqa: E402
+from jitfuse.torch import _dynamo_backend as jb  # noqa: E402
+from test_hf_apply_gpu import build, ids, rel_err  # noqa: E402
+from test_torch_gpu import DEV  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def fresh():
+    torch._dynamo.reset()
+    jb._REPORTS.clear()
+
+
+def kinds(reports):
+    return [c.kinds for r in reports for c in r.chains if c.swapped]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gpt2"])
+def test_unmodified_models_match_float64(arch):
+    fresh()
+    model = build(arch)
+    ref = copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend="jitfuse")
+    x = ids()
+    out = compiled(x, labels=x)
+    r = ref(x, labels=x)
+    assert rel_err(out.logits, r.logits) < 2e-3, jt.explain()
+    out.loss.backward()
+    r.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.grad is not None and ("mlp" in n or "norm" in n or "ln_" in n):
+            assert rel_err(p.grad, q.grad) < 5e-3, f"{arch}: grad of {n}\n{jt.explain()}"
+    ks = kinds(jb.reports())
+    # Every layer's MLP half is one chain: norm -> MLP -> residual add (a channel: the chain's own input).
+    mlp_chains = [k for k in ks if "residual (channel)" in k]
+    assert len(mlp_chains) >= 2, jt.explain()
+    if arch != "gpt2":
+        assert all(any(s.startswith("gated") for s in k) for k in mlp_chains), jt.explain()
+    assert "swapped" in jt.explain()
+
+
+def test_training_under_autocast_tracks_inductor():
+    def run(backend, steps=12):
+        fresh()
+        model = build("llama", seed=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        step = torch.compile(model, backend=backend)
+        g = torch.Generator(device="cpu").manual_seed(9)
+        losses = []
+        for _ in range(steps):
+            x = torch.randint(0, 64, (4, 32), generator=g).to(DEV)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = step(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, jb.reports()
+    a, rep = run("jitfuse")
+    b, _ = run("inductor")
+    assert any(c.swapped for r in rep for c in r.chains), "\n".join(map(str, rep))
+    assert abs(a[0] - b[0]) / b[0] < 0.01 and a[-1] < 0.8 * a[0]
+    assert abs(sum(a[-3:]) - sum(b[-3:])) / sum(b[-3:]) < 0.05, (a, b)
+
+
+def test_inference_and_a_second_row_count():
+    fresh()
+    model = build("qwen2").eval()
+    ref = copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend="jitfuse")
+    with torch.no_grad():
+        for seq in (24, 40):
+            x = ids(seq=seq)
+            assert rel_err(compiled(x).logits, ref(x).logits) < 2e-3
+
+
+class Forked(nn.Module):
+    """linear -> gelu -> linear, where the first linear's output is read a second time (a consumer outside the
+    chain), then a chain that is fused: linear -> silu -> linear + residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(96, 64) / 8)
+        self.w2 = nn.Parameter(torch.randn(64, 96) / 10)
+        self.w3 = nn.Parameter(torch.randn(128, 64) / 8)
+        self.w4 = nn.Parameter(torch.randn(64, 128) / 11)
+
+    def forward(self, x):
+        y = F.linear(x, self.w1)
+        z = F.linear(F.gelu(y), self.w2) + y.mean(-1, keepdim=True)  # y: two consumers
+        return z + F.linear(F.silu(F.linear(z, self.w3)), self.w4)
+
+
+def test_a_second_consumer_is_left_to_inductor_and_the_result_is_right():
+    fresh()
+    m = Forked().to(DEV)
+    ref = copy.deepcopy(m).double()
+    x = torch.randn(4, 8, 64, device=DEV, requires_grad=True)
+    xr = x.detach().double().requires_grad_()
+    y = torch.compile(m, backend="jitfuse")(x)
+    yr = ref(xr)
+    assert rel_err(y, yr) < 1e-3
+    y.square().mean().backward()
+    yr.square().mean().backward()
+    assert rel_err(x.grad, xr.grad) < 2e-3
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) < 2e-3
+    rep = jb.reports()
+    swapped = [c for r in rep for c in r.chains if c.swapped]
+    assert len(swapped) == 1 and swapped[0].kinds == ["linear", "silu", "linear", "residual (channel)"], jt.explain()
+    assert any("not in a chain" in why for r in rep for _, why in r.left), jt.explain()
+
+
+def test_mixed_dtypes_leave_the_chain_named_and_the_model_right():
+    fresh()
+    model = build("llama", dtype=torch.bfloat16)
+    model.model.layers[0].post_attention_layernorm.float()  # HF's float32 norm on a bfloat16 stream
+    ref = copy.deepcopy(model)
+    x = ids()
+    with torch.no_grad():
+        y = torch.compile(model, backend=jt.backend(inductor=False))(x).logits
+        assert rel_err(y, ref(x).logits) < 3e-2
+    rep = jb.reports()
+    left = [c for r in rep for c in r.chains if not c.swapped]
+    assert any("dtype" in c.reason for c in left), jt.explain()
+    assert any(c.swapped for r in rep for c in r.chains), jt.explain()
