@@ -179,6 +179,9 @@ def main() -> None:
         print("\nHugging Face training step (forward + loss, backward, AdamW), bf16, 8192 tokens, median ms of "
               "interleaved rounds:\n")
         print(table(bench_hf()))
+        from .bench_hf import bench_compile
+        print("\nthe same under torch.compile: backend=\"jitfuse\" against backend=\"inductor\":\n")
+        print(table(bench_compile()))
         return
     if a.case == "lm_head":
         from .bench_lm_head import bench_lm_head

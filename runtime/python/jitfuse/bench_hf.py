@@ -78,3 +78,38 @@ def bench_hf(steps: int = 20, warmup: int = 5) -> List[Dict[str, object]]:
         del plain, swapped, runs
         torch.cuda.empty_cache()
     return rows
+
+
+def bench_compile(steps: int = 15, warmup: int = 3) -> List[Dict[str, object]]:
+    """The same models and step under torch.compile: backend="jitfuse" against backend="inductor"."""
+    import jitfuse.torch  # noqa: F401 - registers backend="jitfuse"
+    from .torch import _dynamo_backend
+    rows: List[Dict[str, object]] = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for name, make in _models():
+        torch.manual_seed(0)
+        base = make().to(DEV, DT)
+        models = {"inductor": base, "jitfuse": copy.deepcopy(base)}
+        x = torch.randint(0, 32000, TOKENS, generator=g).to(DEV)
+        n0 = len(_dynamo_backend.reports())
+        runs = {k: _step(torch.compile(m, backend=k), torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True), x)
+                for k, m in models.items()}
+        for _ in range(warmup):
+            for fn in runs.values():
+                fn()
+        torch.cuda.synchronize()
+        chains = sum(1 for r in _dynamo_backend.reports()[n0:] for c in r.chains if c.swapped)
+        t: Dict[str, List[Tuple[float, float]]] = {k: [] for k in runs}
+        for _ in range(steps):
+            for k, fn in runs.items():
+                t[k].append(_time(fn))
+        gpu = {k: statistics.median(v[0] for v in t[k]) for k in t}
+        wall = {k: statistics.median(v[1] for v in t[k]) for k in t}
+        rows.append({"model": name, "jitfuse chains": chains, "inductor GPU ms": gpu["inductor"],
+                     "jitfuse GPU ms": gpu["jitfuse"], "GPU ratio": gpu["jitfuse"] / gpu["inductor"],
+                     "inductor wall ms": wall["inductor"], "jitfuse wall ms": wall["jitfuse"],
+                     "wall ratio": wall["jitfuse"] / wall["inductor"]})
+        del base, models, runs
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows

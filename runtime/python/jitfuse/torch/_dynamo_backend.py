@@ -179,8 +179,14 @@ def _linear_of(u: fx.Node, s: fx.Node) -> Optional[Tuple[fx.Node, Optional[fx.No
     return None
 
 
-def _linear_step(s: fx.Node) -> Optional[_Step]:
-    u = _only_user(s)
+def _linear_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
+    """A linear reading ``s`` (its only consumer; the chain's first op may share its input with others)."""
+    if first:
+        cands = [u for u in s.users if _linear_of(u, s) is not None or
+                 (_is_method(u, "view") and _is_fn(_only_user(u), _ADDMM))]
+        u = cands[0] if len(cands) == 1 else None
+    else:
+        u = _only_user(s)
     if u is None:
         return None
     wb = _linear_of(u, s)
@@ -258,9 +264,10 @@ def _act_step(s: fx.Node) -> Optional[_Step]:
     return None
 
 
-def _gated_step(s: fx.Node) -> Optional[_Step]:
-    """act(linear(s, Wg)) * linear(s, Wu) with two weights of one shape, as HF's gated MLPs write it."""
-    us = list(s.users)
+def _gated_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
+    """act(linear(s, Wg)) * linear(s, Wu) with two weights of one shape, as HF's gated MLPs write it (the
+    chain's first op may share its input with others)."""
+    us = [u for u in s.users if _linear_of(u, s) is not None] if first else list(s.users)
     if len(us) != 2:
         return None
     lins = [(u, _linear_of(u, s)) for u in us]
@@ -379,11 +386,13 @@ def _extend(start: fx.Node, taken: set, dtype: torch.dtype) -> Tuple[List[_Step]
             why = "a consumer already in a chain"
             break
         st = None
-        for f in ((_norm_step, _gated_step, _linear_step) if first else
-                  (_gated_step, _linear_step, _act_step, _dropout_step, _scale_step, _norm_step)):
-            st = f(s)
-            if st is not None:
-                break
+        if first:
+            st = _norm_step(s) or _gated_step(s, True) or _linear_step(s, True)
+        else:
+            for f in (_gated_step, _linear_step, _act_step, _dropout_step, _scale_step, _norm_step):
+                st = f(s)
+                if st is not None:
+                    break
         if st is None and not first:
             st = _add_step(s, start, dtype)
         if st is None:
@@ -459,7 +468,8 @@ class _Given(_m.BasicOp):
         return [(n, torch.empty(s, device="meta", dtype=self._jf_dtype)) for n, s in self._jf_given]
 
 
-def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int, training: bool) -> Chain:
+def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
+             training: bool) -> Tuple[Chain, fx.Node]:
     g = gm.graph
     out = steps[-1].out
     channel = any(st.channel for st in steps)
@@ -497,13 +507,14 @@ def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
             else:
                 args.append(nodes[0])
         call = g.call_module(name, (start, *extras, *args))
+    call.meta.update(out.meta)  # the same shape and dtype (_Chain casts back): a later chain may start here
     out.replace_all_uses_with(call)
     covered = [n for st in steps for n in st.covered]
     for n in reversed(covered):
         if not n.users:
             g.erase_node(n)
     kinds = [st.kind for st in steps]
-    return Chain(start.name, out.name, [o.spec(training) for o in ops], kinds, [n.name for n in covered])
+    return Chain(start.name, out.name, [o.spec(training) for o in ops], kinds, [n.name for n in covered]), call
 
 
 @dataclass
@@ -521,8 +532,10 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -
     report = GraphReport(len(_REPORTS))
     taken: set = set()
     index = sum(len(r.chains) for r in _REPORTS)
+    replaced: Dict[fx.Node, fx.Node] = {}  # a chain's last node -> its call (where the next chain may start)
     for node in list(gm.graph.nodes):
-        if node in taken or node.graph is not gm.graph or _val(node) is None:
+        node = replaced.get(node, node)
+        if node in taken or _val(node) is None:
             continue
         v = _val(node)
         if v.dtype not in _FLOATS or v.dim() < 1:
@@ -540,10 +553,12 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -
             report.chains.append(Chain(node.name, steps[-1].out.name, [{"op": k} for k in (st.kind for st in steps)],
                                        [st.kind for st in steps], [], swapped=False, reason=bad))
             continue
-        taken.update(covered)
         try:
-            report.chains.append(_rewrite(gm, steps, node, index, training or any(
-                o[0] == "dropout" and o[1].get("training") for st in steps for o in st.ops)))
+            chain, call = _rewrite(gm, steps, node, index, training or any(
+                o[0] == "dropout" and o[1].get("training") for st in steps for o in st.ops))
+            report.chains.append(chain)
+            taken.update(covered)
+            replaced[steps[-1].out] = call
             index += 1
         except Exception as e:  # noqa: BLE001 - a chain jitfuse refuses stays with Inductor, named
             report.chains.append(Chain(node.name, steps[-1].out.name, [], [st.kind for st in steps], [],
