@@ -19,6 +19,8 @@ one line per compile.
 
 import logging
 import operator
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -523,6 +525,21 @@ class Options:
 
     inductor: bool = True          # the rest of the graph through Inductor (False: run it as captured)
     min_linears: int = 1           # a chain needs this many linears to be swapped
+    mode: Optional[str] = None     # Inductor's mode: "reduce-overhead" (CUDA graphs), "max-autotune", ...
+
+    def __post_init__(self) -> None:
+        if self.mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+            raise ValueError(f"jitfuse.torch.backend: unknown mode {self.mode!r} (None, 'default', "
+                             f"'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')")
+        if not isinstance(self.min_linears, int) or self.min_linears < 1:
+            raise ValueError(f"jitfuse.torch.backend: min_linears must be an int >= 1, not {self.min_linears!r}")
+
+
+def _announce(report: "GraphReport") -> None:
+    """One report per compile on stderr at JITFUSE_LOG_LEVEL info or finer (as TORCH_LOGS prints its own)."""
+    log.info("%s", report)
+    if os.environ.get("JITFUSE_LOG_LEVEL", "").strip().lower() in ("trace", "debug", "info"):
+        print(f"[jitfuse info] {report}", file=sys.stderr)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -> Callable[..., Any]:
@@ -570,17 +587,20 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -
     gm.graph.lint()
     gm.recompile()
     _REPORTS.append(report)
-    log.info("%s", report)
+    _announce(report)
     if not opts.inductor:
         return gm.forward
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
-    return compile_fx(gm, example_inputs)
+    patches = list_mode_options(opts.mode) if opts.mode not in (None, "default") else None
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def backend(**options: Any) -> Callable[..., Any]:
     """A ``torch.compile`` backend with options: ``torch.compile(m, backend=jitfuse.torch.backend(inductor=False))``.
-    ``inductor``: compile the rest of the graph with Inductor (default True); ``min_linears``: the linears a
-    chain needs to be swapped (default 1)."""
+    ``inductor``: compile the rest of the graph with Inductor (default True); ``mode``: Inductor's mode
+    (``"reduce-overhead"``: CUDA graphs, as ``torch.compile(mode=...)`` gives the inductor backend);
+    ``min_linears``: the linears a chain needs to be swapped (default 1)."""
     opts = Options(**options)
 
     def jitfuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
