@@ -89,16 +89,19 @@ def bench_compile(steps: int = 15, warmup: int = 3) -> List[Dict[str, object]]:
     for name, make in _models():
         torch.manual_seed(0)
         base = make().to(DEV, DT)
-        models = {"inductor": base, "jitfuse": copy.deepcopy(base)}
+        models = {"inductor": base, "jitfuse": copy.deepcopy(base), "jitfuse fp8_current": copy.deepcopy(base)}
+        backends = {"inductor": "inductor", "jitfuse": "jitfuse",
+                    "jitfuse fp8_current": _dynamo_backend.backend(recipe="fp8_current")}
         x = torch.randint(0, 32000, TOKENS, generator=g).to(DEV)
         n0 = len(_dynamo_backend.reports())
-        runs = {k: _step(torch.compile(m, backend=k), torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True), x)
+        runs = {k: _step(torch.compile(m, backend=backends[k]),
+                         torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True), x)
                 for k, m in models.items()}
         for _ in range(warmup):
             for fn in runs.values():
                 fn()
         torch.cuda.synchronize()
-        chains = sum(1 for r in _dynamo_backend.reports()[n0:] for c in r.chains if c.swapped)
+        chains = sum(1 for r in _dynamo_backend.reports()[n0:] for c in r.chains if c.swapped) // 2
         t: Dict[str, List[Tuple[float, float]]] = {k: [] for k in runs}
         for _ in range(steps):
             for k, fn in runs.items():
@@ -108,7 +111,9 @@ def bench_compile(steps: int = 15, warmup: int = 3) -> List[Dict[str, object]]:
         rows.append({"model": name, "jitfuse chains": chains, "inductor GPU ms": gpu["inductor"],
                      "jitfuse GPU ms": gpu["jitfuse"], "GPU ratio": gpu["jitfuse"] / gpu["inductor"],
                      "inductor wall ms": wall["inductor"], "jitfuse wall ms": wall["jitfuse"],
-                     "wall ratio": wall["jitfuse"] / wall["inductor"]})
+                     "wall ratio": wall["jitfuse"] / wall["inductor"],
+                     "jitfuse fp8_current GPU ms": gpu["jitfuse fp8_current"],
+                     "fp8 GPU ratio": gpu["jitfuse fp8_current"] / gpu["inductor"]})
         del base, models, runs
         torch._dynamo.reset()
         torch.cuda.empty_cache()

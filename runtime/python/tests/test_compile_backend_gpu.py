@@ -174,3 +174,29 @@ def test_reduce_overhead_mode_replays_cuda_graphs():
     assert any(c.swapped for r in jb.reports() for c in r.chains)
     with pytest.raises(ValueError, match="unknown mode"):
         jt.backend(mode="fastest")
+
+
+def test_fp8_recipe_through_the_backend_trains():
+    def run(backend, steps=10):
+        fresh()
+        model = build("llama", dtype=torch.bfloat16, seed=4)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        f = torch.compile(model, backend=backend)
+        g = torch.Generator(device="cpu").manual_seed(2)
+        losses = []
+        for _ in range(steps):
+            x = torch.randint(0, 64, (4, 32), generator=g).to(DEV)
+            loss = f(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, jb.reports()
+    a, rep = run(jt.backend(recipe="fp8_current"))
+    b, _ = run("inductor")
+    swapped = [c for r in rep for c in r.chains if c.swapped]
+    assert swapped and all(any(o.get("op") == "linear" for o in c.ops) for c in swapped), jt.explain()
+    assert abs(a[0] - b[0]) / b[0] < 0.03, (a, b)   # FP8 GEMMs: within FP8's rounding of bf16
+    assert a[-1] < 0.85 * a[0], a
+    with pytest.raises(ValueError, match="unknown recipe"):
+        jt.backend(recipe="fp4")

@@ -470,8 +470,8 @@ class _Given(_m.BasicOp):
         return [(n, torch.empty(s, device="meta", dtype=self._jf_dtype)) for n, s in self._jf_given]
 
 
-def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
-             training: bool) -> Tuple[Chain, fx.Node]:
+def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int, training: bool,
+             dtype: torch.dtype, recipe: Optional[str]) -> Tuple[Chain, fx.Node]:
     g = gm.graph
     out = steps[-1].out
     channel = any(st.channel for st in steps)
@@ -487,14 +487,22 @@ def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
                 d = _m.Dropout(attrs["p"])
                 ops.append(d)
                 continue
-            ops.append(_Given(op, attrs, [(n, p.shape) for n, p in ps], vx.dtype))
+            ops.append(_Given(op, attrs, [(n, p.shape) for n, p in ps], dtype))
             pnodes += [(p.how, p.nodes) for _, p in ps]
         if st.channel:
             ops.append(_m.AddChannel("residual"))
         elif st.extra is not None:
             ops.append(_m.AddExtraInput())
-    seq = _m.Sequential(*ops, name=f"compiled.chain{index}")
+    seq = _m.Sequential(*ops, name=f"compiled.chain{index}", recipe=recipe)
     seq.train(training)
+    # The library plans the chain for the example's shape now (no GPU): a sequence it refuses (a shape, an
+    # FP8 constraint) stays with Inductor, named, instead of failing inside the compiled step.
+    try:
+        shape = [int(d) for d in vx.shape]
+    except Exception:  # noqa: BLE001 - symbolic dims: planned at the first call instead
+        shape = None
+    if shape:
+        seq.explain(shape, training=training, dtype=dtype)
     vo = _val(out)
     mod = _Chain(seq, len(extras), vo.dtype if vo is not None else None)
     name = f"jitfuse_chain_{index}"
@@ -526,8 +534,12 @@ class Options:
     inductor: bool = True          # the rest of the graph through Inductor (False: run it as captured)
     min_linears: int = 1           # a chain needs this many linears to be swapped
     mode: Optional[str] = None     # Inductor's mode: "reduce-overhead" (CUDA graphs), "max-autotune", ...
+    recipe: Optional[str] = None   # "fp8_current" / "fp8_delayed": the chains' linears on FP8 GEMMs
 
     def __post_init__(self) -> None:
+        if self.recipe not in (None, "fp8_current", "fp8_delayed"):
+            raise ValueError(f"jitfuse.torch.backend: unknown recipe {self.recipe!r} (None: the input's dtype, "
+                             f"'fp8_current', 'fp8_delayed')")
         if self.mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
             raise ValueError(f"jitfuse.torch.backend: unknown mode {self.mode!r} (None, 'default', "
                              f"'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')")
@@ -566,13 +578,15 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -
         if n_lin < opts.min_linears or len(steps) < 2:  # a lone linear (+ bias): Inductor's GEMM is the same
             continue
         bad = _dtype_ok(steps, node, dtype, autocast)
+        if not bad and opts.recipe and dtype != torch.bfloat16:
+            bad = f"{opts.recipe} computes in bfloat16; this chain computes in {dtype}"
         if bad:
             report.chains.append(Chain(node.name, steps[-1].out.name, [{"op": k} for k in (st.kind for st in steps)],
                                        [st.kind for st in steps], [], swapped=False, reason=bad))
             continue
         try:
             chain, call = _rewrite(gm, steps, node, index, training or any(
-                o[0] == "dropout" and o[1].get("training") for st in steps for o in st.ops))
+                o[0] == "dropout" and o[1].get("training") for st in steps for o in st.ops), dtype, opts.recipe)
             report.chains.append(chain)
             taken.update(covered)
             replaced[steps[-1].out] = call
@@ -600,7 +614,9 @@ def backend(**options: Any) -> Callable[..., Any]:
     """A ``torch.compile`` backend with options: ``torch.compile(m, backend=jitfuse.torch.backend(inductor=False))``.
     ``inductor``: compile the rest of the graph with Inductor (default True); ``mode``: Inductor's mode
     (``"reduce-overhead"``: CUDA graphs, as ``torch.compile(mode=...)`` gives the inductor backend);
-    ``min_linears``: the linears a chain needs to be swapped (default 1)."""
+    ``recipe``: ``"fp8_current"`` / ``"fp8_delayed"`` runs the chains' linears on FP8 GEMMs (bfloat16 chains:
+    a bf16 model or bf16 autocast; each chain keeps its own recipe state); ``min_linears``: the linears a chain
+    needs to be swapped (default 1)."""
     opts = Options(**options)
 
     def jitfuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
