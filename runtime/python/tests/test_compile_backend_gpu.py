@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 
 import jitfuse.torch as jt  # noqa: E402
 from jitfuse.torch import _dynamo_backend as jb  # noqa: E402
-from test_hf_apply_gpu import build, ids, rel_err  # noqa: E402
+from test_hf_apply_gpu import build, ids, rel_err, train  # noqa: E402
 from test_torch_gpu import DEV  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -61,19 +61,7 @@ def test_training_under_autocast_tracks_inductor():
     def run(backend, steps=12):
         fresh()
         model = build("llama", seed=3)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        step = torch.compile(model, backend=backend)
-        g = torch.Generator(device="cpu").manual_seed(9)
-        losses = []
-        for _ in range(steps):
-            x = torch.randint(0, 64, (4, 32), generator=g).to(DEV)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = step(x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses, jb.reports()
+        return train(model, torch.compile(model, backend=backend), steps, seed=9, autocast=True), jb.reports()
     a, rep = run("jitfuse")
     b, _ = run("inductor")
     assert any(c.swapped for r in rep for c in r.chains), "\n".join(map(str, rep))
@@ -180,18 +168,7 @@ def test_fp8_recipe_through_the_backend_trains():
     def run(backend, steps=10):
         fresh()
         model = build("llama", dtype=torch.bfloat16, seed=4)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        f = torch.compile(model, backend=backend)
-        g = torch.Generator(device="cpu").manual_seed(2)
-        losses = []
-        for _ in range(steps):
-            x = torch.randint(0, 64, (4, 32), generator=g).to(DEV)
-            loss = f(x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses, jb.reports()
+        return train(model, torch.compile(model, backend=backend), steps, seed=2), jb.reports()
     a, rep = run(jt.backend(recipe="fp8_current"))
     b, _ = run("inductor")
     swapped = [c for r in rep for c in r.chains if c.swapped]

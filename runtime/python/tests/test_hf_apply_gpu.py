@@ -73,6 +73,24 @@ def ids(batch=2, seq=24, seed=1):
     return torch.randint(0, V, (batch, seq), generator=g).to(DEV)
 
 
+def train(model, forward=None, steps=30, seed=7, lr=3e-3, autocast=False, opt=None):
+    """Losses of ``steps`` AdamW steps of a causal LM on tokens of a learnable distribution (the first quarter of
+    the vocabulary); ``forward``: what computes the loss's outputs (a compiled model; default the model)."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
+    forward = forward or model
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, V // 4, (4, 32), generator=g).to(DEV)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = forward(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -197,17 +215,7 @@ def test_adamw_autocast_checkpointing_tracks_the_unmodified_model():
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         if swap:
             hf.apply(model)
-        losses = []
-        g = torch.Generator(device="cpu").manual_seed(7)
-        for _ in range(steps):
-            x = torch.randint(0, V // 4, (4, 32), generator=g).to(DEV)  # a learnable distribution
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
+        return train(model, steps=steps, autocast=True, opt=opt)
     a, b = run(True), run(False)
     assert abs(a[0] - b[0]) / b[0] < 0.01
     assert b[-1] < 0.8 * b[0] and a[-1] < 0.8 * a[0]  # both learn

@@ -169,9 +169,11 @@ def _original_forward(module: nn.Module) -> Callable[..., Any]:
     return types.MethodType(type(module).forward, module)
 
 
-def _probe(module: nn.Module, x: Tensor, randomize: List[Tensor]) -> Tuple[Tensor, Dict[int, Tensor]]:
+def _probe(module: nn.Module, x: Tensor, randomize: List[Tensor],
+           reference: Optional[Callable[[], Tensor]] = None) -> Tuple[Tensor, Dict[int, Tensor], Optional[Tensor]]:
     """The module's own (original) forward on ``x``, in eval mode, with the tensors ``randomize`` given random
-    values for the probe (restored after, bit for bit)."""
+    values for the probe (restored after, bit for bit); the float64 values they had; and ``reference()``
+    evaluated while they have them."""
     saved = [t.detach().clone() for t in randomize]
     was = [m.training for m in module.modules()]
     vals: Dict[int, Tensor] = {}
@@ -184,13 +186,14 @@ def _probe(module: nn.Module, x: Tensor, randomize: List[Tensor]) -> Tuple[Tenso
                 vals[id(t)] = t.detach().double().cpu()
             module.eval()
             y = _original_forward(module)(x)
+            want = reference() if reference is not None else None
     finally:
         with torch.no_grad():
             for t, s in zip(randomize, saved):
                 t.detach().copy_(s)
         for m, w in zip(module.modules(), was):
             m.training = w
-    return y.detach().double().cpu(), vals
+    return y.detach().double().cpu(), vals, want
 
 
 def _probe_input(width: int, like: Tensor) -> Tensor:
@@ -291,7 +294,7 @@ def _norm_ops(module: nn.Module) -> Tuple[Optional[_m.BasicOp], str, str]:
     h = w.shape[0]
     x = _probe_input(h, w)
     try:
-        y, vals = _probe(module, x, [w] + ([b] if b is not None else []))
+        y, vals, _ = _probe(module, x, [w] + ([b] if b is not None else []))
     except Exception as e:  # noqa: BLE001 - any failure means: not a norm we know
         return None, "", f"its forward failed on a probe input ({type(e).__name__}: {e})"
     xd, wd = x.double().cpu(), vals[id(w)]
@@ -441,23 +444,10 @@ def _swap_mlp(path: str, mlp: nn.Module, lay: Dict[str, Any], report: Report) ->
         width = ops[0]._jf_attrs["in_features"]
         x = _probe_input(width, params[0])
         try:
-            y, _ = _probe(mlp, x, params)
+            y, _, want = _probe(mlp, x, params, lambda: _mlp_reference(ops, x))
         except Exception as e:  # noqa: BLE001
             ops, why = None, f"its forward failed on a probe input ({type(e).__name__}: {e})"
     if ops is not None:
-        # The probe's random values are gone again: compare with the same values set once more.
-        saved = [p.detach().clone() for p in params]
-        try:
-            with torch.no_grad():
-                g = torch.Generator(device="cpu").manual_seed(1234)
-                for t in params:
-                    r = torch.rand(t.shape, generator=g, dtype=torch.float32) * 1.5 - 0.5
-                    t.detach().copy_(r.to(t.dtype) / (t.shape[-1] ** 0.5 if t.dim() == 2 else 1.0))
-                want = _mlp_reference(ops, x)
-        finally:
-            with torch.no_grad():
-                for t, s in zip(params, saved):
-                    t.detach().copy_(s)
         if y.shape != want.shape or not _close(y, want, params[0].dtype):
             ops, why = None, f"its forward does not compute {desc} (a probe input differs)"
     if ops is None:
