@@ -76,8 +76,8 @@ def ids(batch=2, seq=24, seed=1):
 def train(model, forward=None, steps=30, seed=7, lr=3e-3, autocast=False, opt=None):
     """Losses of ``steps`` AdamW steps of a causal LM on tokens of a learnable distribution (the first quarter of
     the vocabulary); ``forward``: what computes the loss's outputs (a compiled model; default the model)."""
-    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
-    forward = forward or model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr) if opt is None else opt
+    forward = model if forward is None else forward  # a compiled module has no truth value (len())
     g = torch.Generator(device="cpu").manual_seed(seed)
     losses = []
     for _ in range(steps):
