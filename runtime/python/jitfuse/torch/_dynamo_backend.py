@@ -363,10 +363,11 @@ class GraphReport:
 
 
 _REPORTS: List[GraphReport] = []
+_MAX_REPORTS = 1000
 
 
 def reports() -> List[GraphReport]:
-    """Every graph the backend compiled in this process, in order (a copy)."""
+    """The graphs the backend compiled in this process, in order (a copy; the newest 1000)."""
     return list(_REPORTS)
 
 
@@ -601,6 +602,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options) -
     gm.graph.lint()
     gm.recompile()
     _REPORTS.append(report)
+    del _REPORTS[:-_MAX_REPORTS]  # a process that recompiles for ever keeps the newest only
     _announce(report)
     if not opts.inductor:
         return gm.forward
