@@ -9,6 +9,15 @@
 //   +g   gamma (raw) held in registers for the whole kernel instead of re-read per pass.
 //   cl2  (hidden >= 8192) a cluster of 2 CTAs per row, half the columns each, the row sums exchanged through
 //        distributed shared memory (Quack's layout for 8K < hidden <= 16K); written in session 31, not yet run.
+//   sacc R  (session 37, issue 46; written and compiled, not yet run) dgamma/dbeta accumulated in shared memory
+//        (each thread read-modify-writes its own columns, so no barrier or atomic) instead of 8 (rmsnorm) or 16
+//        (layernorm) registers per chunk, which frees 32-64 registers for more resident warps; R rows per CTA
+//        (R groups of T threads, each its own row, one block reduction slot per group), gamma and the next row
+//        in registers as "reg 4ch +g"; the R groups' accumulators are summed into the block's partial row.
+//        ptxas (sm_90a, CUDA 13.0): layernorm 4096 "sacc1 4ch" 127 registers against 167 for "reg 4ch +g" (4
+//        blocks of 128 threads per SM instead of 3), rmsnorm 127 against 128; 8192 "sacc1 4ch" 128 against
+//        168 (layernorm); 12288 "sacc1 4ch" 131 (layernorm) against 168, no spills; "sacc2" at 12288 (768
+//        threads) spills 256-360 bytes and at 8192 "sacc2 2ch" layernorm 48: expect those to lose.
 #include <cooperative_groups.h>
 
 #include "common.cuh"
@@ -126,6 +135,121 @@ __global__ void __launch_bounds__(T) k_reg(const u16* __restrict__ dy, const u16
     row_math<C, T, NCH, RMS, GREG>(gq, xq, graw, g, mu, rs, r, dx, dgam, dbet, sm);
   }
   flush<C, T, NCH, RMS>(dgam, dbet, pg, pb);
+}
+
+// sacc R: R rows per CTA, dgamma/dbeta in shared memory (dynamic: R * C floats each), gamma and the next row in
+// registers. Every group runs the same number of iterations (a group past the last row only joins the barriers).
+template <int C, int T, int NCH, bool RMS, int R>
+__global__ void __launch_bounds__(T * R) k_sacc(const u16* __restrict__ dy, const u16* __restrict__ xs,
+                                                const float* __restrict__ mean, const float* __restrict__ rstd,
+                                                u16* __restrict__ dx, i64 rows, const u16* __restrict__ g,
+                                                float* __restrict__ pg, float* __restrict__ pb) {
+  extern __shared__ float acc[];  // [R][C] dgamma, then [R][C] dbeta (layernorm)
+  __shared__ float sm[R][64];
+  const int grp = threadIdx.x / T, tid = threadIdx.x % T, lane = tid & 31, warp = tid >> 5;
+  constexpr int NW = (T + 31) / 32;
+  float* ag = acc + grp * C;
+  float* ab = acc + (R + grp) * C;
+  uint4 graw[NCH], pq[NCH], px[NCH];
+  const i64 first = (i64)blockIdx.x * R + grp;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c0 = (k * T + tid) * 8;
+    graw[k] = make_uint4(0, 0, 0, 0); pq[k] = graw[k]; px[k] = graw[k];
+    if (c0 < C) {
+      graw[k] = *reinterpret_cast<const uint4*>(g + c0);
+      reinterpret_cast<float4*>(ag + c0)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      reinterpret_cast<float4*>(ag + c0)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (!RMS) {
+        reinterpret_cast<float4*>(ab + c0)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        reinterpret_cast<float4*>(ab + c0)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      if (first < rows) {
+        pq[k] = *reinterpret_cast<const uint4*>(dy + first * C + c0);
+        px[k] = *reinterpret_cast<const uint4*>(xs + first * C + c0);
+      }
+    }
+  }
+  const i64 stride = (i64)gridDim.x * R;
+  for (i64 base = (i64)blockIdx.x * R; base < rows; base += stride) {
+    const i64 r = base + grp;
+    const bool live = r < rows;
+    uint4 gq[NCH], xq[NCH];
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) { gq[k] = pq[k]; xq[k] = px[k]; }
+    const i64 rn = r + stride;
+    if (rn < rows) {
+#pragma unroll
+      for (int k = 0; k < NCH; ++k) {
+        const int c0 = (k * T + tid) * 8;
+        if (c0 < C) { pq[k] = *reinterpret_cast<const uint4*>(dy + rn * C + c0); px[k] = *reinterpret_cast<const uint4*>(xs + rn * C + c0); }
+      }
+    }
+    const float mu = RMS || !live ? 0.f : mean[r], rs = live ? rstd[r] : 0.f;
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c0 = (k * T + tid) * 8;
+      if (c0 < C && live) {
+        float gw[8], d[8], x[8], a[8], b[8];
+        unpack(graw[k], gw); unpack(gq[k], d); unpack(xq[k], x);
+        float4* qa = reinterpret_cast<float4*>(ag + c0);
+        float4 a0 = qa[0], a1 = qa[1];
+        a[0] = a0.x; a[1] = a0.y; a[2] = a0.z; a[3] = a0.w; a[4] = a1.x; a[5] = a1.y; a[6] = a1.z; a[7] = a1.w;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float xh = (x[e] - mu) * rs, wdy = gw[e] * d[e];
+          s1 += wdy * xh; s2 += wdy;
+          a[e] += d[e] * xh;
+        }
+        qa[0] = make_float4(a[0], a[1], a[2], a[3]); qa[1] = make_float4(a[4], a[5], a[6], a[7]);
+        if (!RMS) {
+          float4* qb = reinterpret_cast<float4*>(ab + c0);
+          float4 b0 = qb[0], b1 = qb[1];
+          b[0] = b0.x + d[0]; b[1] = b0.y + d[1]; b[2] = b0.z + d[2]; b[3] = b0.w + d[3];
+          b[4] = b1.x + d[4]; b[5] = b1.y + d[5]; b[6] = b1.z + d[6]; b[7] = b1.w + d[7];
+          qb[0] = make_float4(b[0], b[1], b[2], b[3]); qb[1] = make_float4(b[4], b[5], b[6], b[7]);
+        }
+      }
+    }
+    // Each group's row sums: warp sums, then the group's warps through its own slots.
+    s1 = warp_sum(s1);
+    if (!RMS) s2 = warp_sum(s2);
+    __syncthreads();
+    if (lane == 0) { sm[grp][warp] = s1; if (!RMS) sm[grp][32 + warp] = s2; }
+    __syncthreads();
+    float t1 = lane < NW ? sm[grp][lane] : 0.f, t2 = !RMS && lane < NW ? sm[grp][32 + lane] : 0.f;
+    t1 = warp_sum(t1);
+    if (!RMS) t2 = warp_sum(t2);
+    const float c1 = t1 * (1.f / C), c2 = RMS ? 0.f : t2 * (1.f / C);
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c0 = (k * T + tid) * 8;
+      if (c0 < C && live) {
+        float gw[8], d[8], x[8], o[8];
+        unpack(graw[k], gw); unpack(gq[k], d); unpack(xq[k], x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = rs * (gw[e] * d[e] - (x[e] - mu) * rs * c1 - c2);
+        *reinterpret_cast<uint4*>(dx + r * C + c0) = pack(o);
+      }
+    }
+  }
+  __syncthreads();
+  // The block's partial row: group 0's threads sum the R groups' accumulators of their columns.
+  if (grp == 0) {
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c0 = (k * T + tid) * 8;
+      if (c0 < C) {
+        for (int e = 0; e < 8; ++e) {
+          float a = 0.f, b = 0.f;
+          for (int q = 0; q < R; ++q) { a += acc[q * C + c0 + e]; if (!RMS) b += acc[(R + q) * C + c0 + e]; }
+          pg[(i64)blockIdx.x * C + c0 + e] = a;
+          if (!RMS) pb[(i64)blockIdx.x * C + c0 + e] = b;
+        }
+      }
+    }
+  }
 }
 
 // cpS: an S-row ring of dy and x in shared memory, filled by cp.async; thread-private slots.
@@ -319,7 +443,13 @@ static void sweep() {
     run("cp3 2ch", k_cp<C, T2, N2, R, false, 3>, C, T2, (size_t)3 * 2 * N2 * T2 * 16, B, norm);                     \
     run("cp3 4ch", k_cp<C, T4, N4, R, false, 3>, C, T4, (size_t)3 * 2 * N4 * T4 * 16, B, norm);                     \
     run("cp3 4ch +g", k_cp<C, T4, N4, R, true, 3>, C, T4, (size_t)3 * 2 * N4 * T4 * 16, B, norm);                   \
-    run("cp4 4ch", k_cp<C, T4, N4, R, false, 4>, C, T4, (size_t)4 * 2 * N4 * T4 * 16, B, norm);
+    run("cp4 4ch", k_cp<C, T4, N4, R, false, 4>, C, T4, (size_t)4 * 2 * N4 * T4 * 16, B, norm);                     \
+    run("sacc1 4ch", k_sacc<C, T4, N4, R, 1>, C, T4, (size_t)1 * C * 4 * (R ? 1 : 2), B, norm);                    \
+    if constexpr (2 * T4 <= 1024)                                                                                  \
+      run("sacc2 4ch", k_sacc<C, T4, N4, R, 2>, C, 2 * T4, (size_t)2 * C * 4 * (R ? 1 : 2), B, norm);              \
+    run("sacc1 2ch", k_sacc<C, T2, N2, R, 1>, C, T2, (size_t)1 * C * 4 * (R ? 1 : 2), B, norm);                    \
+    if constexpr (2 * T2 <= 1024)                                                                                  \
+      run("sacc2 2ch", k_sacc<C, T2, N2, R, 2>, C, 2 * T2, (size_t)2 * C * 4 * (R ? 1 : 2), B, norm);
     if (rms) { VARIANTS(true) } else { VARIANTS(false) }
 #undef VARIANTS
     if constexpr (C >= 8192) {  // a cluster of 2 CTAs per row: half the columns each
