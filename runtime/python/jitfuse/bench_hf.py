@@ -49,6 +49,23 @@ def _time(fn: Callable[[], None]) -> Tuple[float, float]:
     return a.elapsed_time(b), (time.perf_counter() - t0) * 1e3
 
 
+def _interleaved(runs: Dict[str, Callable[[], None]], steps: int, warmup: int,
+                 warmed: Callable[[], None] = lambda: None) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Median GPU and wall ms of each of ``runs`` over ``steps`` interleaved rounds, after ``warmup`` rounds
+    (``warmed()`` is called between the two, once the GPU is idle)."""
+    for _ in range(warmup):
+        for fn in runs.values():
+            fn()
+    torch.cuda.synchronize()
+    warmed()
+    t: Dict[str, List[Tuple[float, float]]] = {k: [] for k in runs}
+    for _ in range(steps):  # interleaved rounds
+        for k, fn in runs.items():
+            t[k].append(_time(fn))
+    return ({k: statistics.median(v[0] for v in t[k]) for k in t},
+            {k: statistics.median(v[1] for v in t[k]) for k in t})
+
+
 def bench_hf(steps: int = 20, warmup: int = 5) -> List[Dict[str, object]]:
     from .torch import hf
     rows: List[Dict[str, object]] = []
@@ -61,16 +78,7 @@ def bench_hf(steps: int = 20, warmup: int = 5) -> List[Dict[str, object]]:
         x = torch.randint(0, 32000, TOKENS, generator=g).to(DEV)
         runs = {k: _step(m, torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True), x)
                 for k, m in (("plain", plain), ("jitfuse", swapped))}
-        for _ in range(warmup):
-            for fn in runs.values():
-                fn()
-        torch.cuda.synchronize()
-        t: Dict[str, List[Tuple[float, float]]] = {k: [] for k in runs}
-        for _ in range(steps):  # interleaved rounds
-            for k, fn in runs.items():
-                t[k].append(_time(fn))
-        gpu = {k: statistics.median(v[0] for v in t[k]) for k in t}
-        wall = {k: statistics.median(v[1] for v in t[k]) for k in t}
+        gpu, wall = _interleaved(runs, steps, warmup)
         rows.append({"model": name, "swapped": f"{len(report.swapped)} ({len(report.left)} left)",
                      "HF eager GPU ms": gpu["plain"], "hf.apply GPU ms": gpu["jitfuse"],
                      "GPU ratio": gpu["jitfuse"] / gpu["plain"], "HF eager wall ms": wall["plain"],
@@ -97,17 +105,10 @@ def bench_compile(steps: int = 15, warmup: int = 3) -> List[Dict[str, object]]:
         runs = {k: _step(torch.compile(m, backend=backends[k]),
                          torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True), x)
                 for k, m in models.items()}
-        for _ in range(warmup):
-            for fn in runs.values():
-                fn()
-        torch.cuda.synchronize()
-        chains = sum(1 for r in _dynamo_backend.reports()[n0:] for c in r.chains if c.swapped) // 2
-        t: Dict[str, List[Tuple[float, float]]] = {k: [] for k in runs}
-        for _ in range(steps):
-            for k, fn in runs.items():
-                t[k].append(_time(fn))
-        gpu = {k: statistics.median(v[0] for v in t[k]) for k in t}
-        wall = {k: statistics.median(v[1] for v in t[k]) for k in t}
+        counted: List[int] = []  # the chains of the compiles the warm-up made (two jitfuse backends)
+        gpu, wall = _interleaved(runs, steps, warmup, lambda: counted.append(
+            sum(1 for r in _dynamo_backend.reports()[n0:] for c in r.chains if c.swapped) // 2))
+        chains = counted[0]
         rows.append({"model": name, "jitfuse chains": chains, "inductor GPU ms": gpu["inductor"],
                      "jitfuse GPU ms": gpu["jitfuse"], "GPU ratio": gpu["jitfuse"] / gpu["inductor"],
                      "inductor wall ms": wall["inductor"], "jitfuse wall ms": wall["jitfuse"],
