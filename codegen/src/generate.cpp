@@ -10,6 +10,7 @@ namespace jitfuse::codegen::detail {
 Generated generate_rownorm(const KernelSpec& spec);
 Generated generate_elementwise(const KernelSpec& spec);
 Generated generate_cast_transpose(const KernelSpec& spec);
+Generated generate_block_cast(const KernelSpec& spec);
 Generated generate_cross_entropy(const KernelSpec& spec);
 
 namespace {
@@ -53,6 +54,8 @@ Generated generate(const KernelSpec& spec) {
     if (!spec.post.empty()) throw std::invalid_argument("codegen: a cast_transpose spec has no post stages (no anchor)");
     if (spec.fp8->codes_in && (!spec.pre.empty() || spec.fp8->amax_only))
       throw std::invalid_argument("codegen: a cast_transpose spec over codes (Fp8Spec::codes_in) has no stages and no amax pass");
+  } else if (spec.fp8 && spec.fp8->block) {
+    throw std::invalid_argument("codegen: a block-scaled cast (Fp8Spec::block) belongs to the cast_transpose skeleton");
   } else if (spec.fp8 && spec.fp8->codes_in) {
     throw std::invalid_argument("codegen: Fp8Spec::codes_in belongs to the cast_transpose skeleton");
   }
@@ -61,7 +64,8 @@ Generated generate(const KernelSpec& spec) {
   std::vector<int> seq;
   const KernelSpec local = detail::by_position(spec, seq);
   Generated g = spec.skeleton == Skeleton::rownorm          ? detail::generate_rownorm(local)
-                : spec.skeleton == Skeleton::cast_transpose ? detail::generate_cast_transpose(local)
+                : spec.skeleton == Skeleton::cast_transpose ? (spec.fp8->block ? detail::generate_block_cast(local)
+                                                                                : detail::generate_cast_transpose(local))
                 : spec.skeleton == Skeleton::cross_entropy  ? detail::generate_cross_entropy(local)
                                                             : detail::generate_elementwise(local);
   // Back to sequence indices: what the Builder binds each argument and each finalize kernel's gradient to.

@@ -128,7 +128,7 @@ std::vector<std::string> headers_for(const KernelSpec& spec) {
     add("ops/fp8.cuh");
     add("ops/fp8_operand.cuh");
   }
-  if (spec.skeleton == Skeleton::cast_transpose) add("skeletons/cast_transpose.cuh");
+  if (spec.skeleton == Skeleton::cast_transpose) add(spec.fp8 && spec.fp8->block ? "skeletons/block_cast.cuh" : "skeletons/cast_transpose.cuh");
   if (spec.skeleton == Skeleton::cross_entropy) add("skeletons/cross_entropy.cuh");
   return out;
 }

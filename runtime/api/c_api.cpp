@@ -352,6 +352,10 @@ jf_status jf_sequence_fp8_operand_state(jf_sequence seq, int op_index, const cha
     if (!s.recipe.is_fp8())
       fail(Status::invalid_argument, "sequence '{}' runs recipe {}: FP8 recipe state exists under fp8_delayed and "
            "fp8_current only", s.def.name, jitfuse::ops::recipe_name(s.recipe.kind));
+    if (s.recipe.is_block())
+      fail(Status::invalid_argument, "sequence '{}' runs recipe fp8_block: its GEMM operands have no recipe state "
+           "(each 1x128 or 128x128 block is scaled by its own amax as it is cast); operand state exists under "
+           "fp8_delayed and fp8_current", s.def.name);
     if (op_index < 0 || op_index >= static_cast<int>(s.def.ops.size()) || s.def.ops[op_index].kind != "linear")
       fail(Status::invalid_argument, "op {} of sequence '{}' is not a linear op: only linear has FP8 operand state",
            op_index, s.def.name);

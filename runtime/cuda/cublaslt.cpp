@@ -94,7 +94,25 @@ std::string epilogue_name(Epilogue e) {
   return "?";
 }
 
+const char* fp8_scaling_name(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::tensor: return "tensor";
+    case Fp8Scaling::row128: return "1x128";
+    case Fp8Scaling::block128: return "128x128";
+  }
+  return "?";
+}
+
 namespace {
+
+int32_t scale_mode(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::row128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case Fp8Scaling::block128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    case Fp8Scaling::tensor: break;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
 
 // The rules of the FP8 primitive (cublaslt.hpp), from cuBLASLt's FP8 requirements:
 // - A and B are E4M3 or E5M2, not both E5M2; D is bf16, fp16, fp32, or E4M3 / E5M2 (E5M2 output only when
@@ -129,6 +147,17 @@ void check_fp8(const GemmCall& g, bool launching) {
     if (launching && !f.d_scale) bad("FP8 output needs d_scale (the device scale D is multiplied by before the cast)");
   } else if (f.d_scale || f.d_amax) {
     bad("d_scale and d_amax apply to FP8 output only");
+  }
+  const bool blocks = f.a_scaling != Fp8Scaling::tensor || f.b_scaling != Fp8Scaling::tensor;
+  if (blocks) {
+    if ((f.a_scaling == Fp8Scaling::tensor) != (f.b_scaling == Fp8Scaling::tensor))
+      bad("block scales on one operand need block scales on the other (cuBLASLt has no per-tensor x block GEMM)");
+    if (f.a_scaling == Fp8Scaling::block128 && f.b_scaling == Fp8Scaling::block128)
+      bad("128x128 x 128x128 block scales are not supported by cuBLASLt; scale one operand per 1x128 block");
+    if (g.k % 128) bad("block scales need k to be a multiple of 128 (whole blocks along K)");
+    if (fp8_out) bad("FP8 output is not supported with block scales (write bf16 and cast)");
+    if (f.fast_accum) bad("fast accumulation is not supported with block scales");
+    if (g.epilogue != Epilogue::none) bad("block-scaled GEMMs take no epilogue here");
   }
   if (launching && (!f.a_scale_inv || !f.b_scale_inv))
     bad("a_scale_inv and b_scale_inv are required (per-tensor device floats; pass a 1.0f for an unscaled operand)");
@@ -174,9 +203,10 @@ struct GemmKey {
   bool fp8 = false;  // plain keys leave the FP8 fields below at their defaults
   int at = 0, bt = 0, bias_dt = -1;
   bool fast_accum = false, amax = false;
+  int a_scaling = 0, b_scaling = 0;
   auto tie() const {
     return std::tie(kind, m, n, k, ldy, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, al_bias, fp8, at, bt, bias_dt,
-                    fast_accum, amax);
+                    fast_accum, amax, a_scaling, b_scaling);
   }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
   bool operator==(const GemmKey& o) const { return tie() == o.tie(); }
@@ -285,6 +315,8 @@ GemmKey key_of(const GemmCall& g, const Problem& p) {
     k.bias_dt = g.epilogue == Epilogue::bias ? static_cast<int>(data_type(g.fp8->bias)) : -1;
     k.fast_accum = g.fp8->fast_accum;
     k.amax = g.fp8->d_amax != nullptr;
+    k.a_scaling = static_cast<int>(g.fp8->a_scaling);
+    k.b_scaling = static_cast<int>(g.fp8->b_scaling);
   }
   return k;
 }
@@ -312,6 +344,11 @@ struct Descriptors {
         if (f.d_amax) set_attr(op, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, f.d_amax, "set AMAX_D_POINTER");
       }
       set_attr(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(f.fast_accum ? 1 : 0), "set FAST_ACCUM");
+      if (f.a_scaling != Fp8Scaling::tensor || f.b_scaling != Fp8Scaling::tensor) {
+        // cuBLASLt's A is our B (the weight in the forward) and its B our A, as the scale pointers above.
+        set_attr(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_mode(f.b_scaling), "set A_SCALE_MODE");
+        set_attr(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_mode(f.a_scaling), "set B_SCALE_MODE");
+      }
       if (g.epilogue == Epilogue::bias)
         set_attr(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, data_type(f.bias), "set BIAS_DATA_TYPE");
     }

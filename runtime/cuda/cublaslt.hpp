@@ -49,6 +49,18 @@ std::string epilogue_name(Epilogue e);
 // is bf16 except with fp16 output, where cuBLASLt requires it to be fp16. Epilogues: none and bias.
 // Sizes (FP8 tensor-core requirements): k and n multiples of 16 (the leading dimensions of A, B and D),
 // m any, A, B, C and D 16-byte aligned. check_gemm_call throws invalid_argument otherwise.
+// How an FP8 operand's scale_inv is laid out (cuBLASLt's scale modes, Hopper, cuBLASLt 12.9+). For an
+// operand [rows, K] (K-contiguous, as both operands of the primitive are):
+//   tensor    one float (SCALAR_32F)
+//   row128    one float per 1x128 block along K: s[(k / 128) * rows + r] (VEC128_32F; the K-block outer)
+//   block128  one float per 128x128 block: s[(r / 128) * ceil(K / 128) + k / 128] (BLK128x128_32F)
+// Layouts measured against a float32 reference of the dequantised operands on an H100 (cuBLASLt 13.1,
+// tools/microbench/cublaslt_block_fp8_probe.cu). cuBLASLt runs tensor x tensor, row128 x row128 and
+// row128 x block128 (either side), not block128 x block128; block scales need k % 128 == 0 here, no FP8
+// output and no fast accumulation.
+enum class Fp8Scaling { tensor, row128, block128 };
+const char* fp8_scaling_name(Fp8Scaling s);  // "tensor", "1x128", "128x128"
+
 struct Fp8Gemm {
   ops::DType a = ops::DType::e4m3, b = ops::DType::e4m3;  // operand formats
   ops::DType bias = ops::DType::bf16;                     // the bias vector's dtype (Epilogue::bias)
@@ -59,6 +71,9 @@ struct Fp8Gemm {
   // CUBLASLT_MATMUL_DESC_FAST_ACCUM: accumulate in the tensor cores' reduced-precision accumulator without
   // periodic promotion to fp32. TransformerEngine: on for the forward, off for dgrad and wgrad.
   bool fast_accum = true;
+  // How a_scale_inv and b_scale_inv are laid out (fp8_block: whole tensors of block scales). Last, so that
+  // aggregate initialisers of the fields above stay as they were.
+  Fp8Scaling a_scaling = Fp8Scaling::tensor, b_scaling = Fp8Scaling::tensor;
 };
 
 struct GemmCall {

@@ -21,8 +21,15 @@ Recipe parse_recipe(const std::string& name) {
     r.dtype = DType::bf16;
     r.amax_history = r.kind == RecipeKind::fp8_delayed ? 1024 : 1;
     r.margin = 0;
+  } else if (name == "fp8_block") {
+    // Block scaling of the GEMM operands (recipe.hpp); a quantize op casts with its current amax.
+    r.kind = RecipeKind::fp8_block;
+    r.dtype = DType::bf16;
+    r.amax_history = 1;
+    r.margin = 0;
   } else {
-    fail(Status::invalid_argument, "unknown recipe '{}': expected one of fp32, fp16, bf16, fp8_delayed, fp8_current",
+    fail(Status::invalid_argument,
+         "unknown recipe '{}': expected one of fp32, fp16, bf16, fp8_delayed, fp8_current, fp8_block",
          jitfuse::text::shorten(name));
   }
   return r;
@@ -35,6 +42,7 @@ std::string recipe_name(RecipeKind k) {
     case RecipeKind::bf16: return "bf16";
     case RecipeKind::fp8_delayed: return "fp8_delayed";
     case RecipeKind::fp8_current: return "fp8_current";
+    case RecipeKind::fp8_block: return "fp8_block";
   }
   return "?";
 }

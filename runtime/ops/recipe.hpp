@@ -1,6 +1,10 @@
 // Recipes: how numbers are represented. Plain recipes fix the activation/parameter dtype; FP8 recipes
 // keep bf16 activations and make quantize an E4M3 cast with a per-tensor scale, from this tensor's amax
-// (fp8_current) or an amax history (fp8_delayed) that lives with the sequence.
+// (fp8_current) or an amax history (fp8_delayed) that lives with the sequence. fp8_block (issue 44) scales
+// the linears' GEMM operands per block instead (DeepSeek-V3's recipe, TransformerEngine's
+// Float8BlockScaling): activations and gradients per 1x128 block along the GEMM's K, weights per 128x128
+// block, every operand E4M3, power-of-two scales from each block's own amax (no state); its quantize op
+// casts as fp8_current does.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -10,7 +14,7 @@ namespace jitfuse::ops {
 // i32 / i64: integer tensors an op reads beside the stream (cross_entropy's labels, ops::ExtraInputSpec); never
 // an activation, parameter or gradient dtype.
 enum class DType { f32, f16, bf16, e4m3, e5m2, i32, i64 };
-enum class RecipeKind { fp32, fp16, bf16, fp8_delayed, fp8_current };
+enum class RecipeKind { fp32, fp16, bf16, fp8_delayed, fp8_current, fp8_block };
 
 struct Recipe {
   RecipeKind kind = RecipeKind::fp32;
@@ -20,7 +24,10 @@ struct Recipe {
   int amax_history = 0;
   int margin = 0;
 
-  bool is_fp8() const { return kind == RecipeKind::fp8_delayed || kind == RecipeKind::fp8_current; }
+  bool is_fp8() const {
+    return kind == RecipeKind::fp8_delayed || kind == RecipeKind::fp8_current || kind == RecipeKind::fp8_block;
+  }
+  bool is_block() const { return kind == RecipeKind::fp8_block; }
 };
 
 Recipe parse_recipe(const std::string& name);  // throws with the list of known recipes

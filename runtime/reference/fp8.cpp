@@ -10,10 +10,44 @@
 namespace jitfuse::reference {
 
 Fp8Reference::Fp8Reference(const ops::Recipe& r)
-    : delayed_(r.kind == ops::RecipeKind::fp8_delayed), len_(std::max(1, r.amax_history)),
+    : block_(r.is_block()), delayed_(r.kind == ops::RecipeKind::fp8_delayed), len_(std::max(1, r.amax_history)),
       margin_(std::ldexp(1.0f, r.margin)) {}
 
-void Fp8Reference::operator()(int op, const std::string& tensor, Vec& v) {
+namespace {
+
+// The block cast's scale: 2^floor(log2(448 / amax)) in float, at most 2^126; 1 for amax 0 or non-finite.
+float block_scale(float amax) {
+  if (!(amax > 0.f) || !(amax < 3.0e38f)) return 1.f;
+  const float s = std::min(448.f / amax, std::ldexp(1.0f, 126));
+  int e = 0;
+  std::frexp(s, &e);  // s = f * 2^e, f in [0.5, 1)
+  return std::ldexp(1.0f, e - 1);
+}
+
+}  // namespace
+
+void Fp8Reference::block_cast(const std::string& tensor, Vec& v, int64_t rows, int64_t cols) const {
+  // Block (r0, c0) of size br x bc: its amax in float, its scale, codes = RNE(x * scale) saturated.
+  auto cast = [&](int64_t r0, int64_t c0, int64_t br, int64_t bc) {
+    float amax = 0.f;
+    for (int64_t r = r0; r < std::min(rows, r0 + br); ++r)
+      for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c)
+        amax = std::max(amax, std::fabs(static_cast<float>(v[static_cast<size_t>(r * cols + c)])));
+    const float scale = block_scale(amax), inv = 1.f / scale;
+    for (int64_t r = r0; r < std::min(rows, r0 + br); ++r)
+      for (int64_t c = c0; c < std::min(cols, c0 + bc); ++c) {
+        double& x = v[static_cast<size_t>(r * cols + c)];
+        x = e4m3_value(e4m3_bits(static_cast<double>(static_cast<float>(x) * scale))) * static_cast<double>(inv);
+      }
+  };
+  const bool weight = tensor == "weight", cols_blocks = tensor == "input_t" || tensor == "grad_output_t";
+  for (int64_t r0 = 0; r0 < rows; r0 += weight || cols_blocks ? 128 : 1)
+    for (int64_t c0 = 0; c0 < cols; c0 += weight || !cols_blocks ? 128 : 1)
+      cast(r0, c0, weight || cols_blocks ? 128 : 1, weight || !cols_blocks ? 128 : 1);
+}
+
+void Fp8Reference::operator()(int op, const std::string& tensor, Vec& v, int64_t rows, int64_t cols) {
+  if (block_) return block_cast(tensor, v, rows, cols);
   const bool e5m2 = tensor == "grad_output";
   const float fmax = e5m2 ? 57344.f : 448.f;
   auto& st = state_[{op, tensor}];

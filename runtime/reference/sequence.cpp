@@ -63,10 +63,11 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
     switch (op.family) {
       case Family::linear:
         if (in.quantize) {
+          if (in.transposed_copies) in.quantize(op.index, "input_t", f.quantized[{op.index, "input_t"}] = v, rows, cols);
           Vec& xq = f.quantized[{op.index, "input"}] = v;
           Vec& wq = f.quantized[{op.index, "weight"}] = param(in, op, "weight");
-          in.quantize(op.index, "input", xq);
-          in.quantize(op.index, "weight", wq);
+          in.quantize(op.index, "input", xq, rows, cols);
+          in.quantize(op.index, "weight", wq, ops::cols_of(op.out), cols);
           v = linear_fwd(xq, wq, rows, ops::cols_of(op.out), cols);
         } else {
           v = linear_fwd(v, param(in, op, "weight"), rows, ops::cols_of(op.out), cols);
@@ -136,8 +137,12 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
       case Family::linear: {
         const int64_t n = ops::cols_of(op.out);
         if (in.quantize) {
-          in.quantize(i, "grad_output", dy);
-          g.grad_params[{i, "weight"}] = linear_wgrad(dy, fwd.quantized.at({i, "input"}), rows, n, cols);
+          Vec dyt;
+          if (in.transposed_copies) in.quantize(i, "grad_output_t", dyt = dy, rows, n);
+          in.quantize(i, "grad_output", dy, rows, n);
+          g.grad_params[{i, "weight"}] = in.transposed_copies
+                                             ? linear_wgrad(dyt, fwd.quantized.at({i, "input_t"}), rows, n, cols)
+                                             : linear_wgrad(dy, fwd.quantized.at({i, "input"}), rows, n, cols);
           dy = linear_dgrad(dy, fwd.quantized.at({i, "weight"}), rows, n, cols);
           break;
         }

@@ -18,9 +18,12 @@ struct SeqInputs {
   std::map<ParamKey, Vec> params;
   uint64_t rng_offset = 0;
   uint64_t rng_seed = 0;  // the call's Philox seed: a dropout's key is its seed attribute XOR this
-  // FP8 recipes: replaces a linear's GEMM operand by its quantised value (op, "input" | "weight" |
-  // "grad_output"), as the GPU's cast does; called once per operand per pass. Unset: exact GEMMs.
-  std::function<void(int op, const std::string& tensor, Vec& v)> quantize;
+  // FP8 recipes: replaces a linear's GEMM operand [rows, cols] by its quantised value (op, "input" |
+  // "weight" | "grad_output"), as the GPU's cast does; called once per operand per pass. Unset: exact GEMMs.
+  // With `transposed_copies` (fp8_block) the wgrad reads copies of x and dy quantised on their own
+  // ("input_t", "grad_output_t": the GPU's transposed copies, scaled per block of 128 rows of a column).
+  std::function<void(int op, const std::string& tensor, Vec& v, int64_t rows, int64_t cols)> quantize;
+  bool transposed_copies = false;
 };
 
 struct SeqForward {

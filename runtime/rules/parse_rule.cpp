@@ -228,7 +228,8 @@ Conditions parse_conditions(const json& c, const std::string& p) {
   Conditions out;
   using ops::RecipeKind;
   std::vector<std::string> recipes;
-  for (auto k : {RecipeKind::fp32, RecipeKind::fp16, RecipeKind::bf16, RecipeKind::fp8_delayed, RecipeKind::fp8_current})
+  for (auto k : {RecipeKind::fp32, RecipeKind::fp16, RecipeKind::bf16, RecipeKind::fp8_delayed, RecipeKind::fp8_current,
+                 RecipeKind::fp8_block})
     recipes.push_back(ops::recipe_name(k));
   std::vector<std::string> dtypes;
   for (auto d : {ops::DType::f32, ops::DType::f16, ops::DType::bf16, ops::DType::e4m3, ops::DType::e5m2})

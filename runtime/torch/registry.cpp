@@ -90,7 +90,7 @@ std::shared_ptr<Sequence> create_defined(int64_t key, int device, const Definiti
   s->accumulate.resize(s->params.size(), 0);
   s->n_extra_inputs = d.n_extra_inputs;
   s->n_extra_outputs = d.n_extra_outputs;
-  s->fp8 = d.recipe == "fp8_delayed" || d.recipe == "fp8_current";
+  s->fp8 = d.recipe == "fp8_delayed" || d.recipe == "fp8_current" || d.recipe == "fp8_block";
   s->fp8_output = d.fp8_output;
   s->last_op = jf_sequence_num_ops(s->seq) - 1;
   return s;

@@ -58,7 +58,10 @@ Run forward_once(jf_sequence seq, const std::vector<ops::Op>& ops, std::mt19937_
   };
   const int qi = static_cast<int>(ops.size()) - 1;
   reference::SeqInputs in;
-  if (quantize) in.quantize = [quantize](int op, const std::string& t, std::vector<double>& v) { (*quantize)(op, t, v); };
+  if (quantize)
+    in.quantize = [quantize](int op, const std::string& t, std::vector<double>& v, int64_t r, int64_t c) {
+      (*quantize)(op, t, v, r, c);
+    };
   in.input = x_keep && !x_keep->empty() ? *x_keep : rnd(ops::numel(ops.front().in));
   if (x_keep) *x_keep = in.input;
   std::vector<std::unique_ptr<harness::DeviceTensor>> keep;

@@ -60,7 +60,7 @@ void count_free(void* p, size_t, jf_stream s, void* user) {
 // `misaligned`: every tensor one element past a 16-byte boundary, and the capture comes first, so the call
 // that selects the scalar variants, and compiles and loads them (a context with an empty disk cache), is
 // the captured one.
-void graph_case(const std::string& json, const ops::Shape& shape, bool misaligned = false) {
+void graph_case(const std::string& json, const ops::Shape& shape, bool misaligned = false, const char* recipe = "bf16") {
   cuda::current_device();  // the device's primary context current (the test creates streams itself)
   std::optional<test::FreshContext> fresh;
   jf_context ctx = nullptr;
@@ -72,7 +72,7 @@ void graph_case(const std::string& json, const ops::Shape& shape, bool misaligne
   jf_allocator alloc{count_alloc, count_free, &counter};
   REQUIRE(jf_context_set_allocator(ctx, &alloc) == JF_OK);
   jf_sequence seq = nullptr;
-  REQUIRE(jf_sequence_create(ctx, json.c_str(), "bf16", &seq) == JF_OK);
+  REQUIRE(jf_sequence_create(ctx, json.c_str(), recipe, &seq) == JF_OK);
   CUstream s = nullptr;
   ck(drv().cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   REQUIRE(jf_sequence_prepare(seq, shape.data(), static_cast<int>(shape.size()), 1, reinterpret_cast<jf_stream>(s)) ==
@@ -149,6 +149,11 @@ void graph_case(const std::string& json, const ops::Shape& shape, bool misaligne
 TEST_CASE("a prepared MLP (with dropout) forward+backward captured in a CUDA graph replays bit-identically",
           "[graph]") {
   graph_case(test::seq_json(kMlpDropout, "mlp_dropout"), {64, 256});
+}
+
+TEST_CASE("the MLP under fp8_block (block-scaled casts and GEMMs) captured in a CUDA graph replays bit-identically",
+          "[graph][fp8_block]") {
+  graph_case(test::seq_json(kMlpDropout, "mlp_block"), {128, 256}, false, "fp8_block");
 }
 
 TEST_CASE("the transformer layer forward+backward captured in a CUDA graph replays bit-identically", "[graph]") {

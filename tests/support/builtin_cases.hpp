@@ -92,9 +92,24 @@ inline const std::vector<const char*>& builtin_block_sequences() {
   return v;
 }
 
+// Under fp8_block (issue 44; after the block list): linears of whole 128-wide blocks, the GPT-2 MLP with its
+// residual, the Llama half-block with a channel, and a quantize (current scaling under fp8_block).
+inline const std::vector<const char*>& builtin_fp8_block_sequences() {
+  static const std::vector<const char*> v = {
+      R"([{"op": "layernorm"}, {"op": "linear", "in_features": 128, "out_features": 256}, {"op": "bias"},
+          {"op": "gelu"}, {"op": "linear", "in_features": 256, "out_features": 128}, {"op": "bias"},
+          {"op": "add_extra_input"}])",
+      R"([{"op": "make_extra_output", "channel": "r"}, {"op": "rmsnorm"},
+          {"op": "linear", "in_features": 128, "out_features": 512}, {"op": "swiglu"},
+          {"op": "linear", "in_features": 256, "out_features": 128}, {"op": "add_extra_input", "channel": "r"}])",
+      R"([{"op": "layernorm"}, {"op": "quantize"}])",
+  };
+  return v;
+}
+
 struct BuiltinCase {
-  int seq = 0;  // index into builtin_sequences(), builtin_fp8_sequences(), builtin_chain_sequences(), then
-                // builtin_block_sequences()
+  int seq = 0;  // index into builtin_sequences(), builtin_fp8_sequences(), builtin_chain_sequences(),
+                // builtin_block_sequences(), then builtin_fp8_block_sequences()
   std::string ops_json;
   std::string recipe;
   bool training = true;
@@ -122,6 +137,10 @@ inline std::vector<BuiltinCase> builtin_cases() {
   for (const char* s : builtin_fp8_sequences()) add(s, {"fp8_delayed", "fp8_current"});
   for (const char* s : builtin_chain_sequences()) add(s, {"fp32", "fp16", "bf16"});
   for (const char* s : builtin_block_sequences()) add(s, {"bf16", "fp8_delayed", "fp8_current"});
+  for (const char* s : builtin_fp8_block_sequences()) {  // whole 128-row blocks (the wgrad's K)
+    for (bool training : {true, false}) out.push_back({seq, s, "fp8_block", training, ops::Shape{256, 128}});
+    ++seq;
+  }
   return out;
 }
 

@@ -212,6 +212,26 @@ struct TnOperands {
     c.fp8 = cuda::Fp8Gemm{ops::DType::e4m3, ops::DType::e4m3, ops::DType::bf16, sp, sp + 4, nullptr, nullptr, fast_accum};
     return c;
   }
+  // The problem as fp8_block runs it: 1x128 block scales on A; on B 128x128 (forward, dgrad: a weight) or
+  // 1x128 (wgrad: an activation's transposed copy); fp32 accumulation. The scale tensors (ones) are made
+  // on first use, sized for the largest operand.
+  cuda::GemmCall block(const TnGemm& g, CUstream s) {
+    if (!sa) {
+      const int64_t n = most / 128 + 128;
+      sa = std::make_unique<DeviceTensor>(ops::Shape{n}, "fp32");
+      sb = std::make_unique<DeviceTensor>(ops::Shape{n}, "fp32");
+      sa->upload_values(std::vector<double>(static_cast<size_t>(n), 1.0), s);
+      sb->upload_values(std::vector<double>(static_cast<size_t>(n), 1.0), s);
+    }
+    cuda::GemmCall c = fp8(g, false);
+    c.fp8->a_scale_inv = reinterpret_cast<const float*>(sa->ptr());
+    c.fp8->b_scale_inv = reinterpret_cast<const float*>(sb->ptr());
+    c.fp8->a_scaling = cuda::Fp8Scaling::row128;
+    c.fp8->b_scaling = std::string(g.name).find("wgrad") != std::string::npos ? cuda::Fp8Scaling::row128
+                                                                             : cuda::Fp8Scaling::block128;
+    return c;
+  }
+  std::unique_ptr<DeviceTensor> sa, sb;
 };
 
 // Bare cuBLASLt FP8: the six TN GEMMs of the FP8 MLP program, as the program runs them.
@@ -224,10 +244,10 @@ double gemms_ms(const BenchEnv& env, const std::vector<cuda::GemmCall>& calls) {
   }, env.opts);
 }
 
-double mlp_fp8_baseline_ms(const BenchEnv& env) {
+double mlp_fp8_baseline_ms(const BenchEnv& env, bool block = false) {
   TnOperands o(env.stream);
   std::vector<cuda::GemmCall> calls;
-  for (const auto& g : kMlpTnGemms) calls.push_back(o.fp8(g, g.forward));
+  for (const auto& g : kMlpTnGemms) calls.push_back(block ? o.block(g, env.stream) : o.fp8(g, g.forward));
   return gemms_ms(env, calls);
 }
 
@@ -238,7 +258,7 @@ double mlp_fp8_baseline_ms(const BenchEnv& env) {
 std::vector<Row> mlp_fp8(const BenchEnv& env) {
   std::vector<Row> rows;
   double bf16_ms = 0;
-  for (const char* recipe : {"bf16", "fp8_delayed", "fp8_current"}) {
+  for (const char* recipe : {"bf16", "fp8_delayed", "fp8_current", "fp8_block"}) {
     SeqBench b = mlp_seq(env, R, "gelu", recipe);
     const bool fp8 = std::string(recipe) != "bf16";
     for (bool unchanged : fp8 ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
@@ -246,7 +266,7 @@ std::vector<Row> mlp_fp8(const BenchEnv& env) {
             step_ms(env, b, unchanged), 0, kMlpFlops};
       if (!fp8) bf16_ms = r.ms;
       if (fp8 && bf16_ms > 0) r.speedup = bf16_ms / r.ms;
-      if (fp8 && unchanged) r.baseline_ms = mlp_fp8_baseline_ms(env);
+      if (fp8 && unchanged) r.baseline_ms = mlp_fp8_baseline_ms(env, std::string(recipe) == "fp8_block");
       rows.push_back(r);
     }
   }
@@ -358,7 +378,7 @@ std::vector<Row> cast_transpose(const BenchEnv& env) {
   constexpr int64_t N = 256;
   TnOperands o(env.stream);
   std::vector<Row> rows;
-  for (const char* recipe : {"fp8_delayed", "fp8_current"})
+  for (const char* recipe : {"fp8_delayed", "fp8_current", "fp8_block"})
     for (int64_t K : {int64_t{4096}, int64_t{16384}}) {
       SeqBench b(env.ctx, env.stream,
                  fmt::format(R"([{{"op": "linear", "in_features": {}, "out_features": {}}}])", K, N), {R, K}, {R, N},
@@ -369,7 +389,9 @@ std::vector<Row> cast_transpose(const BenchEnv& env) {
         b.forward(env.stream, &saved, true);
         jf_saved_release(saved, reinterpret_cast<jf_stream>(env.stream));
       }, env.opts);
-      const double gemm = gemms_ms(env, {o.fp8(TnGemm{"fwd", R, N, K, true}, true)});
+      const bool block = std::string(recipe) == "fp8_block";
+      const double gemm = gemms_ms(env, {block ? o.block(TnGemm{"fwd", R, N, K, true}, env.stream)
+                                               : o.fp8(TnGemm{"fwd", R, N, K, true}, true)});
       const bool current = std::string(recipe) == "fp8_current";
       rows.push_back({fmt::format("cast_transpose {} (fwd {:.3f} - gemm {:.3f})", recipe, fwd, gemm),
                       fmt::format("{}x{} -> e4m3 + T", R, K), std::max(fwd - gemm, 1e-6),

@@ -506,7 +506,10 @@ CheckReport check_sequence(jf_context ctx, const ops::Registry& registry, const 
   // FP8: the reference quantises every GEMM operand as the GPU's casts do, with its own copy of the recipe
   // state; calls before the compared one advance both states (the delayed amax history rolls).
   reference::Fp8Reference q8(recipe);
-  if (fp8) in.quantize = [&q8](int op, const std::string& tn, Vec& v) { q8(op, tn, v); };
+  if (fp8) {
+    in.quantize = [&q8](int op, const std::string& tn, Vec& v, int64_t r, int64_t c) { q8(op, tn, v, r, c); };
+    in.transposed_copies = q8.block();
+  }
   Vec gy;
   if (opt.backward) gy = random_vec(rng, ops::numel(ops.back().out), -1, 1, rc);
   const Backward backward{seq, js, stream, opt, info, fa, t, raw, ops, gy};

@@ -120,9 +120,19 @@ std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json&
   }
   j["operands"] = std::move(operands);
   if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
-  if (g.call.fp8)
+  if (g.call.fp8) {
     j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
                 {"fast_accum", g.call.fp8->fast_accum}};
+    if (g.call.fp8->a_scaling != cuda::Fp8Scaling::tensor) {
+      // fp8_block: the scales' blocks and the layout cuBLASLt reads them in (cuda::Fp8Scaling).
+      auto scale_layout = [](cuda::Fp8Scaling s) {
+        return s == cuda::Fp8Scaling::row128 ? "[K/128, rows] fp32 (one per 1x128 block, K-block outer)"
+                                             : "[rows/128, K/128] fp32 (one per 128x128 block)";
+      };
+      j["fp8"]["a_scales"] = {{"blocks", cuda::fp8_scaling_name(g.call.fp8->a_scaling)}, {"layout", scale_layout(g.call.fp8->a_scaling)}};
+      j["fp8"]["b_scales"] = {{"blocks", cuda::fp8_scaling_name(g.call.fp8->b_scaling)}, {"layout", scale_layout(g.call.fp8->b_scaling)}};
+    }
+  }
   return gemm_bytes(p, g);
 }
 

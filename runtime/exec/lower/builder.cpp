@@ -280,7 +280,9 @@ Builder::Fp8Operand& Builder::fp8_operand(int lin, fp8::Operand operand) {
     case Operand::weight: rows = ops::cols_of(o.out), cols = ops::cols_of(o.in); break;
     case Operand::none: fail(Status::internal, "{}: an FP8 copy needs an operand", o.label());
   }
-  const ops::DType dt = operand == Operand::grad_output ? ops::DType::e5m2 : ops::DType::e4m3;
+  // fp8_block: every operand E4M3 (TransformerEngine's Float8BlockScaling), per-block scales.
+  const bool block = p_.recipe.is_block();
+  const ops::DType dt = operand == Operand::grad_output && !block ? ops::DType::e5m2 : ops::DType::e4m3;
   const bool weight = operand == Operand::weight;
   const Storage row_at = weight ? Storage::persistent : forward_ ? Storage::fwd_arena : Storage::bwd_arena;
   // The input's transposed copy is what the wgrad reads: it and the scale_inv both copies share are saved.
@@ -306,8 +308,17 @@ Builder::Fp8Operand& Builder::fp8_operand(int lin, fp8::Operand operand) {
   f.cols = cols;
   f.row = make(fp8::Part::row, row_at, rows, cols, dt);
   if (p_.training) f.col = make(fp8::Part::col, col_at, cols, rows, dt);
-  f.scale_inv = make(fp8::Part::scale_inv, p_.training ? col_at : row_at, 1, 1, ops::DType::f32);
-  p_.buffers[static_cast<size_t>(f.scale_inv)].needs_align16 = false;
+  if (!block) {
+    f.scale_inv = make(fp8::Part::scale_inv, p_.training ? col_at : row_at, 1, 1, ops::DType::f32);
+    p_.buffers[static_cast<size_t>(f.scale_inv)].needs_align16 = false;
+  } else if (weight) {  // one scale per 128 x 128 block: [rows/128, cols/128], and its transpose
+    const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+    f.scale_inv = make(fp8::Part::scale_inv, row_at, rb, cb, ops::DType::f32);
+    if (p_.training) f.col_scale_inv = make(fp8::Part::col_scale_inv, col_at, cb, rb, ops::DType::f32);
+  } else {  // 1x128 blocks along the columns [cols/128, rows]; 128x1 along the rows [rows/128, cols]
+    f.scale_inv = make(fp8::Part::scale_inv, p_.training ? col_at : row_at, (cols + 127) / 128, rows, ops::DType::f32);
+    if (p_.training) f.col_scale_inv = make(fp8::Part::col_scale_inv, col_at, (rows + 127) / 128, cols, ops::DType::f32);
+  }
   return fp8_[key] = f;
 }
 
@@ -547,6 +558,7 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
       }
       break;
     case Arg::Role::fp8_colwise: k.buffer = fp8_operand(a.op, fp8_tensor).col; break;
+    case Arg::Role::fp8_colwise_scale_inv: k.buffer = fp8_operand(a.op, fp8_tensor).col_scale_inv; break;
   }
   return k;
 }

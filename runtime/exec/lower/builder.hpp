@@ -57,8 +57,10 @@ class Builder {
   // row-major copy in the forward arena, its transposed copy and scale_inv in the saved block (the wgrad
   // reads them); the weight's in persistent storage (cast once per optimizer step); the gradient's in the
   // backward arena. Made once per (lin, tensor); `ready` says whether a kernel already writes it.
+  // Under fp8_block scale_inv holds the row-major codes' block scales and col_scale_inv the transposed
+  // codes' (training; both beside their codes).
   struct Fp8Operand {
-    int row = -1, col = -1, scale_inv = -1;
+    int row = -1, col = -1, scale_inv = -1, col_scale_inv = -1;
     int64_t rows = 0, cols = 0;  // the row-major copy's shape (the transposed one is [cols, rows])
     bool ready = false;
   };

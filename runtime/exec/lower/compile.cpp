@@ -19,7 +19,7 @@ fuser::Plan make_plan(const std::vector<ops::Op>& ops, const ops::Recipe& recipe
   in.arch = o.arch;
   in.training = o.training;
   in.disable_fusion = o.disable_fusion;
-  return fuser::plan(ops, in, rs, legality(recipe.is_fp8()));
+  return fuser::plan(ops, in, rs, legality(recipe.is_fp8(), recipe.is_block()));
 }
 
 namespace {

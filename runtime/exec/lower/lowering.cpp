@@ -196,6 +196,14 @@ cuda::Fp8Gemm fp8_gemm(ops::DType a, ops::DType bt, bool fast) {
   return f;
 }
 
+// fp8_block (cuda::Fp8Scaling): E4M3 x E4M3 with A's and B's block scales, fp32 accumulation.
+cuda::Fp8Gemm block_gemm(cuda::Fp8Scaling a, cuda::Fp8Scaling bt) {
+  cuda::Fp8Gemm f = fp8_gemm(ops::DType::e4m3, ops::DType::e4m3, false);
+  f.a_scaling = a;
+  f.b_scaling = bt;
+  return f;
+}
+
 }  // namespace
 
 GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
@@ -212,7 +220,10 @@ GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
       fp8_cast_operand(b, lin, fp8::Operand::weight, b.param(lin, Key::weight), lin, lin);
     const auto& xin = b.fp8_operand(lin, fp8::Operand::input);
     const auto& w = b.fp8_operand(lin, fp8::Operand::weight);
-    g.call.fp8 = fp8_gemm(ops::DType::e4m3, ops::DType::e4m3, true);
+    g.call.fp8 = b.recipe().is_block() ? block_gemm(cuda::Fp8Scaling::row128, cuda::Fp8Scaling::block128)
+                                       : fp8_gemm(ops::DType::e4m3, ops::DType::e4m3, true);
+    if (b.recipe().is_block() && epi != cuda::Epilogue::none)
+      fail(Status::internal, "{}: fp8_block GEMMs take no epilogue ({})", b.ops()[lin].label(), cuda::epilogue_name(epi));
     g.a = xin.row;
     g.b = w.row;
     g.a_scale_inv = xin.scale_inv;
@@ -240,14 +251,19 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
   const auto& x = b.fp8_operand(lin, fp8::Operand::input);
   const int64_t m = ops::rows_of(op.in), k = ops::cols_of(op.in), n = ops::cols_of(op.out);
   const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
-  // Both as the TN primitive D[rows, cols] = (A[rows, inner] . B[cols, inner]^T) on E5M2 dy x E4M3.
-  auto tn = [&](int64_t rows, int64_t cols, int64_t inner, int a, int a_si, int bt, int b_si, int d) {
+  // Both as the TN primitive D[rows, cols] = (A[rows, inner] . B[cols, inner]^T) on E5M2 dy x E4M3 (fp8_block:
+  // E4M3 x E4M3 with block scales: dgrad 1x128 dy x 128x128 W^T, wgrad 1x128 dy^T x 1x128 x^T, each transposed
+  // copy with the scales of its own cast).
+  const bool block = b.recipe().is_block();
+  using cuda::Fp8Scaling;
+  auto tn = [&](int64_t rows, int64_t cols, int64_t inner, int a, int a_si, int bt, int b_si, int d,
+                Fp8Scaling b_scaling) {
     GemmStep g = b.linear_gemm(lin, cuda::GemmKind::fwd);
     g.call.m = rows;
     g.call.n = cols;
     g.call.k = inner;
     g.call.alpha = lb.alpha;
-    g.call.fp8 = fp8_gemm(ops::DType::e5m2, ops::DType::e4m3, false);
+    g.call.fp8 = block ? block_gemm(Fp8Scaling::row128, b_scaling) : fp8_gemm(ops::DType::e5m2, ops::DType::e4m3, false);
     g.a = a;
     g.a_scale_inv = a_si;
     g.b = bt;
@@ -255,16 +271,19 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
     g.d = d;
     return g;
   };
-  GemmStep dg = tn(m, k, n, dy.row, dy.scale_inv, w.col, w.scale_inv, lb.dx);  // dx[m,k] = dy[m,n] . (W^T[k,n])^T
+  // dx[m,k] = dy[m,n] . (W^T[k,n])^T
+  GemmStep dg = tn(m, k, n, dy.row, dy.scale_inv, w.col, block ? w.col_scale_inv : w.scale_inv, lb.dx,
+                   Fp8Scaling::block128);
   if (lb.accumulate >= 0) {
     dg.call.beta = 1.f;
     dg.c = lb.accumulate;
   }
-  b.gemm(dg, who + ": FP8 dgrad " + op.label() + " (E5M2 dy x E4M3 W^T)");
+  b.gemm(dg, who + ": FP8 dgrad " + op.label() + (block ? " (E4M3 dy 1x128 x E4M3 W^T 128x128 block scales)" : " (E5M2 dy x E4M3 W^T)"));
   // dW[n,k] = dy^T[n,m] . (x^T[k,m])^T
-  GemmStep wg = tn(n, k, m, dy.col, dy.scale_inv, x.col, x.scale_inv, b.grad(lin, Key::weight));
+  GemmStep wg = tn(n, k, m, dy.col, block ? dy.col_scale_inv : dy.scale_inv, x.col,
+                   block ? x.col_scale_inv : x.scale_inv, b.grad(lin, Key::weight), Fp8Scaling::row128);
   wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
-  b.gemm(wg, who + ": FP8 wgrad " + op.label() + " (E5M2 dy^T x E4M3 x^T)");
+  b.gemm(wg, who + ": FP8 wgrad " + op.label() + (block ? " (E4M3 dy^T x E4M3 x^T, 1x128 block scales)" : " (E5M2 dy^T x E4M3 x^T)"));
 }
 
 }  // namespace

@@ -44,11 +44,11 @@ class GemmTuner {
     if (!enabled_) return false;
     auto bytes = [&](int id) { return id >= 0 ? round256(p.buffer(id).bytes) : 0; };
     // The operands cuBLASLt reads or writes with their sizes; FP8 scale and amax pointers one float each
-    // (zeros, fine for timing). The workspace comes last.
+    // (fp8_block's scale tensors their size; zeros, fine for timing). The workspace comes last.
     size_t need = cuda::kGemmWorkspace;
     for (int i = 0; i < kGemmOperands; ++i) {
       const auto o = static_cast<GemmOperand>(i);
-      if (scratch(o)) need += is_scalar(o) ? (call.fp8 ? 256 : 0) : bytes(g.operand(o));
+      if (scratch(o)) need += is_scalar(o) ? (call.fp8 ? std::max<size_t>(256, bytes(g.operand(o))) : 0) : bytes(g.operand(o));
     }
     if (need > max_bytes_) return false;
     const auto& d = cuda::driver();
@@ -67,7 +67,7 @@ class GemmTuner {
       if (!scratch(o) || (is_scalar(o) && !call.fp8)) continue;
       const int id = g.operand(o);
       set_operand(call, o, id >= 0 ? reinterpret_cast<void*>(block_ + at) : nullptr);
-      at += is_scalar(o) ? 256 : bytes(id);
+      at += is_scalar(o) ? std::max<size_t>(256, bytes(id)) : bytes(id);  // fp8_block's scales: whole tensors
     }
     call.workspace = reinterpret_cast<void*>(block_ + at);
     return true;

@@ -69,7 +69,8 @@ JF_API jf_status jf_context_set_allocator(jf_context ctx, const jf_allocator* al
 
 /* Sequence from JSON text ("jitfuse.sequence/1") or a file, under a recipe: "fp32", "fp16", "bf16", or
  * "fp8_delayed" / "fp8_current" (bf16 activations; a sequence without linear ops whose last op, quantize,
- * writes E4M3 bytes). */
+ * writes E4M3 bytes), or "fp8_block" (bf16 activations; the linears' GEMM operands E4M3 with a scale per
+ * 1x128 block of activations and gradients and per 128x128 block of weights: docs/rules.md, "FP8"). */
 JF_API jf_status jf_sequence_create(jf_context ctx, const char* json, const char* recipe, jf_sequence* out);
 JF_API jf_status jf_sequence_create_from_file(jf_context ctx, const char* path, const char* recipe, jf_sequence* out);
 JF_API jf_status jf_sequence_destroy(jf_sequence seq);
@@ -263,7 +264,7 @@ typedef struct jf_fp8_state {
 } jf_fp8_state;
 JF_API jf_status jf_sequence_fp8_state(jf_sequence seq, int op_index, jf_fp8_state* out);
 /* The recipe state of one FP8 GEMM operand of a linear op: tensor "input" and "weight" (E4M3) or
- * "grad_output" (E5M2, written by jf_backward). scale_inv here is the last cast's; the GEMMs read the copy
+ * "grad_output" (E5M2, written by jf_backward); fp8_delayed and fp8_current (fp8_block keeps none). scale_inv here is the last cast's; the GEMMs read the copy
  * each cast writes beside its FP8 tensor. */
 JF_API jf_status jf_sequence_fp8_operand_state(jf_sequence seq, int op_index, const char* tensor, jf_fp8_state* out);
 

@@ -27,7 +27,7 @@ log = logging.getLogger("jitfuse")
 
 LIBRARY_NAME = "libjitfuse.so"
 SYSTEM_SONAME = "libjitfuse.so.0"  # what the system loader is asked for last
-RECIPES = ("fp32", "fp16", "bf16", "fp8_delayed", "fp8_current")
+RECIPES = ("fp32", "fp16", "bf16", "fp8_delayed", "fp8_current", "fp8_block")
 
 # ---------------------------------------------------------------------------------------------------
 # Finding and loading the library

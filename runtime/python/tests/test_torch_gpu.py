@@ -598,7 +598,7 @@ def test_two_modules_on_two_streams():
 # the backward GEMMs an E5M2 output gradient (2 bits: up to 2^-3); a tensor's relative error is what the
 # formats determine (a few per cent, the gradients through two E5M2 casts most), so elementwise bounds
 # would only measure the outliers of k-term sums. The reference is exact (float64, no quantisation).
-FP8_RECIPES = ["fp8_delayed", "fp8_current"]
+FP8_RECIPES = ["fp8_delayed", "fp8_current", "fp8_block"]
 FP8_TOL = 0.125
 # After an optimizer step the reference output must move by more than this (relative): a forward that
 # kept the old weights' FP8 copies would then miss FP8_TOL by far (its error would be about this).

@@ -87,6 +87,13 @@ struct Fp8Spec {
   // stages, no scale, no amax: the kernel that wrote the codes did those).
   bool codes_in = false;
   double margin = 0;       // scale = fp8_max / amax / 2^margin
+  // fp8_block (issue 44; cast_transpose skeleton, no stages): scales per block from each block's own amax,
+  // no recipe state. 1: an activation or gradient, one scale per 1x128 block of a row for the row-major
+  // codes and per 128x1 block of a column for the transposed ones; 2: a weight, one scale per 128x128 block
+  // for both. The scales go to the Role::fp8_scale_inv and Role::fp8_colwise_scale_inv arguments in the
+  // layouts templates/skeletons/block_cast.cuh gives.
+  int block = 0;
+  bool colwise = true;     // block: write the transposed codes and their scales too (training)
 };
 // The kernels of the cross_entropy skeleton (codegen/src/cross_entropy.cpp, templates/skeletons/cross_entropy.cuh).
 // KernelSpec::cols is V (the logits' columns) for the row kernels, the tensor's columns for `scale`. A row
@@ -169,6 +176,7 @@ struct Arg {
     fp8_amax,      // (op) writes: float[grid blocks], one partial amax per block; reads (current scaling's
                    //      cast pass): amax_history[0]
     fp8_colwise,   // (op) cast_transpose: the transposed FP8 codes, unsigned char [cols, rows] (written)
+    fp8_colwise_scale_inv,  // (op) a block-scaled cast (Fp8Spec::block): the transposed codes' block scales
   } role;
   int op = -1;       // the op's index in the sequence (the source names it by its position in the kernel)
   std::string name;  // what it is ("in", "rows", "scale_input", ...); for keyed roles key_name(key)

@@ -6,6 +6,11 @@
 //   forward  y  = x W^T   A = x  row-major  [m, k]   B = W  row-major  [n, k]   fast accumulation
 //   dgrad    dx = dy W    A = dy row-major  [m, n]   B = W^T (W col)   [k, n]   fp32 accumulation
 //   wgrad    dW = dy^T x  A = dy^T (dy col) [n, m]   B = x^T (x col)   [k, m]   fp32 accumulation
+//
+// fp8_block scales per block instead (cuda::Fp8Scaling): x and dy per 1x128 block along their rows for the
+// forward and dgrad, per 128x1 block along their columns for the wgrad (their transposed copies, cast from
+// the bf16 tensor with scales of their own, not a transpose of the row-major codes); W per 128x128 block
+// (its transposed copy shares the scales). Every operand E4M3.
 #include "common/error.hpp"
 #include "exec/lower/lowering.hpp"
 
@@ -22,12 +27,72 @@ void check_fp8_linear(const Builder& b, int lin) {
            "operands are {}x{} and {}x{}): pad it, or run this sequence under bf16", o.label(),
            ops::recipe_name(b.recipe().kind), what, v, m, k, n, k);
   };
+  if (b.recipe().is_block()) {
+    // Block scales: whole 1x128 blocks along every K, whole 128x128 weight blocks.
+    auto need = [&](int64_t v, int64_t mult, const char* what) {
+      if (v % mult != 0)
+        fail(Status::unsupported, "{} under recipe fp8_block: {} must be a multiple of {} (got {}; the operands are "
+             "{}x{} and {}x{}): block scaling takes whole 1x128 blocks along each GEMM's K and 128x128 weight "
+             "blocks; pad it, or run this sequence under fp8_current or bf16", o.label(), what, mult, v, m, k, n, k);
+    };
+    need(k, 128, "in_features");
+    need(n, 128, "out_features");
+    if (b.training())
+      need(m, 128, "the number of rows (the wgrad GEMM contracts over them in 1x128 blocks)");
+    else
+      need(m, 16, "the number of rows");
+    return;
+  }
   need16(k, "in_features");
   need16(n, "out_features");
   if (b.training()) need16(m, "the number of rows (the wgrad GEMM contracts over them)");
 }
 
+namespace {
+
+// fp8_block: the operand's block-scaled cast (codegen Fp8Spec::block) of the bf16 tensor `src` as it is
+// (a chain before the cast ran as its own kernel): row-major codes with their scales and, in training, the
+// transposed codes with theirs, in one kernel.
+void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src) {
+  auto& dst = b.fp8_operand(lin, operand);
+  const bool weight = operand == fp8::Operand::weight;
+  const auto& o = b.ops().at(static_cast<size_t>(lin));
+  KernelSpec spec;
+  spec.skeleton = codegen::Skeleton::cast_transpose;
+  spec.dir = b.forward() ? codegen::Direction::forward : codegen::Direction::backward;
+  spec.dtype = ops::dtype_name(b.recipe().dtype);
+  spec.rule = b.group().rule;
+  spec.cols = dst.cols;
+  spec.vec = dst.cols % 8 == 0 && dst.rows % 16 == 0;
+  spec.label = weight ? "block_cast_128x128_e4m3" : b.training() ? "block_cast_transpose_1x128_e4m3" : "block_cast_1x128_e4m3";
+  codegen::Fp8Spec q;
+  q.op = lin;
+  q.tensor = fp8::name(operand);
+  q.block = weight ? 2 : 1;
+  q.colwise = b.training();
+  spec.fp8 = q;
+  nlohmann::json meta = b.kernel_meta(lin, b.forward() ? "forward" : "backward");
+  meta["fp8_operand"] = q.tensor;
+  const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
+  const size_t first = b.steps();
+  b.kernel(spec, meta, src, dst.row, dst.rows,
+           fmt::format("{}: generated block-scaled E4M3 cast of {} of {} ({}{})", who, q.tensor, o.label(),
+                       weight ? "128x128 blocks" : "1x128 blocks",
+                       b.training() ? (weight ? ", row-major and transposed" : ", row-major; transposed with 128x1 blocks")
+                                    : ""));
+  if (weight) b.mark_weight_casts(first);
+  dst.ready = true;
+}
+
+}  // namespace
+
 void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bgn, int e) {
+  if (b.recipe().is_block()) {
+    if (bgn < e)
+      fail(Status::internal, "{}: under fp8_block a chain does not write a linear's FP8 operand (no fusion rule "
+           "pairs them yet): the chain writes bf16 and the block-scaled cast reads it", b.ops()[lin].label());
+    return block_cast_operand(b, lin, operand, src);
+  }
   const auto& ops = b.ops();
   auto& dst = b.fp8_operand(lin, operand);
   const bool weight = operand == fp8::Operand::weight;

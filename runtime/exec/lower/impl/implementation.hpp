@@ -46,10 +46,11 @@ class Implementation {
 };
 
 // The fuser's legality predicate: the implementation a rule names, asked about the window; under an FP8
-// recipe (`fp8`), also whether it runs the window's linear on FP8 GEMMs (Implementation::check_fp8).
-fuser::LegalityFn legality(bool fp8 = false);
+// recipe (`fp8`), also whether it runs the window's linear on FP8 GEMMs (Implementation::check_fp8); under
+// fp8_block (`block`), on block-scaled FP8 GEMMs, which take no epilogue (a C operand at most).
+fuser::LegalityFn legality(bool fp8 = false, bool block = false);
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
-                                       rules::Pass pass, bool fp8 = false);
+                                       rules::Pass pass, bool fp8 = false, bool block = false);
 
 // The implementation a rule's impl names, or null.
 const Implementation* find_implementation(const rules::Impl& impl);

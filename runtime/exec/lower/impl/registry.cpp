@@ -73,8 +73,31 @@ std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, r
 
 }  // namespace
 
+// fp8_block: its GEMMs take no epilogue (cuda::Fp8Scaling), so of the implementations that lower a linear
+// under FP8 only those without one: a C operand accumulated with beta = 1 (RESIDUAL without a bias, and
+// DGRAD_ACCUMULATE). Whole 1x128 blocks along each K, 128x128 weight blocks.
+std::optional<std::string> block_problem(const Implementation& impl, const std::vector<OpUse>& window,
+                                         rules::Pass pass) {
+  const bool bias = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::bias; });
+  const bool ok = impl.name() == "unfused" || impl.name() == "DGRAD_ACCUMULATE" || (impl.name() == "RESIDUAL" && !bias);
+  if (!ok)
+    return fmt::format("under fp8_block a linear runs on block-scaled FP8 GEMMs, which take no epilogue here; {} "
+                       "does not lower to them (the unfused linear and a separate kernel for what follows do)",
+                       impl.name());
+  for (const auto& u : window) {
+    if (u.family() != ops::Family::linear || !u.op) continue;
+    const int64_t dims[] = {ops::cols_of(u.op->in), ops::cols_of(u.op->out), ops::rows_of(u.op->in)};
+    const char* names[] = {"in_features", "out_features", "rows"};
+    for (int i = 0; i < (pass == rules::Pass::backward ? 3 : 2); ++i)
+      if (dims[i] % 128 != 0)
+        return fmt::format("fp8_block needs {} to be a multiple of 128 (whole 1x128 blocks along each GEMM's K, "
+                           "128x128 weight blocks): {} has {} = {}", names[i], u.op->label(), names[i], dims[i]);
+  }
+  return std::nullopt;
+}
+
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
-                                       rules::Pass pass, bool fp8) {
+                                       rules::Pass pass, bool fp8, bool block) {
   const Implementation* impl = find_implementation(rule.impl);
   if (!impl) return "no implementation named by the rule";
   const auto window = window_of(ops, b, e);
@@ -82,12 +105,13 @@ std::optional<std::string> check_legal(const rules::Rule& rule, const std::vecto
   const bool linear = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::linear; });
   if (!fp8 || !linear) return std::nullopt;
   if (auto why = impl->check_fp8(window, rule.impl, pass)) return why;
+  if (block) return block_problem(*impl, window, pass);
   return fp8_shape_problem(window, pass);
 }
 
-fuser::LegalityFn legality(bool fp8) {
-  return [fp8](const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e, rules::Pass pass) {
-    return check_legal(rule, ops, b, e, pass, fp8);
+fuser::LegalityFn legality(bool fp8, bool block) {
+  return [fp8, block](const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e, rules::Pass pass) {
+    return check_legal(rule, ops, b, e, pass, fp8 || block, block);
   };
 }
 

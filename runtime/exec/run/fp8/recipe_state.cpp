@@ -26,6 +26,7 @@ const char* name(Part p) {
     case Part::history: return "amax_history";
     case Part::row: return "row";
     case Part::col: return "col";
+    case Part::col_scale_inv: return "col_scale_inv";
   }
   return "?";
 }

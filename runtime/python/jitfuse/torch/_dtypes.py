@@ -21,7 +21,7 @@ if hasattr(torch, "float8_e4m3fn"):
     TORCH_TO_DL[torch.float8_e4m3fn] = (_abi.kDLFloat8_e4m3fn, 8)
 
 RECIPE_OF_DTYPE: Dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-FP8_RECIPES = ("fp8_delayed", "fp8_current")
+FP8_RECIPES = ("fp8_delayed", "fp8_current", "fp8_block")
 
 
 def torch_dtype(dl: Tuple[int, int, int]) -> torch.dtype:

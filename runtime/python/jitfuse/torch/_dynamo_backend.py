@@ -535,12 +535,12 @@ class Options:
     inductor: bool = True          # the rest of the graph through Inductor (False: run it as captured)
     min_linears: int = 1           # a chain needs this many linears to be swapped
     mode: Optional[str] = None     # Inductor's mode: "reduce-overhead" (CUDA graphs), "max-autotune", ...
-    recipe: Optional[str] = None   # "fp8_current" / "fp8_delayed": the chains' linears on FP8 GEMMs
+    recipe: Optional[str] = None   # "fp8_current" / "fp8_delayed" / "fp8_block": the chains' linears on FP8 GEMMs
 
     def __post_init__(self) -> None:
-        if self.recipe not in (None, "fp8_current", "fp8_delayed"):
+        if self.recipe not in (None, "fp8_current", "fp8_delayed", "fp8_block"):
             raise ValueError(f"jitfuse.torch.backend: unknown recipe {self.recipe!r} (None: the input's dtype, "
-                             f"'fp8_current', 'fp8_delayed')")
+                             f"'fp8_current', 'fp8_delayed', 'fp8_block')")
         if self.mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
             raise ValueError(f"jitfuse.torch.backend: unknown mode {self.mode!r} (None, 'default', "
                              f"'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')")
@@ -616,8 +616,9 @@ def backend(**options: Any) -> Callable[..., Any]:
     """A ``torch.compile`` backend with options: ``torch.compile(m, backend=jitfuse.torch.backend(inductor=False))``.
     ``inductor``: compile the rest of the graph with Inductor (default True); ``mode``: Inductor's mode
     (``"reduce-overhead"``: CUDA graphs, as ``torch.compile(mode=...)`` gives the inductor backend);
-    ``recipe``: ``"fp8_current"`` / ``"fp8_delayed"`` runs the chains' linears on FP8 GEMMs (bfloat16 chains:
-    a bf16 model or bf16 autocast; each chain keeps its own recipe state); ``min_linears``: the linears a chain
+    ``recipe``: ``"fp8_current"`` / ``"fp8_delayed"`` / ``"fp8_block"`` runs the chains' linears on FP8 GEMMs
+    (bfloat16 chains: a bf16 model or bf16 autocast; each chain keeps its own recipe state; ``"fp8_block"``
+    scales per 1x128 / 128x128 block and needs whole 128-wide blocks); ``min_linears``: the linears a chain
     needs to be swapped (default 1)."""
     opts = Options(**options)
 

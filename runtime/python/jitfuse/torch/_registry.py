@@ -224,7 +224,7 @@ class DeviceProgram:
             with torch.cuda.device(self.device_index):
                 for i, op in enumerate(self.definition.ops):
                     kind = json.loads(op).get("op")
-                    if kind == "linear":
+                    if kind == "linear" and self.definition.recipe != "fp8_block":  # block scales: no state
                         for t in ("input", "weight", "grad_output"):
                             views[f"{i}.{t}"] = self._state_view(self.sequence.fp8_operand_state(i, t))
                     elif kind == "quantize":

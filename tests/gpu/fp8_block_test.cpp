@@ -1,0 +1,52 @@
+// fp8_block (issue 44) on the GPU: linears on cuBLASLt's block-scaled FP8 GEMMs (1x128 activations and
+// gradients, 128x128 weights, all E4M3) with their block-scaled casts, checked twice per output and
+// gradient (tools/harness/check.cpp): against a float64 reference that quantises every GEMM operand as the
+// casts do (runtime/reference/fp8.cpp: the same power-of-two block scales, the wgrad's own 128x1-block
+// copies of x and dy), at the bf16 tolerance, so a wrong scale layout, block or rounding fails; and against
+// the exact float64 reference at DESIGN's FP8 tolerance. Weight copies reused across calls; inference.
+#include <catch2/catch.hpp>
+
+#include "gpu/gpu_check.hpp"
+
+using namespace jitfuse;
+
+namespace {
+
+void check(const char* ops_json, const ops::Shape& shape, bool backward, int calls, uint64_t seed) {
+  harness::CheckOptions o;
+  o.recipe = "fp8_block";
+  o.shape = shape;
+  o.backward = backward;
+  o.calls = calls;
+  o.seed = seed;
+  auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(), test::seq_json(ops_json), o);
+  INFO(ops_json << " " << ops::shape_str(shape) << (backward ? " train" : " infer") << "\n" << rep.table());
+  CHECK(rep.pass());
+}
+
+}  // namespace
+
+TEST_CASE("fp8_block: a linear alone, with bias, and at several block counts", "[fp8_block]") {
+  check(R"([{"op": "linear", "in_features": 128, "out_features": 128}])", {128, 128}, true, 1, 41);
+  check(R"([{"op": "linear", "in_features": 384, "out_features": 256}, {"op": "bias"}])", {256, 384}, true, 2, 43);
+  check(R"([{"op": "linear", "in_features": 1024, "out_features": 512}])", {2, 192, 1024}, true, 3, 47);
+  check(R"([{"op": "linear", "in_features": 256, "out_features": 640}, {"op": "gelu"}])", {512, 256}, true, 1, 53);
+}
+
+TEST_CASE("fp8_block: the GPT-2 MLP with its residual, and the Llama half-block with a channel", "[fp8_block]") {
+  check(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 256, "out_features": 1024}, {"op": "bias"},
+            {"op": "gelu", "approximate": "tanh"}, {"op": "linear", "in_features": 1024, "out_features": 256},
+            {"op": "bias"}, {"op": "add_extra_input"}])", {256, 256}, true, 2, 59);
+  check(R"([{"op": "make_extra_output", "channel": "r"}, {"op": "rmsnorm"},
+            {"op": "linear", "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
+            {"op": "linear", "in_features": 512, "out_features": 256}, {"op": "add_extra_input", "channel": "r"}])",
+        {384, 256}, true, 2, 61);
+  // [linear, add_extra_input]: the RESIDUAL rule (the residual as the block-scaled GEMM's C, beta = 1).
+  check(R"([{"op": "linear", "in_features": 256, "out_features": 256}, {"op": "add_extra_input"}])", {128, 256}, true, 1, 67);
+}
+
+TEST_CASE("fp8_block: inference (row-major codes only) at a row count of whole 16-row groups", "[fp8_block]") {
+  check(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 256, "out_features": 512}, {"op": "bias"},
+            {"op": "gelu"}, {"op": "linear", "in_features": 512, "out_features": 256}])", {48, 256}, false, 1, 71);
+  check(R"([{"op": "linear", "in_features": 128, "out_features": 384}])", {16, 128}, false, 2, 73);
+}
