@@ -53,7 +53,8 @@ std::string epilogue_name(Epilogue e);
 // operand [rows, K] (K-contiguous, as both operands of the primitive are):
 //   tensor    one float (SCALAR_32F)
 //   row128    one float per 1x128 block along K: s[(k / 128) * rows + r] (VEC128_32F; the K-block outer)
-//   block128  one float per 128x128 block: s[(r / 128) * ceil(K / 128) + k / 128] (BLK128x128_32F)
+//   block128  one float per 128x128 block: s[(r / 128) * KB4 + k / 128] (BLK128x128_32F), KB4 = ceil(K / 128)
+//             rounded up to a multiple of 4 (cuBLASLt's leading dimension of block scales)
 // Layouts measured against a float32 reference of the dequantised operands on an H100 (cuBLASLt 13.1,
 // tools/microbench/cublaslt_block_fp8_probe.cu). cuBLASLt runs tensor x tensor, row128 x row128 and
 // row128 x block128 (either side), not block128 x block128; block scales need k % 128 == 0 here, no FP8

@@ -9,8 +9,12 @@
 //   - each block's 1 / scale, where cuBLASLt's block-scale modes read them (cuda::Fp8Scaling):
 //       1x128 row scales   si_row[(c / 128) * rows + r]          (VEC128_32F, the K-block outer)
 //       128x1 col scales   si_col[(r / 128) * cols + c]          (VEC128_32F of the transposed tensor)
-//       128x128 scales     si_row[(r / 128) * (cols / 128) + c / 128], si_col the transpose of that
-//                          ((c / 128) * ceil(rows / 128) + r / 128)  (BLK128x128_32F)
+//       128x128 scales     si_row[(r / 128) * KB4 + c / 128], si_col the transpose of that
+//                          ((c / 128) * RB4 + r / 128)  (BLK128x128_32F), KB4 = cols / 128 and RB4 =
+//                          ceil(rows / 128) each rounded up to a multiple of 4: cuBLASLt reads the block
+//                          scales with that leading dimension (H100, cuBLASLt 13.1: unpadded, every
+//                          weight with more than one 128-row block and fewer than 4 K-blocks read wrong
+//                          scales, session 38 run 11)
 // Scales are powers of two (TransformerEngine's Float8BlockScaling default): 2^floor(log2(448 / amax)),
 // 1 for a block of zeros or a non-finite amax, at most 2^126 so that 1 / scale stays a normal float; the
 // codes are RNE + saturation of x * scale, exactly as runtime/reference's block quantisation computes them.
@@ -87,8 +91,8 @@ __device__ __forceinline__ void jf_block_cast_tile(float (&x)[4][8], unsigned ch
       for (int w = 0; w < 16; ++w) a = fmaxf(a, sm.cmax[w][0]);
       const float s = jf_bc_scale(a);
       sm.cscale[0] = s;
-      si_row[rb * (cols / 128) + cb] = 1.f / s;
-      if (COLWISE) si_col[(jf_i64)cb * ((rows + 127) / 128) + rb] = 1.f / s;
+      si_row[rb * ((cols / 128 + 3) / 4 * 4) + cb] = 1.f / s;
+      if (COLWISE) si_col[(jf_i64)cb * ((rows + 511) / 512 * 4) + rb] = 1.f / s;
     }
   } else if (COLWISE && t < 128) {
     float a = 0.f;

@@ -12,8 +12,10 @@ using namespace jitfuse;
 
 namespace {
 
-void check(const char* ops_json, const ops::Shape& shape, bool backward, int calls, uint64_t seed) {
+void check(const char* ops_json, const ops::Shape& shape, bool backward, int calls, uint64_t seed,
+           bool host_memory = false) {
   harness::CheckOptions o;
+  o.host_memory = host_memory;
   o.recipe = "fp8_block";
   o.shape = shape;
   o.backward = backward;
@@ -49,4 +51,13 @@ TEST_CASE("fp8_block: inference (row-major codes only) at a row count of whole 1
   check(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 256, "out_features": 512}, {"op": "bias"},
             {"op": "gelu"}, {"op": "linear", "in_features": 512, "out_features": 256}])", {48, 256}, false, 1, 71);
   check(R"([{"op": "linear", "in_features": 128, "out_features": 384}])", {16, 128}, false, 2, 73);
+}
+
+TEST_CASE("fp8_block: a gated op right after a linear, with the caller's memory and with jitfuse's", "[fp8_block]") {
+  for (bool host : {false, true}) {
+    check(R"([{"op": "linear", "in_features": 256, "out_features": 1024}, {"op": "swiglu"}])", {256, 256}, true, 1, 79, host);
+    check(R"([{"op": "linear", "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
+              {"op": "linear", "in_features": 512, "out_features": 256}])", {256, 256}, true, 1, 83, host);
+    check(R"([{"op": "linear", "in_features": 256, "out_features": 256}, {"op": "gelu"}])", {256, 256}, true, 1, 89, host);
+  }
 }

@@ -127,7 +127,7 @@ std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json&
       // fp8_block: the scales' blocks and the layout cuBLASLt reads them in (cuda::Fp8Scaling).
       auto scale_layout = [](cuda::Fp8Scaling s) {
         return s == cuda::Fp8Scaling::row128 ? "[K/128, rows] fp32 (one per 1x128 block, K-block outer)"
-                                             : "[rows/128, K/128] fp32 (one per 128x128 block)";
+                                             : "[rows/128, K/128] fp32 (one per 128x128 block; rows of 4k scales)";
       };
       j["fp8"]["a_scales"] = {{"blocks", cuda::fp8_scaling_name(g.call.fp8->a_scaling)}, {"layout", scale_layout(g.call.fp8->a_scaling)}};
       j["fp8"]["b_scales"] = {{"blocks", cuda::fp8_scaling_name(g.call.fp8->b_scaling)}, {"layout", scale_layout(g.call.fp8->b_scaling)}};

@@ -311,10 +311,12 @@ Builder::Fp8Operand& Builder::fp8_operand(int lin, fp8::Operand operand) {
   if (!block) {
     f.scale_inv = make(fp8::Part::scale_inv, p_.training ? col_at : row_at, 1, 1, ops::DType::f32);
     p_.buffers[static_cast<size_t>(f.scale_inv)].needs_align16 = false;
-  } else if (weight) {  // one scale per 128 x 128 block: [rows/128, cols/128], and its transpose
+  } else if (weight) {  // one scale per 128 x 128 block: [rows/128, cols/128], and its transpose, each row
+    // padded to a multiple of 4 scales (the leading dimension cuBLASLt reads them with; block_cast.cuh)
     const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
-    f.scale_inv = make(fp8::Part::scale_inv, row_at, rb, cb, ops::DType::f32);
-    if (p_.training) f.col_scale_inv = make(fp8::Part::col_scale_inv, col_at, cb, rb, ops::DType::f32);
+    auto pad4 = [](int64_t v) { return (v + 3) / 4 * 4; };
+    f.scale_inv = make(fp8::Part::scale_inv, row_at, pad4(rb), pad4(cb), ops::DType::f32);
+    if (p_.training) f.col_scale_inv = make(fp8::Part::col_scale_inv, col_at, pad4(cb), pad4(rb), ops::DType::f32);
   } else {  // 1x128 blocks along the columns [cols/128, rows]; 128x1 along the rows [rows/128, cols]
     f.scale_inv = make(fp8::Part::scale_inv, p_.training ? col_at : row_at, (cols + 127) / 128, rows, ops::DType::f32);
     if (p_.training) f.col_scale_inv = make(fp8::Part::col_scale_inv, col_at, (rows + 127) / 128, cols, ops::DType::f32);

@@ -155,7 +155,8 @@ TEST_CASE("fp8_block: a training MLP's casts, scale buffers and block-scaled GEM
   for (const auto* steps : {&p->forward, &p->backward})
     for (const auto& s : *steps) CHECK(s.kind != exec::Step::Kind::fp8_update);
   // The scale buffers: linear 1 (op 1) input [256, 128]: 1x128 row scales [1, 256], 128x1 column scales
-  // [2, 128]; its weight [256, 128]: 128x128 blocks [2, 1] and the transpose [1, 2].
+  // [2, 128]; its weight [256, 128]: 128x128 blocks [2, 1] and the transpose [1, 2], each dimension padded to
+  // a multiple of 4 (cuBLASLt's leading dimension of block scales).
   auto shape_of = [&](const std::string& name) {
     for (const auto& b : p->buffers)
       if (b.name == name) return std::make_pair(b.rows, b.cols);
@@ -164,8 +165,8 @@ TEST_CASE("fp8_block: a training MLP's casts, scale buffers and block-scaled GEM
   };
   CHECK(shape_of("op1.input.scale_inv") == std::make_pair(int64_t{1}, int64_t{256}));
   CHECK(shape_of("op1.input.col_scale_inv") == std::make_pair(int64_t{2}, int64_t{128}));
-  CHECK(shape_of("op1.weight.scale_inv") == std::make_pair(int64_t{2}, int64_t{1}));
-  CHECK(shape_of("op1.weight.col_scale_inv") == std::make_pair(int64_t{1}, int64_t{2}));
+  CHECK(shape_of("op1.weight.scale_inv") == std::make_pair(int64_t{4}, int64_t{4}));
+  CHECK(shape_of("op1.weight.col_scale_inv") == std::make_pair(int64_t{4}, int64_t{4}));
   // The GEMMs: forward 1x128 x 128x128, dgrad 1x128 x 128x128 (W^T), wgrad 1x128 x 1x128; no epilogue, fp32
   // accumulation, E4M3 both sides.
   using cuda::Fp8Scaling;
