@@ -169,7 +169,7 @@ void add_explain_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "explain", "Show every fusion decision for a sequence: candidate windows, why each was taken or not, final groups");
   cmd->add_option("SEQ", o->seq, "Sequence file (jitfuse.sequence/1)")->required();
-  cmd->add_option("--recipe", o->recipe, "Recipe: fp32, fp16, bf16, fp8_delayed or fp8_current")->required();
+  cmd->add_option("--recipe", o->recipe, "Recipe: fp32, fp16, bf16, fp8_delayed, fp8_current or fp8_block")->required();
   cmd->add_option("--shape", o->shape, "Input shape, e.g. 8192x4096")->required();
   CLI::Option* arch = cmd->add_option("--arch", o->arch, "GPU arch to plan for, e.g. sm_80 (default sm_90)");
   cmd->add_option("--rules", o->rules, "Extra rule file or directory, loaded after JITFUSE_RULE_PATH (repeatable)");

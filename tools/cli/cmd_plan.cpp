@@ -35,7 +35,7 @@ void add_plan_options(CLI::App* cmd, PlanOpts& o, bool many) {
     cmd->add_option("SEQ", o.seqs, "Sequence file (jitfuse.sequence/1)")->required()->expected(1);
     cmd->add_option("--shape", o.shapes, "Input shape, e.g. 8192x4096")->required()->expected(1);
   }
-  cmd->add_option("--recipe", o.recipe, "Recipe: fp32, fp16, bf16, fp8_delayed or fp8_current")->required();
+  cmd->add_option("--recipe", o.recipe, "Recipe: fp32, fp16, bf16, fp8_delayed, fp8_current or fp8_block")->required();
   cmd->add_option("--arch", o.arch, "Target GPU arch (default: this GPU, else sm_90)");
   cmd->add_option("--rules", o.rules, "Extra rule directories or files");
   cmd->add_flag("--inference", o.inference, "Forward only, no saved context");
