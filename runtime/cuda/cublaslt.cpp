@@ -148,8 +148,7 @@ void check_fp8(const GemmCall& g, bool launching) {
   } else if (f.d_scale || f.d_amax) {
     bad("d_scale and d_amax apply to FP8 output only");
   }
-  const bool blocks = f.a_scaling != Fp8Scaling::tensor || f.b_scaling != Fp8Scaling::tensor;
-  if (blocks) {
+  if (f.block_scaled()) {
     if ((f.a_scaling == Fp8Scaling::tensor) != (f.b_scaling == Fp8Scaling::tensor))
       bad("block scales on one operand need block scales on the other (cuBLASLt has no per-tensor x block GEMM)");
     if (f.a_scaling == Fp8Scaling::block128 && f.b_scaling == Fp8Scaling::block128)
@@ -344,7 +343,7 @@ struct Descriptors {
         if (f.d_amax) set_attr(op, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, f.d_amax, "set AMAX_D_POINTER");
       }
       set_attr(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(f.fast_accum ? 1 : 0), "set FAST_ACCUM");
-      if (f.a_scaling != Fp8Scaling::tensor || f.b_scaling != Fp8Scaling::tensor) {
+      if (f.block_scaled()) {
         // cuBLASLt's A is our B (the weight in the forward) and its B our A, as the scale pointers above.
         set_attr(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_mode(f.b_scaling), "set A_SCALE_MODE");
         set_attr(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_mode(f.a_scaling), "set B_SCALE_MODE");

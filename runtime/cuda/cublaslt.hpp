@@ -75,6 +75,7 @@ struct Fp8Gemm {
   // How a_scale_inv and b_scale_inv are laid out (fp8_block: whole tensors of block scales). Last, so that
   // aggregate initialisers of the fields above stay as they were.
   Fp8Scaling a_scaling = Fp8Scaling::tensor, b_scaling = Fp8Scaling::tensor;
+  bool block_scaled() const { return a_scaling != Fp8Scaling::tensor || b_scaling != Fp8Scaling::tensor; }
 };
 
 struct GemmCall {

@@ -40,10 +40,11 @@ void Fp8Reference::block_cast(const std::string& tensor, Vec& v, int64_t rows, i
         x = e4m3_value(e4m3_bits(static_cast<double>(static_cast<float>(x) * scale))) * static_cast<double>(inv);
       }
   };
+  // Weights 128x128; the transposed copies ("_t") 128x1 (128 rows of a column); the rest 1x128.
   const bool weight = tensor == "weight", cols_blocks = tensor == "input_t" || tensor == "grad_output_t";
-  for (int64_t r0 = 0; r0 < rows; r0 += weight || cols_blocks ? 128 : 1)
-    for (int64_t c0 = 0; c0 < cols; c0 += weight || !cols_blocks ? 128 : 1)
-      cast(r0, c0, weight || cols_blocks ? 128 : 1, weight || !cols_blocks ? 128 : 1);
+  const int64_t br = weight || cols_blocks ? 128 : 1, bc = weight || !cols_blocks ? 128 : 1;
+  for (int64_t r0 = 0; r0 < rows; r0 += br)
+    for (int64_t c0 = 0; c0 < cols; c0 += bc) cast(r0, c0, br, bc);
 }
 
 void Fp8Reference::operator()(int op, const std::string& tensor, Vec& v, int64_t rows, int64_t cols) {

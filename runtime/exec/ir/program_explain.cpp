@@ -123,7 +123,7 @@ std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json&
   if (g.call.fp8) {
     j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},
                 {"fast_accum", g.call.fp8->fast_accum}};
-    if (g.call.fp8->a_scaling != cuda::Fp8Scaling::tensor) {
+    if (g.call.fp8->block_scaled()) {
       // fp8_block: the scales' blocks and the layout cuBLASLt reads them in (cuda::Fp8Scaling).
       auto scale_layout = [](cuda::Fp8Scaling s) {
         return s == cuda::Fp8Scaling::row128 ? "[K/128, rows] fp32 (one per 1x128 block, K-block outer)"

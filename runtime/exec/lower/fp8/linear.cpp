@@ -50,6 +50,19 @@ void check_fp8_linear(const Builder& b, int lin) {
 
 namespace {
 
+// A kernel over an operand itself, no ops' stages (a standalone cast, a transpose of codes, a block cast):
+// the builder's direction, dtype and rule.
+KernelSpec stageless_spec(const Builder& b, int64_t cols, const std::string& label) {
+  const ChainOptions opt = chain_options(b);
+  KernelSpec s;
+  s.dir = opt.dir;
+  s.dtype = opt.dtype;
+  s.rule = opt.rule;
+  s.cols = cols;
+  s.label = label;
+  return s;
+}
+
 // fp8_block: the operand's block-scaled cast (codegen Fp8Spec::block) of the bf16 tensor `src` as it is
 // (a chain before the cast ran as its own kernel): row-major codes with their scales and, in training, the
 // transposed codes with theirs, in one kernel.
@@ -57,14 +70,11 @@ void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src) {
   auto& dst = b.fp8_operand(lin, operand);
   const bool weight = operand == fp8::Operand::weight;
   const auto& o = b.ops().at(static_cast<size_t>(lin));
-  KernelSpec spec;
+  KernelSpec spec = stageless_spec(b, dst.cols, weight         ? "block_cast_128x128_e4m3"
+                                              : b.training() ? "block_cast_transpose_1x128_e4m3"
+                                                             : "block_cast_1x128_e4m3");
   spec.skeleton = codegen::Skeleton::cast_transpose;
-  spec.dir = b.forward() ? codegen::Direction::forward : codegen::Direction::backward;
-  spec.dtype = ops::dtype_name(b.recipe().dtype);
-  spec.rule = b.group().rule;
-  spec.cols = dst.cols;
   spec.vec = dst.cols % 8 == 0 && dst.rows % 16 == 0;
-  spec.label = weight ? "block_cast_128x128_e4m3" : b.training() ? "block_cast_transpose_1x128_e4m3" : "block_cast_1x128_e4m3";
   codegen::Fp8Spec q;
   q.op = lin;
   q.tensor = fp8::name(operand);
@@ -108,21 +118,12 @@ void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bg
   q.margin = b.recipe().margin;
   opt.fp8.reset();  // chain_spec's quantize hand-off is not this
   const char* format = q.e5m2 ? "e5m2" : "e4m3";
-  auto stageless = [&](const std::string& label) {  // a kernel over the operand itself, no ops' stages
-    KernelSpec s;
-    s.dir = opt.dir;
-    s.dtype = opt.dtype;
-    s.rule = opt.rule;
-    s.cols = cols;
-    s.label = label;
-    return s;
-  };
   KernelSpec spec;
   if (bgn < e) {
     opt.vec = chain_vectorizable(ops, bgn, e);
     spec = chain_spec(ops, bgn, e, opt);
   } else {
-    spec = stageless("cast");
+    spec = stageless_spec(b, cols, "cast");
   }
   spec.vec = (bgn < e ? opt.vec : true) && cols % 8 == 0;
   spec.fp8 = q;
@@ -145,7 +146,7 @@ void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bg
              fmt::format("{}: generated {} -> {} {} of {}", who, codegen::skeleton_name(spec.skeleton),
                          q.e5m2 ? "E5M2" : "E4M3", tensor, o.label()));
   if (codes_transpose) {
-    KernelSpec t = stageless(std::string("transpose_") + format);
+    KernelSpec t = stageless_spec(b, cols, std::string("transpose_") + format);
     t.skeleton = codegen::Skeleton::cast_transpose;
     t.vec = cols % 8 == 0 && rows % 16 == 0;
     t.fp8 = q;

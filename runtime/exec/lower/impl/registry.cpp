@@ -53,25 +53,33 @@ namespace {
 // FP8 kernels need 16-byte aligned leading dimensions of the E4M3/E5M2 operands, so in_features and
 // out_features are multiples of 16, and so are the rows that the wgrad contracts over (the backward pass
 // exists only in training; a forward is not told whether it trains, and its lowering says it then).
-std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, rules::Pass pass) {
+// The first size of a window's linears that is not a multiple of `multiple`: in_features, out_features and,
+// in the backward (training), the rows the wgrad contracts over.
+struct BadDim {
+  const ops::Op* op;
+  const char* name;
+  int64_t value;
+  bool rows;
+};
+std::optional<BadDim> first_bad_dim(const std::vector<OpUse>& window, rules::Pass pass, int64_t multiple) {
   for (const auto& u : window) {
     if (u.family() != ops::Family::linear || !u.op) continue;
-    struct Dim {
-      int64_t value;
-      const char* name;
-    };
-    const Dim dims[] = {{ops::cols_of(u.op->in), "in_features"}, {ops::cols_of(u.op->out), "out_features"},
-                        {ops::rows_of(u.op->in), "rows"}};
+    const BadDim dims[] = {{u.op, "in_features", ops::cols_of(u.op->in), false},
+                           {u.op, "out_features", ops::cols_of(u.op->out), false},
+                           {u.op, "rows", ops::rows_of(u.op->in), true}};
     for (int i = 0; i < (pass == rules::Pass::backward ? 3 : 2); ++i)
-      if (dims[i].value % 16 != 0)
-        return fmt::format("FP8 GEMMs need {0} to be a multiple of 16 (cuBLASLt's FP8 kernels need 16-byte aligned "
-                           "leading dimensions{1}): {2} has {0} = {3}", dims[i].name,
-                           i == 2 ? "; the wgrad GEMM contracts over the rows" : "", u.op->label(), dims[i].value);
+      if (dims[i].value % multiple != 0) return dims[i];
   }
   return std::nullopt;
 }
 
-}  // namespace
+std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, rules::Pass pass) {
+  const auto d = first_bad_dim(window, pass, 16);
+  if (!d) return std::nullopt;
+  return fmt::format("FP8 GEMMs need {0} to be a multiple of 16 (cuBLASLt's FP8 kernels need 16-byte aligned "
+                     "leading dimensions{1}): {2} has {0} = {3}", d->name,
+                     d->rows ? "; the wgrad GEMM contracts over the rows" : "", d->op->label(), d->value);
+}
 
 // fp8_block: its GEMMs take no epilogue (cuda::Fp8Scaling), so of the implementations that lower a linear
 // under FP8 only those without one: a C operand accumulated with beta = 1 (RESIDUAL without a bias, and
@@ -84,17 +92,13 @@ std::optional<std::string> block_problem(const Implementation& impl, const std::
     return fmt::format("under fp8_block a linear runs on block-scaled FP8 GEMMs, which take no epilogue here; {} "
                        "does not lower to them (the unfused linear and a separate kernel for what follows do)",
                        impl.name());
-  for (const auto& u : window) {
-    if (u.family() != ops::Family::linear || !u.op) continue;
-    const int64_t dims[] = {ops::cols_of(u.op->in), ops::cols_of(u.op->out), ops::rows_of(u.op->in)};
-    const char* names[] = {"in_features", "out_features", "rows"};
-    for (int i = 0; i < (pass == rules::Pass::backward ? 3 : 2); ++i)
-      if (dims[i] % 128 != 0)
-        return fmt::format("fp8_block needs {} to be a multiple of 128 (whole 1x128 blocks along each GEMM's K, "
-                           "128x128 weight blocks): {} has {} = {}", names[i], u.op->label(), names[i], dims[i]);
-  }
-  return std::nullopt;
+  const auto d = first_bad_dim(window, pass, 128);
+  if (!d) return std::nullopt;
+  return fmt::format("fp8_block needs {0} to be a multiple of 128 (whole 1x128 blocks along each GEMM's K, "
+                     "128x128 weight blocks): {1} has {0} = {2}", d->name, d->op->label(), d->value);
 }
+
+}  // namespace
 
 std::optional<std::string> check_legal(const rules::Rule& rule, const std::vector<ops::Op>& ops, int b, int e,
                                        rules::Pass pass, bool fp8, bool block) {
