@@ -44,10 +44,15 @@ class Rownorm {
     g.launch.persistent = !fwd_;  // the backward writes dgamma/dbeta partials per block
     args_.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
     if (spec_.fp8 && !fwd_) throw std::invalid_argument("codegen: an FP8 cast ends forward kernels only");
-    args_.ptr(Arg::Role::out, -1, "out", "out", out_type(spec_), true);
+    if (ns_.stats_only && (!fwd_ || spec_.fp8 || !spec_.post.empty() || !ns_.save_stats))
+      throw std::invalid_argument("codegen: a stats-only norm kernel is a forward without post stages or FP8 cast "
+                                  "that saves its statistics");
+    if (!ns_.stats_only) args_.ptr(Arg::Role::out, -1, "out", "out", out_type(spec_), true);
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
-    args_.ptr(Arg::Role::param, ns_.op, Key::weight, gamma_, "ST", false);
-    if (!ns_.rms) args_.ptr(Arg::Role::param, ns_.op, Key::bias, beta_, "ST", false);
+    if (!ns_.stats_only) {
+      args_.ptr(Arg::Role::param, ns_.op, Key::weight, gamma_, "ST", false);
+      if (!ns_.rms) args_.ptr(Arg::Role::param, ns_.op, Key::bias, beta_, "ST", false);
+    }
 
     Writer w;
     emit_prelude(w, spec_, g.headers);
@@ -172,7 +177,7 @@ class Rownorm {
     const bool packed = spec_.pre.empty();
     load_row_fwd(k, packed);
     row_statistics(k, packed);
-    normalize_row(k, packed);
+    if (!ns_.stats_only) normalize_row(k, packed);  // stats_only: a block-scaled cast normalises (fp8_block)
   }
   // The row into registers (packed: in its storage dtype; else as floats through the pre stages, with
   // columns past the end zeroed so they add nothing to the statistics), saving the norm's input.

@@ -3,6 +3,7 @@
 #include "stages.hpp"
 
 #include <cmath>
+#include <stdexcept>
 
 namespace jitfuse::codegen::detail {
 namespace {
@@ -110,6 +111,33 @@ void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
   const std::string& v = c.var;
   comment(w, s, "forward");
   switch (s.kind) {
+    case Stage::Kind::normalize: {
+      // The statistics come from the norm's stats kernel (saved mean / rstd, fp32 per row).
+      const std::string rs = fmt::format("s{}_rstd", s.op), mu = fmt::format("s{}_mean", s.op);
+      args.ptr(Arg::Role::saved, s.op, Key::rstd, rs, "float", false);
+      if (!s.norm_rms) args.ptr(Arg::Role::saved, s.op, Key::mean, mu, "float", false);
+      const std::string gw = fmt::format("p{}_weight", s.op), bw = fmt::format("p{}_bias", s.op);
+      args.ptr(Arg::Role::param, s.op, Key::weight, gw, "ST", false);
+      if (!s.norm_rms) args.ptr(Arg::Role::param, s.op, Key::bias, bw, "ST", false);
+      // gamma (+ 1) and beta of the thread's columns, loaded once before the row loop (the bias cache's way).
+      const std::string gc = fmt::format("g{}{}", s.op, c.half), bc = fmt::format("bb{}{}", s.op, c.half);
+      setup.pre_loop.line("float {}[8];", gc);
+      setup.pre_loop.line("if (active) jf_load8<DT, JF_VEC>({} + {} + c0, {}, n);", gw, c.col_off, gc);
+      if (s.norm_zero_centered) setup.pre_loop.line("for (int e = 0; e < 8; ++e) {}[e] += 1.f;", gc);
+      if (!s.norm_rms) {
+        setup.pre_loop.line("float {}[8];", bc);
+        setup.pre_loop.line("if (active) jf_load8<DT, JF_VEC>({} + {} + c0, {}, n);", bw, c.col_off, bc);
+      }
+      w.line("{{");
+      w.open();
+      w.line("const float jf_rs = {}[{}]{};", rs, c.row, s.norm_rms ? "" : fmt::format(", jf_mu = {}[{}]", mu, c.row));
+      w.line("#pragma unroll");
+      w.line("for (int e = 0; e < 8; ++e) {}[e] = {}jf_rs * {}[e]{};", v, s.norm_rms ? v + "[e] * " : "(" + v + "[e] - jf_mu) * ",
+             gc, s.norm_rms ? "" : fmt::format(" + {}[e]", bc));
+      w.close();
+      w.line("}}");
+      break;
+    }
     case Stage::Kind::unary:
       if (s.save_input) w.line("jf_store8<DT, JF_VEC>({} + {}, {}, n);", saved_ptr(args, s.op, Key::input, true), c.base, v);
       w.line("#pragma unroll");
@@ -161,6 +189,9 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
   const std::string& g = c.var;
   comment(w, s, "backward");
   switch (s.kind) {
+    case Stage::Kind::normalize:
+      throw std::invalid_argument("codegen: a normalize stage runs in the forward only (the norm's backward is "
+                                  "the rownorm skeleton's)");
     case Stage::Kind::unary: {
       bool needs_saved = unary_needs_saved(s);
       w.line("{{");

@@ -47,6 +47,24 @@ TEST_CASE("fp8_block: the GPT-2 MLP with its residual, and the Llama half-block 
   check(R"([{"op": "linear", "in_features": 256, "out_features": 256}, {"op": "add_extra_input"}])", {128, 256}, true, 1, 67);
 }
 
+// Issue 44: quantisation fused into its producer. A residual add + fork + norm before a linear (the norm's
+// statistics kernel, then the block cast normalising its saved input), activation chains with dropout
+// before a linear (their forward inside the cast), and the backward of the ops after each linear (dact,
+// dropout, dbias column sums inside the grad_output cast); rmsnorm with zero-centred gamma.
+TEST_CASE("fp8_block: norms, activations and their backward fused into the block-scaled casts", "[fp8_block]") {
+  check(R"([{"op": "add_extra_input"}, {"op": "make_extra_output", "channel": "r"}, {"op": "layernorm"},
+            {"op": "linear", "in_features": 256, "out_features": 512}, {"op": "bias"}, {"op": "silu"},
+            {"op": "dropout", "p": 0.1}, {"op": "linear", "in_features": 512, "out_features": 256},
+            {"op": "add_extra_input", "channel": "r"}])", {256, 256}, true, 2, 97);
+  check(R"([{"op": "add_extra_input"}, {"op": "rmsnorm", "zero_centered_gamma": true},
+            {"op": "linear", "in_features": 384, "out_features": 256}, {"op": "silu"},
+            {"op": "linear", "in_features": 256, "out_features": 384}, {"op": "bias"}, {"op": "gelu"}])",
+        {2, 128, 384}, true, 2, 101);
+  check(R"([{"op": "rmsnorm"}, {"op": "linear", "in_features": 256, "out_features": 256}, {"op": "bias"},
+            {"op": "gelu", "approximate": "tanh"}, {"op": "linear", "in_features": 256, "out_features": 128}])",
+        {80, 256}, false, 1, 103);  // inference: the bf16 norm, then its cast; bias + gelu inside the cast
+}
+
 TEST_CASE("fp8_block: inference (row-major codes only) at a row count of whole 16-row groups", "[fp8_block]") {
   check(R"([{"op": "layernorm"}, {"op": "linear", "in_features": 256, "out_features": 512}, {"op": "bias"},
             {"op": "gelu"}, {"op": "linear", "in_features": 512, "out_features": 256}])", {48, 256}, false, 1, 71);
@@ -59,5 +77,36 @@ TEST_CASE("fp8_block: a gated op right after a linear, with the caller's memory 
     check(R"([{"op": "linear", "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
               {"op": "linear", "in_features": 512, "out_features": 256}])", {256, 256}, true, 1, 83, host);
     check(R"([{"op": "linear", "in_features": 256, "out_features": 256}, {"op": "gelu"}])", {256, 256}, true, 1, 89, host);
+  }
+}
+
+
+// relu last before a linear: the fused cast kernel saves relu's output for its backward (nothing else
+// writes it: the chain writes only the codes; before session 39 the backward failed with "saved context
+// 'output' missing", under fp8_current too). Compared with the reference that quantises as the kernels do
+// (bf16 tolerance); the comparison with the exact reference is left out: relu's kink turns the FP8
+// operands' rounding into sign flips of relu' that no tolerance of a smooth op covers (a bf16 run shows
+// the same with dropout's larger gradients).
+TEST_CASE("fp8_block and fp8_current: relu before a linear saves its output from the cast kernel", "[fp8_block]") {
+  for (const char* recipe : {"fp8_block", "fp8_current"}) {
+    harness::CheckOptions o;
+    o.recipe = recipe;
+    o.shape = {256, 256};
+    o.backward = true;
+    o.calls = 2;
+    o.seed = 107;
+    auto rep = harness::check_sequence(test::shared_context(), test::builtin_registry(),
+                                       test::seq_json(R"([{"op": "linear", "in_features": 256, "out_features": 512},
+                                                          {"op": "bias"}, {"op": "relu"},
+                                                          {"op": "linear", "in_features": 512, "out_features": 256}])"),
+                                       o);
+    INFO(recipe << "\n" << rep.table());
+    int compared = 0;
+    for (const auto& t : rep.tensors) {
+      if (t.name.find("vs exact") != std::string::npos) continue;
+      ++compared;
+      CHECK(t.pass());
+    }
+    CHECK(compared >= 8);  // output, grad_input, both weights and the bias, elementwise and normwise
   }
 }

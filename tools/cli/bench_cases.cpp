@@ -310,7 +310,7 @@ SeqBench block_seq(const BenchEnv& env, const Block& b, const char* recipe) {
 
 // The block's six GEMMs alone as TN problems D[M,N] = A[M,K] B[N,K]^T, bf16 or FP8 (fast accumulation in
 // the forward only, as the FP8 program).
-double block_gemms_ms(const BenchEnv& env, const Block& b, bool fp8) {
+double block_gemms_ms(const BenchEnv& env, const Block& b, bool fp8, bool block = false) {
   const TnGemm gemms[] = {{"fc1 fwd", R, b.n1, H, true},    {"fc2 fwd", R, H, b.k2, true},
                           {"fc2 dgrad", R, b.k2, H, false}, {"fc2 wgrad", H, b.k2, R, false},
                           {"fc1 dgrad", R, H, b.n1, false}, {"fc1 wgrad", b.n1, H, R, false}};
@@ -324,7 +324,8 @@ double block_gemms_ms(const BenchEnv& env, const Block& b, bool fp8) {
     b16->upload(random_operand_bytes(static_cast<size_t>(most), false, 12), env.stream);
   }
   std::vector<cuda::GemmCall> calls;
-  for (const auto& g : gemms) calls.push_back(fp8 ? o.fp8(g, g.forward) : o.bf16(g, ptr(*a16), ptr(*b16)));
+  for (const auto& g : gemms)
+    calls.push_back(block ? o.block(g, env.stream) : fp8 ? o.fp8(g, g.forward) : o.bf16(g, ptr(*a16), ptr(*b16)));
   return gemms_ms(env, calls);
 }
 
@@ -333,11 +334,11 @@ std::vector<Row> blocks(const BenchEnv& env) {
   for (const Block* b : {&kLlamaBlock, &kGpt2Block}) {
     const double flops = 3 * 2.0 * R * H * static_cast<double>(b->n1 + b->k2);
     const std::string shape = fmt::format("8192: 4096->{}->4096", b->n1);
-    for (const char* recipe : {"bf16", "fp8_delayed"}) {
+    for (const char* recipe : {"bf16", "fp8_delayed", "fp8_block"}) {
       SeqBench s = block_seq(env, *b, recipe);
-      const bool fp8 = std::string(recipe) != "bf16";
+      const bool fp8 = std::string(recipe) != "bf16", block = std::string(recipe) == "fp8_block";
       Row r{fmt::format("{} {} fwd+bwd", b->name, recipe), shape, step_ms(env, s, fp8), 0, flops};
-      r.baseline_ms = block_gemms_ms(env, *b, fp8);
+      r.baseline_ms = block_gemms_ms(env, *b, fp8, block);
       rows.push_back(r);
     }
   }
@@ -397,6 +398,35 @@ std::vector<Row> cast_transpose(const BenchEnv& env) {
                       fmt::format("{}x{} -> e4m3 + T", R, K), std::max(fwd - gemm, 1e-6),
                       (current ? 6.0 : 4.0) * R * K});
     }
+  // fp8_block with the quantisation fused into its producer (issue 44), timed the same way: a layernorm
+  // before the linear (its statistics kernel reads x, the block cast reads x again and normalises: 2 + 2
+  // bytes read, 1 + 1 written per element), and bias + gelu before it (x read, gelu's input saved for the
+  // backward, the codes and their transpose written: 2 + 2 + 1 + 1).
+  struct Producer {
+    const char* name;
+    const char* ops;
+    int64_t K;
+    std::vector<ParamSpec> params;
+  };
+  const Producer producers[] = {
+      {"layernorm", R"({{"op": "layernorm"}}, {{"op": "linear", "in_features": {0}, "out_features": {1}}})", 4096,
+       {{0, "weight", {4096}}, {0, "bias", {4096}}, {1, "weight", {N, 4096}}}},
+      {"bias+gelu", R"({{"op": "bias"}}, {{"op": "gelu", "approximate": "tanh"}}, {{"op": "linear", "in_features": {0}, "out_features": {1}}})",
+       16384, {{0, "bias", {16384}}, {2, "weight", {N, 16384}}}},
+  };
+  for (const auto& p : producers) {
+    SeqBench b(env.ctx, env.stream, "[" + fmt::format(fmt::runtime(p.ops), p.K, N) + "]", {R, p.K}, {R, N}, p.params, 0,
+               0, "fp8_block");
+    b.forward(env.stream, nullptr);
+    const double fwd = median_ms(env.stream, [&] {
+      jf_saved saved = nullptr;
+      b.forward(env.stream, &saved, true);
+      jf_saved_release(saved, reinterpret_cast<jf_stream>(env.stream));
+    }, env.opts);
+    const double gemm = gemms_ms(env, {o.block(TnGemm{"fwd", R, N, p.K, true}, env.stream)});
+    rows.push_back({fmt::format("{} -> fp8_block (fwd {:.3f} - gemm {:.3f})", p.name, fwd, gemm),
+                    fmt::format("{}x{} -> e4m3 + T", R, p.K), std::max(fwd - gemm, 1e-6), 6.0 * R * p.K});
+  }
   return rows;
 }
 

@@ -125,10 +125,10 @@ void add_bench_commands(CLI::App& app) {
                   "layernorm_fp8_delayed, swiglu, bias_dropout_add, linear_bias_gelu, mlp, mlp_relu, decode (MLP inference "
                   "at M = 1, 16, 128: eager and as a replayed CUDA graph; not in the default set), mlp_fp8 (the MLP fwd+bwd under bf16, fp8_delayed and fp8_current, against the bare FP8 GEMMs; not in the default set), gemm_fp8 (the MLP's six GEMMs "
                   "as TN problems in bf16 and FP8 E4M3, TFLOP/s and the FP8 speed-up; not in the default set), blocks (the "
-                  "Llama- and GPT-2-style MLP half-blocks, one sequence each with a residual channel, fwd+bwd in bf16 and "
-                  "fp8_delayed, against their six GEMMs on bare cuBLASLt; not in the default set), cast_transpose (a linear input's "
+                  "Llama- and GPT-2-style MLP half-blocks, one sequence each with a residual channel, fwd+bwd in bf16, "
+                  "fp8_delayed and fp8_block, against their six GEMMs on bare cuBLASLt; not in the default set), cast_transpose (a linear input's "
                   "FP8 cast + transpose (+ amax) at 8192x4096 and 8192x16384: the linear's forward minus its bare FP8 GEMM; "
-                  "not in the default set)");
+                  "fp8_block also with a layernorm and with bias + gelu fused into the cast; not in the default set)");
   cmd->callback([o] { run_bench(*o); });
 }
 

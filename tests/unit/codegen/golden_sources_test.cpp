@@ -32,7 +32,7 @@ bool representative(const std::string& name) {
       "s10 bf16 train 16x64 bias_dropout_add_extra_input bwd vec",
       "s24 fp8_current train 16x64 layernorm_quantize_amax fwd vec",
       "s24 fp8_delayed train 16x64 layernorm_quantize fwd vec",
-      "s42 fp8_block train 256x128 block_cast_transpose_1x128_e4m3 fwd vec",
+      "s42 fp8_block train 256x128 bias_gelu_block_cast_transpose_1x128_e4m3 bwd vec",
   };
   for (auto* n : kNames)
     if (name == n) return true;

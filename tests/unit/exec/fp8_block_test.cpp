@@ -26,13 +26,14 @@ const rules::RuleSet& builtins() {
   return rs;
 }
 
-std::shared_ptr<const exec::Program> program(const std::string& ops_json, const ops::Shape& shape, bool training) {
+std::shared_ptr<const exec::Program> program(const std::string& ops_json, const ops::Shape& shape, bool training,
+                                             const char* recipe_name = "fp8_block") {
   const std::string text = std::string(R"({"format": "jitfuse.sequence/1", "name": "b", "ops": )") + ops_json + "}";
   auto def = ops::parse_sequence(text, "<fp8_block test>", builtins().registry());
   exec::CompileOptions o;
   o.arch = 90;
   o.training = training;
-  auto recipe = ops::parse_recipe("fp8_block");
+  auto recipe = ops::parse_recipe(recipe_name);
   ops::apply_recipe(def, recipe);
   return exec::compile(ops::infer(def, shape), "b", recipe, o, builtins());
 }
@@ -116,12 +117,22 @@ TEST_CASE("fp8_block: block-scaled cast specs codegen refuses", "[fp8_block][cod
   auto delayed = cast_spec(1, true, 256);
   delayed.fp8->delayed = true;
   CHECK_THROWS_AS(codegen::generate(delayed), std::invalid_argument);
-  auto staged = cast_spec(1, true, 256);
   codegen::Stage st;
   st.op = 1;
   st.functor = "jf_op_gelu";
-  staged.pre.push_back(st);
-  CHECK_THROWS_AS(codegen::generate(staged), std::invalid_argument);
+  auto staged_weight = cast_spec(2, true, 256);  // a weight's cast takes no stages
+  staged_weight.pre.push_back(st);
+  CHECK_THROWS_AS(codegen::generate(staged_weight), std::invalid_argument);
+  auto normed = cast_spec(1, true, 256);  // the norm skeleton's anchor is not a stage
+  normed.norm = codegen::NormSpec{};
+  CHECK_THROWS_AS(codegen::generate(normed), std::invalid_argument);
+  auto normalize_bwd = cast_spec(1, true, 256);  // normalize runs forward only
+  normalize_bwd.dir = codegen::Direction::backward;
+  codegen::Stage ns;
+  ns.kind = codegen::Stage::Kind::normalize;
+  ns.op = 0;
+  normalize_bwd.pre.push_back(ns);
+  CHECK_THROWS_AS(codegen::generate(normalize_bwd), std::invalid_argument);
   auto elementwise = cast_spec(1, true, 256);
   elementwise.skeleton = codegen::Skeleton::elementwise;
   CHECK_THROWS_AS(codegen::generate(elementwise), std::invalid_argument);
@@ -280,4 +291,113 @@ TEST_CASE("fp8_block: GEMM calls cuBLASLt refuses are named before they run", "[
   x.epilogue = cuda::Epilogue::bias;
   x.bias = d;
   refused(x, "no epilogue");
+}
+
+// Issue 44: the quantisation fused into its producer. Training: the layernorm runs as a statistics kernel
+// (no output) and the block cast normalises in its tiles; bias + gelu run inside the next linear's cast;
+// the backward of bias + gelu (with dbias) and of the last bias run inside the grad_output casts. No bf16
+// copy of a linear's operand is written.
+TEST_CASE("fp8_block: norms, activation chains and their backward fused into the block-scaled casts", "[fp8_block][exec]") {
+  const auto p = program(kMlp, {256, 128}, true);
+  std::vector<std::string> fwd, bwd;
+  for (const auto& s : p->forward)
+    if (s.kind == exec::Step::Kind::kernel) fwd.push_back(s.kernel->spec.label);
+  for (const auto& s : p->backward)
+    if (s.kind == exec::Step::Kind::kernel) bwd.push_back(s.kernel->spec.label);
+  CHECK(fwd == std::vector<std::string>{"layernorm_stats", "layernorm_block_cast_transpose_1x128_e4m3",
+                                        "block_cast_128x128_e4m3", "bias_gelu_block_cast_transpose_1x128_e4m3",
+                                        "block_cast_128x128_e4m3", "bias", "add_extra_input"});
+  for (const auto& s : p->forward) {
+    if (s.kind != exec::Step::Kind::kernel) continue;
+    const auto& k = *s.kernel;
+    INFO(k.spec.label);
+    if (k.spec.label == "layernorm_stats") {
+      REQUIRE(k.spec.norm);
+      CHECK(k.spec.norm->stats_only);
+      for (const auto& a : k.gen.args) CHECK(a.role != Arg::Role::out);  // statistics only
+    }
+    if (k.spec.label == "layernorm_block_cast_transpose_1x128_e4m3") {
+      REQUIRE(k.spec.pre.size() == 1);
+      CHECK(k.spec.pre[0].kind == codegen::Stage::Kind::normalize);
+      CHECK(has(k.gen.source, "s0_rstd[r], jf_mu = s0_mean[r]"));
+      CHECK(has(k.gen.source, "jf_block_cast_tile<JF_VEC, false, true>"));
+    }
+    if (k.spec.label == "bias_gelu_block_cast_transpose_1x128_e4m3") {
+      CHECK(k.spec.pre.size() == 2);
+      CHECK(k.spec.fp8->block == 1);
+      bool saves = false;  // gelu's input saved for the backward, from the same kernel
+      for (const auto& a : k.gen.args) saves |= a.role == Arg::Role::saved && a.writes;
+      CHECK(saves);
+    }
+  }
+  // bias + residual (dbias, dresidual) + cast, bias + gelu (dbias) + cast, the layernorm backward.
+  CHECK(bwd == std::vector<std::string>{"bias_add_extra_input_block_cast_transpose_1x128_e4m3",
+                                        "bias_gelu_block_cast_transpose_1x128_e4m3", "layernorm"});
+  int partial_casts = 0;
+  for (const auto& s : p->backward)
+    if (s.kind == exec::Step::Kind::kernel && s.kernel->spec.fp8 && !s.kernel->spec.pre.empty()) {
+      ++partial_casts;
+      CHECK_FALSE(s.kernel->gen.launch.persistent);  // column sums: one partial row per 128-row tile
+      CHECK(s.kernel->launch.vec.gy == 2);
+      CHECK(s.kernel->launch.vec.parts == 2);
+      CHECK(has(s.kernel->gen.source, "__launch_bounds__(512, 2)"));
+      CHECK(!s.kernel->gen.finalize.empty());
+    }
+  CHECK(partial_casts == 2);
+  // No bf16 tensor between the producers and the casts: no kernel writes a linear's input (act1, act4).
+  for (const auto& s : p->forward)
+    if (s.kind == exec::Step::Kind::kernel)
+      for (size_t i = 0; i < s.kernel->args.size(); ++i) {
+        const auto& a = s.kernel->gen.args.at(i);
+        if (!a.writes || s.kernel->args[i].kind != exec::KArg::Kind::buffer) continue;
+        const auto& b = p->buffers.at(static_cast<size_t>(s.kernel->args[i].buffer));
+        INFO(s.kernel->spec.label << " writes " << b.name);
+        CHECK(b.name != "act1");
+        CHECK(b.name != "act4");
+      }
+}
+
+TEST_CASE("fp8_block: a norm after a fork normalises its saved input; inference keeps the bf16 norm", "[fp8_block][exec]") {
+  const char* half = R"([{"op": "make_extra_output", "channel": "r"}, {"op": "rmsnorm"},
+    {"op": "linear", "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
+    {"op": "linear", "in_features": 512, "out_features": 256}, {"op": "add_extra_input", "channel": "r"}])";
+  const auto p = program(half, {256, 256}, true);
+  const exec::Step* cast = nullptr;
+  for (const auto& s : p->forward)
+    if (s.kind == exec::Step::Kind::kernel && s.kernel->spec.label == "rmsnorm_block_cast_transpose_1x128_e4m3") cast = &s;
+  REQUIRE(cast);
+  CHECK(cast->kernel->spec.pre.at(0).norm_rms);
+  CHECK_FALSE(has(cast->kernel->gen.source, "s1_mean"));  // rmsnorm: no mean, no beta
+  const auto& k = *cast->kernel;
+  REQUIRE(k.gen.args.at(0).role == Arg::Role::in);
+  CHECK(p->buffers.at(static_cast<size_t>(k.args.at(0).buffer)).name == "op1.input");
+  // swiglu -> linear is not fused under fp8_block (the gated kernel writes bf16): its cast stands alone.
+  bool alone = false;
+  for (const auto& s : p->forward)
+    alone |= s.kind == exec::Step::Kind::kernel && s.kernel->spec.label == "block_cast_transpose_1x128_e4m3";
+  CHECK(alone);
+
+  const auto inf = program(kMlp, {48, 128}, false);
+  std::vector<std::string> labels;
+  for (const auto& s : inf->forward)
+    if (s.kind == exec::Step::Kind::kernel) labels.push_back(s.kernel->spec.label);
+  CHECK(labels.at(0) == "layernorm");
+  CHECK(labels.at(1) == "block_cast_1x128_e4m3");
+  CHECK(labels.at(3) == "bias_gelu_block_cast_1x128_e4m3");
+}
+
+// relu keeps its output for the backward; before a linear under an FP8 recipe the cast kernel that consumes
+// it is the only kernel that sees it, so its stage saves it (fp8/linear.cpp save_chain_output).
+TEST_CASE("fp8 recipes: relu last before a linear is saved by the fused cast kernel", "[fp8_block][exec]") {
+  const char* seq = R"([{"op": "linear", "in_features": 128, "out_features": 256}, {"op": "bias"}, {"op": "relu"},
+                        {"op": "linear", "in_features": 256, "out_features": 128}])";
+  for (const char* recipe : {"fp8_block", "fp8_current", "fp8_delayed"}) {
+    INFO(recipe);
+    const auto p = program(seq, {256, 128}, true, recipe);
+    bool saved = false;
+    for (const auto& st : p->forward)
+      if (st.kind == exec::Step::Kind::kernel)
+        for (const auto& a : st.kernel->gen.args) saved |= a.role == Arg::Role::saved && a.writes && a.op == 2 && a.key == codegen::Key::output;
+    CHECK(saved);
+  }
 }

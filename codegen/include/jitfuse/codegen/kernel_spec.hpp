@@ -23,6 +23,8 @@ struct Stage {
     extra_add,  // v += e;                     de = g
     extra_tap,  // extra = v;                  g += d_extra
     dropout,    // v *= keep / (1-p);          g *= keep / (1-p)
+    normalize,  // v = (v - mean[row]) * rstd[row] * gamma + beta (forward only): a norm op's affine part
+                // with the statistics a NormSpec::stats_only kernel saved (fp8_block's norm -> block cast)
   } kind = Kind::unary;
   int op = -1;            // op index in the sequence (see KernelSpec: the source numbers ops by position)
   std::string op_kind;    // "gelu": comments only
@@ -38,6 +40,8 @@ struct Stage {
   bool grad_accumulate = false;  // extra_add backward: de += g (a channel's readers but its last one)
   bool grad_two_parts = false;   // extra_tap backward: g += d_extra + d_channel (a returned channel also read:
                                  // the second tensor is the Role::grad_extra_out argument named "channel")
+  bool norm_rms = false;         // normalize: rmsnorm (no mean, no beta)
+  bool norm_zero_centered = false;  // normalize: gamma + 1
 };
 
 struct NormSpec {
@@ -47,6 +51,9 @@ struct NormSpec {
   bool zero_centered = false;
   bool save_stats = false;  // forward: write mean/rstd
   bool save_input = false;  // forward: write the norm's input (when pre-stages changed it)
+  // forward: the row statistics (saved) and the pre stages' writes only, no output: a block-scaled cast
+  // with a Stage::Kind::normalize stage reads the norm's input again and normalises in its tiles (fp8_block).
+  bool stats_only = false;
 };
 
 struct GatedSpec {

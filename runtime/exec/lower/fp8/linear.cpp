@@ -11,6 +11,8 @@
 // forward and dgrad, per 128x1 block along their columns for the wgrad (their transposed copies, cast from
 // the bf16 tensor with scales of their own, not a transpose of the row-major codes); W per 128x128 block
 // (its transposed copy shares the scales). Every operand E4M3.
+#include <algorithm>
+
 #include "common/error.hpp"
 #include "exec/lower/lowering.hpp"
 
@@ -63,30 +65,96 @@ KernelSpec stageless_spec(const Builder& b, int64_t cols, const std::string& lab
   return s;
 }
 
-// fp8_block: the operand's block-scaled cast (codegen Fp8Spec::block) of the bf16 tensor `src` as it is
-// (a chain before the cast ran as its own kernel): row-major codes with their scales and, in training, the
-// transposed codes with theirs, in one kernel.
-void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src) {
+// A chain fused into a linear's operand cast writes no bf16 output, so where its last op keeps its own
+// output for the backward (relu), the kernel's stage saves it (boundary_saves covers the group's last op,
+// the linear, not this one).
+void save_chain_output(const Builder& b, KernelSpec& spec, int e) {
+  if (!b.training() || !b.forward()) return;
+  const auto& saved = b.ops().at(static_cast<size_t>(e - 1)).saved;
+  if (std::find(saved.begin(), saved.end(), ops::SavedKind::output) == saved.end()) return;
+  for (auto* stages : {&spec.pre, &spec.post})
+    for (auto& st : *stages)
+      if (st.op == e - 1 && st.kind == codegen::Stage::Kind::unary) st.save_output = true;
+}
+
+// fp8_block: the operand's block-scaled cast (codegen Fp8Spec::block): row-major codes with their scales
+// and, in training, the transposed codes with theirs, in one kernel. With a chain [bgn, e) (the ops before
+// the linear in the forward, after it in the backward; elementwise), the cast kernel runs the chain's
+// stages on `src` itself (the chain's input, or the gradient of its output) and no bf16 copy of the
+// operand is written: the quantisation fused into its producer. A forward chain with a norm (and the
+// residual add / fork before it) runs as a statistics kernel and the cast normalises (training).
+void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bgn, int e) {
   auto& dst = b.fp8_operand(lin, operand);
   const bool weight = operand == fp8::Operand::weight;
   const auto& o = b.ops().at(static_cast<size_t>(lin));
-  KernelSpec spec = stageless_spec(b, dst.cols, weight         ? "block_cast_128x128_e4m3"
-                                              : b.training() ? "block_cast_transpose_1x128_e4m3"
-                                                             : "block_cast_1x128_e4m3");
+  const char* stem = weight ? "block_cast_128x128_e4m3"
+                     : b.training() ? "block_cast_transpose_1x128_e4m3" : "block_cast_1x128_e4m3";
+  KernelSpec spec;
+  bool vec = true;
+  std::string chain_what;
+  if (bgn < e) {
+    ChainOptions opt = chain_options(b);
+    opt.fp8.reset();
+    opt.vec = vec = chain_vectorizable(b.ops(), bgn, e);
+    spec = chain_spec(b.ops(), bgn, e, opt);
+    if (spec.skeleton == codegen::Skeleton::rownorm && b.forward() && !weight) {
+      const int ni = spec.norm->op;
+      const auto& no = b.ops().at(static_cast<size_t>(ni));
+      nlohmann::json meta = b.kernel_meta(bgn, "forward");
+      const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
+      if (!b.training()) {
+        // Inference saves no statistics: the norm kernel writes bf16 and the block cast reads it.
+        const int h = b.act(lin);
+        lower_chain(b, bgn, e, opt, dst.rows, src, h);
+        return block_cast_operand(b, lin, operand, h, lin, lin);
+      }
+      // Training: the norm kernel saves its row statistics (and runs its pre stages) without writing
+      // an output; the block cast reads the norm's input again and normalises in its tiles, so the
+      // normalised tensor is never written in bf16 (2 + 2 bytes read, 1 + 1 written per element, against
+      // 8 for a bf16 norm output and a cast of it).
+      spec.norm->stats_only = true;
+      spec.label += "_stats";
+      b.kernel(spec, meta, src, -1, dst.rows,
+               fmt::format("{}: generated row statistics of {} (no output: the block-scaled cast normalises)", who,
+                           no.label()));
+      codegen::Stage st;
+      st.kind = codegen::Stage::Kind::normalize;
+      st.op = ni;
+      st.op_kind = no.kind;
+      st.math = no.kind == "rmsnorm" ? "y = x * rstd * g (the saved statistics)"
+                                     : "y = (x - mean) * rstd * g + beta (the saved statistics)";
+      st.norm_rms = no.kind == "rmsnorm";
+      st.norm_zero_centered = no.flag("zero_centered_gamma");
+      src = ni == bgn ? src : b.saved_context(ni, Key::input);  // pre stages ran: their output was saved
+      spec = stageless_spec(b, dst.cols, std::string(no.kind) + "_" + stem);
+      spec.pre = {st};
+      chain_what = "normalise -> ";
+    } else {
+      if (spec.skeleton != codegen::Skeleton::elementwise || weight)
+        fail(Status::internal, "{}: under fp8_block only an elementwise chain or a norm writes a linear's "
+             "activation or gradient operand (the rule's legality check should have refused this window)", o.label());
+      spec.label += std::string("_") + stem;
+      save_chain_output(b, spec, e);
+      chain_what = b.forward() ? "chain -> " : "chain backward -> ";
+    }
+  } else {
+    spec = stageless_spec(b, dst.cols, stem);
+  }
   spec.skeleton = codegen::Skeleton::cast_transpose;
-  spec.vec = dst.cols % 8 == 0 && dst.rows % 16 == 0;
+  spec.vec = vec && dst.cols % 8 == 0 && dst.rows % 16 == 0;
   codegen::Fp8Spec q;
   q.op = lin;
   q.tensor = fp8::name(operand);
   q.block = weight ? 2 : 1;
   q.colwise = b.training();
   spec.fp8 = q;
-  nlohmann::json meta = b.kernel_meta(lin, b.forward() ? "forward" : "backward");
+  nlohmann::json meta = b.kernel_meta(bgn < e ? bgn : lin, b.forward() ? "forward" : "backward");
   meta["fp8_operand"] = q.tensor;
   const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
   const size_t first = b.steps();
   b.kernel(spec, meta, src, dst.row, dst.rows,
-           fmt::format("{}: generated block-scaled E4M3 cast of {} of {} ({}{})", who, q.tensor, o.label(),
+           fmt::format("{}: generated {}block-scaled E4M3 cast of {} of {} ({}{})", who,
+                       chain_what, q.tensor, o.label(),
                        weight ? "128x128 blocks" : "1x128 blocks",
                        b.training() ? (weight ? ", row-major and transposed" : ", row-major; transposed with 128x1 blocks")
                                     : ""));
@@ -97,12 +165,7 @@ void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src) {
 }  // namespace
 
 void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bgn, int e) {
-  if (b.recipe().is_block()) {
-    if (bgn < e)
-      fail(Status::internal, "{}: under fp8_block a chain does not write a linear's FP8 operand (no fusion rule "
-           "pairs them yet): the chain writes bf16 and the block-scaled cast reads it", b.ops()[lin].label());
-    return block_cast_operand(b, lin, operand, src);
-  }
+  if (b.recipe().is_block()) return block_cast_operand(b, lin, operand, src, bgn, e);
   const auto& ops = b.ops();
   auto& dst = b.fp8_operand(lin, operand);
   const bool weight = operand == fp8::Operand::weight;
@@ -122,6 +185,7 @@ void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bg
   if (bgn < e) {
     opt.vec = chain_vectorizable(ops, bgn, e);
     spec = chain_spec(ops, bgn, e, opt);
+    save_chain_output(b, spec, e);
   } else {
     spec = stageless_spec(b, cols, "cast");
   }

@@ -10,7 +10,9 @@
 //   backward [linear, chain...]          the chain's backward kernel (dbias, dact, ...) writes dy as
 //                                         E5M2, row-major + transposed, then dgrad and wgrad
 // The chain is any generated chain (elementwise; a norm or gated forward, which writes the row-major codes
-// only, so in training a transpose of its codes follows); empty, the cast stands alone.
+// only, so in training a transpose of its codes follows); empty, the cast stands alone. Under fp8_block the
+// chain is elementwise and runs inside the block-scaled cast kernel (fp8/linear.cpp), every operand E4M3,
+// and the forward GEMM has no epilogue (the legality check keeps a bias or residual out of the window).
 #include "common/error.hpp"
 #include "exec/lower/impl/generated_chain.hpp"
 #include "exec/lower/impl/registrar.hpp"
@@ -77,7 +79,7 @@ class GeneratedFp8Cast final : public Implementation {
     const int lin = role(b, ops::Family::linear);
     if (!b.recipe().is_fp8())
       fail(Status::internal, "rule '{}': fp8_cast lowers under FP8 recipes only (give the rule \"recipes\": "
-           "[\"fp8_delayed\", \"fp8_current\"])", g.rule);
+           "[\"fp8_delayed\", \"fp8_current\", \"fp8_block\"])", g.rule);
     if (b.forward()) {
       check_fp8_linear(b, lin);
       if (g.begin < lin) fp8_cast_operand(b, lin, fp8::Operand::input, b.act(g.begin), g.begin, lin);

@@ -83,15 +83,30 @@ std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, r
 
 // fp8_block: its GEMMs take no epilogue (cuda::Fp8Scaling), so of the implementations that lower a linear
 // under FP8 only those without one: a C operand accumulated with beta = 1 (RESIDUAL without a bias, and
-// DGRAD_ACCUMULATE). Whole 1x128 blocks along each K, 128x128 weight blocks.
+// DGRAD_ACCUMULATE), and fp8_cast where its chain is elementwise or a norm and the forward GEMM has nothing
+// after it but a residual add as its C (the chain fused into the block-scaled cast). Whole 1x128 blocks along each K, 128x128 weight blocks.
 std::optional<std::string> block_problem(const Implementation& impl, const std::vector<OpUse>& window,
                                          rules::Pass pass) {
   const bool bias = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::bias; });
-  const bool ok = impl.name() == "unfused" || impl.name() == "DGRAD_ACCUMULATE" || (impl.name() == "RESIDUAL" && !bias);
-  if (!ok)
+  if (impl.name() == "fp8_cast") {
+    // The block-scaled cast takes the elementwise chain that produces the operand: the ops before the
+    // linear (forward; nothing after it: no epilogue), or the backward of the ops after it.
+    const auto lin = std::find_if(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::linear; });
+    // A residual add right after it is the GEMM's C (beta = 1), as the RESIDUAL rule does.
+    const bool residual_c = lin + 2 == window.end() && (lin + 1)->family() == ops::Family::add_extra_input;
+    if (pass == rules::Pass::forward && lin + 1 != window.end() && !residual_c)
+      return fmt::format("under fp8_block a linear's GEMM takes no epilogue, so fp8_cast's forward window ends with "
+                         "the linear or a residual add (the GEMM's C): {} after it runs as its own kernel",
+                         (lin + 1)->name());
+    for (const auto& u : window)
+      if (u.family() == ops::Family::gated)
+        return fmt::format("under fp8_block fp8_cast fuses an elementwise chain or a norm into the block-scaled "
+                           "cast; {} is gated (its kernel writes bf16 and a separate block cast reads it)", u.name());
+  } else if (impl.name() != "unfused" && impl.name() != "DGRAD_ACCUMULATE" && !(impl.name() == "RESIDUAL" && !bias)) {
     return fmt::format("under fp8_block a linear runs on block-scaled FP8 GEMMs, which take no epilogue here; {} "
                        "does not lower to them (the unfused linear and a separate kernel for what follows do)",
                        impl.name());
+  }
   const auto d = first_bad_dim(window, pass, 128);
   if (!d) return std::nullopt;
   return fmt::format("fp8_block needs {0} to be a multiple of 128 (whole 1x128 blocks along each GEMM's K, "
