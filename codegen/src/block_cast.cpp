@@ -14,9 +14,13 @@ namespace jitfuse::codegen::detail {
 Generated generate_block_cast(const KernelSpec& spec) {
   const auto& q = *spec.fp8;
   if (q.block != 1 && q.block != 2) throw std::invalid_argument("codegen: Fp8Spec::block must be 1 (1x128) or 2 (128x128)");
-  if (q.codes_in || q.amax_only || q.delayed || q.e5m2 || spec.norm || spec.gated || !spec.post.empty())
+  if (q.codes_in || q.amax_only || q.delayed || q.e5m2 || spec.norm || (!spec.gated && !spec.post.empty()))
     throw std::invalid_argument("codegen: a block-scaled cast (Fp8Spec::block) has no amax pass and no recipe "
-                                "state, writes E4M3, and takes elementwise stages only");
+                                "state, writes E4M3, and takes elementwise stages (or a gated op's forward) only");
+  if (spec.gated && (spec.dir != Direction::forward || q.block != 1 || !chain_reads(spec.pre, spec.dir).empty() ||
+                     !chain_reads(spec.post, spec.dir).empty()))
+    throw std::invalid_argument("codegen: a block-scaled cast takes a gated op's forward on an activation, with "
+                                "stages that read no other tensor");
   if (q.block == 2 && !spec.pre.empty())
     throw std::invalid_argument("codegen: a weight's block-scaled cast (128x128) takes no stages");
   if (spec.cols <= 0 || spec.cols % 128 != 0)
@@ -49,7 +53,37 @@ Generated generate_block_cast(const KernelSpec& spec) {
   for (size_t i = 0; i < reads.size(); ++i) preloaded[reads[i]] = fmt::format("pl{}[0]", i);
   Writer body;
   for (int i = 0; i < 4; ++i) body.open();
-  if (!stages.empty()) {
+  const bool gated = spec.gated.has_value();
+  const int64_t in_cols = gated ? 2 * spec.cols : spec.cols;
+  if (gated) {
+    // y = post(act(pre(a)) * pre(b)), a and b the two halves of the input row (the gated skeleton's
+    // forward), the gate's input saved when the spec asks; y is the tile's value.
+    const std::string n_str = std::to_string(spec.cols);
+    const ChunkCtx ca{.var = "a", .base = fmt::format("r * {} + c0", in_cols), .col = "c0", .width = in_cols,
+                      .half = "_a", .col_off = "0", .row = "r", .preloaded = nullptr};
+    const ChunkCtx cb{.var = "b", .base = fmt::format("r * {} + ({} + c0)", in_cols, n_str),
+                      .col = fmt::format("({} + c0)", n_str), .width = in_cols, .half = "_b", .col_off = n_str,
+                      .row = "r", .preloaded = nullptr};
+    body.line("float (&a)[8] = x[u];");
+    body.line("float (&b)[8] = xb[0];");
+    for (const auto& s : spec.pre) {
+      emit_stage_fwd(body, args, setup, s, ca);
+      emit_stage_fwd(body, args, setup, s, cb);
+    }
+    const auto& gs = *spec.gated;
+    body.line("// op {} gated: y = {}(a) * b", gs.op, comment_text(gs.functor));
+    if (gs.save_input) {
+      const std::string sp = fmt::format("s{}_input", gs.op);
+      args.ptr(Arg::Role::saved, gs.op, Key::input, sp, "ST", true);
+      body.line("jf_store8<DT, JF_VEC>({} + r * {} + c0, a, n);", sp, in_cols);
+      body.line("jf_store8<DT, JF_VEC>({} + r * {} + {} + c0, b, n);", sp, in_cols, spec.cols);
+    }
+    body.line("#pragma unroll");
+    body.line("for (int e = 0; e < 8; ++e) a[e] = {}::fwd(a[e]) * b[e];", gs.functor);
+    const ChunkCtx cv{.var = "a", .base = fmt::format("r * {} + c0", spec.cols), .col = "c0", .width = spec.cols,
+                      .half = "", .col_off = "0", .row = "r", .preloaded = nullptr};
+    for (const auto& s : spec.post) emit_stage_fwd(body, args, setup, s, cv);
+  } else if (!stages.empty()) {
     const ChunkCtx c{.var = fwd ? "v" : "gr", .base = fmt::format("r * {} + c0", spec.cols), .col = "c0",
                      .width = spec.cols, .half = "", .col_off = "0", .row = "r", .preloaded = &preloaded};
     body.line("float (&{})[8] = x[u];", c.var);
@@ -84,7 +118,7 @@ Generated generate_block_cast(const KernelSpec& spec) {
   // the stages (the stages' stores would keep the compiler from moving later loads ahead of them); with
   // them (a backward chain's saved tensors), each row's loads and then its stages, so that those tensors
   // live one row at a time (64 registers without a spill, against 110 for all four rows).
-  const bool two_phase = reads.empty();
+  const bool two_phase = reads.empty() && !gated;  // a gated op: its second half is read beside the first
   w.line("float x[4][8];");
   w.line("#pragma unroll");
   w.line("for (int u = 0; u < 4; ++u) {{");
@@ -93,10 +127,12 @@ Generated generate_block_cast(const KernelSpec& spec) {
   w.line("if (r < rows) {{");
   w.open();
   for (size_t i = 0; i < reads.size(); ++i) w.line("float pl{}[1][8];", i);
-  w.line("jf_load8<DT, JF_VEC>(in + r * {} + c0, x[u]);", spec.cols);
+  if (gated) w.line("float xb[1][8];");
+  w.line("jf_load8<DT, JF_VEC>(in + r * {} + c0, x[u]);", in_cols);
+  if (gated) w.line("jf_load8<DT, JF_VEC>(in + r * {} + {} + c0, xb[0]);", in_cols, spec.cols);
   for (size_t i = 0; i < reads.size(); ++i) w.line("jf_load8<DT, JF_VEC>({} + r * {} + c0, pl{}[0]);", reads[i], spec.cols, i);
   w.close();
-  if (!stages.empty() && !two_phase) w.raw(body.str());
+  if ((gated || !stages.empty()) && !two_phase) w.raw(body.str());
   w.line("}} else {{");
   w.line("  for (int e = 0; e < 8; ++e) x[u][e] = 0.f;");
   w.line("}}");

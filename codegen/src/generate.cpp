@@ -49,8 +49,9 @@ Generated generate(const KernelSpec& spec) {
   if (spec.skeleton == Skeleton::gated && !spec.gated) throw std::invalid_argument("codegen: gated spec without a gate");
   if (spec.skeleton == Skeleton::cast_transpose) {
     if (!spec.fp8) throw std::invalid_argument("codegen: cast_transpose spec without an FP8 cast (KernelSpec::fp8)");
-    if (spec.norm || spec.gated)
-      throw std::invalid_argument("codegen: a cast_transpose spec has no norm or gated anchor (its stages are all pre stages)");
+    if (spec.norm || (spec.gated && !spec.fp8->block))
+      throw std::invalid_argument("codegen: a cast_transpose spec has no norm or gated anchor (its stages are all pre "
+                                  "stages; a block-scaled cast alone takes a gated op's forward)");
     if (!spec.post.empty()) throw std::invalid_argument("codegen: a cast_transpose spec has no post stages (no anchor)");
     if (spec.fp8->codes_in && (!spec.pre.empty() || spec.fp8->amax_only))
       throw std::invalid_argument("codegen: a cast_transpose spec over codes (Fp8Spec::codes_in) has no stages and no amax pass");

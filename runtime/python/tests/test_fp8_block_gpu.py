@@ -56,14 +56,15 @@ def test_block_scaled_linear_matches_its_emulation(rows, k, n, train):
     assert rel(y, x.double() @ w.double().T) < 0.08
 
 
-@pytest.mark.parametrize("factor", [1e2, 1e4])
+@pytest.mark.parametrize("factor", [1e2, 1e4, 1e5])
 def test_outlier_rows_spare_the_other_rows_only_under_block_scaling(factor):
     """Issue 44: a few token rows x factor (activation outliers). Per-tensor current scaling takes its scale
-    from the outliers, so at 1e4 the other rows' codes fall into E4M3's subnormals (a step of 2^-9 against
-    values near 2^-7): their outputs lose most of their precision. Block scaling gives each 1x128 row block
-    its own scale, so the other rows keep FP8's usual error. At 1e2 both keep it (E4M3 is a float format:
-    a scale 100x smaller leaves the values normal), which is why the loss curves of a model with x100
-    outliers do not separate the two recipes."""
+    from the outliers: at 1e5 the other rows' codes fall below E4M3's smallest subnormal steps (2^-9 against
+    values near 2^-10) and their outputs lose most of their precision; at 1e4 they sit among the
+    subnormals (an H100, session 39: 8.9 % error against block scaling's 5.4 %). Block scaling gives each
+    1x128 row block its own scale, so the other rows keep FP8's usual error. At 1e2 both keep it (E4M3 is
+    a float format: a scale 100x smaller leaves the values normal), which is why the loss curves of a model
+    with x100 outliers do not separate the two recipes."""
     g = torch.Generator(device=DEV).manual_seed(int(factor))
     k, n, rows = 512, 1024, 256
     x = torch.randn(rows, k, device=DEV, generator=g)
@@ -85,7 +86,9 @@ def test_outlier_rows_spare_the_other_rows_only_under_block_scaling(factor):
         assert torch.isfinite(xi.grad).all()
         err[recipe] = rel(y[4:], ref[4:])  # the rows without outliers
     assert err["fp8_block"] < 0.08, err
-    if factor >= 1e4:
+    if factor >= 1e5:
         assert err["fp8_current"] > 3 * err["fp8_block"], err
+    elif factor >= 1e4:
+        assert err["fp8_current"] > 1.3 * err["fp8_block"], err
     else:
         assert err["fp8_current"] < 0.08, err

@@ -371,11 +371,21 @@ TEST_CASE("fp8_block: a norm after a fork normalises its saved input; inference 
   const auto& k = *cast->kernel;
   REQUIRE(k.gen.args.at(0).role == Arg::Role::in);
   CHECK(p->buffers.at(static_cast<size_t>(k.args.at(0).buffer)).name == "op1.input");
-  // swiglu -> linear is not fused under fp8_block (the gated kernel writes bf16): its cast stands alone.
-  bool alone = false;
+  // swiglu -> linear: the gated forward runs in the cast (both halves of the up projection's output read,
+  // the gate's input saved as the GEMM's output itself); its backward writes bf16 and a cast reads it.
+  const exec::Step* gated = nullptr;
   for (const auto& s : p->forward)
+    if (s.kind == exec::Step::Kind::kernel && s.kernel->spec.label == "swiglu_block_cast_transpose_1x128_e4m3") gated = &s;
+  REQUIRE(gated);
+  REQUIRE(gated->kernel->spec.gated);
+  CHECK(has(gated->kernel->gen.source, "in + r * 1024 + 512 + c0"));
+  bool alone = false;
+  for (const auto& s : p->backward)
     alone |= s.kind == exec::Step::Kind::kernel && s.kernel->spec.label == "block_cast_transpose_1x128_e4m3";
   CHECK(alone);
+  auto gated_bwd = gated->kernel->spec;  // codegen takes a gated op's forward only
+  gated_bwd.dir = codegen::Direction::backward;
+  CHECK_THROWS_AS(codegen::generate(gated_bwd), std::invalid_argument);
 
   const auto inf = program(kMlp, {48, 128}, false);
   std::vector<std::string> labels;

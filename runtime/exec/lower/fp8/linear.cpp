@@ -81,8 +81,9 @@ void save_chain_output(const Builder& b, KernelSpec& spec, int e) {
 // and, in training, the transposed codes with theirs, in one kernel. With a chain [bgn, e) (the ops before
 // the linear in the forward, after it in the backward; elementwise), the cast kernel runs the chain's
 // stages on `src` itself (the chain's input, or the gradient of its output) and no bf16 copy of the
-// operand is written: the quantisation fused into its producer. A forward chain with a norm (and the
-// residual add / fork before it) runs as a statistics kernel and the cast normalises (training).
+// operand is written: the quantisation fused into its producer (a gated op's forward too: the cast reads
+// both halves of its input). A forward chain with a norm (and the residual add / fork before it) runs as a
+// statistics kernel and the cast normalises (training).
 void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bgn, int e) {
   auto& dst = b.fp8_operand(lin, operand);
   const bool weight = operand == fp8::Operand::weight;
@@ -130,9 +131,11 @@ void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int 
       spec.pre = {st};
       chain_what = "normalise -> ";
     } else {
-      if (spec.skeleton != codegen::Skeleton::elementwise || weight)
-        fail(Status::internal, "{}: under fp8_block only an elementwise chain or a norm writes a linear's "
-             "activation or gradient operand (the rule's legality check should have refused this window)", o.label());
+      const bool gated_fwd = spec.skeleton == codegen::Skeleton::gated && b.forward();
+      if ((spec.skeleton != codegen::Skeleton::elementwise && !gated_fwd) || weight)
+        fail(Status::internal, "{}: under fp8_block only an elementwise chain, a gated op's forward or a norm writes "
+             "a linear's activation or gradient operand (the rule's legality check should have refused this "
+             "window)", o.label());
       spec.label += std::string("_") + stem;
       save_chain_output(b, spec, e);
       chain_what = b.forward() ? "chain -> " : "chain backward -> ";

@@ -83,8 +83,8 @@ std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, r
 
 // fp8_block: its GEMMs take no epilogue (cuda::Fp8Scaling), so of the implementations that lower a linear
 // under FP8 only those without one: a C operand accumulated with beta = 1 (RESIDUAL without a bias, and
-// DGRAD_ACCUMULATE), and fp8_cast where its chain is elementwise or a norm and the forward GEMM has nothing
-// after it but a residual add as its C (the chain fused into the block-scaled cast). Whole 1x128 blocks along each K, 128x128 weight blocks.
+// DGRAD_ACCUMULATE), and fp8_cast where the forward GEMM has nothing after it but a residual add as its C
+// (the chain, elementwise, gated or a norm, fused into the block-scaled cast). Whole 1x128 blocks along each K, 128x128 weight blocks.
 std::optional<std::string> block_problem(const Implementation& impl, const std::vector<OpUse>& window,
                                          rules::Pass pass) {
   const bool bias = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::bias; });
@@ -98,10 +98,6 @@ std::optional<std::string> block_problem(const Implementation& impl, const std::
       return fmt::format("under fp8_block a linear's GEMM takes no epilogue, so fp8_cast's forward window ends with "
                          "the linear or a residual add (the GEMM's C): {} after it runs as its own kernel",
                          (lin + 1)->name());
-    for (const auto& u : window)
-      if (u.family() == ops::Family::gated)
-        return fmt::format("under fp8_block fp8_cast fuses an elementwise chain or a norm into the block-scaled "
-                           "cast; {} is gated (its kernel writes bf16 and a separate block cast reads it)", u.name());
   } else if (impl.name() != "unfused" && impl.name() != "DGRAD_ACCUMULATE" && !(impl.name() == "RESIDUAL" && !bias)) {
     return fmt::format("under fp8_block a linear runs on block-scaled FP8 GEMMs, which take no epilogue here; {} "
                        "does not lower to them (the unfused linear and a separate kernel for what follows do)",
