@@ -90,6 +90,42 @@ double e4m3_value(uint8_t bits);
 uint8_t e5m2_bits(double v);
 double e5m2_value(uint8_t bits);
 void round_all(const std::string& dtype, Vec& v);
+// ---- mixture of experts (issue 43): token routing, grouped linears, the scaled gated op ----
+// Routing of T tokens to top-k of E experts: idx [T, k] expert ids. The permuted tensor is expert-contiguous:
+// expert 0's rows first, each expert's rows in (token, slot) order. With capacity >= 0 an expert keeps its
+// first `capacity` rows in that order and drops the rest (dest -1; they add nothing when combined).
+struct MoeRouting {
+  int64_t tokens = 0, topk = 0, experts = 0;
+  std::vector<int64_t> splits;  // [E] rows per expert (after the capacity)
+  std::vector<int64_t> dest;    // [T * k] (t, j) -> its row in the permuted tensor, -1 if dropped
+  std::vector<int64_t> src;     // [rows] permuted row -> its token
+  int64_t rows() const { return static_cast<int64_t>(src.size()); }
+};
+MoeRouting moe_route(std::span<const int64_t> idx, int64_t tokens, int64_t topk, int64_t experts,
+                     int64_t capacity = -1);
+Vec moe_permute_fwd(CSpan x, const MoeRouting& r, int64_t hidden);   // [rows, H]: y[dest(t, j)] = x[t]
+Vec moe_permute_bwd(CSpan dy, const MoeRouting& r, int64_t hidden);  // [T, H]: dx[t] = sum_j dy[dest(t, j)]
+// out[t] = sum_j probs[t, j] y[dest(t, j)]; probs [T, k].
+Vec moe_unpermute_fwd(CSpan y, CSpan probs, const MoeRouting& r, int64_t hidden);
+struct MoeUnpermuteBwd {
+  Vec dy;      // [rows, H]: dy[dest(t, j)] = probs[t, j] dout[t]
+  Vec dprobs;  // [T, k]: <dout[t], y[dest(t, j)]>, 0 where dropped
+};
+MoeUnpermuteBwd moe_unpermute_bwd(CSpan dout, CSpan y, CSpan probs, const MoeRouting& r, int64_t hidden);
+// Grouped linear: rows group-contiguous by `splits` (sum = M), weight [G, N, K]; group g: y_g = x_g W_g^T.
+Vec grouped_linear_fwd(CSpan x, CSpan w, std::span<const int64_t> splits, int64_t n, int64_t k);
+Vec grouped_linear_dgrad(CSpan dy, CSpan w, std::span<const int64_t> splits, int64_t n, int64_t k);  // [M, K]
+Vec grouped_linear_wgrad(CSpan dy, CSpan x, std::span<const int64_t> splits, int64_t n, int64_t k);  // [G, N, K]
+Vec grouped_bias_fwd(CSpan y, CSpan b, std::span<const int64_t> splits, int64_t n);  // b [G, N]
+Vec grouped_col_sum(CSpan dy, std::span<const int64_t> splits, int64_t n);         // db [G, N]
+// Scaled gated op (TE's ScaledSwiGLU): x [rows, 2n], y = scale[r] * act(a) * b; kinds as gated_fwd.
+Vec scaled_gated_fwd(const std::string& kind, CSpan x, CSpan scale, int64_t rows, int64_t n);
+struct ScaledGatedBwd {
+  Vec dx;      // [rows, 2n]
+  Vec dscale;  // [rows]: sum_c dy * act(a) * b
+};
+ScaledGatedBwd scaled_gated_bwd(const std::string& kind, CSpan x, CSpan scale, CSpan dy, int64_t rows, int64_t n);
+
 // Storage bytes of a dtype (what the GPU reads and writes) from/to doubles.
 std::vector<uint8_t> encode(const std::string& dtype, CSpan v);
 Vec decode(const std::string& dtype, const std::vector<uint8_t>& bytes);
