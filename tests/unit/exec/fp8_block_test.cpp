@@ -411,3 +411,37 @@ TEST_CASE("fp8 recipes: relu last before a linear is saved by the fused cast ker
     CHECK(saved);
   }
 }
+
+// A user rule may pair fp8_cast with chains the block cast cannot run: the legality check names why, and
+// the default plan stands (no codegen error at compile time).
+TEST_CASE("fp8_block: fp8_cast windows the block cast cannot run are refused with the reason", "[fp8_block][exec]") {
+  const std::string rules_text = R"({"format": "jitfuse.rules/1", "rules": [
+    {"name": "u_norm_act_linear", "math": "user", "pass": "forward", "priority": 90,
+     "pattern": ["layernorm", "gelu", "linear"], "conditions": {"recipes": ["fp8_block"]},
+     "impl": {"kind": "generated", "skeleton": "fp8_cast"}},
+    {"name": "u_add_gated_linear", "math": "user", "pass": "forward", "priority": 90,
+     "pattern": ["add_extra_input", "swiglu", "linear"], "conditions": {"recipes": ["fp8_block"]},
+     "impl": {"kind": "generated", "skeleton": "fp8_cast"}}]})";
+  rules::RuleSet rs = rules::RuleSet::with_builtins();
+  REQUIRE(rs.load_text(rules_text, "user.json", "").empty());
+  auto plan_of = [&](const char* ops_json, const ops::Shape& shape) {
+    const std::string text = std::string(R"({"format": "jitfuse.sequence/1", "name": "u", "ops": )") + ops_json + "}";
+    auto def = ops::parse_sequence(text, "<user>", rs.registry());
+    auto recipe = ops::parse_recipe("fp8_block");
+    ops::apply_recipe(def, recipe);
+    exec::CompileOptions o;
+    o.arch = 90;
+    o.training = true;
+    return exec::compile(ops::infer(def, shape), "u", recipe, o, rs);
+  };
+  const auto p1 = plan_of(R"([{"op": "layernorm"}, {"op": "gelu"}, {"op": "linear", "in_features": 128, "out_features": 128}])",
+                          {128, 128});
+  const auto p2 = plan_of(R"([{"op": "add_extra_input"}, {"op": "swiglu"}, {"op": "linear", "in_features": 128, "out_features": 128}])",
+                          {128, 256});
+  for (const auto* p : {p1.get(), p2.get()})
+    for (const auto& g : p->plan.forward) CHECK(g.rule.rfind("u_", 0) != 0);  // the user rules were not taken
+  bool said = false;
+  for (const auto& d : p1->plan.decisions)
+    said |= d.rule == "u_norm_act_linear" && d.reason.find("must come right before the linear") != std::string::npos;
+  CHECK(said);
+}

@@ -98,6 +98,18 @@ std::optional<std::string> block_problem(const Implementation& impl, const std::
       return fmt::format("under fp8_block a linear's GEMM takes no epilogue, so fp8_cast's forward window ends with "
                          "the linear or a residual add (the GEMM's C): {} after it runs as its own kernel",
                          (lin + 1)->name());
+    // What the cast kernel can run before the linear: a norm right before it (its statistics kernel runs
+    // the ops before the norm; the cast normalises), or a gated op whose chain reads no other tensor.
+    const bool gated = std::any_of(window.begin(), lin, [](const OpUse& u) { return u.family() == ops::Family::gated; });
+    for (auto it = window.begin(); it != lin; ++it) {
+      if (it->family() == ops::Family::norm && it + 1 != lin)
+        return fmt::format("under fp8_block a norm fused into the block cast must come right before the linear "
+                           "(the cast normalises and quantises; {} after the norm has no place in it)",
+                           (it + 1)->name());
+      if (gated && it->family() == ops::Family::add_extra_input)
+        return std::string("under fp8_block a gated op's forward in the block cast reads its input's two halves and "
+                           "nothing else: an add_extra_input in the same chain runs as its own kernel");
+    }
   } else if (impl.name() != "unfused" && impl.name() != "DGRAD_ACCUMULATE" && !(impl.name() == "RESIDUAL" && !bias)) {
     return fmt::format("under fp8_block a linear runs on block-scaled FP8 GEMMs, which take no epilogue here; {} "
                        "does not lower to them (the unfused linear and a separate kernel for what follows do)",
