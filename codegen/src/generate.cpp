@@ -12,6 +12,7 @@ Generated generate_elementwise(const KernelSpec& spec);
 Generated generate_cast_transpose(const KernelSpec& spec);
 Generated generate_block_cast(const KernelSpec& spec);
 Generated generate_cross_entropy(const KernelSpec& spec);
+Generated generate_moe(const KernelSpec& spec);
 
 namespace {
 
@@ -35,6 +36,10 @@ KernelSpec by_position(const KernelSpec& spec, std::vector<int>& seq) {
   if (local.ce) {
     renumber(local.ce->op);
     renumber(local.ce->src_op);
+  }
+  if (local.moe) {
+    renumber(local.moe->op);
+    renumber(local.moe->route_op);
   }
   return local;
 }
@@ -62,12 +67,15 @@ Generated generate(const KernelSpec& spec) {
   }
   if ((spec.skeleton == Skeleton::cross_entropy) != spec.ce.has_value())
     throw std::invalid_argument("codegen: a cross_entropy spec (KernelSpec::ce) belongs to the cross_entropy skeleton");
+  if ((spec.skeleton == Skeleton::moe) != spec.moe.has_value())
+    throw std::invalid_argument("codegen: a moe spec (KernelSpec::moe) belongs to the moe skeleton");
   std::vector<int> seq;
   const KernelSpec local = detail::by_position(spec, seq);
   Generated g = spec.skeleton == Skeleton::rownorm          ? detail::generate_rownorm(local)
                 : spec.skeleton == Skeleton::cast_transpose ? (spec.fp8->block ? detail::generate_block_cast(local)
                                                                                 : detail::generate_cast_transpose(local))
                 : spec.skeleton == Skeleton::cross_entropy  ? detail::generate_cross_entropy(local)
+                : spec.skeleton == Skeleton::moe            ? detail::generate_moe(local)
                                                             : detail::generate_elementwise(local);
   // Back to sequence indices: what the Builder binds each argument and each finalize kernel's gradient to.
   auto to_sequence = [&](int& op) {

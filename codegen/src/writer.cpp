@@ -14,6 +14,7 @@ std::string skeleton_name(Skeleton s) {
     case Skeleton::rownorm: return "rownorm";
     case Skeleton::cast_transpose: return "cast_transpose";
     case Skeleton::cross_entropy: return "cross_entropy";
+    case Skeleton::moe: return "moe";
   }
   return "?";
 }
@@ -23,7 +24,7 @@ constexpr std::pair<Key, const char*> kKeys[] = {
     {Key::input, "input"}, {Key::output, "output"}, {Key::mean, "mean"}, {Key::rstd, "rstd"},
     {Key::mask, "mask"},   {Key::lse, "lse"},       {Key::scale, "scale"}, {Key::dx, "dx"},
     {Key::dW, "dW"},       {Key::db, "db"},         {Key::weight, "weight"}, {Key::bias, "bias"},
-    {Key::channel, "channel"}};
+    {Key::channel, "channel"}, {Key::route, "route"}};
 }  // namespace
 
 const char* key_name(Key k) {
@@ -130,6 +131,7 @@ std::vector<std::string> headers_for(const KernelSpec& spec) {
   }
   if (spec.skeleton == Skeleton::cast_transpose) add(spec.fp8 && spec.fp8->block ? "skeletons/block_cast.cuh" : "skeletons/cast_transpose.cuh");
   if (spec.skeleton == Skeleton::cross_entropy) add("skeletons/cross_entropy.cuh");
+  if (spec.skeleton == Skeleton::moe) add("skeletons/moe.cuh");
   return out;
 }
 

@@ -18,7 +18,7 @@ KernelLaunch launch_for(const codegen::Launch& L, codegen::Skeleton sk, int64_t 
   // Persistent kernels (per-block partials) get the blocks that fit on the device at once; the others one
   // block per row slab (see codegen::Launch::persistent).
   const int64_t resident = static_cast<int64_t>(sm_count) * std::max(1, blocks_per_sm);
-  if (sk == codegen::Skeleton::cross_entropy) {  // one block per row of its input, or a fixed grid (grid_x)
+  if (sk == codegen::Skeleton::cross_entropy || sk == codegen::Skeleton::moe) {  // one block per row, or a fixed grid
     k.gx = static_cast<unsigned>(L.grid_x > 0 ? L.grid_x : std::clamp<int64_t>(rows, 1, 0x7fffffff));
     return k;
   }

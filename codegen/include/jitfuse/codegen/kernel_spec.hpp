@@ -11,7 +11,7 @@
 
 namespace jitfuse::codegen {
 
-enum class Skeleton { elementwise, gated, rownorm, cast_transpose, cross_entropy };
+enum class Skeleton { elementwise, gated, rownorm, cast_transpose, cross_entropy, moe };
 enum class Direction { forward, backward };
 std::string skeleton_name(Skeleton s);
 
@@ -71,6 +71,7 @@ enum class Key : uint8_t {
   dx, dW, db,                                   // the chunked loss's gradients, computed in its forward
   weight, bias,                                 // parameters (ops::Op::params names), and their partials
   channel,                                      // grad_extra_out: the gradient a channel's readers summed
+  route,                                        // a moe_permute's token routing (int32, moe_route_ints)
 };
 const char* key_name(Key k);                      // "input", "weight", ...; "" for none
 std::optional<Key> parse_key(std::string_view name);  // a parameter's name (ops::Op::params) -> its key
@@ -135,6 +136,38 @@ struct CrossEntropySpec {
   int64_t pad_from = 0;       // pad_rows: the rows of `in`
 };
 
+// The kernels of the moe skeleton (issue 43; codegen/src/moe.cpp, templates/skeletons/moe.cuh): top-k token
+// routing to expert-contiguous rows without a host synchronisation, and the row permutations both ways.
+// The routing lives in one int32 buffer per moe_permute op (saved, Key::route) laid out by moe_route_ints:
+// dest [T k] ((t, j) -> permuted row, -1 dropped), src [T k] (permuted row -> token; rows past the kept
+// ones unused), splits [E] (kept rows per expert), starts [E + 1] (their exclusive scan; starts[E] = rows),
+// then per chunk of 1024 (t, j) entries the count and the rank base of each expert. Rows of a permuted
+// tensor: T k (the static bound); rows past starts[E] are zero. KernelSpec::cols is the hidden size for
+// the row kernels; `rows` is T for every kernel.
+struct MoeSpec {
+  enum class Kernel {
+    count,          // per chunk of entries: how many route to each expert (out-of-range ids: none, dropped)
+    scan,           // one block: each chunk's rank base per expert, splits (capped by the capacity), starts
+    scatter,        // per chunk: each entry's row (stable: expert, then token, then slot), dest and src
+    permute,        // out [T k, H]: row p = in[src[p]] (zero past starts[E])
+    permute_bwd,    // out [T, H]: dx[t] = sum_j dy[dest(t, j)]
+    unpermute,      // out [T, H]: sum_j probs[t, j] in[dest(t, j)] (+ the residual, extra input "residual")
+    unpermute_bwd,  // out [T k, H]: dy[dest(t, j)] = probs[t, j] dout[t] (rows not kept zero); dprobs [T, k]
+  } kernel = Kernel::count;
+  int op = -1;            // the op the kernel runs for (extra inputs idx / probs / residual, its outputs)
+  int route_op = -1;      // the moe_permute whose routing (saved, Key::route) it writes or reads
+  int64_t experts = 0, topk = 0;
+  int64_t capacity = -1;  // rows kept per expert, first come; -1: all (dropless)
+  bool idx_i64 = true;    // routing indices int64 (torch.topk's) or int32
+  bool probs_f32 = true;  // probabilities fp32, else the storage dtype
+  bool residual = false;  // unpermute: + the extra input "residual"
+};
+// Ints of a routing buffer for T tokens, top-k of E experts (MoeSpec's layout).
+inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts) {
+  const int64_t n = tokens * topk, chunks = (n + 1023) / 1024;
+  return 2 * n + 2 * experts + 1 + 2 * chunks * experts;
+}
+
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the
 // ops by their position in the kernel instead (0, 1, ... in stage order) in every name and comment, so the
 // source depends only on what the kernel computes, never on where its group sits in a sequence.
@@ -154,6 +187,7 @@ struct KernelSpec {
   // column sums (dbias) as in the elementwise skeleton; required there.
   std::optional<Fp8Spec> fp8;
   std::optional<CrossEntropySpec> ce;  // Skeleton::cross_entropy
+  std::optional<MoeSpec> moe;          // Skeleton::moe
   std::map<std::string, std::string> headers;  // template files the stages need (name -> "" until filled)
   std::string label;           // "bias_gelu": kernel name stem
   std::string rule;            // provenance for comments and cache metadata

@@ -1,0 +1,228 @@
+// The moe skeleton's kernels (issue 43) on the GPU, launched directly: the routing (count, scan, scatter)
+// against runtime/reference's moe_route exactly (dest, src, splits: the same stable order, the same
+// capacity drops), the permutation both ways, and the combine with the routing probabilities (and its
+// backward: dy and dprobs) against the float64 references at the storage dtype's rounding. Balanced and
+// skewed routing (an expert with 4x the mean, empty experts), top-1/2/8, a capacity, int32 and int64 ids,
+// more entries than one chunk of 1024; every output poisoned before the run.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <random>
+
+#include "cache/kernel_cache.hpp"
+#include "common/error.hpp"
+#include "cuda/nvrtc.hpp"
+#include "exec/run/kernels.hpp"
+#include "harness/device_tensor.hpp"
+#include "reference/reference.hpp"
+#include "support/gpu.hpp"
+
+using namespace jitfuse;
+namespace ref = jitfuse::reference;
+using K = codegen::MoeSpec::Kernel;
+
+namespace {
+
+const cuda::Driver& drv() { return cuda::driver(); }
+
+struct DevBuf {
+  CUdeviceptr p = 0;
+  explicit DevBuf(size_t bytes) {
+    cuda::check(drv().cuMemAlloc(&p, std::max<size_t>(bytes, 16)), "cuMemAlloc");
+    cuda::check(drv().cuMemsetD8Async(p, 0xCD, std::max<size_t>(bytes, 16), nullptr), "cuMemsetD8Async");
+  }
+  ~DevBuf() { drv().cuMemFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <typename T>
+  void put(const std::vector<T>& v) {
+    harness::host_to_device(p, v.data(), v.size() * sizeof(T), nullptr);
+  }
+  template <typename T>
+  std::vector<T> get(size_t n) const {
+    std::vector<T> v(n);
+    harness::device_to_host(v.data(), p, n * sizeof(T), nullptr);
+    return v;
+  }
+};
+
+struct Case {
+  int64_t tokens, experts, topk, hidden, capacity;
+  bool skewed, idx_i64;
+  const char* dtype;
+};
+
+// Distinct experts per token; skewed: expert 0 takes ~4x the mean and the last quarter of the experts none.
+std::vector<int64_t> routing(const Case& c, std::mt19937_64& g) {
+  std::vector<int64_t> idx(static_cast<size_t>(c.tokens * c.topk));
+  const int64_t live = c.skewed ? std::max<int64_t>(c.topk + 1, c.experts * 3 / 4) : c.experts;
+  std::uniform_int_distribution<int64_t> pick(0, live - 1);
+  std::bernoulli_distribution hot(c.skewed ? 4.0 / static_cast<double>(live) : 0.0);
+  for (int64_t t = 0; t < c.tokens; ++t)
+    for (int64_t j = 0; j < c.topk; ++j) {
+      int64_t e;
+      bool dup;
+      do {
+        e = (j == 0 && hot(g)) ? 0 : pick(g);
+        dup = false;
+        for (int64_t i = 0; i < j; ++i) dup |= idx[static_cast<size_t>(t * c.topk + i)] == e;
+      } while (dup);
+      idx[static_cast<size_t>(t * c.topk + j)] = e;
+    }
+  return idx;
+}
+
+ref::Vec uniform(std::mt19937_64& g, size_t n, double lo, double hi) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  ref::Vec v(n);
+  for (auto& x : v) x = u(g);
+  return v;
+}
+
+// Values a dtype holds (the kernels read storage): the reference starts from the same numbers.
+ref::Vec rounded(const char* dtype, const ref::Vec& v) { return ref::decode(dtype, ref::encode(dtype, v)); }
+
+void close(const char* what, const ref::Vec& got, const ref::Vec& want, double rtol) {
+  INFO(what);
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(got[i] - want[i]) / (1e-6 + rtol * (std::fabs(want[i]) + 1.0));
+    if (!(err <= worst)) {
+      worst = err;
+      at = i;
+    }
+  }
+  INFO("worst at " << at << ": got " << got[at] << " want " << want[at]);
+  CHECK(worst <= 1.0);
+}
+
+void run_case(const Case& c, uint64_t seed) {
+  INFO("T " << c.tokens << " E " << c.experts << " top-" << c.topk << " H " << c.hidden << " capacity " << c.capacity
+            << (c.skewed ? " skewed" : " balanced") << (c.idx_i64 ? " int64" : " int32") << " " << c.dtype);
+  std::mt19937_64 g(seed);
+  const int64_t T = c.tokens, k = c.topk, E = c.experts, H = c.hidden, n = T * k;
+  const std::vector<int64_t> idx = routing(c, g);
+  const auto want = ref::moe_route(idx, T, k, E, c.capacity);
+  const ref::Vec x = rounded(c.dtype, uniform(g, static_cast<size_t>(T * H), -2, 2));
+  const ref::Vec probs = uniform(g, static_cast<size_t>(n), 0.05, 1.0);
+  const ref::Vec yin = rounded(c.dtype, uniform(g, static_cast<size_t>(n * H), -2, 2));
+  const ref::Vec dout = rounded(c.dtype, uniform(g, static_cast<size_t>(T * H), -2, 2));
+  const size_t es = std::string(c.dtype) == "fp32" ? 4 : 2;
+
+  DevBuf d_idx(static_cast<size_t>(n) * 8), route(static_cast<size_t>(codegen::moe_route_ints(T, k, E)) * 4);
+  if (c.idx_i64) {
+    d_idx.put(idx);
+  } else {
+    d_idx.put(std::vector<int32_t>(idx.begin(), idx.end()));
+  }
+  std::vector<float> pf(probs.begin(), probs.end());
+  DevBuf d_probs(static_cast<size_t>(n) * 4), d_x(static_cast<size_t>(T * H) * es), d_y(static_cast<size_t>(n * H) * es);
+  DevBuf d_yin(static_cast<size_t>(n * H) * es), d_out(static_cast<size_t>(T * H) * es), d_dout(static_cast<size_t>(T * H) * es);
+  DevBuf d_dy(static_cast<size_t>(n * H) * es), d_dprobs(static_cast<size_t>(n) * 4), d_dx(static_cast<size_t>(T * H) * es);
+  d_probs.put(pf);
+  d_x.put(ref::encode(c.dtype, x));
+  d_yin.put(ref::encode(c.dtype, yin));
+  d_dout.put(ref::encode(c.dtype, dout));
+
+  exec::TemplateStore templates;
+  cache::KernelCache cache(cache::Config{});
+  exec::KernelLibrary lib(cache, templates);
+  const exec::Target target = exec::target_for_arch(cuda::current_device().arch());
+  auto launch = [&](K kernel, CUdeviceptr in, CUdeviceptr out) {
+    codegen::KernelSpec spec;
+    spec.skeleton = codegen::Skeleton::moe;
+    spec.dtype = c.dtype;
+    spec.cols = H;
+    spec.label = "moe";
+    spec.dir = kernel == K::permute_bwd || kernel == K::unpermute_bwd ? codegen::Direction::backward
+                                                                      : codegen::Direction::forward;
+    codegen::MoeSpec m;
+    m.kernel = kernel;
+    m.op = 1;
+    m.route_op = 0;
+    m.experts = E;
+    m.topk = k;
+    m.capacity = c.capacity;
+    m.idx_i64 = c.idx_i64;
+    spec.moe = m;
+    const codegen::Generated gen = codegen::generate(spec);
+    const exec::LoadedKernel& lk = lib.load(gen, spec, target, {}, true);
+    int64_t rows_arg = T;
+    std::vector<CUdeviceptr> ptrs;
+    ptrs.reserve(gen.args.size());
+    std::vector<void*> params;
+    for (const auto& a : gen.args) {
+      using R = codegen::Arg::Role;
+      CUdeviceptr p = 0;
+      switch (a.role) {
+        case R::in: p = in; break;
+        case R::out: p = out; break;
+        case R::rows: params.push_back(&rows_arg); continue;
+        case R::saved: p = a.key == codegen::Key::route ? route.p : d_yin.p; break;
+        case R::extra_in: p = a.name == "idx" ? d_idx.p : d_probs.p; break;
+        case R::extra_out: p = d_dprobs.p; break;
+        default: FAIL("unexpected argument " << a.name);
+      }
+      ptrs.push_back(p);
+      params.push_back(&ptrs.back());
+    }
+    cuda::check(drv().cuLaunchKernel(lk.fn, static_cast<unsigned>(gen.launch.grid_x), 1, 1, gen.launch.bx, 1, 1, 0,
+                                     nullptr, params.data(), nullptr),
+                "cuLaunchKernel");
+  };
+  launch(K::count, 0, 0);
+  launch(K::scan, 0, 0);
+  launch(K::scatter, 0, 0);
+  launch(K::permute, d_x.p, d_y.p);
+  launch(K::unpermute, d_yin.p, d_out.p);
+  launch(K::unpermute_bwd, d_dout.p, d_dy.p);
+  cuda::check(drv().cuCtxSynchronize(), "cuCtxSynchronize");
+
+  // The routing, exactly.
+  const auto r = route.get<int32_t>(static_cast<size_t>(codegen::moe_route_ints(T, k, E)));
+  const int64_t rows = want.rows();
+  CHECK(std::vector<int64_t>(r.begin(), r.begin() + n) == want.dest);
+  CHECK(std::vector<int64_t>(r.begin() + n, r.begin() + n + rows) == want.src);
+  CHECK(std::vector<int64_t>(r.begin() + 2 * n, r.begin() + 2 * n + E) == want.splits);
+  CHECK(r[static_cast<size_t>(2 * n + 2 * E)] == rows);  // starts[E]
+
+  // Permute: the kept rows are the tokens' rows bit for bit, the rest zero.
+  ref::Vec y_want = ref::moe_permute_fwd(x, want, H);
+  y_want.resize(static_cast<size_t>(n * H), 0.0);
+  CHECK(ref::decode(c.dtype, d_y.get<uint8_t>(static_cast<size_t>(n * H) * es)) == y_want);
+
+  // Unpermute and its backward against float64, at the storage dtype's rounding (one rounding of an fp32 sum).
+  const double rtol = std::string(c.dtype) == "fp32" ? 1e-5 : 1.0 / 128;
+  ref::Vec yk(yin.begin(), yin.begin() + rows * H);
+  close("unpermute", ref::decode(c.dtype, d_out.get<uint8_t>(static_cast<size_t>(T * H) * es)),
+      ref::moe_unpermute_fwd(yk, probs, want, H), rtol);
+  const auto b = ref::moe_unpermute_bwd(dout, yk, probs, want, H);
+  ref::Vec dy_want = b.dy;
+  dy_want.resize(static_cast<size_t>(n * H), 0.0);
+  close("unpermute dy", ref::decode(c.dtype, d_dy.get<uint8_t>(static_cast<size_t>(n * H) * es)), dy_want, rtol);
+  const auto dp = d_dprobs.get<float>(static_cast<size_t>(n));
+  close("unpermute dprobs", ref::Vec(dp.begin(), dp.end()), b.dprobs, 1e-4);
+
+  // Permute backward of the dy just computed (its kept rows): dx[t] = sum_j dy[dest(t, j)].
+  launch(K::permute_bwd, d_dy.p, d_dx.p);
+  cuda::check(drv().cuCtxSynchronize(), "cuCtxSynchronize");
+  const ref::Vec dy_dev = ref::decode(c.dtype, d_dy.get<uint8_t>(static_cast<size_t>(n * H) * es));
+  close("permute dx", ref::decode(c.dtype, d_dx.get<uint8_t>(static_cast<size_t>(T * H) * es)),
+      ref::moe_permute_bwd(ref::Vec(dy_dev.begin(), dy_dev.begin() + rows * H), want, H), rtol);
+}
+
+}  // namespace
+
+TEST_CASE("moe routing and permutation kernels against the float64 references", "[moe]") {
+  const Case cases[] = {
+      {300, 8, 2, 256, -1, false, true, "bf16"},    // Mixtral-like routing, one chunk
+      {1500, 8, 2, 128, -1, true, false, "bf16"},   // 3000 entries: three chunks; skewed; int32 ids
+      {700, 64, 8, 128, -1, true, true, "fp32"},    // OLMoE-like top-8, skewed (empty experts), exact dtype
+      {900, 16, 1, 64, 40, false, true, "bf16"},    // top-1 with a capacity below the mean: drops
+      {513, 128, 8, 64, 30, true, true, "bf16"},    // Qwen3-MoE-like, capacity, 4104 entries
+  };
+  uint64_t seed = 43;
+  for (const auto& c : cases) run_case(c, seed++);
+}
