@@ -357,7 +357,7 @@ TEST_CASE("fp8_block: norms, activation chains and their backward fused into the
       }
 }
 
-TEST_CASE("fp8_block: a norm after a fork normalises its saved input; inference keeps the bf16 norm", "[fp8_block][exec]") {
+TEST_CASE("fp8_block: a norm after a fork normalises its saved input, and inference keeps the bf16 norm", "[fp8_block][exec]") {
   const char* half = R"([{"op": "make_extra_output", "channel": "r"}, {"op": "rmsnorm"},
     {"op": "linear", "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
     {"op": "linear", "in_features": 512, "out_features": 256}, {"op": "add_extra_input", "channel": "r"}])";
