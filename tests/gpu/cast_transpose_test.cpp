@@ -17,6 +17,7 @@
 #include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
 #include "support/cast_transpose_cases.hpp"
+#include "support/dev_buf.hpp"
 #include "support/gpu.hpp"
 
 using namespace jitfuse;
@@ -24,33 +25,12 @@ namespace ref = jitfuse::reference;
 using test::CtCase;
 using test::CtChain;
 using test::CtScaling;
+using test::DevBuf;
 
 namespace {
 
 const cuda::Driver& drv() { return cuda::driver(); }
 
-struct DevBuf {
-  CUdeviceptr p = 0;
-  size_t bytes = 0;
-  explicit DevBuf(size_t n) : bytes(std::max<size_t>(n, 16)) {
-    cuda::check(drv().cuMemAlloc(&p, bytes), "cuMemAlloc");
-    cuda::check(drv().cuMemsetD8Async(p, 0xCD, bytes, nullptr), "cuMemsetD8Async");
-  }
-  ~DevBuf() { drv().cuMemFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  // On the legacy default stream, which every launch of this file uses.
-  template <typename T>
-  void put(const std::vector<T>& v) {
-    harness::host_to_device(p, v.data(), v.size() * sizeof(T), nullptr);
-  }
-  template <typename T>
-  std::vector<T> get(size_t n) const {
-    std::vector<T> v(n);
-    harness::device_to_host(v.data(), p, n * sizeof(T), nullptr);
-    return v;
-  }
-};
 
 uint8_t fp8_bits(bool e5m2, double v) { return e5m2 ? ref::e5m2_bits(v) : ref::e4m3_bits(v); }
 double fp8_value(bool e5m2, uint8_t b) { return e5m2 ? ref::e5m2_value(b) : ref::e4m3_value(b); }

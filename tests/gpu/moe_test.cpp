@@ -15,36 +15,19 @@
 #include "exec/run/kernels.hpp"
 #include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
+#include "support/dev_buf.hpp"
 #include "support/gpu.hpp"
+#include "support/moe_cases.hpp"
 
 using namespace jitfuse;
 namespace ref = jitfuse::reference;
 using K = codegen::MoeSpec::Kernel;
+using test::DevBuf;
 
 namespace {
 
 const cuda::Driver& drv() { return cuda::driver(); }
 
-struct DevBuf {
-  CUdeviceptr p = 0;
-  explicit DevBuf(size_t bytes) {
-    cuda::check(drv().cuMemAlloc(&p, std::max<size_t>(bytes, 16)), "cuMemAlloc");
-    cuda::check(drv().cuMemsetD8Async(p, 0xCD, std::max<size_t>(bytes, 16), nullptr), "cuMemsetD8Async");
-  }
-  ~DevBuf() { drv().cuMemFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <typename T>
-  void put(const std::vector<T>& v) {
-    harness::host_to_device(p, v.data(), v.size() * sizeof(T), nullptr);
-  }
-  template <typename T>
-  std::vector<T> get(size_t n) const {
-    std::vector<T> v(n);
-    harness::device_to_host(v.data(), p, n * sizeof(T), nullptr);
-    return v;
-  }
-};
 
 struct Case {
   int64_t tokens, experts, topk, hidden, capacity;
@@ -131,22 +114,9 @@ void run_case(const Case& c, uint64_t seed) {
   exec::KernelLibrary lib(cache, templates);
   const exec::Target target = exec::target_for_arch(cuda::current_device().arch());
   auto launch = [&](K kernel, CUdeviceptr in, CUdeviceptr out) {
-    codegen::KernelSpec spec;
-    spec.skeleton = codegen::Skeleton::moe;
-    spec.dtype = c.dtype;
-    spec.cols = H;
-    spec.label = "moe";
-    spec.dir = kernel == K::permute_bwd || kernel == K::unpermute_bwd ? codegen::Direction::backward
-                                                                      : codegen::Direction::forward;
-    codegen::MoeSpec m;
-    m.kernel = kernel;
-    m.op = 1;
-    m.route_op = 0;
-    m.experts = E;
-    m.topk = k;
-    m.capacity = c.capacity;
-    m.idx_i64 = c.idx_i64;
-    spec.moe = m;
+    codegen::KernelSpec spec = test::moe_spec(kernel, E, k, H, c.dtype, 1, 0);
+    spec.moe->capacity = c.capacity;
+    spec.moe->idx_i64 = c.idx_i64;
     const codegen::Generated gen = codegen::generate(spec);
     const exec::LoadedKernel& lk = lib.load(gen, spec, target, {}, true);
     int64_t rows_arg = T;

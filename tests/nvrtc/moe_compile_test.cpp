@@ -9,31 +9,11 @@
 
 #include "cuda/cubin_info.hpp"
 #include "support/builtin_cases.hpp"
+#include "support/moe_cases.hpp"
 
 using namespace jitfuse;
 using K = codegen::MoeSpec::Kernel;
 
-namespace {
-
-codegen::KernelSpec moe_spec(K kernel, int64_t experts, int64_t topk, int64_t hidden, const char* dtype) {
-  codegen::KernelSpec s;
-  s.skeleton = codegen::Skeleton::moe;
-  s.dtype = dtype;
-  s.cols = hidden;
-  s.dir = kernel == K::permute_bwd || kernel == K::unpermute_bwd ? codegen::Direction::backward
-                                                                 : codegen::Direction::forward;
-  s.label = "moe";
-  codegen::MoeSpec m;
-  m.kernel = kernel;
-  m.op = 3;
-  m.route_op = 1;
-  m.experts = experts;
-  m.topk = topk;
-  s.moe = m;
-  return s;
-}
-
-}  // namespace
 
 TEST_CASE("every moe kernel compiles with NVRTC for sm_80 and sm_90a", "[nvrtc][moe]") {
   test::KernelRig rig;
@@ -49,7 +29,7 @@ TEST_CASE("every moe kernel compiles with NVRTC for sm_80 and sm_90a", "[nvrtc][
       for (K kernel : kernels)
         for (const char* dtype : {"bf16", "fp32"})
           for (int variant = 0; variant < 2; ++variant) {
-            auto spec = moe_spec(kernel, sh.e, sh.k, sh.h, dtype);
+            auto spec = test::moe_spec(kernel, sh.e, sh.k, sh.h, dtype);
             spec.moe->capacity = sh.capacity;
             spec.moe->idx_i64 = variant == 0;
             spec.moe->probs_f32 = variant == 0;

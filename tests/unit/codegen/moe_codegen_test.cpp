@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "jitfuse/codegen/kernel_spec.hpp"
+#include "support/moe_cases.hpp"
 
 using namespace jitfuse;
 using codegen::Arg;
@@ -10,21 +11,7 @@ using K = codegen::MoeSpec::Kernel;
 
 namespace {
 
-codegen::KernelSpec spec_of(K kernel, int64_t hidden = 256) {
-  codegen::KernelSpec s;
-  s.skeleton = codegen::Skeleton::moe;
-  s.dtype = "bf16";
-  s.cols = hidden;
-  s.label = "moe";
-  codegen::MoeSpec m;
-  m.kernel = kernel;
-  m.op = 7;
-  m.route_op = 5;
-  m.experts = 8;
-  m.topk = 2;
-  s.moe = m;
-  return s;
-}
+codegen::KernelSpec spec_of(K kernel, int64_t hidden = 256) { return test::moe_spec(kernel, 8, 2, hidden, "bf16", 7, 5); }
 
 bool has(const std::string& s, const std::string& t) { return s.find(t) != std::string::npos; }
 
