@@ -489,7 +489,7 @@ void Builder::mark_weight_casts(size_t from) {
 nlohmann::json Builder::kernel_meta(int b, const char* pass) const {
   nlohmann::json kinds = nlohmann::json::array();
   for (int i = b; i < g_.end; ++i) kinds.push_back(p_.ops[i].kind);
-  return {{"rule", g_.rule.empty() ? "(unfused)" : g_.rule},
+  return {{"rule", rule_or_unfused()},
           {"ops", kinds},
           {"recipe", ops::recipe_name(p_.recipe.kind)},
           {"shape", "?x" + std::to_string(ops::cols_of(p_.ops[b].in))},

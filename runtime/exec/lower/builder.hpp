@@ -108,6 +108,8 @@ class Builder {
   // Cache metadata of a kernel that runs ops [b, group end).
   nlohmann::json kernel_meta(int b, const char* pass) const;
   const fuser::Group& group() const { return g_; }
+  // The group's rule, or "(unfused)" for a single op: what step descriptions and cache metadata name.
+  std::string rule_or_unfused() const { return g_.rule.empty() ? std::string("(unfused)") : g_.rule; }
   bool forward() const { return forward_; }
 
  private:

@@ -155,7 +155,7 @@ void lower_chain(Builder& b, int kb, int e, const ChainOptions& opt0, int64_t ro
   if (out < 0) out = fwd ? b.act(e) : b.grad_of(kb);
   KernelSpec spec = chain_spec(b.ops(), kb, e, opt);
   nlohmann::json meta = b.kernel_meta(kb, fwd ? "forward" : "backward");
-  const std::string what = (b.group().rule.empty() ? std::string("(unfused)") : b.group().rule) + ": generated " +
+  const std::string what = b.rule_or_unfused() + ": generated " +
                            codegen::skeleton_name(spec.skeleton);
   lower_spec(b, spec, meta, in, out, rows, what);
 }
@@ -250,7 +250,7 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
   const auto& w = b.fp8_operand(lin, fp8::Operand::weight);
   const auto& x = b.fp8_operand(lin, fp8::Operand::input);
   const int64_t m = ops::rows_of(op.in), k = ops::cols_of(op.in), n = ops::cols_of(op.out);
-  const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
+  const std::string who = b.rule_or_unfused();
   // Both as the TN primitive D[rows, cols] = (A[rows, inner] . B[cols, inner]^T) on E5M2 dy x E4M3 (fp8_block:
   // E4M3 x E4M3 with block scales: dgrad 1x128 dy x 128x128 W^T, wgrad 1x128 dy^T x 1x128 x^T, each transposed
   // copy with the scales of its own cast).
@@ -291,7 +291,7 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
 void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
   if (b.recipe().is_fp8()) return linear_backward_fp8(b, lin, lb);
   const auto& op = b.ops()[lin];
-  const std::string who = b.group().rule.empty() ? "(unfused)" : b.group().rule;
+  const std::string who = b.rule_or_unfused();
   GemmStep dg = b.linear_gemm(lin, cuda::GemmKind::dgrad);
   dg.call.alpha = lb.alpha;
   dg.a = lb.dy;

@@ -77,6 +77,34 @@ void save_chain_output(const Builder& b, KernelSpec& spec, int e) {
       if (st.op == e - 1 && st.kind == codegen::Stage::Kind::unary) st.save_output = true;
 }
 
+// Training, a norm (and the ops before it) producing a linear's input: the norm kernel saves its row
+// statistics (and runs its pre stages) without writing an output; the block cast reads the norm's input
+// again and normalises in its tiles, so the normalised tensor is never written in bf16 (2 + 2 bytes read,
+// 1 + 1 written per element, against 8 for a bf16 norm output and a cast of it). Lowers the statistics
+// kernel of `chain` (the rownorm spec of [bgn, the linear)) and returns the cast's spec (its one stage:
+// normalize); `src` becomes what the cast reads.
+KernelSpec norm_statistics(Builder& b, KernelSpec chain, int bgn, int64_t rows, const char* stem, int& src) {
+  const int ni = chain.norm->op;
+  const auto& no = b.ops().at(static_cast<size_t>(ni));
+  chain.norm->stats_only = true;
+  chain.label += "_stats";
+  b.kernel(chain, b.kernel_meta(bgn, "forward"), src, -1, rows,
+           fmt::format("{}: generated row statistics of {} (no output: the block-scaled cast normalises)",
+                       b.rule_or_unfused(), no.label()));
+  codegen::Stage st;
+  st.kind = codegen::Stage::Kind::normalize;
+  st.op = ni;
+  st.op_kind = no.kind;
+  st.math = no.kind == "rmsnorm" ? "y = x * rstd * g (the saved statistics)"
+                                 : "y = (x - mean) * rstd * g + beta (the saved statistics)";
+  st.norm_rms = no.kind == "rmsnorm";
+  st.norm_zero_centered = no.flag("zero_centered_gamma");
+  if (ni != bgn) src = b.saved_context(ni, Key::input);  // pre stages ran: their output was saved
+  KernelSpec spec = stageless_spec(b, chain.cols, std::string(no.kind) + "_" + stem);
+  spec.pre = {st};
+  return spec;
+}
+
 // fp8_block: the operand's block-scaled cast (codegen Fp8Spec::block): row-major codes with their scales
 // and, in training, the transposed codes with theirs, in one kernel. With a chain [bgn, e) (the ops before
 // the linear in the forward, after it in the backward; elementwise), the cast kernel runs the chain's
@@ -99,36 +127,13 @@ void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int 
     opt.vec = vec = chain_vectorizable(b.ops(), bgn, e);
     spec = chain_spec(b.ops(), bgn, e, opt);
     if (spec.skeleton == codegen::Skeleton::rownorm && b.forward() && !weight) {
-      const int ni = spec.norm->op;
-      const auto& no = b.ops().at(static_cast<size_t>(ni));
-      nlohmann::json meta = b.kernel_meta(bgn, "forward");
-      const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
       if (!b.training()) {
         // Inference saves no statistics: the norm kernel writes bf16 and the block cast reads it.
         const int h = b.act(lin);
         lower_chain(b, bgn, e, opt, dst.rows, src, h);
         return block_cast_operand(b, lin, operand, h, lin, lin);
       }
-      // Training: the norm kernel saves its row statistics (and runs its pre stages) without writing
-      // an output; the block cast reads the norm's input again and normalises in its tiles, so the
-      // normalised tensor is never written in bf16 (2 + 2 bytes read, 1 + 1 written per element, against
-      // 8 for a bf16 norm output and a cast of it).
-      spec.norm->stats_only = true;
-      spec.label += "_stats";
-      b.kernel(spec, meta, src, -1, dst.rows,
-               fmt::format("{}: generated row statistics of {} (no output: the block-scaled cast normalises)", who,
-                           no.label()));
-      codegen::Stage st;
-      st.kind = codegen::Stage::Kind::normalize;
-      st.op = ni;
-      st.op_kind = no.kind;
-      st.math = no.kind == "rmsnorm" ? "y = x * rstd * g (the saved statistics)"
-                                     : "y = (x - mean) * rstd * g + beta (the saved statistics)";
-      st.norm_rms = no.kind == "rmsnorm";
-      st.norm_zero_centered = no.flag("zero_centered_gamma");
-      src = ni == bgn ? src : b.saved_context(ni, Key::input);  // pre stages ran: their output was saved
-      spec = stageless_spec(b, dst.cols, std::string(no.kind) + "_" + stem);
-      spec.pre = {st};
+      spec = norm_statistics(b, spec, bgn, dst.rows, stem, src);
       chain_what = "normalise -> ";
     } else {
       const bool gated_fwd = spec.skeleton == codegen::Skeleton::gated && b.forward();
@@ -153,7 +158,7 @@ void block_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int 
   spec.fp8 = q;
   nlohmann::json meta = b.kernel_meta(bgn < e ? bgn : lin, b.forward() ? "forward" : "backward");
   meta["fp8_operand"] = q.tensor;
-  const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
+  const std::string who = b.rule_or_unfused();
   const size_t first = b.steps();
   b.kernel(spec, meta, src, dst.row, dst.rows,
            fmt::format("{}: generated {}block-scaled E4M3 cast of {} of {} ({}{})", who,
@@ -205,7 +210,7 @@ void fp8_cast_operand(Builder& b, int lin, fp8::Operand operand, int src, int bg
     spec.vec = spec.vec && rows % 16 == 0;  // the transposed 16-byte stores: 16 rows of one column
   }
   spec.label += std::string("_") + format;
-  const std::string who = b.group().rule.empty() ? std::string("(unfused)") : b.group().rule;
+  const std::string who = b.rule_or_unfused();
   nlohmann::json meta = b.kernel_meta(bgn < e ? bgn : lin, b.forward() ? "forward" : "backward");
   meta["fp8_operand"] = tensor;
   const size_t first = b.steps();

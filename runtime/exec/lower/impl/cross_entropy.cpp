@@ -57,7 +57,7 @@ void lower_cross_entropy(Builder& b, int i) {
   const int64_t rows = ops::rows_of(op.in);
   const bool none = op.str("reduction") == "none";
   const std::string who =
-      (b.group().rule.empty() ? std::string("(unfused)") : b.group().rule) + ": generated cross_entropy";
+      b.rule_or_unfused() + ": generated cross_entropy";
   const nlohmann::json meta = b.kernel_meta(i, b.forward() ? "forward" : "backward");
   if (!b.forward()) {
     b.kernel(cross_entropy_spec(b, i, K::rows_bwd), meta, b.grad_of(i + 1), b.grad_of(i), rows,

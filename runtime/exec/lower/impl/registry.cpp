@@ -84,7 +84,8 @@ std::optional<std::string> fp8_shape_problem(const std::vector<OpUse>& window, r
 // fp8_block: its GEMMs take no epilogue (cuda::Fp8Scaling), so of the implementations that lower a linear
 // under FP8 only those without one: a C operand accumulated with beta = 1 (RESIDUAL without a bias, and
 // DGRAD_ACCUMULATE), and fp8_cast where the forward GEMM has nothing after it but a residual add as its C
-// (the chain, elementwise, gated or a norm, fused into the block-scaled cast). Whole 1x128 blocks along each K, 128x128 weight blocks.
+// (the chain, elementwise, gated or a norm, fused into the block-scaled cast). Whole 1x128 blocks along each
+// K, 128x128 weight blocks.
 std::optional<std::string> block_problem(const Implementation& impl, const std::vector<OpUse>& window,
                                          rules::Pass pass) {
   const bool bias = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::bias; });
