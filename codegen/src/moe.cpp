@@ -66,8 +66,7 @@ void emit_routing(Writer& k, Args& args, const MoeSpec& m, Generated& g) {
   g.launch.grid_x = m.kernel == K::scan ? 1 : kChunkBlocks;
   if (m.kernel == K::scan) {
     route_arg(args, k, m, true);
-    k.line("__shared__ int jf_sm[1];");
-    k.line("jf_moe_scan(rt, {}, {}LL, jf_sm);", m.experts, m.capacity);
+    k.line("jf_moe_scan(rt, {}, {}LL);", m.experts, m.capacity);
     return;
   }
   const std::string idx = idx_arg(args, m);
@@ -88,76 +87,68 @@ void emit_routing(Writer& k, Args& args, const MoeSpec& m, Generated& g) {
 }
 
 // permute: row p of the output is the input's row src[p], zero past the kept rows.
-// permute_bwd: dx[t] = sum_j dy[dest(t, j)] (the dropped slots add nothing).
 void emit_permute(Writer& k, Args& args, const KernelSpec& spec, const MoeSpec& m) {
   const int64_t h = spec.cols;
   args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
   args.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
   route_arg(args, k, m, false);
-  if (m.kernel == K::permute) {
-    k.line("for (jf_i64 p = blockIdx.x; p < rt.n; p += gridDim.x) {{");
-    k.open();
-    k.line("const bool kept = p < rt.starts[{}];", m.experts);
-    k.line("const jf_i64 t = kept ? rt.src[p] : 0;");
-    col_loop(k, h);
-    k.line("float v[8];");
-    k.line("if (kept) jf_load8<DT, JF_VEC>(in + t * {} + c0, v); else for (int e = 0; e < 8; ++e) v[e] = 0.f;", h);
-    k.line("jf_store8<DT, JF_VEC>(out + p * {} + c0, v);", h);
-  } else {
-    k.line("for (jf_i64 t = blockIdx.x; t < rows; t += gridDim.x) {{");
-    k.open();
-    col_loop(k, h);
-    k.line("float s[8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};");
-    k.line("for (int j = 0; j < {}; ++j) {{", m.topk);
-    k.line("  const int p = rt.dest[t * {} + j];", m.topk);
-    k.line("  if (p < 0) continue;");
-    k.line("  float v[8];");
-    k.line("  jf_load8<DT, JF_VEC>(in + (jf_i64)p * {} + c0, v);", h);
-    k.line("  for (int e = 0; e < 8; ++e) s[e] += v[e];");
-    k.line("}}");
-    k.line("jf_store8<DT, JF_VEC>(out + t * {} + c0, s);", h);
-  }
+  k.line("for (jf_i64 p = blockIdx.x; p < rt.n; p += gridDim.x) {{");
+  k.open();
+  k.line("const bool kept = p < rt.starts[{}];", m.experts);
+  k.line("const jf_i64 t = kept ? rt.src[p] : 0;");
+  col_loop(k, h);
+  k.line("float v[8];");
+  k.line("if (kept) jf_load8<DT, JF_VEC>(in + t * {} + c0, v); else for (int e = 0; e < 8; ++e) v[e] = 0.f;", h);
+  k.line("jf_store8<DT, JF_VEC>(out + p * {} + c0, v);", h);
   close(k);
   close(k);
 }
 
-std::string probs_arg(Args& args, const MoeSpec& m) {
+// The routing probability of slot j of token t as a float (fp32 or the storage dtype).
+std::string prob_of(Args& args, const MoeSpec& m) {
   args.ptr(Arg::Role::extra_in, m.op, "probs", "probs", m.probs_f32 ? "float" : "ST", false);
-  return m.probs_f32 ? "probs[t * {} + j]" : "DT::load(probs[t * {} + j])";
+  return m.probs_f32 ? fmt::format("probs[t * {} + j]", m.topk) : fmt::format("DT::load(probs[t * {} + j])", m.topk);
 }
 
-// unpermute: out[t] = sum_j probs[t, j] y[dest(t, j)] (+ residual[t]).
-// unpermute_bwd: dy[dest(t, j)] = probs[t, j] dout[t], dprobs[t, j] = <dout[t], y[dest(t, j)]> (a block sum per
-// slot); the permuted rows no slot kept are zero (one more pass over the rows past starts[E]).
-void emit_unpermute(Writer& k, Args& args, const KernelSpec& spec, const MoeSpec& m) {
+// out[t] = sum_j w(t, j) in[dest(t, j)] (+ residual[t]), the dropped slots adding nothing: unpermute with
+// w the routing probabilities, permute_bwd (dx[t] = sum_j dy[dest(t, j)]) with w = 1.
+void emit_combine(Writer& k, Args& args, const KernelSpec& spec, const MoeSpec& m) {
   const int64_t h = spec.cols;
   args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
   args.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
   route_arg(args, k, m, false);
-  const std::string p = fmt::format(fmt::runtime(probs_arg(args, m)), m.topk);
-  if (m.kernel == K::unpermute) {
-    if (m.residual) args.ptr(Arg::Role::extra_in, m.op, "residual", "residual", "ST", false);
-    k.line("for (jf_i64 t = blockIdx.x; t < rows; t += gridDim.x) {{");
-    k.open();
-    col_loop(k, h);
-    k.line("float s[8];");
-    if (m.residual)
-      k.line("jf_load8<DT, JF_VEC>(residual + t * {} + c0, s);", h);
-    else
-      k.line("for (int e = 0; e < 8; ++e) s[e] = 0.f;");
-    k.line("for (int j = 0; j < {}; ++j) {{", m.topk);
-    k.line("  const int q = rt.dest[t * {} + j];", m.topk);
-    k.line("  if (q < 0) continue;");
-    k.line("  const float w = {};", p);
-    k.line("  float v[8];");
-    k.line("  jf_load8<DT, JF_VEC>(in + (jf_i64)q * {} + c0, v);", h);
-    k.line("  for (int e = 0; e < 8; ++e) s[e] += w * v[e];");
-    k.line("}}");
-    k.line("jf_store8<DT, JF_VEC>(out + t * {} + c0, s);", h);
-    close(k);
-    close(k);
-    return;
-  }
+  const bool unpermute = m.kernel == K::unpermute, residual = unpermute && m.residual;
+  const std::string w = unpermute ? prob_of(args, m) : "1.f";
+  if (residual) args.ptr(Arg::Role::extra_in, m.op, "residual", "residual", "ST", false);
+  k.line("for (jf_i64 t = blockIdx.x; t < rows; t += gridDim.x) {{");
+  k.open();
+  col_loop(k, h);
+  k.line("float s[8];");
+  if (residual)
+    k.line("jf_load8<DT, JF_VEC>(residual + t * {} + c0, s);", h);
+  else
+    k.line("for (int e = 0; e < 8; ++e) s[e] = 0.f;");
+  k.line("for (int j = 0; j < {}; ++j) {{", m.topk);
+  k.line("  const int q = rt.dest[t * {} + j];", m.topk);
+  k.line("  if (q < 0) continue;");
+  k.line("  const float w = {};", w);
+  k.line("  float v[8];");
+  k.line("  jf_load8<DT, JF_VEC>(in + (jf_i64)q * {} + c0, v);", h);
+  k.line("  for (int e = 0; e < 8; ++e) s[e] += w * v[e];");
+  k.line("}}");
+  k.line("jf_store8<DT, JF_VEC>(out + t * {} + c0, s);", h);
+  close(k);
+  close(k);
+}
+
+// unpermute_bwd: dy[dest(t, j)] = probs[t, j] dout[t], dprobs[t, j] = <dout[t], y[dest(t, j)]> (a block sum per
+// slot); the permuted rows no slot kept are zero (one more pass over the rows past starts[E]).
+void emit_unpermute_bwd(Writer& k, Args& args, const KernelSpec& spec, const MoeSpec& m) {
+  const int64_t h = spec.cols;
+  args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
+  args.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
+  route_arg(args, k, m, false);
+  const std::string p = prob_of(args, m);
   // Backward: in = dout [T, H]; y (the forward's input, saved by the caller's plan) and dprobs.
   args.ptr(Arg::Role::saved, m.op, Key::input, "y", "ST", false);
   args.ptr(Arg::Role::extra_out, m.op, "dprobs", "dprobs", "float", true);
@@ -207,10 +198,10 @@ Generated generate_moe(const KernelSpec& spec) {
     case K::count:
     case K::scan:
     case K::scatter: emit_routing(k, args, m, g); break;
-    case K::permute:
-    case K::permute_bwd: emit_permute(k, args, spec, m); break;
-    case K::unpermute:
-    case K::unpermute_bwd: emit_unpermute(k, args, spec, m); break;
+    case K::permute: emit_permute(k, args, spec, m); break;
+    case K::permute_bwd:
+    case K::unpermute: emit_combine(k, args, spec, m); break;
+    case K::unpermute_bwd: emit_unpermute_bwd(k, args, spec, m); break;
   }
   args.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
   Writer w;

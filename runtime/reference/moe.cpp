@@ -22,6 +22,16 @@ int64_t check_splits(const char* fn, std::span<const int64_t> splits, int64_t ro
   return sum;
 }
 
+// f(g, first row, rows) for each group in order.
+template <typename F>
+void each_group(std::span<const int64_t> splits, F&& f) {
+  int64_t row0 = 0;
+  for (size_t g = 0; g < splits.size(); ++g) {
+    f(static_cast<int64_t>(g), row0, splits[g]);
+    row0 += splits[g];
+  }
+}
+
 void check_routing(const char* fn, const MoeRouting& r) {
   if (static_cast<int64_t>(r.dest.size()) != r.tokens * r.topk)
     detail::bad_arg(fn, "the routing's dest has " + std::to_string(r.dest.size()) + " entries, expected tokens x topk");
@@ -131,14 +141,11 @@ Vec grouped_linear_fwd(CSpan x, CSpan w, std::span<const int64_t> splits, int64_
   detail::expect_shape(fn, "x", x, m, k);
   detail::expect_shape(fn, "w", w, g * n, k);
   Vec y(detail::elems(fn, m, n), 0.0);
-  int64_t row0 = 0;
-  for (int64_t gi = 0; gi < g; ++gi) {
-    const int64_t rows = splits[static_cast<size_t>(gi)];
+  each_group(splits, [&](int64_t gi, int64_t row0, int64_t rows) {
     const Vec yg = linear_fwd(x.subspan(static_cast<size_t>(row0 * k), static_cast<size_t>(rows * k)),
                               w.subspan(static_cast<size_t>(gi * n * k), static_cast<size_t>(n * k)), rows, n, k);
     std::copy(yg.begin(), yg.end(), y.begin() + row0 * n);
-    row0 += rows;
-  }
+  });
   return y;
 }
 
@@ -148,14 +155,11 @@ Vec grouped_linear_dgrad(CSpan dy, CSpan w, std::span<const int64_t> splits, int
   detail::expect_shape(fn, "dy", dy, m, n);
   detail::expect_shape(fn, "w", w, g * n, k);
   Vec dx(detail::elems(fn, m, k), 0.0);
-  int64_t row0 = 0;
-  for (int64_t gi = 0; gi < g; ++gi) {
-    const int64_t rows = splits[static_cast<size_t>(gi)];
+  each_group(splits, [&](int64_t gi, int64_t row0, int64_t rows) {
     const Vec d = linear_dgrad(dy.subspan(static_cast<size_t>(row0 * n), static_cast<size_t>(rows * n)),
                                w.subspan(static_cast<size_t>(gi * n * k), static_cast<size_t>(n * k)), rows, n, k);
     std::copy(d.begin(), d.end(), dx.begin() + row0 * k);
-    row0 += rows;
-  }
+  });
   return dx;
 }
 
@@ -165,14 +169,11 @@ Vec grouped_linear_wgrad(CSpan dy, CSpan x, std::span<const int64_t> splits, int
   detail::expect_shape(fn, "dy", dy, m, n);
   detail::expect_shape(fn, "x", x, m, k);
   Vec dw(detail::elems(fn, g * n, k), 0.0);  // an empty group's gradient is zero
-  int64_t row0 = 0;
-  for (int64_t gi = 0; gi < g; ++gi) {
-    const int64_t rows = splits[static_cast<size_t>(gi)];
+  each_group(splits, [&](int64_t gi, int64_t row0, int64_t rows) {
     const Vec d = linear_wgrad(dy.subspan(static_cast<size_t>(row0 * n), static_cast<size_t>(rows * n)),
                                x.subspan(static_cast<size_t>(row0 * k), static_cast<size_t>(rows * k)), rows, n, k);
     std::copy(d.begin(), d.end(), dw.begin() + gi * n * k);
-    row0 += rows;
-  }
+  });
   return dw;
 }
 
@@ -182,10 +183,10 @@ Vec grouped_bias_fwd(CSpan y, CSpan b, std::span<const int64_t> splits, int64_t 
   detail::expect_shape(fn, "y", y, m, n);
   detail::expect_shape(fn, "b", b, g, n);
   Vec out(y.begin(), y.end());
-  int64_t row = 0;
-  for (int64_t gi = 0; gi < g; ++gi)
-    for (int64_t i = 0; i < splits[static_cast<size_t>(gi)]; ++i, ++row)
+  each_group(splits, [&](int64_t gi, int64_t row0, int64_t rows) {
+    for (int64_t row = row0; row < row0 + rows; ++row)
       for (int64_t c = 0; c < n; ++c) out[static_cast<size_t>(row * n + c)] += b[static_cast<size_t>(gi * n + c)];
+  });
   return out;
 }
 
@@ -194,10 +195,10 @@ Vec grouped_col_sum(CSpan dy, std::span<const int64_t> splits, int64_t n) {
   const int64_t m = check_splits(fn, splits, -1), g = static_cast<int64_t>(splits.size());
   detail::expect_shape(fn, "dy", dy, m, n);
   Vec db(detail::elems(fn, g, n), 0.0);
-  int64_t row = 0;
-  for (int64_t gi = 0; gi < g; ++gi)
-    for (int64_t i = 0; i < splits[static_cast<size_t>(gi)]; ++i, ++row)
+  each_group(splits, [&](int64_t gi, int64_t row0, int64_t rows) {
+    for (int64_t row = row0; row < row0 + rows; ++row)
       for (int64_t c = 0; c < n; ++c) db[static_cast<size_t>(gi * n + c)] += dy[static_cast<size_t>(row * n + c)];
+  });
   return db;
 }
 

@@ -54,7 +54,7 @@ __device__ void jf_moe_count_chunk(const IT* __restrict__ idx, JfMoeRoute rt, in
 
 // One block of 1024 threads: thread e walks the chunks for expert e (the rank base of each), caps the
 // expert's rows at the capacity, then the block scans the kept rows into starts.
-__device__ void jf_moe_scan(JfMoeRoute rt, int experts, jf_i64 capacity, int* sm) {
+__device__ void jf_moe_scan(JfMoeRoute rt, int experts, jf_i64 capacity) {
   for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
     const int e = e0 + threadIdx.x;
     if (e < experts) {
@@ -76,7 +76,6 @@ __device__ void jf_moe_scan(JfMoeRoute rt, int experts, jf_i64 capacity, int* sm
     }
     rt.starts[experts] = run;
   }
-  (void)sm;
 }
 
 // Chunk c (the whole block): each entry's rank among the entries of its expert (the earlier chunks' base
