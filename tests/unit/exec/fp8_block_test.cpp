@@ -306,7 +306,7 @@ TEST_CASE("fp8_block: norms, activation chains and their backward fused into the
     if (s.kind == exec::Step::Kind::kernel) bwd.push_back(s.kernel->spec.label);
   CHECK(fwd == std::vector<std::string>{"layernorm_stats", "layernorm_block_cast_transpose_1x128_e4m3",
                                         "block_cast_128x128_e4m3", "bias_gelu_block_cast_transpose_1x128_e4m3",
-                                        "block_cast_128x128_e4m3", "bias", "add_extra_input"});
+                                        "block_cast_128x128_e4m3", "bias_add_extra_input"});
   for (const auto& s : p->forward) {
     if (s.kind != exec::Step::Kind::kernel) continue;
     const auto& k = *s.kernel;
