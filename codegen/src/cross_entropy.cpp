@@ -36,6 +36,10 @@ class CrossEntropy {
     mean_ = ce_.reduction == "mean";
     none_ = ce_.reduction == "none";
     labels_ = fmt::format("e{}_labels", ce_.op);
+    vp_ = ce_.vocab_parallel();
+    vtot_ = vp_ ? ce_.vocab_total : v_;
+    if (vp_ && (ce_.vocab_start < 0 || ce_.vocab_start + v_ > vtot_))
+      throw std::invalid_argument("codegen: a vocab-parallel cross_entropy's columns lie outside its vocabulary");
   }
 
   Generated generate() {
@@ -85,6 +89,9 @@ class CrossEntropy {
         g.launch.grid_x = kScaleBlocks;
         pad_rows(k);
         break;
+      case K::stats:
+        row_stats(k);
+        break;
     }
     k.close();
     g.launch.bx = threads;
@@ -122,6 +129,9 @@ class CrossEntropy {
         return std::string("scale = ") + (mean_ ? "1 / #(y_r != ignore_index)" : "1") + " (one block)";
       case K::pad_rows:
         return fmt::format("out = in ({} rows of {}), then zero rows", ce_.pad_from, v_);
+      case K::stats:
+        return fmt::format("this rank's statistics per row of columns [{}, {}) of {}: max, sum exp, sum z, z[y] or 0",
+                           ce_.vocab_start, ce_.vocab_start + v_, vtot_);
     }
     return "";
   }
@@ -131,11 +141,33 @@ class CrossEntropy {
     k.line("const jf_i64 y = (jf_i64){}[r];", labels_);
   }
   std::string ignored() const { return "y == (jf_i64)" + i64(ce_.ignore_index); }
-  std::string in_range() const { return fmt::format("(y >= 0 && y < {})", v_); }
+  std::string in_range() const { return fmt::format("(y >= 0 && y < {})", vtot_); }
+  // The label as a column of this rank's logits (vocab-parallel: out of [0, cols) where another rank has it).
+  std::string y_local() const { return vp_ ? fmt::format("(y - {})", i64(ce_.vocab_start)) : "y"; }
   std::string tmpl() const { return fmt::format("DT, JF_VEC, {}", cap_ ? "true" : "false"); }
   void labels_arg() { args_.ptr(Arg::Role::extra_in, ce_.op, "labels", labels_, "LT", false); }
-  // The row's merged statistics in every thread, and lse.
+  // Vocab-parallel: every rank's row statistics, gathered (stats kernels, then the all_gather).
+  void gathered_arg() {
+    if (vp_) args_.ptr(Arg::Role::saved, ce_.op, Key::stats, fmt::format("s{}_stats", ce_.op), "float", false);
+  }
+  // The row's merged statistics in every thread, and lse. Vocab-parallel: every rank's statistics of the row,
+  // gathered, merged in rank order (the same lse and loss on every rank), and zy, z at the label.
   void stats(Writer& k, const std::string& row) const {
+    if (vp_) {
+      k.line("JfCeStat st = jf_ce_empty();");
+      k.line("float zy = 0.f;");
+      k.line("for (int q = 0; q < {}; ++q) {{", ce_.world);
+      k.line("  const float* p = s{}_stats + ((jf_i64)q * gridDim.x + lr) * 4;", ce_.op);
+      k.line("  JfCeStat b;");
+      k.line("  b.m = p[0];");
+      k.line("  b.s = p[1];");
+      k.line("  b.z = p[2];");
+      k.line("  jf_ce_merge(st, b);");
+      k.line("  zy += p[3];");
+      k.line("}}");
+      k.line("const float lse = st.m + logf(st.s);");
+      return;
+    }
     k.line(
         "const JfCeStat st = jf_ce_block_merge(jf_ce_row_stats<{}>({}, {}, "
         "{}), jf_sm);",
@@ -143,6 +175,9 @@ class CrossEntropy {
     k.line("const float lse = st.m + logf(st.s);");
   }
   std::string loss_expr(const std::string& row) const {
+    if (vp_)
+      return fmt::format("jf_ce_loss(st, lse, {} ? zy : {}, {}, {}, {})", in_range(), kNaN,
+                         num(1.0 / static_cast<double>(vtot_)), num(ce_.label_smoothing), num(ce_.z_loss));
     return fmt::format(
         "jf_ce_loss(st, lse, {} ? jf_ce_z<{}>(DT::load({}[y]), "
         "{}) : {}, {}, {}, {})",
@@ -153,9 +188,9 @@ class CrossEntropy {
   void grad(Writer& k, const std::string& x, const std::string& dx, const std::string& g) const {
     k.line(
         "jf_ce_grad_row<{}>({}, {}, {}, lse, {} * (1.f + {} * lse), {} * "
-        "{}, {} * {}, y, {});",
+        "{}, {} * {}, {}, {});",
         tmpl(), x, dx, v_, g, num(2.0 * ce_.z_loss), g, num(1.0 - ce_.label_smoothing), g,
-        num(ce_.label_smoothing / static_cast<double>(v_)), num(ce_.softcap));
+        num(ce_.label_smoothing / static_cast<double>(vtot_)), y_local(), num(ce_.softcap));
   }
 
   void rows_fwd(Writer& k) {
@@ -165,6 +200,7 @@ class CrossEntropy {
     labels_arg();
     const std::string lse = fmt::format("s{}_lse", ce_.op);
     if (ce_.save) args_.ptr(Arg::Role::saved, ce_.op, Key::lse, lse, "float", true);
+    gathered_arg();
     const std::string store = none_ ? "DT::store" : "";
     k.line("__shared__ float jf_sm[96];");
     row_index(k);
@@ -227,6 +263,7 @@ class CrossEntropy {
     args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
     labels_arg();
     if (ce_.prescaled) args_.ptr(Arg::Role::saved, ce_.op, Key::scale, "s_scale", "float", false);
+    gathered_arg();
     k.line("__shared__ float jf_sm[96];");
     row_index(k);
     if (ce_.prescaled) k.line("const float sc = s_scale[0];  // loaded early: its latency hides under the row's");
@@ -241,6 +278,32 @@ class CrossEntropy {
     k.line("__syncthreads();  // z[y] is read before the row is overwritten");
     k.line("const float g = {} ? {} : {};", in_range(), ce_.prescaled ? "sc" : "1.f", kNaN);
     grad(k, "row", "row", "g");
+  }
+
+  // One block per row of a chunk (rows padded to ld): this rank's partial statistics for the all_gather.
+  void row_stats(Writer& k) {
+    args_.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
+    args_.ptr(Arg::Role::out, -1, "out", "out", "float", true);
+    args_.scalar(Arg::Role::rows, -1, "rows", "rows", "jf_i64");
+    labels_arg();
+    k.line("__shared__ float jf_sm[96];");
+    row_index(k);
+    k.line("float* o = out + lr * 4;");
+    k.line("if ({}) {{  // no loss: statistics of nothing", ignored());
+    k.line("  if (threadIdx.x == 0) {{ o[0] = -3.402823466e38f; o[1] = 0.f; o[2] = 0.f; o[3] = 0.f; }}");
+    k.line("  return;");
+    k.line("}}");
+    k.line("const ST* row = in + lr * {};", ce_.ld > v_ ? ce_.ld : v_);
+    k.line("const JfCeStat st = jf_ce_block_merge(jf_ce_row_stats<{}>(row, {}, {}), jf_sm);", tmpl(), v_,
+           num(ce_.softcap));
+    k.line("if (threadIdx.x == 0) {{");
+    k.line("  const jf_i64 yl = {};", y_local());
+    k.line("  o[0] = st.m;");
+    k.line("  o[1] = st.s;");
+    k.line("  o[2] = st.z;");
+    k.line("  o[3] = yl >= 0 && yl < {} ? jf_ce_z<{}>(DT::load(row[yl]), {}) : 0.f;", v_, cap_ ? "true" : "false",
+           num(ce_.softcap));
+    k.line("}}");
   }
 
   void count(Writer& k) {
@@ -320,7 +383,8 @@ class CrossEntropy {
   const KernelSpec& spec_;
   const CrossEntropySpec& ce_;
   const int64_t v_;
-  bool cap_ = false, mean_ = false, none_ = false;
+  bool cap_ = false, mean_ = false, none_ = false, vp_ = false;
+  int64_t vtot_ = 0;  // the whole vocabulary (vocab-parallel: every rank's columns)
   std::string labels_;
   Args args_;
 };

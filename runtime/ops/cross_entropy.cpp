@@ -36,15 +36,19 @@ void register_cross_entropy(Registry& r) {
       // hold. Larger chunks run larger GEMMs and accumulate dW fewer times, for that much more memory.
       // 0: automatic (256 MiB, but at least 2048 rows).
       {AttrSpec::Type::integer, "chunk_mib", 0, {}, 0.0, 65536.0},
+      // The logits are this rank's shard of the vocabulary, the output of a column-parallel linear (Megatron's
+      // vocab-parallel cross-entropy; docs/parallel.md): columns [rank V / W, (rank + 1) V / W) of V = cols x
+      // world size. The rows' statistics are gathered over the group; labels index the whole vocabulary.
+      {AttrSpec::Type::boolean, "vocab_parallel", false, {}, {}, {}},
   };
   k.takes_extra_input = true;
   k.last_only = true;
   k.infer = [](Op& op) {
-    const int64_t v = cols_of(op.in);
+    int64_t v = cols_of(op.in);
+    if (op.attrs.value("vocab_parallel", false) && __builtin_mul_overflow(v, static_cast<int64_t>(op.world_size), &v))
+      shape_error(op, "the vocabulary (columns x world size) overflows");
     if (v > kMaxVocab)
-      shape_error(op, fmt::format("the last dim (the vocabulary) is {} "
-                                  "columns; cross_entropy takes at most {}",
-                                  v, kMaxVocab));
+      shape_error(op, fmt::format("the vocabulary is {} columns; cross_entropy takes at most {}", v, kMaxVocab));
     const bool i32 = op.str("label_dtype") == "int32";
     const int64_t ignore = op.attrs["ignore_index"].get<int64_t>();
     if (i32 && (ignore < std::numeric_limits<int32_t>::min() || ignore > std::numeric_limits<int32_t>::max()))

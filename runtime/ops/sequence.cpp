@@ -203,6 +203,25 @@ void add_parallel(SequenceDef& def, OpDef d, const Registry& registry, const At&
   }
 }
 
+// A loss reads its logits whole, unless it says they are this rank's vocabulary shard: "vocab_parallel" exactly
+// when the logits come from a column-parallel linear (a bias may sit between), whose group it then shares.
+void check_vocab_parallel(const SequenceDef& def, const OpDef& d, const std::string& where) {
+  if (d.info->family != Family::loss) return;
+  const bool vp = d.attrs.value("vocab_parallel", false);
+  size_t k = def.ops.size();
+  if (k > 0 && def.ops[k - 1].kind == "bias") --k;
+  const bool column = k > 0 && def.ops[k - 1].info->family == Family::linear &&
+                      def.ops[k - 1].attrs.value("tensor_parallel", "none") == "column";
+  if (column && !vp)
+    fail(Status::invalid_argument, "{}: op {} ({}) reads the logits of op {}, a column-parallel linear: they are "
+         "this rank's shard of the vocabulary; set \"vocab_parallel\": true (the rows' statistics are then "
+         "gathered over the group) or make the linear one rank's", where, d.index, d.kind, def.ops[k - 1].index);
+  if (vp && !column)
+    fail(Status::invalid_argument, "{}: op {} ({}): \"vocab_parallel\": true needs its logits from a "
+         "column-parallel linear right before it (a bias may sit between): the head split by vocabulary over the "
+         "ranks", where, d.index, d.kind);
+}
+
 // The document's shape: an object in format jitfuse.sequence/1 with 1 to kMaxOps ops.
 void check_document(const nlohmann::json& j, const At& at) {
   if (!j.is_object()) fail(Status::parse_error, "{}: a sequence file is a JSON object with \"ops\"", at(""));
@@ -279,6 +298,9 @@ void read_op(const nlohmann::json& o, size_t i, SequenceDef& def, nlohmann::json
            "\"column\" or \"row\"", where_attr("sequence_parallel"), d.index);
     for (const char* k : {"tensor_parallel", "sequence_parallel", "group"}) d.attrs.erase(k);
   }
+  // A loss on one rank's whole vocabulary keeps its attributes of before vocab parallelism (plan and cache keys).
+  if (info->family == Family::loss && !d.attrs.value("vocab_parallel", false)) d.attrs.erase("vocab_parallel");
+  check_vocab_parallel(def, d, where_attr("vocab_parallel"));
   nlohmann::json c = d.attrs;
   c["op"] = kind;
   if (!d.channel.empty()) c["channel"] = d.channel;

@@ -94,6 +94,9 @@ void run_case(const Case& c, uint64_t seed) {
   const ref::Vec dout = rounded(c.dtype, uniform(g, static_cast<size_t>(T * H), -2, 2));
   const size_t es = std::string(c.dtype) == "fp32" ? 4 : 2;
 
+  // The device's context is made current here, before the first allocation.
+  const exec::Target target = exec::target_for_arch(cuda::current_device().arch());
+
   DevBuf d_idx(static_cast<size_t>(n) * 8), route(static_cast<size_t>(codegen::moe_route_ints(T, k, E)) * 4);
   if (c.idx_i64) {
     d_idx.put(idx);
@@ -112,7 +115,6 @@ void run_case(const Case& c, uint64_t seed) {
   exec::TemplateStore templates;
   cache::KernelCache cache(cache::Config{});
   exec::KernelLibrary lib(cache, templates);
-  const exec::Target target = exec::target_for_arch(cuda::current_device().arch());
   auto launch = [&](K kernel, CUdeviceptr in, CUdeviceptr out) {
     codegen::KernelSpec spec = test::moe_spec(kernel, E, k, H, c.dtype, 1, 0);
     spec.moe->capacity = c.capacity;

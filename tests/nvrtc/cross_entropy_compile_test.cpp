@@ -84,3 +84,39 @@ TEST_CASE("cross_entropy kernels compile with every attribute", "[nvrtc][cross_e
   }
   CHECK(n >= 2 * (2 * 2 + 5 * 2));
 }
+
+TEST_CASE("the vocab-parallel head's kernels compile at a rank of 4 of Llama-3's vocabulary", "[nvrtc][cross_entropy]") {
+  test::KernelRig rig;
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  size_t n = 0;
+  for (bool fuse : {true, false})
+    for (const char* recipe : {"fp32", "bf16"}) {
+      auto def = ops::parse_sequence(
+          R"({"ops": [{"op": "linear", "in_features": 64, "out_features": 128256, "tensor_parallel": "column"},
+                      {"op": "cross_entropy", "vocab_parallel": true, "label_smoothing": 0.1, "softcap": 30}]})",
+          "<vp>", rs.registry());
+      ops::Parallel par;
+      par.world_size = 4;
+      par.rank = 2;
+      exec::CompileOptions o;
+      o.arch = 90;
+      o.disable_fusion = !fuse;
+      auto p = exec::compile(ops::infer(def, {300, 64}, par), def.name, ops::parse_recipe(recipe), o, rs);
+      for (const char* arch : {"sm_80", "sm_90a"})
+        for (const auto* pass : {&p->forward, &p->backward})
+          for (const auto& s : *pass) {
+            if (s.kind != exec::Step::Kind::kernel || !s.kernel->spec.ce) continue;
+            const exec::Target target = exec::target_for_arch(arch);
+            const auto req = rig.lib.request(s.kernel->gen, s.kernel->spec, target, nlohmann::json::object(), true);
+            const cuda::CubinResources r = cuda::read_cubin_resources(rig.lib.compiler()(req).cubin);
+            INFO(arch << " " << s.kernel->gen.kernel << " " << recipe << (fuse ? " fused" : " unfused"));
+            INFO(r.error);
+            REQUIRE(r.error.empty());
+            for (const auto& k : r.kernels) CHECK(k.frame_bytes == 0);
+            n += s.kernel->spec.ce->vocab_parallel();
+          }
+    }
+  // Per arch and dtype, every kernel of the op: fused, count + stats + chunk + reduce + 2 scales; unfused, stats +
+  // rows + reduce + rows_bwd.
+  CHECK(n == 2 * 2 * (6 + 4));
+}

@@ -3,6 +3,7 @@
 Launch one process per GPU:
 
     torchrun --nproc-per-node 2 tools/multigpu/tp.py check            # TP=2 and TP=2+SP vs one GPU
+    torchrun --nproc-per-node 2 tools/multigpu/tp.py head             # the vocab-parallel LM head vs float64
     torchrun --nproc-per-node 8 tools/multigpu/tp.py bench --hidden 4096 --tokens 8192
 
 `check`: every rank builds the single-GPU Llama and GPT-2 MLP blocks from one seed, cuts Megatron's shards
@@ -10,6 +11,10 @@ out of their weights (column: rows of the weight, a gated op's gate and up halve
 the tensor-parallel Sequential on its token shard (SP) or on all tokens (TP alone) and compares output,
 input gradient and every weight gradient with the single-GPU sequence's (the sequence-parallel parameters'
 gradients after their all-reduce). Exit status 1 on any mismatch.
+`head`: the language-model head split by vocabulary (``Linear(tensor_parallel="column")`` then
+``CrossEntropy(vocab_parallel=True)``), joint (chunked) and unfused (``reduction="none"``), TP and TP+SP, with
+ignored rows, label smoothing, z-loss and soft-capping, against PyTorch's float64 loss and gradients of the
+whole head (this rank's rows of dW). Exit status 1 on any mismatch.
 `bench`: forward + backward of the TP MLP block per rank, CUDA events, median of 50 after 10 warm-ups,
 against the same block on one GPU with the whole weights (rank 0 prints).
 Needs PyTorch, NCCL and JITFUSE_LIBRARY / PYTHONPATH=runtime/python as for the package.
@@ -90,6 +95,66 @@ def check(args):
     return 1 if flag.item() else 0
 
 
+def head_reference(x, w, labels, ce):
+    """Float64 loss (and per-row losses for reduction none) of the whole head, as CrossEntropy defines it."""
+    z = x @ w.t()
+    if ce["softcap"]:
+        z = ce["softcap"] * torch.tanh(z / ce["softcap"])
+    keep = labels != -100
+    lse = torch.logsumexp(z, dim=-1)
+    zy = z.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    eps = ce["label_smoothing"]
+    rows = lse - (1 - eps) * zy - eps * z.mean(dim=-1) + ce["z_loss"] * lse * lse
+    rows = torch.where(keep, rows, torch.zeros_like(rows))
+    if ce["reduction"] == "none":
+        return rows
+    return rows.sum() / (keep.sum() if ce["reduction"] == "mean" else 1)
+
+
+def check_head(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jt.distributed.set_process_group(None, "tp")
+    h, v, n = args.hidden, args.vocab, args.tokens
+    bad = 0
+    settings = [dict(reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=0.0),
+                dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=0.0),
+                dict(reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=3.0),
+                dict(reduction="none", label_smoothing=0.1, z_loss=1e-3, softcap=3.0)]  # unfused
+    for ce in settings:
+        for sp in (False, True):
+            torch.manual_seed(4321)
+            x = torch.randn(n, h, device="cuda", dtype=torch.float64)
+            w = torch.randn(v, h, device="cuda", dtype=torch.float64) / h ** 0.5
+            labels = torch.randint(0, v, (n,), device="cuda")
+            labels[::7] = -100
+            dy = torch.rand(n, device="cuda", dtype=torch.float64) if ce["reduction"] == "none" else None
+            xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            ref = head_reference(xr, wr, labels, ce)
+            ref.backward(dy if dy is not None else torch.ones_like(ref))
+            model = jt.Sequential(jt.Linear(h, v, tensor_parallel="column", sequence_parallel=sp, world_size=world),
+                                  jt.CrossEntropy(vocab_parallel=True, chunk_mib=1, **ce),
+                                  device="cuda", dtype=torch.float32)
+            shard = slice(rank * v // world, (rank + 1) * v // world)
+            with torch.no_grad():
+                model._ops[0].weight.copy_(w[shard].float())
+            rows = slice(rank * n // world, (rank + 1) * n // world) if sp else slice(None)
+            xt = x[rows].float().clone().requires_grad_(True)
+            loss = model(xt, labels)
+            loss.backward(dy.float() if dy is not None else torch.ones_like(loss))
+            pairs = [("loss", loss, ref), ("grad_input", xt.grad, xr.grad[rows]),
+                     ("grad weight", model._ops[0].weight.grad, wr.grad[shard])]
+            for what, got, want in pairs:
+                err = (got.double() - want.detach()).abs().max().item() / max(want.abs().max().item(), 1e-6)
+                ok = err < 1e-4
+                bad += not ok
+                if not ok or rank == 0:
+                    print(f"rank {rank} head V={v} TP={world}{'+SP' if sp else ''} {ce}: {what} max rel err {err:.2e} "
+                          f"{'ok' if ok else 'MISMATCH'}", flush=True)
+    flag = torch.tensor([bad], device="cuda")
+    dist.all_reduce(flag)
+    return 1 if flag.item() else 0
+
+
 def bench(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     jt.distributed.set_process_group(None, "tp")
@@ -128,7 +193,8 @@ def bench(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["check", "bench"])
+    ap.add_argument("mode", choices=["check", "head", "bench"])
+    ap.add_argument("--vocab", type=int, default=1000, help="head: the vocabulary (a multiple of the world size)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=512)
@@ -137,7 +203,7 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     try:
-        rc = check(args) if args.mode == "check" else bench(args)
+        rc = {"check": check, "head": check_head, "bench": bench}[args.mode](args)
     finally:
         dist.destroy_process_group()
     sys.exit(rc)

@@ -278,3 +278,87 @@ def test_a_moved_model_still_runs_and_apply_rejoins():
     assert mlp.up_proj.weight.data_ptr() == g.data_ptr() + g.numel() * g.element_size()
     with torch.no_grad():
         assert torch.equal(model(x).logits, a)
+
+
+# ---- loss=True: the causal LM's head and HF's loss as the fused chunked head ---------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_loss_swap_matches_hf_loss_and_gradients(arch):
+    # Gemma-2: final_logit_softcapping (30) on the logits; GPT-2: the head tied to the token embedding. Float32
+    # weights: the loss and every parameter's gradient within fp32 rounding of HF's own head and loss, with
+    # labels that ignore a prompt (-100); logits=None when labels are given, HF's logits without them.
+    ref = build(arch, seed=3)
+    fused = copy.deepcopy(ref)
+    report = hf.apply(fused, loss=True)
+    loss_entries = [e for e in report.entries if e.kind == "loss"]
+    assert len(loss_entries) == 1 and loss_entries[0].swapped, str(report)
+    assert "lm_head+loss" in hf.swapped(fused)
+    x = ids(seed=11)
+    labels = x.clone()
+    labels[:, :5] = -100
+    for m in (ref, fused):
+        m.train()
+    out_r = ref(input_ids=x, labels=labels)
+    out_f = fused(input_ids=x, labels=labels)
+    assert out_f.logits is None
+    assert rel_err(out_f.loss, out_r.loss) < 1e-4
+    out_r.loss.backward()
+    out_f.loss.backward()
+    gr = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    gf = {n: p.grad for n, p in fused.named_parameters() if p.grad is not None}
+    assert gr.keys() == gf.keys()
+    for n in gr:
+        assert rel_err(gf[n], gr[n]) < 2e-3, n
+    # Gradient accumulation: HF's num_items_in_batch (the loss summed, divided by the batch's token count).
+    items = torch.tensor(int((labels[:, 1:] != -100).sum()) + 7, device=DEV)
+    a = ref(input_ids=x, labels=labels, num_items_in_batch=items).loss
+    b = fused(input_ids=x, labels=labels, num_items_in_batch=items).loss
+    assert rel_err(b, a) < 1e-4
+    # Without labels, the logits (the original forward).
+    with torch.no_grad():
+        assert rel_err(fused(input_ids=x).logits, ref(input_ids=x).logits) < 1e-4
+    assert hf.revert(fused) >= 1 and fused(input_ids=x, labels=labels).logits is not None
+
+
+def test_loss_swap_trains_like_hf_under_autocast_and_compile():
+    # bf16 autocast over fp32 weights, AdamW, 30 steps: the fused head's curve tracks HF's own; then the same
+    # under torch.compile with the jitfuse backend (the head runs eagerly, the rest compiled).
+    def run(swap, compiled=False):
+        model = build("llama", seed=5)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if swap:
+            assert hf.apply(model, loss=True).entries[0].swapped
+        fwd = torch.compile(model, backend="jitfuse") if compiled else None
+        return train(model, forward=fwd, steps=30, autocast=True, opt=opt)
+    a, b, c = run(True), run(False), run(True, compiled=True)
+    for got in (a, c):
+        assert abs(got[0] - b[0]) / b[0] < 0.01, (got, b)
+        tail = lambda v: sum(v[-5:]) / 5  # noqa: E731
+        assert abs(tail(got) - tail(b)) / tail(b) < 0.05, (got, b)
+    assert b[-1] < 0.8 * b[0] and a[-1] < 0.8 * a[0]
+
+
+def test_loss_swap_is_left_with_the_reason_where_it_cannot_run():
+    class NotCausal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Conv1d(4, 4, 1)
+
+    report = hf.apply(NotCausal().to(DEV), loss=True)
+    e = [x for x in report.entries if x.kind == "loss"]
+    assert len(e) == 1 and not e[0].swapped and "no nn.Linear lm_head" in e[0].reason
+    # A head whose forward does something else (a scaled loss) fails the probe and is left.
+    model = build("llama", seed=2)
+    orig = type(model).forward
+
+    def scaled(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss * 2
+        return out
+
+    model.forward = scaled.__get__(model)
+    report = hf.apply(model, loss=True, norms=False, mlps=False)
+    assert not report.entries[0].swapped and "not HF's shifted cross-entropy" in report.entries[0].reason

@@ -72,6 +72,7 @@ enum class Key : uint8_t {
   weight, bias,                                 // parameters (ops::Op::params names), and their partials
   channel,                                      // grad_extra_out: the gradient a channel's readers summed
   route,                                        // a moe_permute's token routing (int32, moe_route_ints)
+  stats,                                        // a vocab-parallel cross_entropy's gathered row statistics
 };
 const char* key_name(Key k);                      // "input", "weight", ...; "" for none
 std::optional<Key> parse_key(std::string_view name);  // a parameter's name (ops::Op::params) -> its key
@@ -118,6 +119,8 @@ struct CrossEntropySpec {
     fill_ones,  // out[r] = 1 for r < rows (the column of ones of a column-sum GEMM)
     count,      // one block: saves the scale (1 / rows not ignored for "mean", else 1) from the labels alone
     pad_rows,   // out [rows, cols] = in [pad_from, cols] and zero rows after (the head's weight padded to 8 rows)
+    stats,      // vocab-parallel: this rank's statistics of each row (max, sum of exp, sum of z, z[y] or 0),
+                // float [rows, 4] into out, for the all_gather over the group
   } kernel = Kernel::rows_fwd;
   int op = -1;                // the cross_entropy op (labels, saved lse and scale)
   int src_op = -1;            // scale: the saved tensor (src_op, src) it reads
@@ -134,6 +137,13 @@ struct CrossEntropySpec {
   // scaled, out (+)= g[0] * src, and nothing runs where g[0] is 1 and out is src (in place).
   bool prescaled = false;
   int64_t pad_from = 0;       // pad_rows: the rows of `in`
+  // Vocab-parallel (the op's "vocab_parallel" at world > 1): `cols` are this rank's columns [vocab_start,
+  // vocab_start + cols) of vocab_total; labels index vocab_total. rows_fwd and fused read every rank's row
+  // statistics, gathered ([world][grid rows][4] floats, saved key stats), instead of their row's alone;
+  // rows_bwd and fused compare the labels with their own columns.
+  int world = 1;
+  int64_t vocab_start = 0, vocab_total = 0;
+  bool vocab_parallel() const { return world > 1; }
 };
 
 // The kernels of the moe skeleton (issue 43; codegen/src/moe.cpp, templates/skeletons/moe.cuh): top-k token

@@ -1,6 +1,8 @@
 // The cross_entropy op's kernels as steps (cross_entropy.hpp).
 #include "exec/lower/impl/cross_entropy.hpp"
 
+#include <fmt/format.h>
+
 namespace jitfuse::exec {
 
 using K = codegen::CrossEntropySpec::Kernel;
@@ -24,6 +26,11 @@ codegen::KernelSpec cross_entropy_spec(const Builder& b, int i, K kernel) {
   ce.z_loss = op.num("z_loss");
   ce.softcap = op.num("softcap");
   ce.labels_i32 = op.str("label_dtype") == "int32";
+  if (op.attrs.value("vocab_parallel", false) && op.world_size > 1) {
+    ce.world = op.world_size;
+    ce.vocab_start = spec.cols * op.rank;
+    ce.vocab_total = spec.cols * op.world_size;
+  }
   spec.ce = ce;
   switch (kernel) {
     case K::rows_fwd:
@@ -48,8 +55,33 @@ codegen::KernelSpec cross_entropy_spec(const Builder& b, int i, K kernel) {
     case K::pad_rows:
       spec.label = "cross_entropy_pad";
       break;
+    case K::stats:
+      spec.label = "cross_entropy_stats";
+      break;
   }
   return spec;
+}
+
+int gather_row_stats(Builder& b, int i, int in, int64_t rows, int64_t c0, int64_t ld, int stats, int gathered,
+                     const nlohmann::json& meta, const std::string& who) {
+  const ops::Op& op = b.ops().at(static_cast<size_t>(i));
+  codegen::KernelSpec k = cross_entropy_spec(b, i, K::stats);
+  k.ce->grid_rows = rows;
+  k.ce->ld = ld;
+  b.kernel(k, meta, in, stats, c0 + rows,
+           fmt::format("{}: this rank's statistics of rows [{}, {}) over vocabulary columns [{}, {})", who, c0,
+                       c0 + rows, k.ce->vocab_start, k.ce->vocab_start + k.cols));
+  CommStep c;
+  c.op = Collective::all_gather;
+  c.op_index = i;
+  c.dtype = ops::DType::f32;
+  c.count = rows * 4;
+  c.send = stats;
+  c.recv = gathered;
+  b.comm(c, fmt::format("{}: all_gather of the rows' statistics over the {} ranks (vocab-parallel {})", who,
+                        op.world_size, op.label()));
+  b.provide_saved(i, Key::stats, gathered);
+  return gathered;
 }
 
 void lower_cross_entropy(Builder& b, int i) {
@@ -69,7 +101,15 @@ void lower_cross_entropy(Builder& b, int i) {
   rows_spec.ce->save = train;
   if (train) b.saved_new(i, Key::lse, ops::DType::f32, rows, 1, static_cast<size_t>(rows) * 4);
   const int losses = none ? b.act(i + 1) : b.temp("losses op" + std::to_string(i), ops::DType::f32, rows, 1);
-  b.kernel(rows_spec, meta, b.act(i), losses, rows, who + " (loss and lse per row)");
+  const bool vp = rows_spec.ce->vocab_parallel();
+  if (vp) {
+    const int world = rows_spec.ce->world;
+    gather_row_stats(b, i, b.act(i), rows, 0, 0, b.temp("row stats op" + std::to_string(i), ops::DType::f32, rows, 4),
+                     b.temp("gathered row stats op" + std::to_string(i), ops::DType::f32, rows * world, 4), meta, who);
+  }
+  b.kernel(rows_spec, meta, b.act(i), losses, rows,
+           who + (vp ? " (loss and lse per row from every rank's statistics)" : " (loss and lse per row)"));
+  if (vp) b.forget_saved(i, Key::stats);
   if (!none) {
     codegen::KernelSpec red = cross_entropy_spec(b, i, K::reduce);
     red.ce->save = train;

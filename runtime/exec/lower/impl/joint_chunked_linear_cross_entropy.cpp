@@ -24,8 +24,8 @@ class ChunkedLinearCrossEntropy final : public Implementation {
   rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }
   std::string name() const override { return "chunked_linear_cross_entropy"; }
   std::string covers_text() const override {
-    return "[linear, bias?, cross_entropy] with reduction mean or sum, one "
-           "rank (joint pass)";
+    return "[linear, bias?, cross_entropy] with reduction mean or sum, the head whole or split by vocabulary "
+           "(vocab_parallel; joint pass)";
   }
   std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
     if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
@@ -36,10 +36,6 @@ class ChunkedLinearCrossEntropy final : public Implementation {
       return "reduction none: the backward's per-row upstream gradients are "
              "not known in the forward, which computes "
              "dx and dW here; the ops run unfused (or use mean or sum)";
-    if ((w[0].attrs && w[0].attrs->contains("tensor_parallel")) || (w[0].op && w[0].op->world_size > 1))
-      return "a tensor-parallel head (the vocabulary split over ranks) needs "
-             "the vocab-parallel form, which is not "
-             "implemented: the ops run unfused";
     return std::nullopt;
   }
   void lower(Builder& b, const rules::Impl&) const override {
@@ -71,6 +67,7 @@ class ChunkedLinearCrossEntropy final : public Implementation {
   // The buffers a forward's chunks share.
   struct Buffers {
     int x, w, dx, dw, db, logits, losses, ones;
+    int stats = -1, gathered = -1;  // vocab-parallel: this rank's row statistics of a chunk, every rank's
     int w_head = -1, b_head = -1;  // the weight and bias the head and dgrad GEMMs read (padded at an odd V)
   };
 
@@ -117,6 +114,11 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     bf.logits = b.temp("logits chunk", dt, chunk, o.ld());
     bf.losses = b.temp("losses op" + std::to_string(o.ce), ops::DType::f32, o.rows, 1);
     bf.ones = -1;
+    const int world = cross_entropy_spec(b, o.ce, K::stats).ce->world;
+    if (world > 1) {
+      bf.stats = b.temp("row stats chunk", ops::DType::f32, chunk, 4);
+      bf.gathered = b.temp("gathered row stats chunk", ops::DType::f32, chunk * world, 4);
+    }
     const nlohmann::json meta = b.kernel_meta(o.ce, "forward");
     pad_head(b, o, bf, meta, who);
     // What the unfused ops would save: the linear's input (unless it is the caller's), the logits, the lse.
@@ -169,7 +171,12 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     k.ce->grid_rows = m;  // rows [c0, c0 + m) of the labels: the kernel's `rows` is c0 + m
     k.ce->ld = o.ld();
     k.ce->prescaled = true;
-    b.kernel(k, meta, bf.logits, bf.losses, c0 + m, at + ": loss per row, dlogits in place");
+    if (k.ce->vocab_parallel())
+      gather_row_stats(b, o.ce, bf.logits, m, c0, o.ld(), bf.stats, bf.gathered, meta, at);
+    b.kernel(k, meta, bf.logits, bf.losses, c0 + m,
+             at + (k.ce->vocab_parallel() ? ": loss per row from every rank's statistics, dlogits in place"
+                                          : ": loss per row, dlogits in place"));
+    if (k.ce->vocab_parallel()) b.forget_saved(o.ce, Key::stats);
     GemmStep dg = b.linear_gemm(o.lin, cuda::GemmKind::dgrad);
     dg.call.m = m;
     dg.call.n = o.ld();  // the sum runs over the padded columns too: zero logits times zero rows

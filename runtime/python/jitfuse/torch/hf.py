@@ -24,6 +24,14 @@ swapped, in place, for a jitfuse sequence built on that module's own parameters.
 - GPT-2's Conv1D weights are ``[in, out]``: the sequence reads them transposed, which costs one row-major
   copy of each weight per call (autograd carries the gradient back).
 
+With ``loss=True`` a causal LM's head and loss are swapped too (Liger Kernel's fused linear cross-entropy, for
+HF's own loss): when the model's forward gets ``labels``, it runs the decoder, then ``lm_head`` and HF's shifted
+cross-entropy (``ignore_index=-100``, ``num_items_in_batch``, Gemma-2's ``final_logit_softcapping``) as one
+jitfuse ``Sequential(Linear, CrossEntropy)`` on ``lm_head``'s own weight, in chunks of rows with the gradients
+computed in the forward, and returns ``logits=None`` (the logits are never whole in memory). Without labels
+(generation, evaluation of logits) the original forward runs. The swap is checked like the others: the
+model's own loss on a probe batch must equal the fused one.
+
 The residual adds stay in Hugging Face's decoder-layer code (which writes them): every swapped module
 computes exactly what it replaced, so the model is right whatever its layer's forward does with it.
 
@@ -32,6 +40,7 @@ computes exactly what it replaced, so the model is right whatever its layer's fo
 >>> jitfuse.torch.hf.revert(model)              # the original forwards again
 """
 
+import inspect
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -463,6 +472,125 @@ def _swap_mlp(path: str, mlp: nn.Module, lay: Dict[str, Any], report: Report) ->
     report.entries.append(Entry(path, "mlp", True, desc))
 
 
+# ---- the causal-LM head and its loss ---------------------------------------------------------------------
+
+
+@dataclass
+class _LossSwap:
+    mean: "_m.Sequential"                # reduction mean: HF's loss
+    total: "_m.Sequential"               # reduction sum: HF's loss over num_items_in_batch (gradient accumulation)
+    base: str                            # the decoder's attribute (base_model_prefix)
+    weight: _Source
+    width: int
+    instance_forward: Optional[Callable[..., Any]] = None
+    kind: str = "loss"
+
+
+def _loss_outputs(model: nn.Module, swap: _LossSwap, bound: Dict[str, Any]) -> Optional[Tuple[Tensor, Any]]:
+    """The fused loss of the forward whose (bound) arguments are ``bound``, and the decoder's outputs; None where
+    the original forward must run (no labels, logits asked for, a tuple return, an input jitfuse cannot take)."""
+    extra = dict(bound.pop("kwargs", {}) or {})
+    labels = bound.pop("labels", None)
+    keep = bound.pop("logits_to_keep", 0)
+    shift = extra.pop("shift_labels", None)
+    items = extra.pop("num_items_in_batch", None)
+    if (labels is None and shift is None) or keep not in (0, None) or bound.get("return_dict") is False:
+        return None
+    out = getattr(model, swap.base)(**bound, **extra)
+    hidden = out[0]
+    if not _usable(hidden, swap):  # type: ignore[arg-type]
+        return None
+    if shift is None:  # HF's ForCausalLMLoss: labels shifted left, -100 after the last
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    x = hidden.reshape(-1, swap.width)
+    y = shift.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    for seq in (swap.mean, swap.total):
+        if seq.training != model.training:
+            seq.train(model.training)
+    if items is None:
+        loss = swap.mean(x, y)
+    else:
+        loss = swap.total(x, y) / (items.to(hidden.device) if isinstance(items, Tensor) else items)
+    return loss.float().reshape(()), out
+
+
+def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    swap: _LossSwap = self.__dict__[_ATTR]
+    original = _original_forward(self)
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)
+    got = _loss_outputs(self, swap, dict(bound.arguments))
+    if got is None:
+        return original(*args, **kwargs)
+    loss, out = got
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+                                  hidden_states=getattr(out, "hidden_states", None),
+                                  attentions=getattr(out, "attentions", None))
+
+
+def _swap_loss(model: nn.Module, report: Report) -> None:
+    """Swaps a causal LM's head + loss (``loss=True``), or reports why not."""
+    cls = type(model).__name__
+    head, cfg = getattr(model, "lm_head", None), getattr(model, "config", None)
+    base = getattr(model, "base_model_prefix", "") or ""
+    why = ""
+    if not isinstance(head, nn.Linear):
+        why = "no nn.Linear lm_head"
+    elif not isinstance(getattr(model, base, None), nn.Module):
+        why = f"no decoder at base_model_prefix {base!r}"
+    elif head.weight.dtype not in SUPPORTED_DTYPES or (head.bias is not None and head.bias.dtype != head.weight.dtype):
+        why = f"lm_head weight dtype {head.weight.dtype}"
+    elif head.weight.shape[0] < 2:
+        why = "a vocabulary of one"
+    if why:
+        report.entries.append(Entry("", "loss", False, cls, why))
+        return
+    h, v = int(head.in_features), int(head.out_features)
+    cap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+
+    def seq(reduction: str) -> "_m.Sequential":
+        ops: List[_m.BasicOp] = [_Borrowed("linear", {"in_features": h, "out_features": v},
+                                           [("weight", _Source(head, "weight"))])]
+        if head.bias is not None:
+            ops.append(_Borrowed("bias", {}, [("bias", _Source(head, "bias"))]))
+        ops.append(_m.CrossEntropy(reduction=reduction, softcap=cap))
+        return _m.Sequential(*ops, name=_seq_name("lm_head_" + reduction, "loss"))
+
+    swap = _LossSwap(seq("mean"), seq("sum"), base, _Source(head, "weight"), h, model.__dict__.get("forward"))
+    desc = f"linear({h} -> {v}){' + bias' if head.bias is not None else ''} + cross_entropy" + \
+        (f" (softcap {cap:g})" if cap else "") + ", chunked, logits=None with labels"
+    # The probe: the model's own loss on 2 x 9 random tokens against the fused one, both in eval mode.
+    was = [m.training for m in model.modules()]
+    try:
+        g = torch.Generator(device="cpu").manual_seed(4321)
+        ids = torch.randint(0, v, (2, 9), generator=g).to(head.weight.device)
+        labels = ids.clone()
+        labels[0, :3] = -100
+        model.eval()
+        with torch.no_grad():
+            want = _original_forward(model)(input_ids=ids, labels=labels).loss
+            got = _loss_outputs(model, swap, {"input_ids": ids, "labels": labels})
+    except Exception as e:  # noqa: BLE001 - any failure means: not a head and loss we know
+        want, got, why = None, None, f"its forward failed on a probe batch ({type(e).__name__}: {e})"
+    finally:
+        for m, w in zip(model.modules(), was):
+            m.training = w
+    if not why and (got is None or want is None):
+        why = "the decoder's output is not a hidden state jitfuse can take (device, dtype, width)"
+    if not why and not _close(got[0].reshape(1), want.reshape(1), head.weight.dtype):  # type: ignore[index]
+        why = f"its loss is not HF's shifted cross-entropy of lm_head (probe: {float(want):.6g}, fused " \
+              f"{float(got[0]):.6g})"  # type: ignore[index]
+    if why:
+        report.entries.append(Entry("", "loss", False, cls, why))
+        return
+    model.__dict__[_ATTR] = swap
+    model.forward = types.MethodType(_loss_forward, model)
+    report.entries.append(Entry("", "loss", True, desc))
+
+
 def _seq_name(path: str, kind: str) -> str:
     name = "".join(c if c.isalnum() or c in "._-" else "_" for c in (path or kind))
     return f"hf.{name}"[:200]
@@ -473,15 +601,21 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.LayerNorm) or n.endswith("RMSNorm") or n.endswith("LayerNorm")
 
 
-def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True) -> Report:
+def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool = False) -> Report:
     """Swaps, in place, every norm (``norms``) and MLP (``mlps``) module of ``model`` that jitfuse can run for
     a jitfuse sequence on the module's own parameters, and returns the :class:`Report` (every module found,
-    swapped or left with the reason). Modules swapped before are left as they are (``apply`` twice is
-    harmless; it re-joins gate/up weights that a ``.to()`` split). :func:`revert` undoes it."""
+    swapped or left with the reason). ``loss=True``: a causal LM's ``lm_head`` and HF's loss too, as the fused
+    chunked head whenever the forward gets ``labels`` (which then returns ``logits=None``). Modules swapped
+    before are left as they are (``apply`` twice is harmless; it re-joins gate/up weights that a ``.to()``
+    split). :func:`revert` undoes it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"jitfuse.torch.hf.apply takes an nn.Module, not {type(model).__name__}")
     report = Report()
+    if loss and _ATTR not in model.__dict__:
+        _swap_loss(model, report)
     for path, mod in list(model.named_modules()):
+        if path == "" and isinstance(mod.__dict__.get(_ATTR), _LossSwap):
+            continue
         swap = mod.__dict__.get(_ATTR)
         if swap is not None:
             if swap.kind == "mlp" and isinstance(getattr(mod, "gate_proj", None), nn.Linear):
@@ -520,5 +654,13 @@ def revert(model: nn.Module) -> int:
 
 
 def swapped(model: nn.Module) -> Dict[str, "_m.Sequential"]:
-    """The jitfuse ``Sequential`` of each swapped module, by path (``explain()``, ``print`` show its plan)."""
-    return {p: m.__dict__[_ATTR].seq for p, m in model.named_modules() if _ATTR in m.__dict__}
+    """The jitfuse ``Sequential`` of each swapped module, by path (``explain()``, ``print`` show its plan); the
+    swapped head and loss as ``"lm_head+loss"``."""
+    out: Dict[str, "_m.Sequential"] = {}
+    for p, m in model.named_modules():
+        swap = m.__dict__.get(_ATTR)
+        if isinstance(swap, _LossSwap):
+            out["lm_head+loss"] = swap.mean
+        elif swap is not None:
+            out[p] = swap.seq
+    return out

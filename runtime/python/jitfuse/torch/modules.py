@@ -586,6 +586,11 @@ class CrossEntropy(BasicOp):
     docs/rules.md); ``chunk_mib`` bounds one chunk's logits (default None: 256 MiB, but at least 2048
     rows). Its backward scales
     those gradients in place (no allocation), so one forward serves one backward (no ``retain_graph``).
+
+    ``vocab_parallel=True`` after a ``Linear(..., tensor_parallel="column")`` head: each rank holds its shard of the
+    vocabulary (rows of the weight), the labels index the whole vocabulary, and the rows' max, sum of exponentials
+    and label logit are gathered over the group, as Megatron's vocab-parallel cross-entropy; every rank returns
+    the same loss (docs/parallel.md).
     Runs eagerly: ``torch.compile`` breaks the graph around the Sequential."""
 
     op = "cross_entropy"
@@ -593,7 +598,7 @@ class CrossEntropy(BasicOp):
 
     def __init__(self, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, softcap: float = 0.0, label_dtype: torch.dtype = torch.int64,
-                 chunk_mib: Optional[int] = None):
+                 chunk_mib: Optional[int] = None, vocab_parallel: bool = False):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"CrossEntropy reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
@@ -614,12 +619,16 @@ class CrossEntropy(BasicOp):
             raise ValueError(f"CrossEntropy chunk_mib must be None (automatic) or an int in [1, 65536], "
                              f"not {chunk_mib!r}")
         self.chunk_mib = chunk_mib
+        if not isinstance(vocab_parallel, bool):
+            raise TypeError(f"CrossEntropy vocab_parallel must be a bool, not {vocab_parallel!r}")
+        self.vocab_parallel = vocab_parallel
 
     def attrs(self, training: bool) -> Dict[str, Any]:
         return {"reduction": self.reduction, "ignore_index": self.ignore_index,
                 "label_smoothing": self.label_smoothing, "z_loss": self.z_loss, "softcap": self.softcap,
                 "label_dtype": "int32" if self.label_dtype == torch.int32 else "int64",
-                **({"chunk_mib": self.chunk_mib} if self.chunk_mib is not None else {})}
+                **({"chunk_mib": self.chunk_mib} if self.chunk_mib is not None else {}),
+                **({"vocab_parallel": True} if self.vocab_parallel else {})}
 
 
 class _Collective(BasicOp):
