@@ -20,6 +20,7 @@ against the same block on one GPU with the whole weights (rank 0 prints).
 Needs PyTorch, NCCL and JITFUSE_LIBRARY / PYTHONPATH=runtime/python as for the package.
 """
 import argparse
+import faulthandler
 import os
 import statistics
 import sys
@@ -199,6 +200,8 @@ def main():
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=512)
     args = ap.parse_args()
+    if os.environ.get("JF_TP_WATCHDOG"):  # seconds: every rank prints its Python stacks and exits after them
+        faulthandler.dump_traceback_later(int(os.environ["JF_TP_WATCHDOG"]), exit=True)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))

@@ -915,6 +915,22 @@ class Sequential(nn.Module):
             raise TypeError(count_error(self._jf_specs, self.input_channels, context(-1), self.recipe or "bf16",
                                         self.name, self.name, len(extra_inputs)))
 
+    def _logits_rows(self, input: Tensor) -> Tuple[int, ...]:
+        """The leading shape of the rows reaching the loss: the input's, with dim 0 gathered (x world size) by a
+        sequence-parallel column Linear or an AllGather and scattered (/ world size) by a sequence-parallel row
+        Linear or a ReduceScatter on the way."""
+        rows = list(input.shape[:-1]) or [1]
+        for op in self._ops:
+            if isinstance(op, Linear) and op.sequence_parallel:
+                gather, w = op.tensor_parallel == "column", int(op.tp_world_size)
+            elif isinstance(op, (AllGather, ReduceScatter)):
+                from . import distributed
+                gather, w = isinstance(op, AllGather), distributed.world_size(op.group)
+            else:
+                continue
+            rows[0] = rows[0] * w if gather else rows[0] // w
+        return tuple(rows)
+
     @_compiler_disable
     def _labels_forward(self, input: Tensor, extra_inputs: Tuple[Tensor, ...]) -> Union[Tensor, Tuple[Tensor, ...]]:
         """forward of a Sequential ending in CrossEntropy: the labels are an integer extra input without a
@@ -929,7 +945,7 @@ class Sequential(nn.Module):
         training = self.training
         key = self._jf_keys[training].get(input.dtype)
         check_arguments(name, self.recipe, key, input, params)
-        rows = tuple(input.shape[:-1]) or (1,)
+        rows = self._logits_rows(input)
         for k, e in enumerate(extra_inputs):
             want = self._jf_labels.get(k)
             if want is None:
