@@ -38,7 +38,9 @@ class CrossEntropy {
     labels_ = fmt::format("e{}_labels", ce_.op);
     vp_ = ce_.vocab_parallel();
     vtot_ = vp_ ? ce_.vocab_total : v_;
-    if (vp_ && (ce_.vocab_start < 0 || ce_.vocab_start + v_ > vtot_))
+    const bool vocab_cols = ce_.kernel == K::rows_fwd || ce_.kernel == K::rows_bwd || ce_.kernel == K::fused ||
+                            ce_.kernel == K::stats;  // the others' cols are not the vocabulary's (pad_rows: h)
+    if (vp_ && vocab_cols && (ce_.vocab_start < 0 || ce_.vocab_start + v_ > vtot_))
       throw std::invalid_argument("codegen: a vocab-parallel cross_entropy's columns lie outside its vocabulary");
   }
 

@@ -114,6 +114,22 @@ TEST_CASE("vocab-parallel loss unfused: stats then all_gather then loss rows and
   }
 }
 
+TEST_CASE("vocab-parallel head with a padded shard plans on every rank", "[exec][cross_entropy][parallel]") {
+  // V = 1000 over 4 ranks: 250 columns each, padded to 256 for the GEMMs (the weight copied with zero rows; that
+  // kernel's columns are the hidden size, not the vocabulary); the last rank's columns end at the vocabulary's end.
+  for (int rank = 0; rank < 4; ++rank) {
+    INFO("rank " << rank);
+    auto p = program_of(head(256, 1000), {1032, 256}, 4, rank);
+    int stats = 0;
+    for (const auto& s : p->forward)
+      if (s.kind == exec::Step::Kind::kernel && s.kernel->spec.ce->kernel == codegen::CrossEntropySpec::Kernel::stats) {
+        ++stats;
+        CHECK(s.kernel->spec.ce->vocab_start == 250 * rank);
+      }
+    CHECK(stats == 1);
+  }
+}
+
 TEST_CASE("vocab-parallel at world size 1 plans the plain loss", "[exec][cross_entropy][parallel]") {
   auto vp = program_of(head(64, 1000), {300, 64}, 1, 0);
   auto plain = program_of(head(64, 1000, false, "none"), {300, 64}, 1, 0);
