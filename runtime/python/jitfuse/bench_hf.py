@@ -1,7 +1,8 @@
 # `python -m jitfuse.bench --case hf`: unmodified Hugging Face models (from a config, random init, bf16) against
-# the same models after jitfuse.torch.hf.apply, in one process, interleaved: a training step (forward with the
-# loss, backward, AdamW) in GPU time (CUDA events, median) and wall time (median), for Llama, Qwen2 and GPT-2
-# at hidden 2048, 4 layers, 8192 tokens. Needs transformers and a GPU.
+# the same models after jitfuse.torch.hf.apply (norms and MLPs; and with loss=True, the head and its loss too), in
+# one process, interleaved: a training step (forward with the loss, backward, AdamW) in GPU time (CUDA events,
+# median) and wall time (median), for Llama, Qwen2 and GPT-2 at hidden 2048, 4 layers, 8192 tokens. Needs
+# transformers and a GPU.
 import copy
 import statistics
 import time
@@ -75,15 +76,20 @@ def bench_hf(steps: int = 20, warmup: int = 5) -> List[Dict[str, object]]:
         plain = make().to(DEV, DT)
         swapped = copy.deepcopy(plain)
         report = hf.apply(swapped)
+        with_loss = copy.deepcopy(plain)
+        loss_report = hf.apply(with_loss, loss=True)
         x = torch.randint(0, 32000, TOKENS, generator=g).to(DEV)
         runs = {k: _step(m, torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True), x)
-                for k, m in (("plain", plain), ("jitfuse", swapped))}
+                for k, m in (("plain", plain), ("jitfuse", swapped), ("loss", with_loss))}
         gpu, wall = _interleaved(runs, steps, warmup)
         rows.append({"model": name, "swapped": f"{len(report.swapped)} ({len(report.left)} left)",
                      "HF eager GPU ms": gpu["plain"], "hf.apply GPU ms": gpu["jitfuse"],
                      "GPU ratio": gpu["jitfuse"] / gpu["plain"], "HF eager wall ms": wall["plain"],
-                     "hf.apply wall ms": wall["jitfuse"], "wall ratio": wall["jitfuse"] / wall["plain"]})
-        del plain, swapped, runs
+                     "hf.apply wall ms": wall["jitfuse"], "wall ratio": wall["jitfuse"] / wall["plain"],
+                     "loss=True": "swapped" if loss_report.entries[0].swapped else loss_report.entries[0].reason,
+                     "loss=True GPU ms": gpu["loss"], "loss=True GPU ratio": gpu["loss"] / gpu["plain"],
+                     "loss=True wall ratio": wall["loss"] / wall["plain"]})
+        del plain, swapped, with_loss, runs
         torch.cuda.empty_cache()
     return rows
 
