@@ -151,7 +151,7 @@ void emit_unpermute_bwd(Writer& k, Args& args, const KernelSpec& spec, const Moe
   const std::string p = prob_of(args, m);
   // Backward: in = dout [T, H]; y (the forward's input, saved by the caller's plan) and dprobs.
   args.ptr(Arg::Role::saved, m.op, Key::input, "y", "ST", false);
-  args.ptr(Arg::Role::extra_out, m.op, "dprobs", "dprobs", "float", true);
+  args.ptr(Arg::Role::grad_extra_in, m.op, "dprobs", "dprobs", "float", true);  // the probabilities' gradient
   k.line("__shared__ float jf_sm[64];");
   k.line("for (jf_i64 t = blockIdx.x; t < rows; t += gridDim.x) {{");
   k.open();

@@ -160,16 +160,18 @@ namespace {
 
 // What a sequence's extra inputs are, for the messages that count them: the kinds of its slots (the wiring).
 std::string extra_inputs_note(const ops::SequenceDef& s) {
-  bool add = false, channel = false, labels = false;
+  bool add = false, channel = false, labels = false, routing = false;
   for (const auto& slot : s.extra_input_slots) {
     add = add || slot.kind == "add";
     channel = channel || slot.kind == "channel";
     labels = labels || slot.kind == "labels";
+    routing = routing || slot.kind == "indices" || slot.kind == "probs";
   }
   std::vector<std::string> parts;
-  if (add || (!channel && !labels)) parts.emplace_back("add_extra_input ops without a channel");
+  if (add || (!channel && !labels && !routing)) parts.emplace_back("add_extra_input ops without a channel");
   if (channel) parts.emplace_back("one per input channel");
   if (labels) parts.emplace_back("the labels of cross_entropy");
+  if (routing) parts.emplace_back("the routing indices and probabilities of moe_permute / moe_unpermute");
   std::string note = parts[0];
   for (size_t i = 1; i < parts.size(); ++i) note += (i + 1 == parts.size() ? " and " : ", ") + parts[i];
   return note;
@@ -220,8 +222,8 @@ void check_backward_args(const ops::SequenceDef& s, ops::DType dtype, const DLTe
     if (!nograd) {
       check_dltensor(grad_extra_inputs[i], [&] { return fmt::format("grad extra input {}", i); });
     } else if (grad_extra_inputs[i]) {
-      fail(Status::invalid_argument, "grad extra input {} must be NULL: extra input {} holds integer labels "
-           "(cross_entropy), which have no gradient", i, i);
+      fail(Status::invalid_argument, "grad extra input {} must be NULL: extra input {} holds integers (cross_entropy's "
+           "labels, moe_permute's indices), which have no gradient", i, i);
     }
   }
 }

@@ -48,9 +48,12 @@ std::string parallel_text(const ops::Op& op) {
 
 std::string op_wiring(const ops::Op& op, const std::vector<ops::Op>& ops) {
   if (std::string par = parallel_text(op); !par.empty()) return par;
-  if (op.extra_input)  // an op's own extra input (cross_entropy's labels)
-    return fmt::format("<- {}: extra input {} ({} {}, no gradient)", op.extra_input->name, op.extra_slot,
-                       ops::dtype_name(op.extra_input->dtype), ops::shape_str(op.extra_input->shape));
+  if (op.extra_input) {  // an op's own extra input (cross_entropy's labels, moe's indices and probabilities)
+    std::string route = op.route_op >= 0 ? fmt::format(", the routing of op {}", op.route_op) : "";
+    return fmt::format("<- {}: extra input {} ({} {}, {}{})", op.extra_input->name, op.extra_slot,
+                       ops::dtype_name(op.extra_input->dtype), ops::shape_str(op.extra_input->shape),
+                       op.info && op.info->extra_input_grad ? "with a gradient" : "no gradient", route);
+  }
   const bool fork = op.family == ops::Family::make_extra_output, reader = op.family == ops::Family::add_extra_input;
   if (!fork && !reader) return "";
   const std::string slot = op.extra_slot < 0 ? ""

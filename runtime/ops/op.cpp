@@ -63,6 +63,7 @@ std::string family_name(Family f) {
     case Family::make_extra_output: return "make_extra_output";
     case Family::comm: return "comm";
     case Family::loss: return "loss";
+    case Family::moe: return "moe";
   }
   return "?";
 }
@@ -180,6 +181,7 @@ Registry::Registry() {
   register_structural(*this);
   register_comm(*this);
   register_cross_entropy(*this);
+  register_moe(*this);
 }
 
 void Registry::add(OpKind kind) {

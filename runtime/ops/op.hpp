@@ -37,6 +37,7 @@ enum class Family {
   make_extra_output,  // y = x, extra = x (fork)
   comm,               // a collective over the ranks of a tensor-parallel group (NCCL; docs/parallel.md)
   loss,               // rows of logits -> a loss (cross_entropy); the sequence's last op
+  moe,                // token routing to experts and back (moe_permute, moe_unpermute)
 };
 std::string family_name(Family f);
 
@@ -96,6 +97,10 @@ struct OpKind {
   bool takes_extra_input = false;
   // Must be the sequence's last op (a loss): parse_sequence refuses it anywhere else.
   bool last_only = false;
+  // What the extra input is called in messages and the wiring ("labels", "indices", "probs"), and whether the
+  // backward writes its gradient (moe_unpermute's probs: an fp32 tensor of the extra input's shape).
+  std::string extra_input_name = "labels";
+  bool extra_input_grad = false;
 };
 
 struct Param {
@@ -140,6 +145,10 @@ struct Op {
   int world_size = 1, rank = 0;
   // An op the planner inserted (a parallel linear's collective): the op it serves; -1 for the sequence's own.
   int inserted_for = -1;
+  // moe_unpermute: the moe_permute whose routing it reads, that op's input shape [T, H] and its top_k.
+  int route_op = -1;
+  Shape route_in;
+  int64_t route_topk = 0;
 
   std::string label() const;  // "op 3 (gelu)"
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }
@@ -168,6 +177,7 @@ void register_dropout(Registry& r);
 void register_structural(Registry& r);
 void register_comm(Registry& r);
 void register_cross_entropy(Registry& r);
+void register_moe(Registry& r);
 
 // Validates `attrs` against `kind.attrs` (unknown names, types, ranges, choices) and fills defaults.
 // Errors about one attribute name `where_attr(name)` when given (its own file:line:col), else `where`.

@@ -51,6 +51,43 @@ std::vector<int64_t> labels_of(const SeqInputs& in, const ops::Op& op) {
   return out;
 }
 
+// The routing of a moe op (a moe_permute, or the permute a moe_unpermute reads): from the permute's indices.
+MoeRouting routing_of(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op& op) {
+  const ops::Op& perm = op.kind == "moe_permute" ? op : ops.at(static_cast<size_t>(op.route_op));
+  const Vec& raw = in.extra_in.at(static_cast<size_t>(perm.extra_slot));
+  std::vector<int64_t> idx(raw.size());
+  for (size_t i = 0; i < raw.size(); ++i) idx[i] = static_cast<int64_t>(raw[i]);
+  return moe_route(idx, ops::rows_of(perm.in), perm.attrs.at("top_k").get<int64_t>(),
+                   perm.attrs.at("num_experts").get<int64_t>(), perm.attrs.at("capacity").get<int64_t>());
+}
+
+// The first `rows` rows of a [.., cols] tensor, and a [rows, cols] tensor padded with zero rows to `total`.
+Vec head_rows(const Vec& v, int64_t rows, int64_t cols) { return Vec(v.begin(), v.begin() + rows * cols); }
+Vec pad_rows(Vec v, int64_t total, int64_t cols) {
+  v.resize(static_cast<size_t>(total * cols), 0.0);
+  return v;
+}
+
+// moe_permute: the rows in expert order, zero past the kept ones; moe_unpermute: the probabilities' combine.
+Vec moe_fwd(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op& op, const Vec& v) {
+  const MoeRouting r = routing_of(ops, in, op);
+  const int64_t cols = ops::cols_of(op.in);
+  if (op.kind == "moe_permute") return pad_rows(moe_permute_fwd(v, r, cols), ops::rows_of(op.out), cols);
+  return moe_unpermute_fwd(head_rows(v, r.rows(), cols), in.extra_in.at(static_cast<size_t>(op.extra_slot)), r, cols);
+}
+
+// The moe ops' input gradients (and moe_unpermute's dprobs into its extra input's gradient).
+Vec moe_bwd(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op& op, const Vec& x, const Vec& dy,
+            SeqGrads& g) {
+  const MoeRouting r = routing_of(ops, in, op);
+  const int64_t cols = ops::cols_of(op.in);
+  if (op.kind == "moe_permute") return moe_permute_bwd(head_rows(dy, r.rows(), cols), r, cols);
+  MoeUnpermuteBwd b = moe_unpermute_bwd(dy, head_rows(x, r.rows(), cols),
+                                        in.extra_in.at(static_cast<size_t>(op.extra_slot)), r, cols);
+  g.grad_extra_in.at(static_cast<size_t>(op.extra_slot)) = std::move(b.dprobs);
+  return pad_rows(std::move(b.dy), ops::rows_of(op.in), cols);
+}
+
 }  // namespace
 
 SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in) {
@@ -110,6 +147,7 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
       }
       case Family::comm: one_rank(op); break;
       case Family::loss: v = cross_entropy_fwd(v, labels_of(in, op), rows, cols, ce_attrs(op)).loss; break;
+      case Family::moe: v = moe_fwd(ops, in, op, v); break;
       case Family::make_extra_output:
         if (!op.channel.empty()) channels[op.index] = v;
         if (op.extra_slot < 0) break;
@@ -189,6 +227,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
       }
       case Family::comm: one_rank(op); break;
       case Family::loss: dy = cross_entropy_bwd(x, labels_of(in, op), dy, rows, cols, ce_attrs(op)); break;
+      case Family::moe: dy = moe_bwd(ops, in, op, x, dy, g); break;
       case Family::make_extra_output: {
         if (op.extra_slot >= 0) {
           const Vec& de = grad_extra_out.at(op.extra_slot);

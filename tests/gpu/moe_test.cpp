@@ -134,7 +134,7 @@ void run_case(const Case& c, uint64_t seed) {
         case R::rows: params.push_back(&rows_arg); continue;
         case R::saved: p = a.key == codegen::Key::route ? route.p : d_yin.p; break;
         case R::extra_in: p = a.name == "idx" ? d_idx.p : d_probs.p; break;
-        case R::extra_out: p = d_dprobs.p; break;
+        case R::grad_extra_in: p = d_dprobs.p; break;
         default: FAIL("unexpected argument " << a.name);
       }
       ptrs.push_back(p);

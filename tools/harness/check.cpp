@@ -178,6 +178,45 @@ void upload_params(Tensors& t, SeqInputs& in, const std::vector<ops::Op>& ops, s
   }
 }
 
+// A moe op's extra input. moe_permute's indices: distinct experts per token, skewed — expert 0 about four times
+// as often as the others and the last quarter of the experts never picked (empty groups). moe_unpermute's
+// probabilities: fp32 in [0.05, 1], with an fp32 gradient of the same shape.
+void upload_routing(Tensors& t, SeqInputs& in, const ops::Op& op, std::mt19937_64& rng, CUstream stream) {
+  const ops::Shape& shape = op.extra_input->shape;
+  Vec v(static_cast<size_t>(ops::numel(shape)));
+  if (op.kind == "moe_permute") {
+    const int64_t e = op.attrs.at("num_experts").get<int64_t>(), k = op.attrs.at("top_k").get<int64_t>();
+    const int64_t live = std::min(e, std::max<int64_t>(k + 1, e * 3 / 4));
+    std::uniform_int_distribution<int64_t> pick(0, live - 1);
+    std::bernoulli_distribution hot(std::min(1.0, 4.0 / static_cast<double>(live)));
+    for (int64_t r = 0; r < shape[0]; ++r)
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t x = 0;
+        bool dup = true;
+        while (dup) {
+          x = (j == 0 && hot(rng)) ? 0 : pick(rng);
+          dup = false;
+          for (int64_t i = 0; i < j; ++i) dup = dup || v[static_cast<size_t>(r * k + i)] == static_cast<double>(x);
+        }
+        v[static_cast<size_t>(r * k + j)] = static_cast<double>(x);
+      }
+  } else {
+    std::uniform_real_distribution<double> p(0.05, 1.0);
+    for (auto& x : v) x = static_cast<double>(static_cast<float>(p(rng)));
+  }
+  in.extra_in.push_back(v);
+  const std::string dt = ops::dtype_name(op.extra_input->dtype);
+  t.keep.push_back(std::make_unique<DeviceTensor>(shape, dt, t.misalign));
+  t.ein.push_back(t.keep.back().get());
+  t.ein.back()->upload_values(v, stream);
+  if (op.info->extra_input_grad) {
+    t.keep.push_back(std::make_unique<DeviceTensor>(shape, dt, t.misalign));
+    t.gein.push_back(t.keep.back().get());
+  } else {
+    t.gein.push_back(nullptr);  // integers: no gradient
+  }
+}
+
 // The input, every extra input (random) and extra output's gradient (random), and the outputs, poisoned
 // (NaN) so that an element no kernel writes is seen.
 void upload_inputs(Tensors& t, SeqInputs& in, const std::vector<ops::Op>& ops, const ops::Shape& shape,
@@ -192,6 +231,10 @@ void upload_inputs(Tensors& t, SeqInputs& in, const std::vector<ops::Op>& ops, c
       t.ein.push_back(t.make(op.in));
       t.ein.back()->upload_values(in.extra_in.back(), stream);
       t.gein.push_back(t.make(op.in));
+    }
+    if (op.extra_input && op.family == ops::Family::moe) {
+      upload_routing(t, in, op, rng, stream);
+      continue;
     }
     if (op.extra_input) {  // cross_entropy's labels: random classes, about a fifth of the rows ignored (not row 0)
       const int64_t v = ops::cols_of(op.in), ignore = op.attrs.at("ignore_index").get<int64_t>();

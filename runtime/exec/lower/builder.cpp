@@ -147,8 +147,9 @@ int Builder::extra(BufferRole role, int op) {
   if (auto it = extra_.find(key); it != extra_.end()) return it->second;
   const auto& o = p_.ops.at(static_cast<size_t>(op));
   if (const int routed = channel_route(role, o); routed != kNotRouted) return routed;
-  // An op's own extra input (cross_entropy's labels) has its own dtype and shape, read as scalars.
-  const bool own = role == BufferRole::extra_in && o.extra_input;
+  // An op's own extra input (cross_entropy's labels, moe's indices and probabilities) has its own dtype and shape,
+  // read as scalars; so has its gradient (moe_unpermute's dprobs).
+  const bool own = (role == BufferRole::extra_in || role == BufferRole::grad_extra_in) && o.extra_input;
   const ops::Shape& shape = own ? o.extra_input->shape : o.out;
   const int id = caller(role, std::string(k->name) + "[" + std::to_string(o.extra_slot) + "]", op, o.extra_slot,
                         own ? o.extra_input->dtype : p_.recipe.dtype, ops::rows_of(shape), ops::cols_of(shape));

@@ -131,7 +131,7 @@ TEST_CASE(
   CHECK(jf_backward(s, &ba, nullptr) == JF_ERR_INVALID_ARGUMENT);
   CHECK(last() ==
         "grad extra input 0 must be NULL: extra input 0 holds "
-        "integer labels (cross_entropy), which have no "
+        "integers (cross_entropy's labels, moe_permute's indices), which have no "
         "gradient");
   grad_extras[0] = nullptr;
   dx.t.data = l32.storage;  // past the labels' checks: the gradient written over them

@@ -54,7 +54,7 @@ TEST_CASE("moe kernels: arguments, fixed grids and the routing layout", "[moe][c
   CHECK(has(unp.source, "jf_load8<DT, JF_VEC>(residual + t * 256 + c0, s);"));
   const auto unb = codegen::generate(spec_of(K::unpermute_bwd));
   bool dprobs = false;
-  for (const auto& a : unb.args) dprobs |= a.role == R::extra_out && a.name == "dprobs" && a.writes;
+  for (const auto& a : unb.args) dprobs |= a.role == R::grad_extra_in && a.name == "dprobs" && a.writes;
   CHECK(dprobs);
   // The layout's size: dest and src (n = T k each), splits, starts (E + 1), counts and bases per chunk.
   CHECK(codegen::moe_route_ints(4096, 2, 8) == 2 * 8192 + 17 + 2 * 8 * 8);

@@ -1,0 +1,115 @@
+// The moe ops in sequences (issue 43; docs/ops.md#mixture-of-experts), planned without GPUs: moe_permute's routing
+// kernels and permutation, moe_unpermute's combine and their backwards as program steps; the routing saved in
+// training and in the forward's arena in inference; the extra inputs' dtypes and shapes (int indices without a
+// gradient, fp32 probabilities with one); explain's wiring; and every error of the pairing, the shapes and the
+// recipe, each naming the op.
+#include <catch2/catch.hpp>
+
+#include "common/error.hpp"
+#include "exec/lower/compile.hpp"
+#include "fuser/explain.hpp"
+#include "rules/rule.hpp"
+
+using namespace jitfuse;
+
+namespace {
+
+const rules::RuleSet& builtins() {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  return rs;
+}
+
+std::string block(const std::string& permute = R"("num_experts": 8, "top_k": 2)", const std::string& middle = R"({"op": "gelu"},)") {
+  return R"({"ops": [{"op": "moe_permute", )" + permute + "}, " + middle + R"({"op": "moe_unpermute"}]})";
+}
+
+std::shared_ptr<const exec::Program> program_of(const std::string& text, const ops::Shape& shape, bool training = true,
+                                                const char* recipe = "bf16") {
+  auto def = ops::parse_sequence(text, "<moe>", builtins().registry());
+  auto r = ops::parse_recipe(recipe);
+  ops::apply_recipe(def, r);
+  exec::CompileOptions o;
+  o.arch = 90;
+  o.training = training;
+  return exec::compile(ops::infer(def, shape, {}), def.name, r, o, builtins());
+}
+
+std::vector<std::string> kernels(const std::vector<exec::Step>& steps) {
+  std::vector<std::string> out;
+  for (const auto& s : steps)
+    if (s.kind == exec::Step::Kind::kernel) out.push_back(s.kernel->gen.kernel);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("moe_permute and moe_unpermute lower to the routing kernels and their backwards", "[exec][moe]") {
+  auto p = program_of(block(R"("num_experts": 8, "top_k": 2, "capacity": 100, "index_dtype": "int32")"), {300, 256});
+  CHECK(p->ops[0].out == ops::Shape{600, 256});
+  CHECK(p->ops[2].out == ops::Shape{300, 256});
+  CHECK(kernels(p->forward) == std::vector<std::string>{"jf_moe_count_fwd", "jf_moe_scan_fwd", "jf_moe_scatter_fwd",
+                                                        "jf_moe_permute_fwd", "jf_gelu_fwd", "jf_moe_unpermute_fwd"});
+  CHECK(kernels(p->backward) ==
+        std::vector<std::string>{"jf_moe_unpermute_bwd", "jf_gelu_bwd", "jf_moe_permute_bwd"});
+  for (const auto& s : p->forward) {
+    if (s.kind != exec::Step::Kind::kernel || !s.kernel->spec.moe) continue;
+    const auto& m = *s.kernel->spec.moe;
+    CHECK(m.route_op == 0);
+    CHECK(m.experts == 8);
+    CHECK(m.capacity == 100);
+    CHECK_FALSE(m.idx_i64);
+    CHECK(s.kernel->rows == 300);  // every moe kernel's rows: the tokens
+  }
+  // The routing: int32, saved for the backward; the indices (int32, no gradient), the probabilities (fp32) and
+  // their gradient (fp32), each [tokens, top_k].
+  bool route = false;
+  for (int id : p->saved_set()) {
+    const auto& b = p->buffer(id);
+    if (b.name != "op0.route") continue;
+    route = true;
+    CHECK(b.dtype == ops::DType::i32);
+    CHECK(b.bytes >= static_cast<size_t>(codegen::moe_route_ints(300, 2, 8)) * 4);
+  }
+  CHECK(route);
+  REQUIRE(p->extra_in.size() == 2);
+  CHECK(p->buffer(p->extra_in[0]).dtype == ops::DType::i32);
+  CHECK(p->buffer(p->extra_in[0]).rows * p->buffer(p->extra_in[0]).cols == 600);
+  CHECK(p->buffer(p->extra_in[1]).dtype == ops::DType::f32);
+  REQUIRE(p->grad_extra_in.size() == 2);
+  CHECK(p->grad_extra_in[0] < 0);  // the indices have no gradient
+  CHECK(p->buffer(p->grad_extra_in[1]).dtype == ops::DType::f32);
+  CHECK(p->buffer(p->grad_extra_in[1]).rows * p->buffer(p->grad_extra_in[1]).cols == 600);
+  // Inference: the routing lives in the forward's arena; nothing is saved.
+  auto inf = program_of(block(), {300, 256}, false);
+  CHECK(inf->saved_set().empty());
+  CHECK(kernels(inf->forward).size() == 6);
+}
+
+TEST_CASE("explain shows the routing inputs and which one takes a gradient", "[exec][moe]") {
+  auto def = ops::parse_sequence(block(), "<moe>", builtins().registry());
+  CHECK(def.nograd_extra_inputs == std::vector<int>{0});
+  auto ops = ops::infer(def, {300, 256}, {});
+  CHECK(fuser::op_wiring(ops[0], ops) == "<- indices: extra input 0 (int64 300x2, no gradient)");
+  CHECK(fuser::op_wiring(ops[2], ops) == "<- probs: extra input 1 (fp32 300x2, with a gradient, the routing of op 0)");
+}
+
+TEST_CASE("moe sequences that cannot run are refused with the op and the fix", "[exec][moe]") {
+  auto infer = [](const std::string& text, ops::Shape shape = {300, 256}) {
+    auto def = ops::parse_sequence(text, "<moe>", builtins().registry());
+    return ops::infer(def, shape, {});
+  };
+  CHECK_THROWS_WITH(infer(R"({"ops": [{"op": "gelu"}, {"op": "moe_unpermute"}]})"),
+                    Catch::Contains("op 1 (moe_unpermute): no moe_permute before it"));
+  CHECK_THROWS_WITH(infer(block(R"("num_experts": 8, "top_k": 2)", R"({"op": "moe_unpermute"},)")),
+                    Catch::Contains("is combined by op 1 (moe_unpermute) already"));
+  CHECK_THROWS_WITH(infer(block(R"("num_experts": 4, "top_k": 5)")),
+                    Catch::Contains("top_k = 5 is more than num_experts = 4"));
+  CHECK_THROWS_WITH(infer(block(), {300, 100}), Catch::Contains("pad it to a multiple of 8"));
+  CHECK_THROWS_WITH(infer(block(R"("num_experts": 8, "top_k": 2)", R"({"op": "reshape", "shape": [300, 512]},)")),
+                    Catch::Contains("its input has 300 rows; the routing of op 0 (moe_permute) has 300 tokens x top_k 2"));
+  CHECK_THROWS_WITH(ops::parse_sequence(block(R"("num_experts": 8, "top_k": 2, "index_dtype": "int16")"), "<moe>",
+                                        builtins().registry()),
+                    Catch::Contains("index_dtype"));
+  CHECK_THROWS_WITH(program_of(block(), {300, 256}, true, "fp8_current"),
+                    Catch::Contains("the token routing has no FP8 form yet"));
+}
