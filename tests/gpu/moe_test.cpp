@@ -15,6 +15,7 @@
 #include "exec/run/kernels.hpp"
 #include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
+#include "gpu/gpu_check.hpp"
 #include "support/dev_buf.hpp"
 #include "support/gpu.hpp"
 #include "support/moe_cases.hpp"
@@ -197,4 +198,30 @@ TEST_CASE("moe routing and permutation kernels against the float64 references", 
   };
   uint64_t seed = 43;
   for (const auto& c : cases) run_case(c, seed++);
+}
+
+// The ops in sequences, through the C ABI and the harness (fresh random inputs and routing, outputs and every
+// gradient poisoned, the float64 sequence reference, DESIGN's tolerances): dispatch and combine around
+// expert-side ops, with dropping capacities, int32 and int64 indices, top-1/2/8, a residual channel around the
+// block, misaligned tensors (the scalar variants) and inference.
+TEST_CASE("moe_permute and moe_unpermute in sequences match the float64 reference", "[moe]") {
+  using test::run_check;
+  using test::seq_json;
+  const std::string gelu_block = seq_json(R"([{"op": "moe_permute", "num_experts": 8, "top_k": 2},
+      {"op": "gelu"}, {"op": "moe_unpermute"}])", "moe_gelu");
+  for (const char* recipe : {"fp32", "bf16"}) {
+    run_check(gelu_block, recipe, {300, 256});
+    run_check(gelu_block, recipe, {300, 256}, false);             // inference: the routing in the arena
+    run_check(gelu_block, recipe, {37, 64}, true, /*misalign=*/true);
+  }
+  // OLMoE-like top-8 of 64 with a capacity that drops rows, int32 indices.
+  run_check(seq_json(R"([{"op": "moe_permute", "num_experts": 64, "top_k": 8, "capacity": 30,
+      "index_dtype": "int32"}, {"op": "silu"}, {"op": "moe_unpermute"}])", "moe_top8"), "bf16", {513, 64});
+  // Top-1 of 16, capacity below the mean (most experts drop), a scale between.
+  run_check(seq_json(R"([{"op": "moe_permute", "num_experts": 16, "top_k": 1, "capacity": 10},
+      {"op": "scale", "value": 0.5}, {"op": "moe_unpermute"}])", "moe_top1"), "fp32", {400, 128});
+  // The block with its residual: fork, dispatch, experts' op, combine, add the residual back.
+  run_check(seq_json(R"([{"op": "make_extra_output", "channel": "res"},
+      {"op": "moe_permute", "num_experts": 128, "top_k": 8}, {"op": "gelu"}, {"op": "moe_unpermute"},
+      {"op": "add_extra_input", "channel": "res"}])", "moe_residual"), "bf16", {257, 128});
 }

@@ -6,9 +6,14 @@
 #include <stdexcept>
 
 #include "grad_check.hpp"
+#include "ops/sequence.hpp"
 #include "reference/reference.hpp"
+#include "reference/sequence.hpp"
+#include "rules/rule.hpp"
 
 namespace ref = jitfuse::reference;
+namespace ops = jitfuse::ops;
+namespace rules = jitfuse::rules;
 using ref::Vec;
 using ref::testing::check_grad;
 using ref::testing::dot;
@@ -134,4 +139,41 @@ TEST_CASE("the expert block through the MoE references equals a loop over each t
       }
     for (size_t i = 0; i < want.size(); ++i) CHECK(out[i] == Approx(want[i]).epsilon(1e-12).margin(1e-12));
   }
+}
+
+TEST_CASE("the sequence reference runs moe_permute and moe_unpermute with a capacity that drops", "[reference][moe]") {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  auto def = ops::parse_sequence(R"({"ops": [{"op": "moe_permute", "num_experts": 3, "top_k": 2, "capacity": 2},
+      {"op": "scale", "value": 2.0}, {"op": "moe_unpermute"}]})", "<moe>", rs.registry());
+  const auto ops = ops::infer(def, {4, 8}, {});
+  ref::SeqInputs in;
+  std::mt19937_64 g(5);
+  std::uniform_real_distribution<double> u(-1, 1);
+  in.input.resize(32);
+  for (auto& x : in.input) x = u(g);
+  in.extra_in = {{0, 1, 0, 2, 0, 1, 2, 1}, {0.5, 0.25, 1, 0.75, 0.125, 0.5, 0.25, 1}};  // experts 0 and 1 drop tokens 2 and 3
+  const auto f = ref::sequence_forward(ops, in);
+  REQUIRE(f.values[1].size() == 8 * 8);  // the permuted rows: the static bound T k, zero past the kept ones
+  const auto r = ref::moe_route(std::vector<int64_t>{0, 1, 0, 2, 0, 1, 2, 1}, 4, 2, 3, 2);
+  CHECK(r.rows() == 6);  // experts 0 and 1 each drop a third slot
+  for (size_t i = 6 * 8; i < 64; ++i) CHECK(f.values[1][i] == 0.0);
+  // y[t] = sum over kept slots of p[t, j] 2 x[t].
+  for (int64_t t = 0; t < 4; ++t)
+    for (int64_t c = 0; c < 8; ++c) {
+      double want = 0;
+      for (int64_t j = 0; j < 2; ++j)
+        if (r.dest[static_cast<size_t>(t * 2 + j)] >= 0) want += in.extra_in[1][static_cast<size_t>(t * 2 + j)] * 2;
+      CHECK(f.output[static_cast<size_t>(t * 8 + c)] == Approx(want * in.input[static_cast<size_t>(t * 8 + c)]));
+    }
+  ref::Vec dy(32);
+  for (auto& x : dy) x = u(g);
+  const auto gr = ref::sequence_backward(ops, in, f, dy, {});
+  REQUIRE(gr.grad_extra_in.size() == 2);
+  CHECK(gr.grad_extra_in[0].empty());       // the indices: no gradient
+  REQUIRE(gr.grad_extra_in[1].size() == 8);  // dprobs
+  CHECK(gr.grad_extra_in[1][4] == 0.0);      // token 2's dropped slot
+  double dot = 0;
+  for (int64_t c = 0; c < 8; ++c) dot += dy[static_cast<size_t>(c)] * 2 * in.input[static_cast<size_t>(c)];
+  CHECK(gr.grad_extra_in[1][0] == Approx(dot));
+  CHECK(gr.grad_input.size() == 32);
 }
