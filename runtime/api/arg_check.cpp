@@ -250,9 +250,11 @@ void* check_own_extra_input(const DLTensor* t, const SpanName& name, const ops::
                             const DLTensor* input) {
   check_dltensor(t, [&] { return name.str(); });
   if (!dtype_matches(t->dtype, spec.dtype))
-    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for the {} (the op's \"{}\"), got {}{}", name.str(),
-         ops::dtype_name(spec.dtype), spec.name, spec.dtype_attr, dl_dtype_name(t->dtype),
-         t->dtype.code == kDLInt && (t->dtype.bits == 32 || t->dtype.bits == 64)
+    fail(Status::invalid_argument, "tensor '{}': expected dtype {} for the {}{}, got {}{}", name.str(),
+         ops::dtype_name(spec.dtype), spec.name,
+         spec.dtype_attr.empty() ? std::string() : fmt::format(" (the op's \"{}\")", spec.dtype_attr),
+         dl_dtype_name(t->dtype),
+         !spec.dtype_attr.empty() && t->dtype.code == kDLInt && (t->dtype.bits == 32 || t->dtype.bits == 64)
              ? fmt::format("; set \"{}\": \"int{}\" on the op to pass these", spec.dtype_attr, t->dtype.bits)
              : std::string());
   const ops::Shape got(t->shape, t->shape + t->ndim);

@@ -433,7 +433,7 @@ void forward_call(Sequence& s, const std::vector<jitfuse::ops::Op>& ops, const j
       spans.push_back(jitfuse::api::span_of(a.extra_inputs[op.extra_slot], name, false));
     }
     if (op.extra_input) {  // an op's own extra input (cross_entropy's labels): its own dtype and shape
-      const SpanName name{"labels: extra input", op.extra_slot, &op};
+      const SpanName name{op.extra_input->name == "labels" ? "labels: extra input" : "extra input", op.extra_slot, &op};
       fa.extra_in.push_back(
           jitfuse::api::check_own_extra_input(a.extra_inputs[op.extra_slot], name, *op.extra_input, a.input));
       spans.push_back(jitfuse::api::span_of(a.extra_inputs[op.extra_slot], name, false));
@@ -495,12 +495,15 @@ void backward_tensors(const Sequence& s, const std::vector<jitfuse::ops::Op>& op
       ba.grad_extra_in.push_back(tensor(a.grad_extra_inputs[slot], SpanName{"grad extra input", op.extra_slot, &op},
                                         s.recipe.dtype, op.in, true));
     }
-    if (op.extra_input) {  // labels: read again by the backward, no gradient (check_backward_args: NULL)
-      const SpanName name{"labels: extra input", op.extra_slot, &op};
+    if (op.extra_input) {  // read again by the backward: labels and indices have no gradient (NULL), probs have one
+      const SpanName name{op.extra_input->name == "labels" ? "labels: extra input" : "extra input", op.extra_slot, &op};
       ba.extra_in.push_back(
           jitfuse::api::check_own_extra_input(a.extra_inputs[slot], name, *op.extra_input, a.input));
       spans.push_back(jitfuse::api::span_of(a.extra_inputs[slot], name, false));
-      ba.grad_extra_in.push_back(nullptr);
+      ba.grad_extra_in.push_back(op.info->extra_input_grad
+                                     ? tensor(a.grad_extra_inputs[slot], SpanName{"grad extra input", op.extra_slot, &op},
+                                              op.extra_input->dtype, op.extra_input->shape, true)
+                                     : nullptr);
     }
     if (op.family == jitfuse::ops::Family::make_extra_output) {
       ba.extra_out.push_back(tensor(a.extra_outputs[slot], SpanName{"extra output", op.extra_slot, &op},

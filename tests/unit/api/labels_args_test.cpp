@@ -146,3 +146,56 @@ TEST_CASE(
   jf_sequence_destroy(s);
   jf_context_destroy(ctx);
 }
+
+TEST_CASE("C ABI: moe indices and probabilities are checked and the probabilities take a gradient", "[api][untrusted]") {
+  jf_context ctx = nullptr;
+  REQUIRE(jf_context_create(&ctx) == JF_OK);
+  jf_sequence s = nullptr;
+  REQUIRE(jf_sequence_create(ctx, R"({"ops": [{"op": "moe_permute", "num_experts": 4, "top_k": 2},
+      {"op": "moe_unpermute"}]})", "bf16", &s) == JF_OK);
+  Tensor in(2, kBf16), out(2, kBf16), idx(2, kI64), probs(2, {kDLFloat, 32, 1});
+  idx.shape[1] = probs.shape[1] = 2;
+  const DLTensor* extras[2] = {&idx.t, &probs.t};
+  jf_forward_args args{};
+  args.input = &in.t;
+  args.output = &out.t;
+  args.extra_inputs = extras;
+  args.n_extra_inputs = 1;
+  CHECK(jf_forward(s, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "sequence 'sequence' takes 2 extra input(s) (the routing indices and probabilities of moe_permute "
+                  "/ moe_unpermute), got 1");
+  args.n_extra_inputs = 2;
+  idx.t.dtype = kI32;
+  CHECK(jf_forward(s, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "tensor 'extra input 0 (op 0)': expected dtype int64 for the indices (the op's \"index_dtype\"), got "
+                  "int32; set \"index_dtype\": \"int32\" on the op to pass these");
+  idx.t.dtype = kI64;
+  probs.t.dtype = kBf16;
+  CHECK(jf_forward(s, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "tensor 'extra input 1 (op 1)': expected dtype fp32 for the probs, got bfloat16");
+  probs.t.dtype = {kDLFloat, 32, 1};
+  probs.shape[1] = 3;
+  CHECK(jf_forward(s, &args, nullptr, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::StartsWith("tensor 'extra input 1 (op 1)': expected shape 4x2"));
+  probs.shape[1] = 2;
+  // The backward: NULL for the indices' gradient, an fp32 [T, k] tensor for the probabilities'.
+  Tensor dy(2, kBf16), dx(2, kBf16), dprobs(2, {kDLFloat, 32, 1});
+  dprobs.shape[1] = 2;
+  DLTensor* grad_extras[2] = {nullptr, nullptr};
+  jf_backward_args ba{};
+  ba.input = &in.t;
+  ba.extra_inputs = extras;
+  ba.n_extra_inputs = 2;
+  ba.output = &out.t;
+  ba.grad_output = &dy.t;
+  ba.grad_input = &dx.t;
+  ba.grad_extra_inputs = grad_extras;
+  ba.n_grad_extra_inputs = 2;
+  CHECK(jf_backward(s, &ba, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK(last() == "tensor 'grad extra input 1' is NULL");
+  grad_extras[0] = &dprobs.t;
+  CHECK(jf_backward(s, &ba, nullptr) == JF_ERR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::StartsWith("grad extra input 0 must be NULL"));
+  jf_sequence_destroy(s);
+  jf_context_destroy(ctx);
+}
