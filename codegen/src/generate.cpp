@@ -40,6 +40,7 @@ KernelSpec by_position(const KernelSpec& spec, std::vector<int>& seq) {
   if (local.moe) {
     renumber(local.moe->op);
     renumber(local.moe->route_op);
+    if (local.moe->residual_op >= 0) renumber(local.moe->residual_op);
   }
   return local;
 }

@@ -119,7 +119,7 @@ void emit_combine(Writer& k, Args& args, const KernelSpec& spec, const MoeSpec& 
   route_arg(args, k, m, false);
   const bool unpermute = m.kernel == K::unpermute, residual = unpermute && m.residual;
   const std::string w = unpermute ? prob_of(args, m) : "1.f";
-  if (residual) args.ptr(Arg::Role::extra_in, m.op, "residual", "residual", "ST", false);
+  if (residual) args.ptr(Arg::Role::extra_in, m.residual_op >= 0 ? m.residual_op : m.op, "residual", "residual", "ST", false);
   k.line("for (jf_i64 t = blockIdx.x; t < rows; t += gridDim.x) {{");
   k.open();
   col_loop(k, h);

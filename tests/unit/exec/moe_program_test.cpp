@@ -113,3 +113,23 @@ TEST_CASE("moe sequences that cannot run are refused with the op and the fix", "
   CHECK_THROWS_WITH(program_of(block(), {300, 256}, true, "fp8_current"),
                     Catch::Contains("the token routing has no FP8 form yet"));
 }
+
+TEST_CASE("moe_unpermute_residual: the combine adds the residual channel in the same kernel", "[exec][moe]") {
+  auto p = program_of(R"({"ops": [{"op": "make_extra_output", "channel": "res"},
+      {"op": "moe_permute", "num_experts": 8, "top_k": 2}, {"op": "gelu"}, {"op": "moe_unpermute"},
+      {"op": "add_extra_input", "channel": "res"}]})", {300, 256});
+  REQUIRE(p->plan.forward.back().rule == "moe_unpermute_residual");
+  CHECK(p->plan.forward.back().begin == 3);
+  const auto& last = p->forward.back();
+  REQUIRE(last.kind == exec::Step::Kind::kernel);
+  CHECK(last.kernel->spec.moe->residual);
+  CHECK(last.kernel->spec.moe->residual_op == 4);
+  CHECK_THAT(last.kernel->gen.source, Catch::Contains("jf_load8<DT, JF_VEC>(residual + t * 256 + c0, s);"));
+  bool reads_channel = false;  // the residual argument is the fork's channel buffer
+  for (const auto& a : last.kernel->args)
+    if (a.kind == exec::KArg::Kind::buffer && a.buffer >= 0 && p->buffer(a.buffer).name.find("res") != std::string::npos)
+      reads_channel = true;
+  CHECK(reads_channel);
+  // The backward: the ops alone (the add's gradient into the channel, the unpermute's backward).
+  for (const auto& g : p->plan.backward) CHECK(g.rule != "moe_unpermute_residual");
+}

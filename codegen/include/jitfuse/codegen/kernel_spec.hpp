@@ -171,6 +171,7 @@ struct MoeSpec {
   bool idx_i64 = true;    // routing indices int64 (torch.topk's) or int32
   bool probs_f32 = true;  // probabilities fp32, else the storage dtype
   bool residual = false;  // unpermute: + the extra input "residual"
+  int residual_op = -1;   // the add_extra_input whose extra input (or channel) the residual is (-1: op)
 };
 // Ints of a routing buffer for T tokens, top-k of E experts (MoeSpec's layout).
 inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts) {

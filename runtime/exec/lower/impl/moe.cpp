@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "exec/lower/impl/registrar.hpp"
+
 namespace jitfuse::exec {
 namespace {
 
@@ -46,6 +48,36 @@ codegen::KernelSpec spec_of(const Builder& b, int i, K kernel) {
   s.moe = m;
   return s;
 }
+
+// Rule skeleton "moe" (fusion_rules/moe.json, moe_unpermute_residual): [moe_unpermute, add_extra_input] in the
+// forward as one kernel, the residual (the add's extra input or channel) added to the combined rows as they are
+// written. The backward runs unfused (the add's gradient passes through; the unpermute's as alone).
+class GeneratedMoe final : public Implementation {
+ public:
+  rules::Impl::Kind kind() const override { return rules::Impl::Kind::generated; }
+  std::string name() const override { return "moe"; }
+  std::string covers_text() const override { return "forward [moe_unpermute, add_extra_input]"; }
+  std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
+    if (pass != rules::Pass::forward) return "the moe skeleton fuses in the forward pass";
+    if (w.size() != 2 || w[0].name() != "moe_unpermute" || w[1].family() != ops::Family::add_extra_input)
+      return "the moe skeleton implements " + covers_text();
+    return std::nullopt;
+  }
+  void lower(Builder& b, const rules::Impl&) const override {
+    const auto& g = b.group();
+    const int un = g.begin, add = g.begin + 1;
+    codegen::KernelSpec s = spec_of(b, un, K::unpermute);
+    s.moe->residual = true;
+    s.moe->residual_op = add;
+    const std::string who = g.rule + ": " + b.ops()[static_cast<size_t>(un)].label();
+    b.kernel(s, b.kernel_meta(un, "forward"), b.act(un), b.act(g.end),
+             ops::rows_of(b.ops()[static_cast<size_t>(un)].out),
+             who + ": y[t] = sum_j probs[t, j] x[dest(t, j)] + the residual of " + b.ops()[static_cast<size_t>(add)].label());
+    b.boundary_saves(g.begin, g.end);
+  }
+};
+
+const Registrar kRegistered(std::make_unique<GeneratedMoe>());
 
 }  // namespace
 
