@@ -88,6 +88,18 @@ Vec moe_bwd(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op&
   return pad_rows(std::move(b.dy), ops::rows_of(op.in), cols);
 }
 
+// A norm's dx, and its dgamma (and dbeta) into g.
+Vec norm_bwd(const ops::Op& op, const SeqInputs& in, const Vec& x, const Vec& dy, SeqGrads& g) {
+  const int64_t rows = ops::rows_of(op.in), cols = ops::cols_of(op.in);
+  NormBwd b = op.kind == "layernorm" ? layernorm_bwd(x, param(in, op, "weight"), dy, rows, cols, op.num("eps"),
+                                                     op.flag("zero_centered_gamma"))
+                                     : rmsnorm_bwd(x, param(in, op, "weight"), dy, rows, cols, op.num("eps"),
+                                                   op.flag("zero_centered_gamma"));
+  g.grad_params[{op.index, "weight"}] = b.dgamma;
+  if (op.kind == "layernorm") g.grad_params[{op.index, "bias"}] = b.dbeta;
+  return b.dx;
+}
+
 }  // namespace
 
 SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in) {
@@ -199,17 +211,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
         }
         break;
       case Family::gated: dy = gated_bwd(op.kind, x, dy, rows, cols / 2); break;
-      case Family::norm: {
-        NormBwd b = op.kind == "layernorm"
-                        ? layernorm_bwd(x, param(in, op, "weight"), dy, rows, cols, op.num("eps"),
-                                        op.flag("zero_centered_gamma"))
-                        : rmsnorm_bwd(x, param(in, op, "weight"), dy, rows, cols, op.num("eps"),
-                                      op.flag("zero_centered_gamma"));
-        g.grad_params[{i, "weight"}] = b.dgamma;
-        if (op.kind == "layernorm") g.grad_params[{i, "bias"}] = b.dbeta;
-        dy = b.dx;
-        break;
-      }
+      case Family::norm: dy = norm_bwd(op, in, x, dy, g); break;
       case Family::dropout:
         if (dropout_active(op)) {
           auto mask = dropout_mask(op.attrs["seed"].get<uint64_t>() ^ in.rng_seed, in.rng_offset, static_cast<int64_t>(dy.size()),

@@ -14,6 +14,7 @@
 #include "common/error.hpp"
 #include "exec/run/kernels.hpp"
 #include "reference/reference.hpp"
+#include "support/check_close.hpp"
 #include "support/dev_buf.hpp"
 #include "support/gpu.hpp"
 
@@ -30,22 +31,6 @@ struct VpCase {
   const char* dtype;
   ref::CrossEntropyAttrs attrs;
 };
-
-void close(const std::string& what, const ref::Vec& got, const ref::Vec& want, double rtol) {
-  INFO(what);
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  size_t at = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double err = std::fabs(got[i] - want[i]) / (1e-6 + rtol * (std::fabs(want[i]) + 1.0));
-    if (!(err <= worst)) {
-      worst = err;
-      at = i;
-    }
-  }
-  INFO("worst at " << at << ": got " << got[at] << " want " << want[at]);
-  CHECK(worst <= 1.0);
-}
 
 void run_case(const VpCase& c, uint64_t seed) {
   INFO("W " << c.world << " rows " << c.rows << " V " << c.vocab << " " << c.dtype << " eps "
@@ -155,14 +140,14 @@ void run_case(const VpCase& c, uint64_t seed) {
     cuda::check(cuda::driver().cuCtxSynchronize(), "cuCtxSynchronize");
     const auto l = loss.get<float>(static_cast<size_t>(R)), fl = fused_loss.get<float>(static_cast<size_t>(R));
     const auto ls = lse.get<float>(static_cast<size_t>(R));
-    close("rows_fwd loss", ref::Vec(l.begin(), l.end()), fwd.loss, 1e-4);
-    close("fused loss", ref::Vec(fl.begin(), fl.end()), fwd.loss, 1e-4);
+    test::check_close("rows_fwd loss", ref::Vec(l.begin(), l.end()), fwd.loss, 1e-4);
+    test::check_close("fused loss", ref::Vec(fl.begin(), fl.end()), fwd.loss, 1e-4);
     ref::Vec lse_want = fwd.lse;
     for (int64_t i = 0; i < R; ++i)  // ignored rows: the kernel's lse is 0 as the reference's
       if (labels[static_cast<size_t>(i)] == c.attrs.ignore_index) lse_want[static_cast<size_t>(i)] = 0;
-    close("lse", ref::Vec(ls.begin(), ls.end()), lse_want, 1e-4);
-    close("rows_bwd dlogits", ref::decode(c.dtype, dx.get<uint8_t>(dx.bytes)), shard(dx_dy, r), rtol);
-    close("fused dlogits", ref::decode(c.dtype, fused_rows.get<uint8_t>(fused_rows.bytes)), shard(dx_g1, r), rtol);
+    test::check_close("lse", ref::Vec(ls.begin(), ls.end()), lse_want, 1e-4);
+    test::check_close("rows_bwd dlogits", ref::decode(c.dtype, dx.get<uint8_t>(dx.bytes)), shard(dx_dy, r), rtol);
+    test::check_close("fused dlogits", ref::decode(c.dtype, fused_rows.get<uint8_t>(fused_rows.bytes)), shard(dx_g1, r), rtol);
   }
 }
 

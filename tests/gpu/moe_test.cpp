@@ -16,6 +16,7 @@
 #include "harness/device_tensor.hpp"
 #include "reference/reference.hpp"
 #include "gpu/gpu_check.hpp"
+#include "support/check_close.hpp"
 #include "support/dev_buf.hpp"
 #include "support/gpu.hpp"
 #include "support/moe_cases.hpp"
@@ -65,22 +66,6 @@ ref::Vec uniform(std::mt19937_64& g, size_t n, double lo, double hi) {
 
 // Values a dtype holds (the kernels read storage): the reference starts from the same numbers.
 ref::Vec rounded(const char* dtype, const ref::Vec& v) { return ref::decode(dtype, ref::encode(dtype, v)); }
-
-void close(const char* what, const ref::Vec& got, const ref::Vec& want, double rtol) {
-  INFO(what);
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  size_t at = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double err = std::fabs(got[i] - want[i]) / (1e-6 + rtol * (std::fabs(want[i]) + 1.0));
-    if (!(err <= worst)) {
-      worst = err;
-      at = i;
-    }
-  }
-  INFO("worst at " << at << ": got " << got[at] << " want " << want[at]);
-  CHECK(worst <= 1.0);
-}
 
 void run_case(const Case& c, uint64_t seed) {
   INFO("T " << c.tokens << " E " << c.experts << " top-" << c.topk << " H " << c.hidden << " capacity " << c.capacity
@@ -169,20 +154,20 @@ void run_case(const Case& c, uint64_t seed) {
   // Unpermute and its backward against float64, at the storage dtype's rounding (one rounding of an fp32 sum).
   const double rtol = std::string(c.dtype) == "fp32" ? 1e-5 : 1.0 / 128;
   ref::Vec yk(yin.begin(), yin.begin() + rows * H);
-  close("unpermute", ref::decode(c.dtype, d_out.get<uint8_t>(static_cast<size_t>(T * H) * es)),
+  test::check_close("unpermute", ref::decode(c.dtype, d_out.get<uint8_t>(static_cast<size_t>(T * H) * es)),
       ref::moe_unpermute_fwd(yk, probs, want, H), rtol);
   const auto b = ref::moe_unpermute_bwd(dout, yk, probs, want, H);
   ref::Vec dy_want = b.dy;
   dy_want.resize(static_cast<size_t>(n * H), 0.0);
-  close("unpermute dy", ref::decode(c.dtype, d_dy.get<uint8_t>(static_cast<size_t>(n * H) * es)), dy_want, rtol);
+  test::check_close("unpermute dy", ref::decode(c.dtype, d_dy.get<uint8_t>(static_cast<size_t>(n * H) * es)), dy_want, rtol);
   const auto dp = d_dprobs.get<float>(static_cast<size_t>(n));
-  close("unpermute dprobs", ref::Vec(dp.begin(), dp.end()), b.dprobs, 1e-4);
+  test::check_close("unpermute dprobs", ref::Vec(dp.begin(), dp.end()), b.dprobs, 1e-4);
 
   // Permute backward of the dy just computed (its kept rows): dx[t] = sum_j dy[dest(t, j)].
   launch(K::permute_bwd, d_dy.p, d_dx.p);
   cuda::check(drv().cuCtxSynchronize(), "cuCtxSynchronize");
   const ref::Vec dy_dev = ref::decode(c.dtype, d_dy.get<uint8_t>(static_cast<size_t>(n * H) * es));
-  close("permute dx", ref::decode(c.dtype, d_dx.get<uint8_t>(static_cast<size_t>(T * H) * es)),
+  test::check_close("permute dx", ref::decode(c.dtype, d_dx.get<uint8_t>(static_cast<size_t>(T * H) * es)),
       ref::moe_permute_bwd(ref::Vec(dy_dev.begin(), dy_dev.begin() + rows * H), want, H), rtol);
 }
 

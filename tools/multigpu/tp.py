@@ -61,6 +61,26 @@ def shard_state(named, ops, kind, rank, world):
     return out
 
 
+def compare(pairs, label):
+    """Mismatches among (what, got, want): max |got - want| / max |want| < 1e-4, in float64; printed by rank 0 and by
+    any rank that mismatches."""
+    rank, bad = dist.get_rank(), 0
+    for what, got, want in pairs:
+        want = want.detach().double()
+        err = (got.detach().double() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        ok = err < 1e-4
+        bad += not ok
+        if not ok or rank == 0:
+            print(f"rank {rank} {label}: {what} max rel err {err:.2e} {'ok' if ok else 'MISMATCH'}", flush=True)
+    return bad
+
+
+def any_rank_failed(bad):
+    flag = torch.tensor([bad], device="cuda")
+    dist.all_reduce(flag)
+    return 1 if flag.item() else 0
+
+
 def check(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     jt.distributed.set_process_group(None, "tp")
@@ -84,16 +104,8 @@ def check(args):
             ref_grads = shard_state({n: p.grad for n, p in full.named_parameters()}, full._ops, kind, rank, world)
             pairs = [("output", yt, yf[rows]), ("grad_input", xt.grad, xf.grad[rows])]
             pairs += [(f"grad {n}", p.grad, ref_grads[n]) for n, p in tp.named_parameters()]
-            for what, got, ref in pairs:
-                err = (got.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
-                ok = err < 1e-4
-                bad += not ok
-                if not ok or rank == 0:
-                    print(f"rank {rank} {kind} TP={world}{'+SP' if sp else ''} {what}: max rel err {err:.2e} "
-                          f"{'ok' if ok else 'MISMATCH'}", flush=True)
-    flag = torch.tensor([bad], device="cuda")
-    dist.all_reduce(flag)
-    return 1 if flag.item() else 0
+            bad += compare(pairs, f"{kind} TP={world}{'+SP' if sp else ''}")
+    return any_rank_failed(bad)
 
 
 def head_reference(x, w, labels, ce):
@@ -144,16 +156,8 @@ def check_head(args):
             loss.backward(dy.float() if dy is not None else torch.ones_like(loss))
             pairs = [("loss", loss, ref), ("grad_input", xt.grad, xr.grad[rows]),
                      ("grad weight", model._ops[0].weight.grad, wr.grad[shard])]
-            for what, got, want in pairs:
-                err = (got.double() - want.detach()).abs().max().item() / max(want.abs().max().item(), 1e-6)
-                ok = err < 1e-4
-                bad += not ok
-                if not ok or rank == 0:
-                    print(f"rank {rank} head V={v} TP={world}{'+SP' if sp else ''} {ce}: {what} max rel err {err:.2e} "
-                          f"{'ok' if ok else 'MISMATCH'}", flush=True)
-    flag = torch.tensor([bad], device="cuda")
-    dist.all_reduce(flag)
-    return 1 if flag.item() else 0
+            bad += compare(pairs, f"head V={v} TP={world}{'+SP' if sp else ''} {ce}")
+    return any_rank_failed(bad)
 
 
 def bench(args):
