@@ -38,12 +38,26 @@ void check(const KernelSpec& spec) {
     throw std::invalid_argument("codegen: a moe row kernel needs the hidden size (cols) a positive multiple of 8 (got " +
                                 std::to_string(spec.cols) + ")");
   if (m.route_op < 0) throw std::invalid_argument("codegen: a moe kernel names the moe_permute op of its routing");
+  if (m.padded && m.capacity < 1) throw std::invalid_argument("codegen: the padded moe layout needs a capacity >= 1");
+}
+
+// The permuted tensor's rows: T k (packed, `rows` is T), or E x capacity (padded).
+std::string permuted_rows(const MoeSpec& m) {
+  return m.padded ? fmt::format("{}LL", m.experts * m.capacity) : fmt::format("rows * {}", m.topk);
+}
+
+// Whether permuted row p holds a kept slot: packed, the rows before starts[E]; padded, the first splits[e] rows of
+// expert e's capacity.
+std::string kept_row(const MoeSpec& m, const char* p) {
+  return m.padded ? fmt::format("({0} % {1}) < rt.splits[{0} / {1}]", p, m.capacity)
+                  : fmt::format("{} < rt.starts[{}]", p, m.experts);
 }
 
 // The route buffer and its views, declared first in every kernel.
 void route_arg(Args& args, Writer& k, const MoeSpec& m, bool writes) {
   args.ptr(Arg::Role::saved, m.route_op, Key::route, "route", "int", writes);
-  k.line("const JfMoeRoute rt = jf_moe_route(const_cast<int*>(route), rows, {}, {});", m.topk, m.experts);
+  k.line("const JfMoeRoute rt = jf_moe_route(const_cast<int*>(route), rows, {}, {}, {});", m.topk, m.experts,
+         permuted_rows(m));
 }
 
 std::string idx_arg(Args& args, const MoeSpec& m) {
@@ -66,7 +80,7 @@ void emit_routing(Writer& k, Args& args, const MoeSpec& m, Generated& g) {
   g.launch.grid_x = m.kernel == K::scan ? 1 : kChunkBlocks;
   if (m.kernel == K::scan) {
     route_arg(args, k, m, true);
-    k.line("jf_moe_scan(rt, {}, {}LL);", m.experts, m.capacity);
+    k.line("jf_moe_scan(rt, {}, {}LL, {});", m.experts, m.capacity, m.padded ? "true" : "false");
     return;
   }
   const std::string idx = idx_arg(args, m);
@@ -92,9 +106,9 @@ void emit_permute(Writer& k, Args& args, const KernelSpec& spec, const MoeSpec& 
   args.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
   args.ptr(Arg::Role::out, -1, "out", "out", "ST", true);
   route_arg(args, k, m, false);
-  k.line("for (jf_i64 p = blockIdx.x; p < rt.n; p += gridDim.x) {{");
+  k.line("for (jf_i64 p = blockIdx.x; p < {}; p += gridDim.x) {{", permuted_rows(m));
   k.open();
-  k.line("const bool kept = p < rt.starts[{}];", m.experts);
+  k.line("const bool kept = {};", kept_row(m, "p"));
   k.line("const jf_i64 t = kept ? rt.src[p] : 0;");
   col_loop(k, h);
   k.line("float v[8];");
@@ -172,8 +186,14 @@ void emit_unpermute_bwd(Writer& k, Args& args, const KernelSpec& spec, const Moe
   k.line("if (threadIdx.x == 0) dprobs[t * {} + j] = dot;", m.topk);
   close(k);
   close(k);
-  k.line("for (jf_i64 q = rt.starts[{}] + blockIdx.x; q < rt.n; q += gridDim.x) {{", m.experts);
-  k.open();
+  if (m.padded) {
+    k.line("for (jf_i64 q = blockIdx.x; q < {}; q += gridDim.x) {{", permuted_rows(m));
+    k.open();
+    k.line("if ({}) continue;", kept_row(m, "q"));
+  } else {
+    k.line("for (jf_i64 q = rt.starts[{}] + blockIdx.x; q < rt.n; q += gridDim.x) {{", m.experts);
+    k.open();
+  }
   col_loop(k, h);
   k.line("float z[8] = {{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};");
   k.line("jf_store8<DT, JF_VEC>(out + q * {} + c0, z);", h);

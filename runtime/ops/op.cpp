@@ -64,6 +64,7 @@ std::string family_name(Family f) {
     case Family::comm: return "comm";
     case Family::loss: return "loss";
     case Family::moe: return "moe";
+    case Family::grouped_linear: return "grouped_linear";
   }
   return "?";
 }

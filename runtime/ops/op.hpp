@@ -38,6 +38,7 @@ enum class Family {
   comm,               // a collective over the ranks of a tensor-parallel group (NCCL; docs/parallel.md)
   loss,               // rows of logits -> a loss (cross_entropy); the sequence's last op
   moe,                // token routing to experts and back (moe_permute, moe_unpermute)
+  grouped_linear,     // y_g = x_g W_g^T over G equal groups of rows (the experts' linears; cuBLASLt per group)
 };
 std::string family_name(Family f);
 
@@ -148,7 +149,7 @@ struct Op {
   // moe_unpermute: the moe_permute whose routing it reads, that op's input shape [T, H] and its top_k.
   int route_op = -1;
   Shape route_in;
-  int64_t route_topk = 0;
+  int64_t route_topk = 0, route_rows = 0;  // the permuted rows (its output's rows)
 
   std::string label() const;  // "op 3 (gelu)"
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }

@@ -398,6 +398,7 @@ static void pair_route(Op& op, const std::vector<Op>& before) {
     op.route_op = it->index;
     op.route_in = {rows_of(it->in), cols_of(it->in)};
     op.route_topk = it->attrs["top_k"].get<int64_t>();
+    op.route_rows = rows_of(it->out);
     return;
   }
   fail(Status::invalid_argument, "{}: no moe_permute before it: moe_unpermute combines the rows a moe_permute "
@@ -454,7 +455,7 @@ void apply_recipe(const SequenceDef& def, Recipe& recipe) {
   if (def.fp8_margin >= 0) recipe.margin = def.fp8_margin;
   const std::string rn = recipe_name(recipe.kind);
   for (const auto& op : def.ops) {
-    if (op.info->family == Family::moe)
+    if (op.info->family == Family::moe || op.info->family == Family::grouped_linear)
       fail(Status::unsupported,
            "sequence '{}': op {} ({}) under recipe {}: the token routing has no FP8 form yet; run the expert block "
            "in bf16", def.name, op.index, op.kind, rn);

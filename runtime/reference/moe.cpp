@@ -75,12 +75,34 @@ MoeRouting moe_route(std::span<const int64_t> idx, int64_t tokens, int64_t topk,
   return r;
 }
 
+MoeRouting moe_pad_routing(const MoeRouting& r, int64_t capacity) {
+  if (capacity < 1) detail::bad_arg("moe_pad_routing", "the padded layout needs a capacity >= 1");
+  MoeRouting p = r;
+  p.src.assign(static_cast<size_t>(r.experts * capacity), -1);
+  std::vector<int64_t> padded_row(r.src.size());  // packed row -> its padded row
+  int64_t start = 0;
+  for (int64_t e = 0; e < r.experts; ++e) {  // packed rows [start, start + splits[e]) -> [e C, e C + splits[e])
+    const int64_t n = r.splits[static_cast<size_t>(e)];
+    for (int64_t q = 0; q < n; ++q) {
+      padded_row[static_cast<size_t>(start + q)] = e * capacity + q;
+      p.src[static_cast<size_t>(e * capacity + q)] = r.src[static_cast<size_t>(start + q)];
+    }
+    start += n;
+  }
+  for (size_t i = 0; i < r.dest.size(); ++i)
+    if (r.dest[i] >= 0) p.dest[i] = padded_row[static_cast<size_t>(r.dest[i])];
+  return p;
+}
+
 Vec moe_permute_fwd(CSpan x, const MoeRouting& r, int64_t hidden) {
   const char* fn = "moe_permute_fwd";
   detail::expect_shape(fn, "x", x, r.tokens, hidden);
   Vec y(detail::elems(fn, r.rows(), hidden));
-  for (int64_t row = 0; row < r.rows(); ++row)
-    for (int64_t c = 0; c < hidden; ++c) y[static_cast<size_t>(row * hidden + c)] = x[static_cast<size_t>(r.src[static_cast<size_t>(row)] * hidden + c)];
+  for (int64_t row = 0; row < r.rows(); ++row) {
+    const int64_t t = r.src[static_cast<size_t>(row)];
+    if (t < 0) continue;  // a padded row: zero
+    for (int64_t c = 0; c < hidden; ++c) y[static_cast<size_t>(row * hidden + c)] = x[static_cast<size_t>(t * hidden + c)];
+  }
   return y;
 }
 

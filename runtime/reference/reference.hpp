@@ -103,6 +103,9 @@ struct MoeRouting {
 };
 MoeRouting moe_route(std::span<const int64_t> idx, int64_t tokens, int64_t topk, int64_t experts,
                      int64_t capacity = -1);
+// The capacity layout of a routing made with `capacity` >= 1: expert e's rows at [e C, e C + splits[e]) of E C rows
+// (src -1 for the rows between: zero in the permuted tensor).
+MoeRouting moe_pad_routing(const MoeRouting& r, int64_t capacity);
 Vec moe_permute_fwd(CSpan x, const MoeRouting& r, int64_t hidden);   // [rows, H]: y[dest(t, j)] = x[t]
 Vec moe_permute_bwd(CSpan dy, const MoeRouting& r, int64_t hidden);  // [T, H]: dx[t] = sum_j dy[dest(t, j)]
 // out[t] = sum_j probs[t, j] y[dest(t, j)]; probs [T, k].

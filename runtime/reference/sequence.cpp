@@ -57,8 +57,10 @@ MoeRouting routing_of(const std::vector<ops::Op>& ops, const SeqInputs& in, cons
   const Vec& raw = in.extra_in.at(static_cast<size_t>(perm.extra_slot));
   std::vector<int64_t> idx(raw.size());
   for (size_t i = 0; i < raw.size(); ++i) idx[i] = static_cast<int64_t>(raw[i]);
-  return moe_route(idx, ops::rows_of(perm.in), perm.attrs.at("top_k").get<int64_t>(),
-                   perm.attrs.at("num_experts").get<int64_t>(), perm.attrs.at("capacity").get<int64_t>());
+  const int64_t cap = perm.attrs.at("capacity").get<int64_t>();
+  MoeRouting r = moe_route(idx, ops::rows_of(perm.in), perm.attrs.at("top_k").get<int64_t>(),
+                           perm.attrs.at("num_experts").get<int64_t>(), cap);
+  return perm.str("layout") == "padded" ? moe_pad_routing(r, cap) : r;
 }
 
 // The first `rows` rows of a [.., cols] tensor, and a [rows, cols] tensor padded with zero rows to `total`.
@@ -86,6 +88,12 @@ Vec moe_bwd(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op&
                                         in.extra_in.at(static_cast<size_t>(op.extra_slot)), r, cols);
   g.grad_extra_in.at(static_cast<size_t>(op.extra_slot)) = std::move(b.dprobs);
   return pad_rows(std::move(b.dy), ops::rows_of(op.in), cols);
+}
+
+// A grouped_linear's groups: equal, rows / G each.
+std::vector<int64_t> equal_groups(const ops::Op& op) {
+  const int64_t g = op.attrs.at("num_groups").get<int64_t>();
+  return std::vector<int64_t>(static_cast<size_t>(g), ops::rows_of(op.in) / g);
 }
 
 // A norm's dx, and its dgamma (and dbeta) into g.
@@ -160,6 +168,9 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
       case Family::comm: one_rank(op); break;
       case Family::loss: v = cross_entropy_fwd(v, labels_of(in, op), rows, cols, ce_attrs(op)).loss; break;
       case Family::moe: v = moe_fwd(ops, in, op, v); break;
+      case Family::grouped_linear:
+        v = grouped_linear_fwd(v, param(in, op, "weight"), equal_groups(op), ops::cols_of(op.out), cols);
+        break;
       case Family::make_extra_output:
         if (!op.channel.empty()) channels[op.index] = v;
         if (op.extra_slot < 0) break;
@@ -230,6 +241,13 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
       case Family::comm: one_rank(op); break;
       case Family::loss: dy = cross_entropy_bwd(x, labels_of(in, op), dy, rows, cols, ce_attrs(op)); break;
       case Family::moe: dy = moe_bwd(ops, in, op, x, dy, g); break;
+      case Family::grouped_linear: {
+        const auto splits = equal_groups(op);
+        const int64_t n = ops::cols_of(op.out);
+        g.grad_params[{i, "weight"}] = grouped_linear_wgrad(dy, x, splits, n, cols);
+        dy = grouped_linear_dgrad(dy, param(in, op, "weight"), splits, n, cols);
+        break;
+      }
       case Family::make_extra_output: {
         if (op.extra_slot >= 0) {
           const Vec& de = grad_extra_out.at(op.extra_slot);

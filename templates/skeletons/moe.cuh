@@ -19,13 +19,14 @@ struct JfMoeRoute {
   jf_i64 n, chunks;
 };
 
-__device__ __forceinline__ JfMoeRoute jf_moe_route(int* r, jf_i64 tokens, int topk, int experts) {
+// src_rows: the permuted tensor's rows (T k packed; E x capacity padded), what src holds one int for.
+__device__ __forceinline__ JfMoeRoute jf_moe_route(int* r, jf_i64 tokens, int topk, int experts, jf_i64 src_rows) {
   JfMoeRoute rt;
   rt.n = tokens * topk;
   rt.chunks = (rt.n + JF_MOE_CHUNK - 1) / JF_MOE_CHUNK;
   rt.dest = r;
   rt.src = r + rt.n;
-  rt.splits = r + 2 * rt.n;
+  rt.splits = r + rt.n + src_rows;
   rt.starts = rt.splits + experts;
   rt.counts = rt.starts + experts + 1;
   rt.base = rt.counts + rt.chunks * experts;
@@ -54,7 +55,8 @@ __device__ void jf_moe_count_chunk(const IT* __restrict__ idx, JfMoeRoute rt, in
 
 // One block of 1024 threads: thread e walks the chunks for expert e (the rank base of each), caps the
 // expert's rows at the capacity, then the block scans the kept rows into starts.
-__device__ void jf_moe_scan(JfMoeRoute rt, int experts, jf_i64 capacity) {
+// padded: expert e's rows start at e x capacity (the capacity layout), not at the scan of the kept rows.
+__device__ void jf_moe_scan(JfMoeRoute rt, int experts, jf_i64 capacity, bool padded) {
   for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
     const int e = e0 + threadIdx.x;
     if (e < experts) {
@@ -71,10 +73,10 @@ __device__ void jf_moe_scan(JfMoeRoute rt, int experts, jf_i64 capacity) {
   if (threadIdx.x == 0) {
     int run = 0;
     for (int e = 0; e < experts; ++e) {
-      rt.starts[e] = run;
+      rt.starts[e] = padded ? (int)(e * capacity) : run;
       run += rt.splits[e];
     }
-    rt.starts[experts] = run;
+    rt.starts[experts] = padded ? (int)(experts * capacity) : run;
   }
 }
 

@@ -210,3 +210,25 @@ TEST_CASE("moe_permute and moe_unpermute in sequences match the float64 referenc
       {"op": "moe_permute", "num_experts": 128, "top_k": 8}, {"op": "gelu"}, {"op": "moe_unpermute"},
       {"op": "add_extra_input", "channel": "res"}])", "moe_residual"), "bf16", {257, 128});
 }
+
+// The whole expert block as one sequence (fork, norm, dispatch in the padded layout, grouped linears with a gated
+// op between, combine, residual): balanced capacity (1.5x the mean: nothing drops but the skewed expert's extra rows)
+// and a tight one (drops), fp32 and bf16, Mixtral-like top-2 of 8 and OLMoE-like top-8 of 64.
+TEST_CASE("the expert block with padded routing and grouped linears matches the float64 reference", "[moe]") {
+  using test::run_check;
+  using test::seq_json;
+  auto block = [](int e, int k, int cap, int h, int f) {
+    return seq_json(fmt::format(R"([{{"op": "make_extra_output", "channel": "res"}}, {{"op": "rmsnorm"}},
+        {{"op": "moe_permute", "num_experts": {0}, "top_k": {1}, "capacity": {2}, "layout": "padded"}},
+        {{"op": "grouped_linear", "num_groups": {0}, "in_features": {3}, "out_features": {4}}}, {{"op": "swiglu"}},
+        {{"op": "grouped_linear", "num_groups": {0}, "in_features": {5}, "out_features": {3}}},
+        {{"op": "moe_unpermute"}}, {{"op": "add_extra_input", "channel": "res"}}])", e, k, cap, h, 2 * f, f),
+                    "expert_block");
+  };
+  for (const char* recipe : {"fp32", "bf16"}) {
+    run_check(block(8, 2, 120, 256, 384), recipe, {400, 256});  // mean 100 rows per expert
+    run_check(block(8, 2, 60, 256, 384), recipe, {400, 256});   // drops
+  }
+  run_check(block(64, 8, 24, 128, 64), "bf16", {160, 128});  // mean 20
+  run_check(block(8, 2, 120, 256, 384), "bf16", {400, 256}, false);  // inference
+}

@@ -158,8 +158,8 @@ void upload_params(Tensors& t, SeqInputs& in, const std::vector<ops::Op>& ops, s
   for (auto& op : ops) {
     for (auto& p : op.params) {
       Vec v;
-      if (op.family == ops::Family::linear) {
-        double s = 1.0 / std::sqrt(static_cast<double>(p.shape[1]));
+      if (op.family == ops::Family::linear || op.family == ops::Family::grouped_linear) {
+        double s = 1.0 / std::sqrt(static_cast<double>(p.shape.back()));  // in_features
         v = random_vec(rng, ops::numel(p.shape), -s, s, rc);
       } else if (op.family == ops::Family::norm && p.name == "weight") {
         v = op.flag("zero_centered_gamma") ? random_vec(rng, ops::numel(p.shape), -0.5, 0.5, rc)

@@ -106,7 +106,7 @@ TEST_CASE("moe sequences that cannot run are refused with the op and the fix", "
                     Catch::Contains("top_k = 5 is more than num_experts = 4"));
   CHECK_THROWS_WITH(infer(block(), {300, 100}), Catch::Contains("pad it to a multiple of 8"));
   CHECK_THROWS_WITH(infer(block(R"("num_experts": 8, "top_k": 2)", R"({"op": "reshape", "shape": [300, 512]},)")),
-                    Catch::Contains("its input has 300 rows; the routing of op 0 (moe_permute) has 300 tokens x top_k 2"));
+                    Catch::Contains("its input has 300 rows; the routing of op 0 (moe_permute) has 300 tokens and permutes them to 600 rows"));
   CHECK_THROWS_WITH(ops::parse_sequence(block(R"("num_experts": 8, "top_k": 2, "index_dtype": "int16")"), "<moe>",
                                         builtins().registry()),
                     Catch::Contains("index_dtype"));
@@ -132,4 +132,55 @@ TEST_CASE("moe_unpermute_residual: the combine adds the residual channel in the 
   CHECK(reads_channel);
   // The backward: the ops alone (the add's gradient into the channel, the unpermute's backward).
   for (const auto& g : p->plan.backward) CHECK(g.rule != "moe_unpermute_residual");
+}
+
+TEST_CASE("the expert block: padded routing, grouped linears as one GEMM per expert and pass", "[exec][moe]") {
+  auto p = program_of(R"({"ops": [{"op": "make_extra_output", "channel": "res"}, {"op": "rmsnorm"},
+      {"op": "moe_permute", "num_experts": 8, "top_k": 2, "capacity": 96, "layout": "padded"},
+      {"op": "grouped_linear", "num_groups": 8, "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
+      {"op": "grouped_linear", "num_groups": 8, "in_features": 512, "out_features": 256},
+      {"op": "moe_unpermute"}, {"op": "add_extra_input", "channel": "res"}]})", {300, 256});
+  CHECK(p->ops[2].out == ops::Shape{768, 256});  // 8 experts x capacity 96
+  CHECK(p->ops[3].params.at(0).shape == ops::Shape{8, 1024, 256});
+  int fwd = 0, dgrad = 0, wgrad = 0;
+  for (const auto* pass : {&p->forward, &p->backward})
+    for (const auto& s : *pass) {
+      if (s.kind != exec::Step::Kind::gemm) continue;
+      const auto& c = s.gemm.call;
+      CHECK(c.m == 96);  // every GEMM: one expert's rows
+      fwd += c.kind == cuda::GemmKind::fwd;
+      dgrad += c.kind == cuda::GemmKind::dgrad;
+      wgrad += c.kind == cuda::GemmKind::wgrad;
+      if (c.kind == cuda::GemmKind::fwd && c.n == 1024) {  // the first grouped linear's group g
+        const int64_t g = s.gemm.a_offset / (96 * 256);
+        CHECK(s.gemm.a_offset == g * 96 * 256);
+        CHECK(s.gemm.b_offset == g * 1024 * 256);
+        CHECK(s.gemm.d_offset == g * 96 * 1024);
+      }
+      if (c.kind == cuda::GemmKind::wgrad) CHECK(s.gemm.d_offset == (s.gemm.a_offset / (96 * c.n)) * c.n * c.k);
+    }
+  CHECK(fwd == 16);
+  CHECK(dgrad == 16);
+  CHECK(wgrad == 16);
+  for (const auto& s : p->forward)
+    if (s.kind == exec::Step::Kind::kernel && s.kernel->spec.moe) CHECK(s.kernel->spec.moe->padded);
+  // The routing holds one src per padded row.
+  for (int id : p->saved_set())
+    if (p->buffer(id).name == "op2.route")
+      CHECK(p->buffer(id).bytes >= static_cast<size_t>(codegen::moe_route_ints(300, 2, 8, 768)) * 4);
+}
+
+TEST_CASE("grouped_linear and the padded layout refuse what cannot run", "[exec][moe]") {
+  auto infer = [](const std::string& text, ops::Shape shape = {300, 256}) {
+    auto def = ops::parse_sequence(text, "<moe>", builtins().registry());
+    return ops::infer(def, shape, {});
+  };
+  CHECK_THROWS_WITH(infer(R"({"ops": [{"op": "moe_permute", "num_experts": 8, "top_k": 2, "layout": "padded"},
+      {"op": "moe_unpermute"}]})"), Catch::Contains("\"layout\": \"padded\" gives each expert `capacity` rows"));
+  CHECK_THROWS_WITH(infer(R"({"ops": [{"op": "grouped_linear", "num_groups": 7, "in_features": 256,
+      "out_features": 64}]})"), Catch::Contains("its 300 rows are not 7 equal groups"));
+  CHECK_THROWS_WITH(infer(R"({"ops": [{"op": "grouped_linear", "num_groups": 3, "in_features": 128,
+      "out_features": 64}]})"), Catch::Contains("in_features = 128 but the input's last dim is 256"));
+  CHECK_THROWS_WITH(program_of(R"({"ops": [{"op": "grouped_linear", "num_groups": 3, "in_features": 256,
+      "out_features": 64}]})", {300, 256}, true, "fp8_delayed"), Catch::Contains("no FP8 form yet"));
 }

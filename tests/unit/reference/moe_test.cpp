@@ -2,6 +2,8 @@
 // finite-difference checks of every backward, and the whole expert block (permute -> grouped linear ->
 // scaled swiglu -> grouped linear -> unpermute) against a direct loop over each token's experts.
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
 #include <random>
 #include <stdexcept>
 
@@ -176,4 +178,56 @@ TEST_CASE("the sequence reference runs moe_permute and moe_unpermute with a capa
   for (int64_t c = 0; c < 8; ++c) dot += dy[static_cast<size_t>(c)] * 2 * in.input[static_cast<size_t>(c)];
   CHECK(gr.grad_extra_in[1][0] == Approx(dot));
   CHECK(gr.grad_input.size() == 32);
+}
+
+TEST_CASE("the padded layout puts expert e's rows at e x capacity and the block computes the same", "[reference][moe]") {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  const char* block = R"({"ops": [{"op": "moe_permute", "num_experts": 3, "top_k": 2, "capacity": 3, "layout": "%s"},
+      {"op": "grouped_linear", "num_groups": 3, "in_features": 8, "out_features": 16}, {"op": "silu"},
+      {"op": "grouped_linear", "num_groups": 3, "in_features": 16, "out_features": 8}, {"op": "moe_unpermute"}]})";
+  char text[1024];
+  std::snprintf(text, sizeof text, block, "padded");
+  auto def = ops::parse_sequence(text, "<moe>", rs.registry());
+  const auto ops = ops::infer(def, {4, 8}, {});
+  REQUIRE(ops[0].out == ops::Shape{9, 8});
+  ref::SeqInputs in;
+  std::mt19937_64 g(9);
+  std::uniform_real_distribution<double> u(-1, 1);
+  in.input.resize(32);
+  for (auto& x : in.input) x = u(g);
+  in.extra_in = {{0, 1, 0, 2, 0, 1, 2, 1}, {0.5, 0.25, 1, 0.75, 0.125, 0.5, 0.25, 1}};
+  ref::Vec w1(3 * 16 * 8), w2(3 * 8 * 16);
+  for (auto& x : w1) x = u(g);
+  for (auto& x : w2) x = u(g);
+  in.params[{1, "weight"}] = w1;
+  in.params[{3, "weight"}] = w2;
+  const auto f = ref::sequence_forward(ops, in);
+  // Expert 1's rows start at 3: tokens 0 and 2 (its first two rows), then a zero row.
+  for (int64_t c = 0; c < 8; ++c) {
+    CHECK(f.values[1][static_cast<size_t>(3 * 8 + c)] == in.input[static_cast<size_t>(c)]);
+    CHECK(f.values[1][static_cast<size_t>(4 * 8 + c)] == in.input[static_cast<size_t>(2 * 8 + c)]);
+  }
+  // Against the loop over each token's kept experts.
+  const auto r = ref::moe_route(std::vector<int64_t>{0, 1, 0, 2, 0, 1, 2, 1}, 4, 2, 3, 3);
+  for (int64_t t = 0; t < 4; ++t)
+    for (int64_t o = 0; o < 8; ++o) {
+      double want = 0;
+      for (int64_t j = 0; j < 2; ++j) {
+        if (r.dest[static_cast<size_t>(t * 2 + j)] < 0) continue;
+        const int64_t e = static_cast<int64_t>(in.extra_in[0][static_cast<size_t>(t * 2 + j)]);
+        double y = 0;
+        for (int64_t h = 0; h < 16; ++h) {
+          double a = 0;
+          for (int64_t k = 0; k < 8; ++k) a += in.input[static_cast<size_t>(t * 8 + k)] * w1[static_cast<size_t>((e * 16 + h) * 8 + k)];
+          y += a / (1 + std::exp(-a)) * w2[static_cast<size_t>((e * 8 + o) * 16 + h)];
+        }
+        want += in.extra_in[1][static_cast<size_t>(t * 2 + j)] * y;
+      }
+      CHECK(f.output[static_cast<size_t>(t * 8 + o)] == Approx(want).margin(1e-12));
+    }
+  ref::Vec dy(32);
+  for (auto& x : dy) x = u(g);
+  const auto gr = ref::sequence_backward(ops, in, f, dy, {});
+  CHECK(gr.grad_params.count({1, "weight"}) == 1);
+  CHECK(gr.grad_params.at({3, "weight"}).size() == w2.size());
 }

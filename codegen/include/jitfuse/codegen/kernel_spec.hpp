@@ -172,11 +172,15 @@ struct MoeSpec {
   bool probs_f32 = true;  // probabilities fp32, else the storage dtype
   bool residual = false;  // unpermute: + the extra input "residual"
   int residual_op = -1;   // the add_extra_input whose extra input (or channel) the residual is (-1: op)
+  // The capacity layout (needs capacity >= 1): expert e's rows are [e C, e C + splits[e]) of E C rows, zero rows
+  // after each expert's kept ones, so that every expert has C rows (the grouped linears' equal groups).
+  bool padded = false;
 };
-// Ints of a routing buffer for T tokens, top-k of E experts (MoeSpec's layout).
-inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts) {
+// Ints of a routing buffer for T tokens, top-k of E experts (MoeSpec's layout); src holds `src_rows` ints (the
+// permuted rows: T k packed, E x capacity padded; -1: T k).
+inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts, int64_t src_rows = -1) {
   const int64_t n = tokens * topk, chunks = (n + 1023) / 1024;
-  return 2 * n + 2 * experts + 1 + 2 * chunks * experts;
+  return n + (src_rows < 0 ? n : src_rows) + 2 * experts + 1 + 2 * chunks * experts;
 }
 
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the

@@ -45,6 +45,7 @@ codegen::KernelSpec spec_of(const Builder& b, int i, K kernel) {
   m.capacity = perm.attrs.at("capacity").get<int64_t>();
   m.idx_i64 = perm.str("index_dtype") == "int64";
   m.probs_f32 = true;
+  m.padded = perm.str("layout") == "padded";
   s.moe = m;
   return s;
 }
@@ -95,7 +96,7 @@ void lower_moe(Builder& b, int i) {
   }
   if (permute) {
     const int64_t k = op.attrs.at("top_k").get<int64_t>(), e = op.attrs.at("num_experts").get<int64_t>();
-    const int64_t ints = codegen::moe_route_ints(tokens, k, e);
+    const int64_t ints = codegen::moe_route_ints(tokens, k, e, ops::rows_of(op.out));
     const size_t bytes = static_cast<size_t>(ints) * 4;
     if (b.training()) {
       b.saved_new(i, Key::route, ops::DType::i32, 1, ints, bytes);

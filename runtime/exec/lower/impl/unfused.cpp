@@ -3,6 +3,7 @@
 #include "exec/lower/impl/comm.hpp"
 #include "exec/lower/impl/cross_entropy.hpp"
 #include "exec/lower/impl/generated_chain.hpp"
+#include "exec/lower/impl/grouped_linear.hpp"
 #include "exec/lower/impl/moe.hpp"
 #include "exec/lower/impl/registrar.hpp"
 
@@ -27,6 +28,7 @@ class Unfused final : public Implementation {
     if (b.ops()[g.begin].family == ops::Family::comm) return lower_comm(b, g.begin);
     if (b.ops()[g.begin].family == ops::Family::loss) return lower_cross_entropy(b, g.begin);
     if (b.ops()[g.begin].family == ops::Family::moe) return lower_moe(b, g.begin);
+    if (b.ops()[g.begin].family == ops::Family::grouped_linear) return lower_grouped_linear(b, g.begin);
     if (b.ops()[g.begin].family != ops::Family::linear) return lower_generated_group(b, chain_options(b));
     const int lin = g.begin;
     if (b.forward()) {
