@@ -52,3 +52,29 @@ TEST_CASE("every moe kernel compiles with NVRTC for sm_80 and sm_90a", "[nvrtc][
   }
   CHECK(n == 2 * 3 * 7 * 2 * 2 * 2);
 }
+
+TEST_CASE("the padded layout's moe kernels compile with NVRTC for sm_80 and sm_90a", "[nvrtc][moe]") {
+  test::KernelRig rig;
+  const K kernels[] = {K::count, K::scan, K::scatter, K::permute, K::permute_bwd, K::unpermute, K::unpermute_bwd};
+  size_t n = 0;
+  for (const char* arch : {"sm_80", "sm_90a"}) {
+    const exec::Target target = exec::target_for_arch(arch);
+    for (K kernel : kernels) {
+      auto spec = test::moe_spec(kernel, 128, 8, 2048, "bf16");
+      spec.moe->capacity = 640;  // Qwen3-MoE-like, 8192 tokens: capacity factor 1.25
+      spec.moe->padded = true;
+      const codegen::Generated g = codegen::generate(spec);
+      INFO(arch << " " << g.kernel);
+      if (kernel == K::permute || kernel == K::unpermute_bwd)
+        CHECK_THAT(g.source, Catch::Contains("(p % 640) < rt.splits[p / 640]") ||
+                                 Catch::Contains("(q % 640) < rt.splits[q / 640]"));
+      const auto req = rig.lib.request(g, spec, target, nlohmann::json::object(), true);
+      const cuda::CubinResources r = cuda::read_cubin_resources(rig.lib.compiler()(req).cubin);
+      INFO(r.error);
+      REQUIRE(r.error.empty());
+      for (const auto& kr : r.kernels) CHECK(kr.frame_bytes == 0);
+      ++n;
+    }
+  }
+  CHECK(n == 2 * 7);
+}
