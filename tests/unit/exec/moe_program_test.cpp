@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/error.hpp"
+#include "common/json_util.hpp"
 #include "exec/lower/compile.hpp"
 #include "fuser/explain.hpp"
 #include "rules/rule.hpp"
@@ -183,4 +184,17 @@ TEST_CASE("grouped_linear and the padded layout refuse what cannot run", "[exec]
       "out_features": 64}]})"), Catch::Contains("in_features = 128 but the input's last dim is 256"));
   CHECK_THROWS_WITH(program_of(R"({"ops": [{"op": "grouped_linear", "num_groups": 3, "in_features": 256,
       "out_features": 64}]})", {300, 256}, true, "fp8_delayed"), Catch::Contains("no FP8 form yet"));
+}
+
+TEST_CASE("tools/examples/moe_block.json: Mixtral's expert block at 8192 tokens plans as one sequence", "[exec][moe]") {
+  const auto text = json_util::read_file(std::string(JF_SOURCE_DIR) + "/tools/examples/moe_block.json");
+  auto p = program_of(text, {8192, 4096});
+  CHECK(p->ops[2].out == ops::Shape{8 * 2560, 4096});  // capacity 2560: 1.25 x 8192 x 2 / 8
+  REQUIRE(p->plan.forward.size() == 6);  // fork_norm, permute, 2 grouped linears, swiglu, unpermute + residual
+  CHECK(p->plan.forward.front().rule == "fork_norm");
+  CHECK(p->plan.forward.back().rule == "moe_unpermute_residual");
+  int gemms = 0;
+  for (const auto* pass : {&p->forward, &p->backward})
+    for (const auto& s : *pass) gemms += s.kind == exec::Step::Kind::gemm;
+  CHECK(gemms == 2 * 8 * 3);  // two grouped linears x 8 experts x (forward, dgrad, wgrad)
 }
