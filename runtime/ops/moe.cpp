@@ -11,110 +11,104 @@ namespace jitfuse::ops {
 
 namespace {
 constexpr double kMaxExperts = 4096, kMaxTopK = 64;  // the routing kernels' limits (codegen moe.cpp)
-}  // namespace
 
-namespace {
+// The routing kernels move rows in 16-byte chunks: the input's last dim must be a multiple of 8 elements.
+void rows_in_chunks_of_8(const Op& op) {
+  if (cols_of(op.in) % 8 != 0)
+    shape_error(op, fmt::format("the last dim is {}; the routing kernels move rows in chunks of 8 elements: pad it "
+                                "to a multiple of 8", cols_of(op.in)));
+}
 
 void register_permute(Registry& r) {
-  {
-    OpKind k;
-    k.name = "moe_permute";
-    k.family = Family::moe;
-    k.math = "y[dest(t, j)] = x[t] for the top_k experts j of each token t, rows grouped by expert (stable), rows past "
-             "the kept ones 0; dx[t] = sum_j dy[dest(t, j)]";
-    k.attrs = {
-        {AttrSpec::Type::integer, "num_experts", nullptr, {}, 1.0, kMaxExperts + 1, true},
-        {AttrSpec::Type::integer, "top_k", nullptr, {}, 1.0, kMaxTopK + 1, true},
-        // Rows kept per expert, first come (token order): -1 keeps every row (dropless).
-        {AttrSpec::Type::integer, "capacity", -1, {}, -1.0, {}},
-        {AttrSpec::Type::string, "index_dtype", "int64", {"int64", "int32"}, {}, {}},
-        // "packed": the kept rows one after another (T k rows, zero after them); "padded": expert e's at
-        // [e C, e C + kept) of E C rows (needs a capacity C), every expert C rows: what grouped_linear takes.
-        {AttrSpec::Type::string, "layout", "packed", {"packed", "padded"}, {}, {}},
-    };
-    k.takes_extra_input = true;
-    k.extra_input_name = "indices";
-    k.infer = [](Op& op) {
-      const int64_t e = op.attrs["num_experts"], topk = op.attrs["top_k"];
-      if (topk > e)
-        fail(Status::invalid_argument, "{}: top_k = {} is more than num_experts = {}: each token picks distinct experts",
-             op.label(), topk, e);
-      const int64_t t = rows_of(op.in), h = cols_of(op.in);
-      if (h % 8 != 0)
-        shape_error(op, fmt::format("the hidden size (last dim) is {}; the routing kernels move rows in chunks of 8 "
-                                    "elements: pad it to a multiple of 8", h));
-      int64_t n = 0;
-      if (__builtin_mul_overflow(t, topk, &n) || n > std::numeric_limits<int32_t>::max())
-        shape_error(op, fmt::format("{} tokens x top_k {} routed rows do not fit the int32 routing", t, topk));
-      if (op.str("layout") == "padded") {
-        const int64_t cap = op.attrs["capacity"];
-        if (cap < 1)
-          fail(Status::invalid_argument, "{}: \"layout\": \"padded\" gives each expert `capacity` rows: set "
-               "\"capacity\" >= 1 (e.g. 1.25 x tokens x top_k / num_experts, GShard's capacity factor)", op.label());
-        if (__builtin_mul_overflow(e, cap, &n) || n > std::numeric_limits<int32_t>::max())
-          shape_error(op, fmt::format("{} experts x capacity {} rows do not fit the int32 routing", e, cap));
-      }
-      op.out = {n, h};
-      op.saved.clear();  // the routing (an int32 buffer the lowering saves), not a value
-      op.extra_input = ExtraInputSpec{"indices", "index_dtype",
-                                      op.str("index_dtype") == "int32" ? DType::i32 : DType::i64, {t, topk}};
-    };
-    r.add(std::move(k));
-  }
+  OpKind k;
+  k.name = "moe_permute";
+  k.family = Family::moe;
+  k.math = "y[dest(t, j)] = x[t] for the top_k experts j of each token t, rows grouped by expert (stable), rows past "
+           "the kept ones 0; dx[t] = sum_j dy[dest(t, j)]";
+  k.attrs = {
+      {AttrSpec::Type::integer, "num_experts", nullptr, {}, 1.0, kMaxExperts + 1, true},
+      {AttrSpec::Type::integer, "top_k", nullptr, {}, 1.0, kMaxTopK + 1, true},
+      // Rows kept per expert, first come (token order): -1 keeps every row (dropless).
+      {AttrSpec::Type::integer, "capacity", -1, {}, -1.0, {}},
+      {AttrSpec::Type::string, "index_dtype", "int64", {"int64", "int32"}, {}, {}},
+      // "packed": the kept rows one after another (T k rows, zero after them); "padded": expert e's at
+      // [e C, e C + kept) of E C rows (needs a capacity C), every expert C rows: what grouped_linear takes.
+      {AttrSpec::Type::string, "layout", "packed", {"packed", "padded"}, {}, {}},
+  };
+  k.takes_extra_input = true;
+  k.extra_input_name = "indices";
+  k.infer = [](Op& op) {
+    const int64_t e = op.attrs["num_experts"], topk = op.attrs["top_k"];
+    if (topk > e)
+      fail(Status::invalid_argument, "{}: top_k = {} is more than num_experts = {}: each token picks distinct experts",
+           op.label(), topk, e);
+    const int64_t t = rows_of(op.in), h = cols_of(op.in);
+    rows_in_chunks_of_8(op);
+    int64_t n = 0;
+    if (__builtin_mul_overflow(t, topk, &n) || n > std::numeric_limits<int32_t>::max())
+      shape_error(op, fmt::format("{} tokens x top_k {} routed rows do not fit the int32 routing", t, topk));
+    if (op.str("layout") == "padded") {
+      const int64_t cap = op.attrs["capacity"];
+      if (cap < 1)
+        fail(Status::invalid_argument, "{}: \"layout\": \"padded\" gives each expert `capacity` rows: set "
+             "\"capacity\" >= 1 (e.g. 1.25 x tokens x top_k / num_experts, GShard's capacity factor)", op.label());
+      if (__builtin_mul_overflow(e, cap, &n) || n > std::numeric_limits<int32_t>::max())
+        shape_error(op, fmt::format("{} experts x capacity {} rows do not fit the int32 routing", e, cap));
+    }
+    op.out = {n, h};
+    op.saved.clear();  // the routing (an int32 buffer the lowering saves), not a value
+    op.extra_input = ExtraInputSpec{"indices", "index_dtype",
+                                    op.str("index_dtype") == "int32" ? DType::i32 : DType::i64, {t, topk}};
+  };
+  r.add(std::move(k));
 }
 
 void register_unpermute(Registry& r) {
-  {
-    OpKind k;
-    k.name = "moe_unpermute";
-    k.family = Family::moe;
-    k.math = "y[t] = sum_j probs[t, j] x[dest(t, j)] with the routing of the moe_permute before it; dx[dest(t, j)] = "
-             "probs[t, j] dy[t], dprobs[t, j] = <dy[t], x[dest(t, j)]>";
-    k.takes_extra_input = true;
-    k.extra_input_name = "probs";
-    k.extra_input_grad = true;
-    k.infer = [](Op& op) {
-      // op.route_in (the permute's input shape, [T, H]), route_topk and route_rows were set by ops::infer.
-      const int64_t t = rows_of(op.route_in), n = op.route_rows;
-      if (rows_of(op.in) != n)
-        shape_error(op, fmt::format("its input has {} rows; the routing of op {} (moe_permute) has {} tokens and "
-                                    "permutes them to {} rows", rows_of(op.in), op.route_op, t, n));
-      if (cols_of(op.in) % 8 != 0)
-        shape_error(op, fmt::format("the last dim is {}; the routing kernels move rows in chunks of 8 elements: pad it "
-                                    "to a multiple of 8", cols_of(op.in)));
-      op.out = {t, cols_of(op.in)};
-      op.saved = {SavedKind::input};  // x, for dprobs
-      op.extra_input = ExtraInputSpec{"probs", "", DType::f32, {t, op.route_topk}};
-    };
-    r.add(std::move(k));
-  }
+  OpKind k;
+  k.name = "moe_unpermute";
+  k.family = Family::moe;
+  k.math = "y[t] = sum_j probs[t, j] x[dest(t, j)] with the routing of the moe_permute before it; dx[dest(t, j)] = "
+           "probs[t, j] dy[t], dprobs[t, j] = <dy[t], x[dest(t, j)]>";
+  k.takes_extra_input = true;
+  k.extra_input_name = "probs";
+  k.extra_input_grad = true;
+  k.infer = [](Op& op) {
+    // op.route_in (the permute's input shape, [T, H]), route_topk and route_rows were set by ops::infer.
+    const int64_t t = rows_of(op.route_in), n = op.route_rows;
+    if (rows_of(op.in) != n)
+      shape_error(op, fmt::format("its input has {} rows; the routing of op {} (moe_permute) has {} tokens and "
+                                  "permutes them to {} rows", rows_of(op.in), op.route_op, t, n));
+    rows_in_chunks_of_8(op);
+    op.out = {t, cols_of(op.in)};
+    op.saved = {SavedKind::input};  // x, for dprobs
+    op.extra_input = ExtraInputSpec{"probs", "", DType::f32, {t, op.route_topk}};
+  };
+  r.add(std::move(k));
 }
 
 void register_grouped_linear(Registry& r) {
-  {
-    OpKind k;
-    k.name = "grouped_linear";
-    k.family = Family::grouped_linear;
-    k.math = "y_g = x_g W_g^T for G equal groups of rows (an expert's rows each: moe_permute's padded layout), W "
-             "[G, out, in]; dx_g = dy_g W_g; dW_g = dy_g^T x_g";
-    k.attrs = {
-        {AttrSpec::Type::integer, "num_groups", nullptr, {}, 1.0, kMaxExperts + 1, true},
-        {AttrSpec::Type::integer, "in_features", nullptr, {}, 1.0, {}},
-        {AttrSpec::Type::integer, "out_features", nullptr, {}, 1.0, {}},
-    };
-    k.infer = [](Op& op) {
-      const int64_t g = op.attrs["num_groups"], in_f = op.attrs["in_features"], out_f = op.attrs["out_features"];
-      if (cols_of(op.in) != in_f)
-        shape_error(op, fmt::format("in_features = {} but the input's last dim is {}", in_f, cols_of(op.in)));
-      if (rows_of(op.in) % g != 0)
-        shape_error(op, fmt::format("its {} rows are not {} equal groups: the rows are the experts' (a moe_permute "
-                                    "with \"layout\": \"padded\" gives num_experts x capacity)", rows_of(op.in), g));
-      op.out = {rows_of(op.in), out_f};
-      op.params = {{"weight", {g, out_f, in_f}}};
-      op.saved = {SavedKind::input};
-    };
-    r.add(std::move(k));
-  }
+  OpKind k;
+  k.name = "grouped_linear";
+  k.family = Family::grouped_linear;
+  k.math = "y_g = x_g W_g^T for G equal groups of rows (an expert's rows each: moe_permute's padded layout), W "
+           "[G, out, in]; dx_g = dy_g W_g; dW_g = dy_g^T x_g";
+  k.attrs = {
+      {AttrSpec::Type::integer, "num_groups", nullptr, {}, 1.0, kMaxExperts + 1, true},
+      {AttrSpec::Type::integer, "in_features", nullptr, {}, 1.0, {}},
+      {AttrSpec::Type::integer, "out_features", nullptr, {}, 1.0, {}},
+  };
+  k.infer = [](Op& op) {
+    const int64_t g = op.attrs["num_groups"], in_f = op.attrs["in_features"], out_f = op.attrs["out_features"];
+    if (cols_of(op.in) != in_f)
+      shape_error(op, fmt::format("in_features = {} but the input's last dim is {}", in_f, cols_of(op.in)));
+    if (rows_of(op.in) % g != 0)
+      shape_error(op, fmt::format("its {} rows are not {} equal groups: the rows are the experts' (a moe_permute "
+                                  "with \"layout\": \"padded\" gives num_experts x capacity)", rows_of(op.in), g));
+    op.out = {rows_of(op.in), out_f};
+    op.params = {{"weight", {g, out_f, in_f}}};
+    op.saved = {SavedKind::input};
+  };
+  r.add(std::move(k));
 }
 
 }  // namespace

@@ -13,43 +13,34 @@ void lower_grouped_linear(Builder& b, int i) {
   const int64_t k = ops::cols_of(op.in), n = ops::cols_of(op.out), c = ops::rows_of(op.in) / groups;
   const std::string who = b.rule_or_unfused() + ": " + op.label();
   const int w = b.param(i, Key::weight);
-  auto step = [&](cuda::GemmKind kind, int g) {
+  // One GEMM of group g: a, b and d at group g's rows (or weight) — offsets in elements, per matrix's row width.
+  struct Operand {
+    int buffer;
+    int64_t group_elems;  // elements one group of it spans
+  };
+  auto gemm = [&](cuda::GemmKind kind, int64_t g, Operand a, Operand bb, Operand d, const std::string& what) {
     GemmStep s = b.linear_gemm(i, kind);
     s.call.m = c;
     s.call.n = n;
     s.call.k = k;
-    s.b_offset = kind == cuda::GemmKind::wgrad ? g * c * k : g * n * k;  // W_g, or x_g for the wgrad
-    return s;
+    s.a = a.buffer;
+    s.a_offset = g * a.group_elems;
+    s.b = bb.buffer;
+    s.b_offset = g * bb.group_elems;
+    s.d = d.buffer;
+    s.d_offset = g * d.group_elems;
+    b.gemm(s, fmt::format("{}: group {} of {}, rows [{}, {}): {}", who, g, groups, g * c, (g + 1) * c, what));
   };
   if (b.forward()) {
-    for (int64_t g = 0; g < groups; ++g) {
-      GemmStep s = step(cuda::GemmKind::fwd, static_cast<int>(g));
-      s.a = b.act(i);
-      s.a_offset = g * c * k;
-      s.b = w;
-      s.d = b.act(i + 1);
-      s.d_offset = g * c * n;
-      b.gemm(s, fmt::format("{}: group {} of {}, rows [{}, {}): y_g = x_g W_g^T", who, g, groups, g * c, (g + 1) * c));
-    }
+    for (int64_t g = 0; g < groups; ++g)
+      gemm(cuda::GemmKind::fwd, g, {b.act(i), c * k}, {w, n * k}, {b.act(i + 1), c * n}, "y_g = x_g W_g^T");
     b.boundary_saves(i, i + 1);
     return;
   }
   const int x = b.saved_context(i, Key::input), dy = b.grad_of(i + 1), dx = b.grad_of(i), dw = b.grad(i, Key::weight);
   for (int64_t g = 0; g < groups; ++g) {
-    GemmStep d = step(cuda::GemmKind::dgrad, static_cast<int>(g));
-    d.a = dy;
-    d.a_offset = g * c * n;
-    d.b = w;
-    d.d = dx;
-    d.d_offset = g * c * k;
-    b.gemm(d, fmt::format("{}: group {}: dx_g = dy_g W_g", who, g));
-    GemmStep wg = step(cuda::GemmKind::wgrad, static_cast<int>(g));
-    wg.a = dy;
-    wg.a_offset = g * c * n;
-    wg.b = x;
-    wg.d = dw;
-    wg.d_offset = g * n * k;
-    b.gemm(wg, fmt::format("{}: group {}: dW_g = dy_g^T x_g", who, g));
+    gemm(cuda::GemmKind::dgrad, g, {dy, c * n}, {w, n * k}, {dx, c * k}, "dx_g = dy_g W_g");
+    gemm(cuda::GemmKind::wgrad, g, {dy, c * n}, {x, c * k}, {dw, n * k}, "dW_g = dy_g^T x_g");
   }
 }
 
