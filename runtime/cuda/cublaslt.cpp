@@ -410,6 +410,21 @@ void Blas::gemm(const GemmCall& g, CUstream stream, const GemmPlan* plan) {
   run(g, stream, true, false, plan, nullptr);
 }
 
+void Blas::gemm_rows(const GemmCall& g, CUstream stream) {
+  if (!g.workspace) fail(Status::internal, "cuBLASLt GEMM without a workspace");
+  if (g.fp8) return gemm(g, stream);
+  GemmCall bucket = g;
+  bucket.m = 16;
+  while (bucket.m < g.m) bucket.m *= 2;
+  const GemmPlan* plan = run(bucket, nullptr, false, false, nullptr, nullptr);
+  const Problem p = problem_of(g);
+  Descriptors ds(g, p);
+  if (cublasLtMatmul(impl_->handle, ds.op, &g.alpha, p.A, ds.la, p.B, ds.lb, &g.beta, p.C, ds.lc, g.d, ds.ld,
+                     &plan->algo, g.workspace, kGemmWorkspace, reinterpret_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS)
+    return;
+  run(g, stream, true, false, nullptr, nullptr);
+}
+
 const GemmPlan* Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune, const GemmPlan* hint,
                           std::shared_ptr<const GemmPlan>* found) {
   if (g.fp8) check_fp8(g, launch || tune);

@@ -127,6 +127,9 @@ class Blas {
   // `plan` (optional): what plan() returned for this step; used when the call's problem is that plan's
   // (a comparison of a small struct), else the cache is searched as without it.
   void gemm(const GemmCall& call, CUstream stream, const GemmPlan* plan = nullptr);
+  // A call whose m changes from call to call (a dropless grouped linear's groups): the algorithm chosen for m
+  // rounded up to a power of two (one heuristic per bucket, not per m); m's own where cuBLASLt refuses that one.
+  void gemm_rows(const GemmCall& call, CUstream stream);
   // Looks up (and caches) the algorithm for `call`; false if cuBLASLt has none for the problem. Without a
   // stream nothing runs and the pointers only say which operands exist and how they are aligned. With
   // one, they are scratch operands of the call's sizes and the workspace: the heuristic's top candidates

@@ -90,8 +90,8 @@ void register_grouped_linear(Registry& r) {
   OpKind k;
   k.name = "grouped_linear";
   k.family = Family::grouped_linear;
-  k.math = "y_g = x_g W_g^T for G equal groups of rows (an expert's rows each: moe_permute's padded layout), W "
-           "[G, out, in]; dx_g = dy_g W_g; dW_g = dy_g^T x_g";
+  k.math = "y_g = x_g W_g^T for G groups of rows (an expert's rows each: after a packed moe_permute its rows, after a "
+           "padded one or alone G equal groups), W [G, out, in]; dx_g = dy_g W_g; dW_g = dy_g^T x_g";
   k.attrs = {
       {AttrSpec::Type::integer, "num_groups", nullptr, {}, 1.0, kMaxExperts + 1, true},
       {AttrSpec::Type::integer, "in_features", nullptr, {}, 1.0, {}},
@@ -101,9 +101,19 @@ void register_grouped_linear(Registry& r) {
     const int64_t g = op.attrs["num_groups"], in_f = op.attrs["in_features"], out_f = op.attrs["out_features"];
     if (cols_of(op.in) != in_f)
       shape_error(op, fmt::format("in_features = {} but the input's last dim is {}", in_f, cols_of(op.in)));
-    if (rows_of(op.in) % g != 0)
+    if (op.route_op >= 0 && g != op.route_experts)
+      fail(Status::invalid_argument, "{}: num_groups = {} but op {} (moe_permute) routes to {} experts: one group per "
+           "expert", op.label(), g, op.route_op, op.route_experts);
+    if (op.route_op >= 0 && op.route_packed) {
+      // Dropless: group e is expert e's rows [starts[e], starts[e] + splits[e]) of the permuted rows.
+      if (rows_of(op.in) != op.route_rows)
+        shape_error(op, fmt::format("its {} rows are not the {} rows op {} (moe_permute) dispatched", rows_of(op.in),
+                                    op.route_rows, op.route_op));
+    } else if (rows_of(op.in) % g != 0) {
       shape_error(op, fmt::format("its {} rows are not {} equal groups: the rows are the experts' (a moe_permute "
-                                  "with \"layout\": \"padded\" gives num_experts x capacity)", rows_of(op.in), g));
+                                  "with \"layout\": \"padded\" gives num_experts x capacity, or \"packed\" "
+                                  "before it: each expert's own rows)", rows_of(op.in), g));
+    }
     op.out = {rows_of(op.in), out_f};
     op.params = {{"weight", {g, out_f, in_f}}};
     op.saved = {SavedKind::input};

@@ -150,6 +150,10 @@ struct Op {
   int route_op = -1;
   Shape route_in;
   int64_t route_topk = 0, route_rows = 0;  // the permuted rows (its output's rows)
+  // grouped_linear between a moe_permute and its unpermute: that permute's num_experts and layout (packed: the
+  // groups are its experts' rows, counted on the device; dropless, read on the host per call).
+  int64_t route_experts = 0;
+  bool route_packed = false;
 
   std::string label() const;  // "op 3 (gelu)"
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }

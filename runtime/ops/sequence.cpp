@@ -389,18 +389,24 @@ void wire_extras(const OpDef& d, Op& op, std::vector<Op>& before, int& extra_in,
 }  // namespace
 
 // A moe_unpermute reads the routing of the moe_permute before it: the latest one not yet combined.
-static void pair_route(Op& op, const std::vector<Op>& before) {
+// A grouped_linear between a moe_permute and its unpermute runs on that permute's expert rows (grouped: optional).
+static void pair_route(Op& op, const std::vector<Op>& before, bool grouped = false) {
   for (auto it = before.rbegin(); it != before.rend(); ++it) {
-    if (it->kind == "moe_unpermute")
+    if (it->kind == "moe_unpermute") {
+      if (grouped) return;
       fail(Status::invalid_argument, "{}: the moe_permute before it is combined by {} already: each moe_permute has "
            "one moe_unpermute, after it", op.label(), it->label());
+    }
     if (it->kind != "moe_permute") continue;
     op.route_op = it->index;
     op.route_in = {rows_of(it->in), cols_of(it->in)};
     op.route_topk = it->attrs["top_k"].get<int64_t>();
     op.route_rows = rows_of(it->out);
+    op.route_experts = it->attrs["num_experts"].get<int64_t>();
+    op.route_packed = it->str("layout") == "packed";
     return;
   }
+  if (grouped) return;
   fail(Status::invalid_argument, "{}: no moe_permute before it: moe_unpermute combines the rows a moe_permute "
        "dispatched (put the experts' ops between the two)", op.label());
 }
@@ -441,6 +447,7 @@ std::vector<Op> infer(const SequenceDef& def, const Shape& input, const Parallel
     }
     wire_extras(d, op, ops, extra_in, extra_out, channels);
     if (d.kind == "moe_unpermute") pair_route(op, ops);
+    if (d.kind == "grouped_linear") pair_route(op, ops, true);
     if (d.info->infer) d.info->infer(op);
     cur = op.out;
     ops.push_back(std::move(op));

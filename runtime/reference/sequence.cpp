@@ -96,6 +96,32 @@ std::vector<int64_t> equal_groups(const ops::Op& op) {
   return std::vector<int64_t>(static_cast<size_t>(g), ops::rows_of(op.in) / g);
 }
 
+// After a packed moe_permute a grouped_linear's groups are the experts' kept rows (the rows after them zero).
+bool routed_groups(const ops::Op& op) { return op.route_op >= 0 && op.route_packed; }
+
+Vec grouped_fwd(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op& op, const Vec& v) {
+  const int64_t n = ops::cols_of(op.out), k = ops::cols_of(op.in);
+  if (!routed_groups(op)) return grouped_linear_fwd(v, param(in, op, "weight"), equal_groups(op), n, k);
+  const MoeRouting r = routing_of(ops, in, op);
+  return pad_rows(grouped_linear_fwd(head_rows(v, r.rows(), k), param(in, op, "weight"), r.splits, n, k),
+                  ops::rows_of(op.out), n);
+}
+
+// dx, and dW into g.
+Vec grouped_bwd(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op& op, const Vec& x, const Vec& dy,
+                SeqGrads& g) {
+  const int64_t n = ops::cols_of(op.out), k = ops::cols_of(op.in);
+  if (!routed_groups(op)) {
+    const auto splits = equal_groups(op);
+    g.grad_params[{op.index, "weight"}] = grouped_linear_wgrad(dy, x, splits, n, k);
+    return grouped_linear_dgrad(dy, param(in, op, "weight"), splits, n, k);
+  }
+  const MoeRouting r = routing_of(ops, in, op);
+  const Vec dyh = head_rows(dy, r.rows(), n);
+  g.grad_params[{op.index, "weight"}] = grouped_linear_wgrad(dyh, head_rows(x, r.rows(), k), r.splits, n, k);
+  return pad_rows(grouped_linear_dgrad(dyh, param(in, op, "weight"), r.splits, n, k), ops::rows_of(op.in), k);
+}
+
 // A norm's dx, and its dgamma (and dbeta) into g.
 Vec norm_bwd(const ops::Op& op, const SeqInputs& in, const Vec& x, const Vec& dy, SeqGrads& g) {
   const int64_t rows = ops::rows_of(op.in), cols = ops::cols_of(op.in);
@@ -168,9 +194,7 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
       case Family::comm: one_rank(op); break;
       case Family::loss: v = cross_entropy_fwd(v, labels_of(in, op), rows, cols, ce_attrs(op)).loss; break;
       case Family::moe: v = moe_fwd(ops, in, op, v); break;
-      case Family::grouped_linear:
-        v = grouped_linear_fwd(v, param(in, op, "weight"), equal_groups(op), ops::cols_of(op.out), cols);
-        break;
+      case Family::grouped_linear: v = grouped_fwd(ops, in, op, v); break;
       case Family::make_extra_output:
         if (!op.channel.empty()) channels[op.index] = v;
         if (op.extra_slot < 0) break;
@@ -241,13 +265,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
       case Family::comm: one_rank(op); break;
       case Family::loss: dy = cross_entropy_bwd(x, labels_of(in, op), dy, rows, cols, ce_attrs(op)); break;
       case Family::moe: dy = moe_bwd(ops, in, op, x, dy, g); break;
-      case Family::grouped_linear: {
-        const auto splits = equal_groups(op);
-        const int64_t n = ops::cols_of(op.out);
-        g.grad_params[{i, "weight"}] = grouped_linear_wgrad(dy, x, splits, n, cols);
-        dy = grouped_linear_dgrad(dy, param(in, op, "weight"), splits, n, cols);
-        break;
-      }
+      case Family::grouped_linear: dy = grouped_bwd(ops, in, op, x, dy, g); break;
       case Family::make_extra_output: {
         if (op.extra_slot >= 0) {
           const Vec& de = grad_extra_out.at(op.extra_slot);

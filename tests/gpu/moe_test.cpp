@@ -232,3 +232,27 @@ TEST_CASE("the expert block with padded routing and grouped linears matches the 
   run_check(block(64, 8, 24, 128, 64), "bf16", {160, 128});  // mean 20
   run_check(block(8, 2, 120, 256, 384), "bf16", {400, 256}, false);  // inference
 }
+
+// The dropless block (a packed moe_permute: each expert's own rows, counted on the device and read on the host once
+// per pass): skewed routing with empty experts (the harness's), top-2 of 8 and top-8 of 64, a packed capacity that
+// drops rows (the rows past the kept ones zeroed by the last group), fp32 and bf16, misaligned tensors, inference.
+TEST_CASE("the dropless expert block with grouped linears over each expert's rows matches the float64 reference",
+          "[moe]") {
+  using test::run_check;
+  using test::seq_json;
+  auto block = [](int e, int k, const char* cap, int h, int f) {
+    return seq_json(fmt::format(R"([{{"op": "make_extra_output", "channel": "res"}}, {{"op": "rmsnorm"}},
+        {{"op": "moe_permute", "num_experts": {0}, "top_k": {1}{2}}},
+        {{"op": "grouped_linear", "num_groups": {0}, "in_features": {3}, "out_features": {4}}}, {{"op": "swiglu"}},
+        {{"op": "grouped_linear", "num_groups": {0}, "in_features": {5}, "out_features": {3}}},
+        {{"op": "moe_unpermute"}}, {{"op": "add_extra_input", "channel": "res"}}])", e, k, cap, h, 2 * f, f),
+                    "dropless_block");
+  };
+  for (const char* recipe : {"fp32", "bf16"}) {
+    run_check(block(8, 2, "", 256, 384), recipe, {397, 256});
+    run_check(block(8, 2, R"(, "capacity": 60)", 256, 384), recipe, {400, 256});  // drops: a tail of zero rows
+  }
+  run_check(block(64, 8, "", 128, 64), "bf16", {161, 128});
+  run_check(block(8, 2, "", 64, 96), "bf16", {45, 64}, true, /*misalign=*/true);
+  run_check(block(8, 2, "", 256, 384), "bf16", {397, 256}, false);  // inference: the routing in the arena
+}

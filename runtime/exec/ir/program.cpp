@@ -66,6 +66,7 @@ constexpr GemmOperandInfo kOperands[kGemmOperands] = {
     {GemmOperand::d_scale_inv, "d_scale_inv", &GemmStep::d_scale_inv, K::executor, [](C&, void*) {}},
     {GemmOperand::workspace, "workspace", &GemmStep::workspace, K::workspace, [](C& c, void* p) { c.workspace = p; }},
     {GemmOperand::ones, "ones", &GemmStep::ones, K::executor, [](C&, void*) {}},
+    {GemmOperand::route, "route", &GemmStep::route, K::executor, [](C&, void*) {}},
 };
 constexpr bool in_order() {
   for (int i = 0; i < kGemmOperands; ++i)

@@ -140,8 +140,8 @@ struct Fp8UpdateStep {
 // every consumer (the builder's lifetimes, the binder, prepare, the tuner, explain, the saved set) walks
 // them as data through this enum and one table (gemm_operand: name, field, kind, setter).
 enum class GemmOperand { a, b, c, d, bias, aux, a_scale_inv, b_scale_inv, d_scale, d_amax, d_history, d_scale_inv,
-                         workspace, ones };
-inline constexpr int kGemmOperands = 14;
+                         workspace, ones, route };
+inline constexpr int kGemmOperands = 15;
 
 struct GemmStep {
   cuda::GemmCall call;  // dims, kind, epilogue, alpha/beta, dtype; pointers are bound per call from:
@@ -159,6 +159,18 @@ struct GemmStep {
   int64_t a_offset = 0, d_offset = 0;
   // Elements into b: the row chunk of x a chunked wgrad reads (exec/lower/impl/joint_chunked_linear_cross_entropy.cpp).
   int64_t b_offset = 0;
+  // A group of a grouped_linear after a packed (dropless) moe_permute: `route` is that permute's routing (int32,
+  // codegen::MoeSpec's layout) and this GEMM runs over the rows [starts[g], starts[g] + splits[g]) of group
+  // `route_group`, read on the host when the pass reaches its first such step (one copy and one stream
+  // synchronisation per routing and pass; refused under CUDA-graph capture). call.m is then only the balanced
+  // share (explain, prepare's plan); a/b/d_row are the elements per row of a, b, d that move with the group's
+  // first row (0: a fixed offset, the weight's). fwd and dgrad zero their d's rows past starts[E] (of
+  // route_bound), an empty group's wgrad zeroes its dW_g.
+  int route = -1;
+  int64_t route_group = 0, route_experts = 0, route_splits = 0;  // the group, E, the int index of splits[0]
+  int64_t route_bound = 0;
+  int64_t a_row = 0, b_row = 0, d_row = 0;
+  bool routed() const { return route >= 0; }
   int64_t flops() const { return 2 * call.m * call.n * call.k; }
   int operand(GemmOperand o) const;  // its buffer id, -1: none
 };
@@ -168,7 +180,8 @@ enum class GemmOperandKind {
   fp8_input,    // one float cuBLASLt reads on every FP8 GEMM: a_scale_inv, b_scale_inv
   fp8_output,   // one float of an FP8 output cuBLASLt reads or writes: d_scale, d_amax
   workspace,    // cuBLASLt's workspace
-  executor,     // the executor's, not cuBLASLt's: d_history, d_scale_inv (the batched update), ones
+  executor,     // the executor's, not cuBLASLt's: d_history, d_scale_inv (the batched update), ones, route
+                // (a dropless grouped GEMM's routing)
 };
 // The one table of GEMM operands (kGemmOperands rows, in GemmOperand order): its name, its GemmStep field
 // and its kind; the setter points a GemmCall's pointer at it (no-op for the executor's).

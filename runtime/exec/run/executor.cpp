@@ -104,7 +104,66 @@ void bind_list(const std::vector<int>& ids, const std::vector<T>& given, std::ve
     if (ids[k] >= 0) ptr[static_cast<size_t>(ids[k])] = const_cast<void*>(static_cast<const void*>(given[k]));
 }
 
-void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std::vector<void*>& ptr, CUstream stream) {
+// A dropless grouped linear's rows (GemmStep::route): each routing's splits [E] and starts [E + 1], read on the host
+// by the pass's first step that needs them (after the permute's kernels wrote them, in stream order): one copy
+// and one synchronisation per routing and pass. Refused while the stream captures a CUDA graph.
+class HostRoutes {
+ public:
+  const int32_t* get(const GemmStep& g, const std::vector<void*>& ptr, CUstream stream) {
+    for (const auto& r : read_)
+      if (r.first == g.route) return r.second.data();
+    const auto& d = cuda::driver();
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    const CUresult cap = d.cuStreamIsCapturing(stream, &st);
+    if (cap == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || (cap == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
+      fail(Status::unsupported, "a grouped_linear after a moe_permute with \"layout\": \"packed\" (dropless) reads "
+           "how many rows each expert got on the host, which a CUDA graph capture cannot do: capture the expert "
+           "block with \"layout\": \"padded\" and a \"capacity\" (fixed shapes, routing on the device)");
+    const int64_t e = g.route_experts;
+    std::vector<int32_t> v(static_cast<size_t>(2 * e + 1));
+    const auto src = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(g.route)]) + static_cast<CUdeviceptr>(g.route_splits) * 4u;
+    cuda::check(d.cuMemcpyDtoHAsync(v.data(), src, v.size() * 4u, stream), "cuMemcpyDtoHAsync(expert rows)");
+    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(expert rows)");
+    for (int64_t x = 0; x < e; ++x)  // the routing kernels' invariant; a violation would be an out-of-bounds GEMM
+      if (v[x] < 0 || v[e + x] < 0 || v[e + x + 1] != v[e + x] + v[x] || v[2 * e] > g.route_bound)
+        fail(Status::internal, "the routing of a grouped_linear is inconsistent at expert {}: {} rows from row {}, "
+             "{} rows in all (bound {})", x, v[x], v[e + x], v[2 * e], g.route_bound);
+    read_.emplace_back(g.route, std::move(v));
+    return read_.back().second.data();
+  }
+
+ private:
+  std::vector<std::pair<int, std::vector<int32_t>>> read_;
+};
+
+// A dropless grouped linear's GEMM for its group's rows this call (GemmStep::route); `c` has its fixed offsets.
+// An empty group writes nothing but its dW_g (zero, unless accumulating); the last group's fwd and dgrad zero
+// the rows past every expert's.
+void run_routed_gemm(Runtime& rt, const GemmStep& g, cuda::GemmCall c, const int32_t* route, void* d_base,
+                     CUstream stream) {
+  const int64_t e = g.route_experts, rows = route[g.route_group], first = route[e + g.route_group];
+  const int64_t used = route[2 * e];
+  const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
+  auto at_rows = [&](auto* p, int64_t row) { return p + static_cast<size_t>(first * row) * esz; };
+  c.a = at_rows(static_cast<const char*>(c.a), g.a_row);
+  c.b = at_rows(static_cast<const char*>(c.b), g.b_row);
+  c.d = at_rows(static_cast<char*>(c.d), g.d_row);
+  const auto& d = cuda::driver();
+  if (rows > 0) {
+    c.m = rows;
+    rt.blas->gemm_rows(c, stream);
+  } else if (c.kind == cuda::GemmKind::wgrad && c.beta == 0.f) {
+    cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c.d), 0, static_cast<size_t>(c.n * c.k) * esz, stream),
+                "cuMemsetD8Async(empty group's dW)");
+  }
+  if (c.kind != cuda::GemmKind::wgrad && g.route_group == e - 1 && used < g.route_bound)
+    cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(static_cast<char*>(d_base) + static_cast<size_t>(used * g.d_row) * esz),
+                                  0, static_cast<size_t>((g.route_bound - used) * g.d_row) * esz, stream),
+                "cuMemsetD8Async(rows past the experts')");
+}
+
+void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std::vector<void*>& ptr, CUstream stream,
+              HostRoutes& routes) {
   auto at = [&](int id) -> void* { return id >= 0 ? ptr[static_cast<size_t>(id)] : nullptr; };
   cuda::GemmCall c = g.call;
   for (int i = 0; i < kGemmOperands; ++i) {
@@ -118,6 +177,7 @@ void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std:
   }
   if (g.b_offset)
     c.b = static_cast<const char*>(c.b) + static_cast<size_t>(g.b_offset) * static_cast<size_t>(ops::dtype_bytes(c.dtype));
+  if (g.routed()) return run_routed_gemm(rt, g, c, routes.get(g, ptr, stream), at(g.d), stream);
   if (!st.use_fallback) return rt.blas->gemm(c, stream, st.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);
@@ -261,6 +321,7 @@ class Launched {
     std::fill(at_, at_ + n, nullptr);
   }
   const Variant*& operator[](size_t i) { return at_[i]; }
+  HostRoutes routes;  // the expert rows the pass's dropless grouped GEMMs read
 
  private:
   static constexpr size_t kInline = 256;
@@ -334,7 +395,7 @@ void run_step(const Prepared& pp, Runtime& rt, const Step& s, const PreparedStep
   if (s.weight_cast && filter.skip_weight_casts) return;  // the persistent FP8 copy of an unchanged weight is valid
   switch (s.kind) {
     case Step::Kind::gemm:
-      run_gemm(rt, s.gemm, st, ptr, on);
+      run_gemm(rt, s.gemm, st, ptr, on, launched.routes);
       launched[i] = &kGemmRan;
       return;
     case Step::Kind::comm: return run_comm(pp, s.comm, ptr, on);

@@ -1,6 +1,6 @@
 # Training-step timings of jitfuse.torch against PyTorch eager and torch.compile (MLP block and the
 # transformer-layer skeleton), and the host overhead per custom-op call at small M. GPU only.
-"""python -m jitfuse.bench [--iters N] [--case default|paths|stack|export|lm_head|hf]
+"""python -m jitfuse.bench [--iters N] [--case default|paths|stack|export|lm_head|hf|moe]
 
 Cases (bf16): the MLP block of tools/examples/mlp.json at 8192x4096 -> 16384 -> 4096 and the transformer
 layer of tools/examples/transformer_layer.json at 8192x1024, one training step (forward + backward, no
@@ -166,11 +166,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-steps", action="store_true", help="only the host-overhead table")
-    ap.add_argument("--case", choices=("default", "paths", "stack", "export", "lm_head", "hf"), default="default",
+    ap.add_argument("--case", choices=("default", "paths", "stack", "export", "lm_head", "hf", "moe"), default="default",
                     help="paths: host time per call, C++ extension vs pure-Python vs PyTorch (one process); "
                          "stack: 4-layer Llama/GPT-2 block stacks, training step wall and GPU time; "
                          "lm_head: linear + cross-entropy fwd+bwd, time and peak memory vs eager and compile; "
-                         "hf: Hugging Face models, unmodified vs jitfuse.torch.hf.apply, training step")
+                         "hf: Hugging Face models, unmodified vs jitfuse.torch.hf.apply, training step; "
+                         "moe: the expert block fwd+bwd vs an eager loop, torch._grouped_mm (eager, compiled), bare GEMMs")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"jitfuse.torch C++ extension: {'loaded' if jt.extension_active() else 'not loaded'}")
@@ -182,6 +183,12 @@ def main() -> None:
         from .bench_hf import bench_compile
         print("\nthe same under torch.compile: backend=\"jitfuse\" against backend=\"inductor\":\n")
         print(table(bench_compile()))
+        return
+    if a.case == "moe":
+        from .bench_moe import bench_moe
+        print("\nMoE expert block (dispatch, gate/up, SwiGLU, down, combine), forward + backward from given top-k "
+              "routing, 8192 tokens, bf16, median ms of interleaved rounds:\n")
+        print(table(bench_moe()))
         return
     if a.case == "lm_head":
         from .bench_lm_head import bench_lm_head

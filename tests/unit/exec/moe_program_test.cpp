@@ -3,6 +3,8 @@
 // training and in the forward's arena in inference; the extra inputs' dtypes and shapes (int indices without a
 // gradient, fp32 probabilities with one); explain's wiring; and every error of the pairing, the shapes and the
 // recipe, each naming the op.
+#include <algorithm>
+
 #include <catch2/catch.hpp>
 
 #include "common/error.hpp"
@@ -197,4 +199,78 @@ TEST_CASE("tools/examples/moe_block.json: Mixtral's expert block at 8192 tokens 
   for (const auto* pass : {&p->forward, &p->backward})
     for (const auto& s : *pass) gemms += s.kind == exec::Step::Kind::gemm;
   CHECK(gemms == 2 * 8 * 3);  // two grouped linears x 8 experts x (forward, dgrad, wgrad)
+}
+
+TEST_CASE("the dropless expert block: grouped linears after a packed permute read each expert's rows per call",
+          "[exec][moe]") {
+  const std::string text = R"({"ops": [{"op": "moe_permute", "num_experts": 4, "top_k": 2},
+      {"op": "grouped_linear", "num_groups": 4, "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
+      {"op": "grouped_linear", "num_groups": 4, "in_features": 512, "out_features": 256},
+      {"op": "moe_unpermute"}]})";
+  for (const bool training : {true, false}) {
+    auto p = program_of(text, {301, 256}, training);  // 602 routed rows: no multiple of the 4 groups needed
+    CHECK(p->ops[1].out == ops::Shape{602, 1024});
+    CHECK(p->ops[1].route_op == 0);
+    CHECK(p->ops[1].route_packed);
+    int route = -1, routed = 0;
+    for (const auto* pass : {&p->forward, &p->backward})
+      for (const auto& s : *pass) {
+        if (s.kind != exec::Step::Kind::gemm) continue;
+        const auto& g = s.gemm;
+        REQUIRE(g.routed());
+        ++routed;
+        if (route < 0) route = g.route;
+        CHECK(g.route == route);  // the permute's routing, in both passes
+        CHECK(g.route_experts == 4);
+        CHECK(g.route_splits == 2 * 602);  // after dest [T k] and src [T k]
+        CHECK(g.route_bound == 602);
+        CHECK(g.call.m == 151);  // the balanced share: explain's FLOPs and prepare's plan
+        const int64_t wk = g.call.n * g.call.k, grp = g.route_group;
+        switch (g.call.kind) {  // rows move with the group's first row; the weight sits at group g's block
+          case cuda::GemmKind::fwd:
+          case cuda::GemmKind::dgrad:
+            CHECK(g.a_row == (g.call.kind == cuda::GemmKind::fwd ? g.call.k : g.call.n));
+            CHECK(g.b_row == 0);
+            CHECK(g.b_offset == grp * wk);
+            CHECK(g.d_row == (g.call.kind == cuda::GemmKind::fwd ? g.call.n : g.call.k));
+            CHECK(g.a_offset == 0);
+            CHECK(g.d_offset == 0);
+            break;
+          case cuda::GemmKind::wgrad:
+            CHECK(g.a_row == g.call.n);
+            CHECK(g.b_row == g.call.k);
+            CHECK(g.d_row == 0);
+            CHECK(g.d_offset == grp * wk);
+            break;
+        }
+        CHECK_THAT(s.what, Catch::Contains("expert " + std::to_string(grp) + "'s rows of op 0's routing"));
+      }
+    CHECK(routed == (training ? 2 * 4 * 3 : 2 * 4));
+    REQUIRE(route >= 0);
+    CHECK(p->buffer(route).name == (training ? "op0.route" : "routing op0"));
+    if (training) {  // the backward's GEMMs read the saved routing
+      const auto saved = p->saved_set();
+      CHECK(std::find(saved.begin(), saved.end(), route) != saved.end());
+    }
+  }
+}
+
+TEST_CASE("a grouped_linear inside an expert block has one group per expert", "[exec][moe]") {
+  auto infer = [](const std::string& permute, int64_t groups) {
+    auto def = ops::parse_sequence(R"({"ops": [{"op": "moe_permute", )" + permute +
+                                       R"(}, {"op": "grouped_linear", "num_groups": )" + std::to_string(groups) +
+                                       R"(, "in_features": 256, "out_features": 64}, {"op": "moe_unpermute"}]})",
+                                   "<moe>", builtins().registry());
+    return ops::infer(def, {300, 256}, {});
+  };
+  CHECK_THROWS_WITH(infer(R"("num_experts": 8, "top_k": 2)", 4),
+                    Catch::Contains("num_groups = 4 but op 0 (moe_permute) routes to 8 experts"));
+  CHECK_THROWS_WITH(infer(R"("num_experts": 8, "top_k": 2, "capacity": 90, "layout": "padded")", 6),
+                    Catch::Contains("one group per expert"));
+  CHECK_NOTHROW(infer(R"("num_experts": 8, "top_k": 2)", 8));
+  // After the unpermute a grouped_linear is on its own again: equal groups.
+  auto def = ops::parse_sequence(R"({"ops": [{"op": "moe_permute", "num_experts": 8, "top_k": 2},
+      {"op": "moe_unpermute"}, {"op": "grouped_linear", "num_groups": 3, "in_features": 256, "out_features": 64}]})",
+                                 "<moe>", builtins().registry());
+  CHECK(ops::infer(def, {300, 256}, {})[2].route_op == -1);
 }

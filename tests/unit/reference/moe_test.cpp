@@ -231,3 +231,45 @@ TEST_CASE("the padded layout puts expert e's rows at e x capacity and the block 
   CHECK(gr.grad_params.count({1, "weight"}) == 1);
   CHECK(gr.grad_params.at({3, "weight"}).size() == w2.size());
 }
+
+TEST_CASE("the dropless block (packed: each expert's own rows) equals the padded one with room for every row",
+          "[reference][moe]") {
+  static const rules::RuleSet rs = rules::RuleSet::with_builtins();
+  auto run = [&](const char* permute) {
+    char text[1024];
+    std::snprintf(text, sizeof text, R"({"ops": [{"op": "moe_permute", "num_experts": 3, "top_k": 2%s},
+        {"op": "grouped_linear", "num_groups": 3, "in_features": 8, "out_features": 16}, {"op": "silu"},
+        {"op": "grouped_linear", "num_groups": 3, "in_features": 16, "out_features": 8}, {"op": "moe_unpermute"}]})",
+                  permute);
+    auto def = ops::parse_sequence(text, "<moe>", rs.registry());
+    const auto ops = ops::infer(def, {5, 8}, {});
+    ref::SeqInputs in;
+    std::mt19937_64 g(11);
+    std::uniform_real_distribution<double> u(-1, 1);
+    in.input.resize(40);
+    for (auto& x : in.input) x = u(g);
+    in.extra_in = {{0, 1, 0, 2, 0, 1, 1, 0, 1, 0}, {0.5, 0.25, 1, 0.75, 0.125, 0.5, 0.25, 1, 0.3, 0.6}};  // expert 2 once
+    ref::Vec w1(3 * 16 * 8), w2(3 * 8 * 16);
+    for (auto& x : w1) x = u(g);
+    for (auto& x : w2) x = u(g);
+    in.params[{1, "weight"}] = w1;
+    in.params[{3, "weight"}] = w2;
+    const auto f = ref::sequence_forward(ops, in);
+    ref::Vec dy(40);
+    for (auto& x : dy) x = u(g);
+    return std::make_pair(f, ref::sequence_backward(ops, in, f, dy, {}));
+  };
+  const auto [fd, gd] = run("");
+  const auto [fp, gp] = run(R"(, "capacity": 5, "layout": "padded")");
+  REQUIRE(fd.values[1].size() == 10 * 8);  // T k rows
+  REQUIRE(fd.output.size() == fp.output.size());
+  for (size_t i = 0; i < fd.output.size(); ++i) CHECK(fd.output[i] == Approx(fp.output[i]).margin(1e-12));
+  for (size_t i = 0; i < gd.grad_input.size(); ++i) CHECK(gd.grad_input[i] == Approx(gp.grad_input[i]).margin(1e-12));
+  for (size_t i = 0; i < 10; ++i) CHECK(gd.grad_extra_in[1][i] == Approx(gp.grad_extra_in[1][i]).margin(1e-12));
+  for (int op : {1, 3}) {
+    const auto& a = gd.grad_params.at({op, "weight"});
+    const auto& b = gp.grad_params.at({op, "weight"});
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == Approx(b[i]).margin(1e-12));
+  }
+}

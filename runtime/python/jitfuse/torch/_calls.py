@@ -269,6 +269,8 @@ class ForwardArgs:
         self.shapes = ([x.shape] + [e.shape for e in extras] + [None] * (1 + neo)
                        + [torch.Size(s) for s in prog.definition.param_shapes])
         self.dtype = x.dtype
+        # Each tensor's dtype per call: the input's, but the typed extra inputs' own (labels, indices, probs).
+        self.dtypes = [x.dtype] + [e.dtype for e in extras] + [None] * (1 + neo) + [x.dtype] * npar
         self._keep += [arr, _ptrs(arr, 1, ne), _ptrs(arr, 2 + ne, neo), _param_array(prog.names, arr, 2 + ne + neo)]
         a = self.args = _abi.jf_forward_args()
         a.input = ctypes.pointer(arr[0])
@@ -292,9 +294,8 @@ class ForwardArgs:
         layout, or a non-contiguous one, differs). True when all are; False when one is not: then the caller
         hands the library the tensors as they are (:meth:`call_as_they_are`), whose checks judge them and whose
         error names the tensor, never a kernel reading the wrong memory. The package formats no message."""
-        for d, t, s in zip(self.dls, (x, *extras, out, *extra_outs, *params), self.shapes):
-            if s is not None and (t.shape != s or (t.dtype is not self.dtype and t.dtype not in LABEL_DTYPES)
-                                  or not t.is_contiguous()):
+        for d, t, s, dt in zip(self.dls, (x, *extras, out, *extra_outs, *params), self.shapes, self.dtypes):
+            if s is not None and (t.shape != s or t.dtype is not dt or not t.is_contiguous()):
                 return False
             d.data = t.data_ptr()
         return True

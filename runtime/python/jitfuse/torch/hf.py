@@ -179,10 +179,11 @@ def _original_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def _probe(module: nn.Module, x: Tensor, randomize: List[Tensor],
-           reference: Optional[Callable[[], Tensor]] = None) -> Tuple[Tensor, Dict[int, Tensor], Optional[Tensor]]:
-    """The module's own (original) forward on ``x``, in eval mode, with the tensors ``randomize`` given random
-    values for the probe (restored after, bit for bit); the float64 values they had; and ``reference()``
-    evaluated while they have them."""
+           reference: Optional[Callable[[], Tensor]] = None,
+           args: Optional[Tuple[Any, ...]] = None) -> Tuple[Tensor, Dict[int, Tensor], Optional[Tensor]]:
+    """The module's own (original) forward on ``x`` (or ``args``), in eval mode, with the tensors ``randomize``
+    given random values for the probe (restored after, bit for bit); the float64 values they had; and
+    ``reference()`` evaluated while they have them."""
     saved = [t.detach().clone() for t in randomize]
     was = [m.training for m in module.modules()]
     vals: Dict[int, Tensor] = {}
@@ -191,10 +192,10 @@ def _probe(module: nn.Module, x: Tensor, randomize: List[Tensor],
             g = torch.Generator(device="cpu").manual_seed(1234)
             for t in randomize:
                 r = torch.rand(t.shape, generator=g, dtype=torch.float32) * 1.5 - 0.5
-                t.detach().copy_(r.to(t.dtype) / (t.shape[-1] ** 0.5 if t.dim() == 2 else 1.0))
+                t.detach().copy_(r.to(t.dtype) / (t.shape[-1] ** 0.5 if t.dim() >= 2 else 1.0))
                 vals[id(t)] = t.detach().double().cpu()
             module.eval()
-            y = _original_forward(module)(x)
+            y = _original_forward(module)(*(args if args is not None else (x,)))
             want = reference() if reference is not None else None
     finally:
         with torch.no_grad():
@@ -472,6 +473,121 @@ def _swap_mlp(path: str, mlp: nn.Module, lay: Dict[str, Any], report: Report) ->
     report.entries.append(Entry(path, "mlp", True, desc))
 
 
+# ---- mixture-of-experts experts ----------------------------------------------------------------------------
+
+
+def _experts_layout(mod: nn.Module) -> Optional[Tuple[int, int, int]]:
+    """(E, H, I) of a fused experts module (transformers 5: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I],
+    called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``: Mixtral, Qwen3-MoE, OLMoE,
+    ...), or None for any other module."""
+    gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    if not isinstance(gu, nn.Parameter) or not isinstance(dn, nn.Parameter) or gu.dim() != 3 or dn.dim() != 3:
+        return None
+    e, two_i, h = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
+        return None
+    return int(e), int(h), int(two_i // 2)
+
+
+def _experts_reference(gate_up: Tensor, down: Tensor, gated: str, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    """What the jitfuse expert block computes, in float64: y[t] = sum_j w[t, j] down_e (act(gate_e x) * up_e x)."""
+    act = {"swiglu": F.silu, "geglu": lambda a: F.gelu(a, approximate="tanh"), "reglu": F.relu}[gated]
+    x, gu, dn = x.double(), gate_up.double(), down.double()
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            a, b = (gu[e] @ x[t]).chunk(2)
+            y[t] += float(w[t, j]) * (dn[e] @ (act(a) * b))
+    return y
+
+
+def _experts_ops(mod: nn.Module, lay: Tuple[int, int, int], gated: str, top_k: int,
+                 index_dtype: torch.dtype) -> List[_m.BasicOp]:
+    e, h, i = lay
+    return [_m.MoEPermute(e, top_k, index_dtype=index_dtype),
+            _Borrowed("grouped_linear", {"num_groups": e, "in_features": h, "out_features": 2 * i},
+                      [("weight", _Source(mod, "gate_up_proj"))]),
+            _Borrowed(gated, {}, []),
+            _Borrowed("grouped_linear", {"num_groups": e, "in_features": i, "out_features": h},
+                      [("weight", _Source(mod, "down_proj"))]),
+            _m.MoEUnpermute()]
+
+
+@dataclass
+class _ExpertsSwap:
+    mod: nn.Module
+    lay: Tuple[int, int, int]
+    gated: str
+    path: str
+    weight: _Source
+    width: int
+    instance_forward: Optional[Callable[..., Any]] = None
+    kind: str = "experts"
+    seqs: Dict[Tuple[int, torch.dtype], "_m.Sequential"] = field(default_factory=dict)
+
+    def seq(self, top_k: int, index_dtype: torch.dtype) -> "_m.Sequential":
+        s = self.seqs.get((top_k, index_dtype))
+        if s is None:
+            s = _m.Sequential(*_experts_ops(self.mod, self.lay, self.gated, top_k, index_dtype),
+                              name=_seq_name(self.path, "experts"))
+            self.seqs[(top_k, index_dtype)] = s
+        return s
+
+
+def _experts_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    swap: _ExpertsSwap = self.__dict__[_ATTR]
+    if len(args) == 3 and not kwargs and _usable(args[0], swap) and args[0].dim() == 2:
+        x, idx, w = args
+        if (isinstance(idx, Tensor) and isinstance(w, Tensor) and idx.dim() == 2 and idx.dtype in (torch.int64, torch.int32)
+                and w.shape == idx.shape and w.is_floating_point() and idx.device == x.device == w.device
+                and idx.shape[0] == x.shape[0] and 1 <= idx.shape[1] <= swap.lay[0]):
+            seq = swap.seq(int(idx.shape[1]), idx.dtype)
+            if seq.training != self.training:
+                seq.train(self.training)
+            return seq(x, idx, w)
+    return _original_forward(self)(*args, **kwargs)
+
+
+def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: Report) -> None:
+    """Swaps a fused experts module for the dropless jitfuse expert block (permute, grouped gate/up GEMMs, the
+    gated op, grouped down GEMMs, the weighted combine) on its own two parameters, after a probe."""
+    cls = type(mod).__name__
+    params = [mod.gate_up_proj, mod.down_proj]
+    gated = _GATED.get(_activation(getattr(mod, "act_fn", None)) or "")
+    why = ""
+    if gated is None:
+        why = "its activation is not silu, gelu (tanh) or relu"
+    elif getattr(mod, "has_bias", False) or getattr(mod, "is_transposed", False):
+        why = "biased or transposed expert weights"
+    elif any(p.dtype not in SUPPORTED_DTYPES or p.dtype != params[0].dtype for p in params):
+        why = "its parameters are not all of one float32/float16/bfloat16 dtype"
+    elif lay[1] % 8 or lay[2] % 8:
+        why = f"hidden {lay[1]} or expert width {lay[2]} is not a multiple of 8 (the routing kernels' rows)"
+    if not why:
+        e, h, _ = lay
+        k = min(2, e)
+        g = torch.Generator(device="cpu").manual_seed(99)
+        x = torch.randn(12, h, generator=g).to(device=params[0].device, dtype=params[0].dtype)
+        idx = torch.rand(12, e, generator=g).argsort(-1)[:, :k].to(params[0].device)
+        wts = torch.rand(12, k, generator=g).to(params[0].device)
+        try:
+            y, _, want = _probe(mod, x, params, lambda: _experts_reference(params[0], params[1], gated, x, idx, wts),
+                                args=(x, idx, wts))
+            if y.shape != want.shape or not _close(y, want, params[0].dtype):
+                why = f"its forward does not compute the top-k weighted {gated} experts (a probe input differs)"
+        except Exception as ex:  # noqa: BLE001
+            why = f"its forward failed on a probe input ({type(ex).__name__}: {ex})"
+    if why:
+        report.entries.append(Entry(path, "experts", False, cls, why))
+        return
+    inst = mod.__dict__.get("forward")
+    mod.__dict__[_ATTR] = _ExpertsSwap(mod, lay, gated, path, _Source(mod, "gate_up_proj"), lay[1], inst)
+    mod.forward = types.MethodType(_experts_forward, mod)
+    report.entries.append(Entry(path, "experts", True, f"moe_permute, grouped_linear {lay[1]}->{2 * lay[2]}, {gated}, "
+                                f"grouped_linear {lay[2]}->{lay[1]}, moe_unpermute ({lay[0]} experts, dropless)"))
+
+
 # ---- the causal-LM head and its loss ---------------------------------------------------------------------
 
 
@@ -601,13 +717,16 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.LayerNorm) or n.endswith("RMSNorm") or n.endswith("LayerNorm")
 
 
-def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool = False) -> Report:
+def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool = False,
+          experts: bool = True) -> Report:
     """Swaps, in place, every norm (``norms``) and MLP (``mlps``) module of ``model`` that jitfuse can run for
     a jitfuse sequence on the module's own parameters, and returns the :class:`Report` (every module found,
     swapped or left with the reason). ``loss=True``: a causal LM's ``lm_head`` and HF's loss too, as the fused
     chunked head whenever the forward gets ``labels`` (which then returns ``logits=None``). Modules swapped
     before are left as they are (``apply`` twice is harmless; it re-joins gate/up weights that a ``.to()``
-    split). :func:`revert` undoes it."""
+    split). ``experts``: the fused experts of mixture-of-experts layers (Mixtral, Qwen3-MoE, OLMoE: ``gate_up_proj``
+    and ``down_proj`` stacked per expert) as the dropless jitfuse expert block; the router stays the model's
+    (its logits, the auxiliary loss and their hooks unchanged). :func:`revert` undoes it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"jitfuse.torch.hf.apply takes an nn.Module, not {type(model).__name__}")
     report = Report()
@@ -622,6 +741,11 @@ def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool
                 _join_storage(mod.gate_proj.weight, mod.up_proj.weight)
             report.entries.append(Entry(path, swap.kind, True, "swapped before"))
             continue
+        if experts:
+            elay = _experts_layout(mod)
+            if elay is not None:
+                _swap_experts(path, mod, elay, report)
+                continue
         if mlps:
             lay = _linears(mod)
             if lay is not None:
@@ -661,6 +785,9 @@ def swapped(model: nn.Module) -> Dict[str, "_m.Sequential"]:
         swap = m.__dict__.get(_ATTR)
         if isinstance(swap, _LossSwap):
             out["lm_head+loss"] = swap.mean
+        elif isinstance(swap, _ExpertsSwap):
+            for (k, _), seq in swap.seqs.items():
+                out[p if len(swap.seqs) == 1 else f"{p}[top_k={k}]"] = seq
         elif swap is not None:
             out[p] = swap.seq
     return out

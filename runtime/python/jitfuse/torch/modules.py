@@ -74,6 +74,8 @@ def _autocast(x: Tensor, extras: Tuple[Tensor, ...], params: List[Tensor]):
 
 
 _int64 = torch.int64
+# The extra inputs' kinds (jf_sequence_wiring) whose dtype is their op's, not the input's.
+_TYPED_EXTRAS = ("labels", "indices", "probs")
 _randint = torch.randint
 _compiler_disable = getattr(torch.compiler, "disable", lambda f: f)
 
@@ -623,12 +625,106 @@ class CrossEntropy(BasicOp):
             raise TypeError(f"CrossEntropy vocab_parallel must be a bool, not {vocab_parallel!r}")
         self.vocab_parallel = vocab_parallel
 
+    def extra_dtype(self) -> torch.dtype:
+        return self.label_dtype
+
     def attrs(self, training: bool) -> Dict[str, Any]:
         return {"reduction": self.reduction, "ignore_index": self.ignore_index,
                 "label_smoothing": self.label_smoothing, "z_loss": self.z_loss, "softcap": self.softcap,
                 "label_dtype": "int32" if self.label_dtype == torch.int32 else "int64",
                 **({"chunk_mib": self.chunk_mib} if self.chunk_mib is not None else {}),
                 **({"vocab_parallel": True} if self.vocab_parallel else {})}
+
+
+class MoEPermute(BasicOp):
+    """Dispatches token rows to their experts (issue 43; docs/ops.md#mixture-of-experts): each token's row goes to
+    the rows of its ``top_k`` experts, grouped by expert (stable: expert, then token, then slot). The top-k expert
+    ids ``[tokens, top_k]`` (``torch.topk``'s indices: ``torch.int64``, or ``torch.int32`` with
+    ``index_dtype=torch.int32``) are the Sequential's next extra input, with no gradient. The routing happens on
+    the device (no host synchronisation of its own).
+
+    - ``layout="packed"`` (dropless, the default): ``tokens * top_k`` rows; a :class:`GroupedLinear` after it
+      runs each expert's own rows (their counts are read on the host once per pass: no CUDA-graph capture);
+    - ``layout="padded"`` with a ``capacity``: every expert ``capacity`` rows (tokens past it dropped, GShard's
+      capacity), fixed shapes: a CUDA graph replays it with new routing.
+
+    ``capacity`` (None: keep every row) may also cap the packed layout. Pairs with the :class:`MoEUnpermute`
+    after it, which combines the rows back."""
+
+    op = "moe_permute"
+    n_extra_inputs = 1
+
+    def __init__(self, num_experts: int, top_k: int, *, capacity: Optional[int] = None, layout: str = "packed",
+                 index_dtype: torch.dtype = torch.int64):
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoEPermute {name} must be an int >= 1, not {v!r}")
+        if layout not in ("packed", "padded"):
+            raise ValueError(f"MoEPermute layout must be 'packed' or 'padded', not {layout!r}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"MoEPermute capacity must be None (dropless) or an int >= 1, not {capacity!r}")
+        if layout == "padded" and capacity is None:
+            raise ValueError("MoEPermute(layout='padded') gives each expert `capacity` rows: pass capacity= (e.g. "
+                             "1.25 x tokens x top_k / num_experts, GShard's capacity factor)")
+        if index_dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"MoEPermute index_dtype must be torch.int64 or torch.int32, not {index_dtype}")
+        self.num_experts, self.top_k, self.capacity, self.layout = num_experts, top_k, capacity, layout
+        self.index_dtype = index_dtype
+
+    def extra_dtype(self) -> torch.dtype:
+        return self.index_dtype
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        a: Dict[str, Any] = {"num_experts": self.num_experts, "top_k": self.top_k, "layout": self.layout,
+                             "index_dtype": "int32" if self.index_dtype == torch.int32 else "int64"}
+        if self.capacity is not None:
+            a["capacity"] = self.capacity
+        return a
+
+
+class MoEUnpermute(BasicOp):
+    """Combines the experts' rows back per token, weighted by the routing probabilities: ``y[t] = sum_j
+    probs[t, j] x[row(t, j)]`` with the routing of the :class:`MoEPermute` before it. ``probs`` ``[tokens,
+    top_k]``, float32, is the Sequential's next extra input and **takes a gradient** (the router learns through
+    it); a dropped slot adds nothing (and gets a zero gradient)."""
+
+    op = "moe_unpermute"
+    n_extra_inputs = 1
+
+    def extra_dtype(self) -> torch.dtype:
+        return torch.float32
+
+
+class GroupedLinear(BasicOp):
+    """``y_g = x_g W_g^T`` per group of rows: one weight ``[num_groups, out_features, in_features]`` (the experts'
+    weights stacked, as Hugging Face's fused experts store ``gate_up_proj`` and ``down_proj``), one cuBLASLt GEMM
+    per group and pass. Between a :class:`MoEPermute` and its :class:`MoEUnpermute` the groups are the experts'
+    rows (``num_groups`` = ``num_experts``); alone, the rows are ``num_groups`` equal groups. ``weight=``: use an
+    existing parameter (shared, no copy) instead of a new one."""
+
+    op = "grouped_linear"
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *, weight: Optional[nn.Parameter] = None,
+                 device: Any = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.num_groups, self.in_features, self.out_features = int(num_groups), int(in_features), int(out_features)
+        want = (self.num_groups, self.out_features, self.in_features)
+        if weight is not None:
+            if tuple(weight.shape) != want:
+                raise ValueError(f"GroupedLinear weight has shape {list(weight.shape)}; [num_groups, out_features, "
+                                 f"in_features] is {list(want)}")
+            self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+            return
+        self.weight = nn.Parameter(torch.empty(*want, **_factory(device, dtype)))
+        for g in range(self.num_groups):
+            nn.init.kaiming_uniform_(self.weight.data[g], a=math.sqrt(5))
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"num_groups": self.num_groups, "in_features": self.in_features, "out_features": self.out_features}
+
+    def jf_params(self) -> List[Tuple[str, nn.Parameter]]:
+        return [("weight", self.weight)]
 
 
 class _Collective(BasicOp):
@@ -769,10 +865,12 @@ class Sequential(nn.Module):
         self._n_extra_inputs = self.wiring.n_extra_inputs
         self._n_extra_outputs = self.wiring.n_extra_outputs
         self._jf_specs = specs  # for the library's message on a wrong count of extra inputs (_check_count)
-        # CrossEntropy's labels: extra input slot -> label dtype (integer, no gradient; see _labels_forward).
-        self._jf_labels: Dict[int, torch.dtype] = {k: ops[s.op].label_dtype
+        # Extra inputs of their own dtype (see _labels_forward): CrossEntropy's labels and MoEPermute's indices
+        # (integers, no gradient), MoEUnpermute's probabilities (float32, with a gradient): slot -> dtype.
+        self._jf_labels: Dict[int, torch.dtype] = {k: ops[s.op].extra_dtype()
                                                    for k, s in enumerate(self.wiring.extra_inputs)
-                                                   if s.kind == "labels"}
+                                                   if s.kind in _TYPED_EXTRAS}
+        self._jf_extra_kinds = [s.kind for s in self.wiring.extra_inputs]
         # (library op index, name) of each parameter: a parallel Linear is two ops of the library's sequence
         # (its inserted collective, docs/parallel.md), so indices count n_ops().
         starts = [sum(o.n_ops() for o in ops[:i]) for i in range(len(ops))]
@@ -933,34 +1031,23 @@ class Sequential(nn.Module):
 
     @_compiler_disable
     def _labels_forward(self, input: Tensor, extra_inputs: Tuple[Tensor, ...]) -> Union[Tensor, Tuple[Tensor, ...]]:
-        """forward of a Sequential ending in CrossEntropy: the labels are an integer extra input without a
-        gradient, which the custom ops (and the C++ extension) do not take, so the program runs here directly
+        """forward of a Sequential with extra inputs of their own dtype: CrossEntropy's labels and MoEPermute's
+        expert indices (integers without a gradient) and MoEUnpermute's routing probabilities (float32 with a
+        gradient), which the custom ops (and the C++ extension) do not take, so the program runs here directly
         (one autograd node when a gradient is needed), after the checks the op would make. torch.compile
         breaks the graph around it (``torch.compiler.disable``)."""
         name = self.name
         self._check_count(extra_inputs)
         params = self._params()
-        if _autocast_on():  # floating tensors only: the labels pass unchanged
-            input, extra_inputs, params = _autocast(input, extra_inputs, params)
+        if _autocast_on():  # floating tensors only; the typed extra inputs keep their dtypes
+            input, _, params = _autocast(input, (), params)
+            extra_inputs = tuple(e if k in self._jf_labels else _autocast(e, (), [])[0]
+                                 for k, e in enumerate(extra_inputs))
         training = self.training
         key = self._jf_keys[training].get(input.dtype)
         check_arguments(name, self.recipe, key, input, params)
         rows = self._logits_rows(input)
-        for k, e in enumerate(extra_inputs):
-            want = self._jf_labels.get(k)
-            if want is None:
-                if e.dtype != input.dtype or e.device != input.device:
-                    raise TypeError(f"{name}: extra inputs must match the input ({input.dtype} on {input.device})")
-                continue
-            if not isinstance(e, Tensor) or e.dtype != want:
-                raise TypeError(f"{name}: the labels (extra input {k}) must be a {want} tensor (CrossEntropy's "
-                                f"label_dtype), got {getattr(e, 'dtype', type(e).__name__)}")
-            if e.device != input.device:
-                raise ValueError(f"{name}: the labels (extra input {k}) are on {e.device}, the input on "
-                                 f"{input.device}: pass them on the input's device")
-            if tuple(e.shape) != rows:
-                raise ValueError(f"{name}: the labels (extra input {k}) have shape {list(e.shape)}; one label per "
-                                 f"row of the logits is shape {list(rows)}")
+        extra_inputs = tuple(self._typed_extra(k, e, input, rows) for k, e in enumerate(extra_inputs))
         x = input if input.is_contiguous() else input.contiguous()
         extras = [e if e.is_contiguous() else e.contiguous() for e in extra_inputs]
         rng = _draw_rng(x) if self._jf_uses_rng[training] else None
@@ -974,6 +1061,35 @@ class Sequential(nn.Module):
         if self._n_extra_outputs:
             return tuple(outs)
         return outs[0]
+
+    _EXTRA_NOUN = {"labels": "the labels", "indices": "the expert indices", "probs": "the routing probabilities"}
+
+    def _typed_extra(self, k: int, e: Any, input: Tensor, rows: Tuple[int, ...]) -> Tensor:
+        """Extra input ``k`` checked against what its op takes (the library checks its shape against the plan
+        too, naming the op): an untyped one matches the input; routing probabilities of another floating dtype
+        are cast to float32 (autograd takes the gradient back through the cast, as Qwen3-MoE's bf16 scores)."""
+        name, want = self.name, self._jf_labels.get(k)
+        if not isinstance(e, Tensor):
+            raise TypeError(f"{name}: extra input {k} must be a tensor, got {type(e).__name__}")
+        if want is None:
+            if e.dtype != input.dtype or e.device != input.device:
+                raise TypeError(f"{name}: extra inputs must match the input ({input.dtype} on {input.device})")
+            return e
+        kind = self._jf_extra_kinds[k]
+        what = f"{self._EXTRA_NOUN[kind]} (extra input {k})"
+        if kind == "probs" and e.is_floating_point() and e.dtype != want:
+            e = e.float()
+        if e.dtype != want:
+            hint = {"labels": "CrossEntropy's label_dtype", "indices": "MoEPermute's index_dtype",
+                    "probs": "float32"}[kind]
+            raise TypeError(f"{name}: {what} must be a {want} tensor ({hint}), got {e.dtype}")
+        if e.device != input.device:
+            raise ValueError(f"{name}: {what} are on {e.device}, the input on {input.device}: pass them on the "
+                             f"input's device")
+        if kind == "labels" and tuple(e.shape) != rows:
+            raise ValueError(f"{name}: {what} have shape {list(e.shape)}; one label per row of the logits is shape "
+                             f"{list(rows)}")
+        return e
 
     def _forward_op(self, input: Tensor, extra_inputs: Tuple[Tensor, ...],
                     params: Optional[List[Tensor]] = None) -> Union[Tensor, Tuple[Tensor, ...]]:

@@ -1,0 +1,80 @@
+# CPU tests of the mixture-of-experts ops from Python (no GPU): the wiring names the routing inputs (the expert
+# indices, then the probabilities), the library plans the dropless expert block with one GEMM per expert and pass
+# whose rows come from the permute's routing (explain shows it), and refuses what cannot run naming the op;
+# jt.MoEPermute / jt.GroupedLinear / jt.MoEUnpermute's attributes and errors (PyTorch, skipped without it).
+import json
+
+import pytest
+
+import jitfuse
+from jitfuse._channels import wire
+
+
+def block_ops(e=8, k=2, h=64, f=96, **permute):
+    return [{"op": "moe_permute", "num_experts": e, "top_k": k, **permute},
+            {"op": "grouped_linear", "num_groups": e, "in_features": h, "out_features": 2 * f}, {"op": "swiglu"},
+            {"op": "grouped_linear", "num_groups": e, "in_features": f, "out_features": h}, {"op": "moe_unpermute"}]
+
+
+def test_wiring_names_the_indices_and_the_probabilities():
+    w = wire(block_ops())
+    assert w.n_extra_inputs == 2
+    assert [s.kind for s in w.extra_inputs] == ["indices", "probs"]
+    assert [s.op for s in w.extra_inputs] == [0, 4]
+
+
+def test_library_plans_the_dropless_block_with_routed_gemms(ctx):
+    s = jitfuse.Sequence(ctx, json.dumps({"format": "jitfuse.sequence/1", "name": "moe", "ops": block_ops()}), "bf16")
+    e = s.explain((301, 64), training=True, arch=90)
+    assert e.ops[0].output == (602, 64)  # T k rows, no multiple of the experts needed
+    gemms = [st for st in e.program.forward + e.program.backward if st.get("gemm")]
+    assert len(gemms) == 2 * 8 * 3
+    for st in gemms:
+        rows = st["rows"]
+        assert rows["routing"] == gemms[0]["rows"]["routing"] and rows["experts"] == 8
+        assert "once per pass" in rows["read"]
+    assert sorted(st["rows"]["group"] for st in gemms if st["gemm"] == "fwd") == sorted(list(range(8)) * 2)
+
+
+def test_library_refuses_groups_that_are_not_the_experts(ctx):
+    ops = block_ops()
+    ops[1]["num_groups"] = 4
+    with pytest.raises(jitfuse.JitfuseError, match=r"num_groups = 4 but op 0 \(moe_permute\) routes to 8 experts"):
+        jitfuse.Sequence(ctx, json.dumps({"ops": ops}), "bf16").explain((300, 64))
+
+
+class TestModule:
+    @pytest.fixture(autouse=True)
+    def _torch(self):
+        self.torch = pytest.importorskip("torch")
+        try:
+            import jitfuse.torch as jt
+        except jitfuse.UnsupportedTorchError as e:
+            pytest.skip(str(e))
+        self.jt = jt
+
+    def test_attrs_and_extra_inputs(self):
+        jt, torch = self.jt, self.torch
+        m = jt.Sequential(jt.MoEPermute(8, 2), jt.GroupedLinear(8, 64, 192, device="cpu", dtype=torch.float32),
+                          jt.SwiGLU(), jt.GroupedLinear(8, 96, 64, device="cpu", dtype=torch.float32),
+                          jt.MoEUnpermute(), name="experts")
+        assert m.n_extra_inputs == 2
+        assert m._jf_labels == {0: torch.int64, 1: torch.float32}
+        assert jt.MoEPermute(8, 2, layout="padded", capacity=40, index_dtype=torch.int32).attrs(True) == {
+            "num_experts": 8, "top_k": 2, "layout": "padded", "index_dtype": "int32", "capacity": 40}
+        assert m[1].weight.shape == (8, 192, 64)
+        w = torch.nn.Parameter(torch.zeros(8, 192, 64))
+        assert jt.GroupedLinear(8, 64, 192, weight=w).weight is w  # shared, not copied
+
+    def test_construction_errors(self):
+        jt, torch = self.jt, self.torch
+        with pytest.raises(ValueError, match="layout='padded'.*capacity="):
+            jt.MoEPermute(8, 2, layout="padded")
+        with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+            jt.MoEPermute(8, 0)
+        with pytest.raises(TypeError, match="index_dtype must be torch.int64 or torch.int32"):
+            jt.MoEPermute(8, 2, index_dtype=torch.float32)
+        with pytest.raises(ValueError, match=r"GroupedLinear weight has shape \[8, 64, 64\]"):
+            jt.GroupedLinear(8, 64, 192, weight=torch.nn.Parameter(torch.zeros(8, 64, 64)))
+        with pytest.raises(jt.ChannelError, match="moe_unpermute"):
+            jt.Sequential(jt.MoEUnpermute())
