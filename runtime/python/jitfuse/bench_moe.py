@@ -60,6 +60,7 @@ def grouped_mm(x, idx, w, w1, w2):
 
 def _bare(x, idx, w1, w2) -> Callable[[], None]:
     """The GEMMs alone: per expert, fwd (2), dgrad (2) and wgrad (2) with torch.mm on contiguous expert rows."""
+    w1, w2 = w1.detach(), w2.detach()
     counts = torch.bincount(idx.reshape(-1), minlength=w1.shape[0]).tolist()
     rows = sum(counts)
     xs = torch.randn(rows, x.shape[1], device=DEV, dtype=DT)

@@ -357,7 +357,7 @@ class BackwardArgs:
         # CrossEntropy's labels keep their integer dtype and have no gradient (NULL in grad_extra_inputs).
         eds = [TORCH_TO_DL[e.dtype] for e in extras]
         specs = ([(xs, dt)] + list(zip(es, eds)) + [(o.shape, o.dl_dtype[:2]) for o in info.outputs] + ps
-                 + [(o.shape, dt) for o in info.outputs] + [(xs, dt)] + [(s, dt) for s in es] + ps)
+                 + [(o.shape, dt) for o in info.outputs] + [(xs, dt)] + list(zip(es, eds)) + ps)
         arr, self.dls, self._keep = _dl_block(specs, dev)
         at_out = 1 + ne
         at_par = at_out + 1 + neo

@@ -499,7 +499,7 @@ def _experts_reference(gate_up: Tensor, down: Tensor, gated: str, x: Tensor, idx
             e = int(idx[t, j])
             a, b = (gu[e] @ x[t]).chunk(2)
             y[t] += float(w[t, j]) * (dn[e] @ (act(a) * b))
-    return y
+    return y.cpu()
 
 
 def _experts_ops(mod: nn.Module, lay: Tuple[int, int, int], gated: str, top_k: int,
