@@ -4,6 +4,7 @@
 #include "cuda/cublaslt.hpp"
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 
 #include <algorithm>
 #include <map>
@@ -376,11 +377,70 @@ struct Blas::Impl {
   cublasLtHandle_t handle = nullptr;
   mutable std::mutex mu;
   std::map<GemmKey, std::shared_ptr<const GemmPlan>> algos;
+  // cuBLAS (not Lt) for the grouped GEMMs: made on first use; its stream and workspace are per call, under `grouped_mu`.
+  cublasHandle_t grouped = nullptr;
+  std::mutex grouped_mu;
 };
 
 Blas::Blas() : impl_(std::make_unique<Impl>()) { check_blas(cublasLtCreate(&impl_->handle), "cublasLtCreate"); }
 
-Blas::~Blas() { cublasLtDestroy(impl_->handle); }
+Blas::~Blas() {
+  if (impl_->grouped) cublasDestroy(impl_->grouped);
+  cublasLtDestroy(impl_->handle);
+}
+
+void Blas::gemm_grouped(const GemmCall& g, const std::vector<GroupedOperands>& groups, CUstream stream) {
+  if (groups.empty()) return;
+  if (g.fp8 || g.epilogue != Epilogue::none || g.alpha != 1.f || g.beta != 0.f || g.ldy > g.n)
+    fail(Status::internal, "cuBLAS grouped GEMM: plain calls only");
+  if (!g.workspace) fail(Status::internal, "cuBLAS grouped GEMM without a workspace");
+  const size_t n_groups = groups.size();
+  const size_t arrays = (3 * n_groups * sizeof(void*) + 255) / 256 * 256;
+  if (arrays + (1u << 20) > kGemmWorkspace)
+    fail(Status::unsupported, "cuBLAS grouped GEMM: {} groups do not fit the workspace", n_groups);
+  // Per group, in cuBLAS's column-major terms (problem_of): A, B, C pointers and the dims.
+  std::vector<const void*> ptrs(3 * n_groups);
+  std::vector<int> m(n_groups), n(n_groups), k(n_groups), lda(n_groups), ldb(n_groups), ldc(n_groups);
+  std::vector<cublasOperation_t> ta(n_groups), tb(n_groups);
+  std::vector<float> alpha(n_groups, 1.f), beta(n_groups, 0.f);
+  std::vector<int> size(n_groups, 1);
+  for (size_t i = 0; i < n_groups; ++i) {
+    GemmCall one = g;
+    one.m = groups[i].m;
+    one.a = groups[i].a;
+    one.b = groups[i].b;
+    one.d = groups[i].d;
+    const Problem p = problem_of(one);
+    if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX)
+      fail(Status::unsupported, "cuBLAS grouped GEMM: a group's dims exceed 32 bits");
+    m[i] = static_cast<int>(p.m);
+    n[i] = static_cast<int>(p.n);
+    k[i] = static_cast<int>(p.k);
+    lda[i] = static_cast<int>(p.lda);
+    ldb[i] = static_cast<int>(p.ldb);
+    ldc[i] = static_cast<int>(p.ldd);
+    ta[i] = p.ta;
+    tb[i] = p.tb;
+    ptrs[i] = p.A;
+    ptrs[n_groups + i] = p.B;
+    ptrs[2 * n_groups + i] = one.d;
+  }
+  const auto& d = driver();
+  const auto dev = reinterpret_cast<CUdeviceptr>(g.workspace);
+  check(d.cuMemcpyHtoDAsync(dev, ptrs.data(), ptrs.size() * sizeof(void*), stream), "cuMemcpyHtoDAsync(grouped GEMM pointers)");
+  const auto* arr = reinterpret_cast<const void* const*>(g.workspace);
+  const cudaDataType_t dt = data_type(g.dtype);
+  std::lock_guard<std::mutex> lock(impl_->grouped_mu);
+  if (!impl_->grouped) check_blas(cublasCreate(&impl_->grouped), "cublasCreate");
+  check_blas(cublasSetStream(impl_->grouped, reinterpret_cast<cudaStream_t>(stream)), "cublasSetStream");
+  check_blas(cublasSetWorkspace(impl_->grouped, static_cast<char*>(g.workspace) + arrays, kGemmWorkspace - arrays),
+             "cublasSetWorkspace");
+  check_blas(cublasGemmGroupedBatchedEx(impl_->grouped, ta.data(), tb.data(), m.data(), n.data(), k.data(),
+                                        alpha.data(), arr, dt, lda.data(), arr + n_groups, dt, ldb.data(), beta.data(),
+                                        const_cast<void* const*>(arr + 2 * n_groups), dt, ldc.data(),
+                                        static_cast<int>(n_groups), size.data(), CUBLAS_COMPUTE_32F),
+             "cublasGemmGroupedBatchedEx");
+}
 
 std::string Blas::version() {
   size_t v = cublasLtGetVersion();

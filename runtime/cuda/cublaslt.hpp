@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <vector>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -118,6 +119,14 @@ constexpr size_t kGemmWorkspace = 32u << 20;
 // looks its own up.
 struct GemmPlan;
 
+// One group of Blas::gemm_grouped: its rows and operands (a, b, d as GemmCall's for the call's kind).
+struct GroupedOperands {
+  int64_t m = 0;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+};
+
 class Blas {
  public:
   Blas();
@@ -130,6 +139,11 @@ class Blas {
   // A call whose m changes from call to call (a dropless grouped linear's groups): the algorithm chosen for m
   // rounded up to a power of two (one heuristic per bucket, not per m); m's own where cuBLASLt refuses that one.
   void gemm_rows(const GemmCall& call, CUstream stream);
+  // One GEMM per group, each `call`'s kind, dtype, n and k over its own m rows and pointers (a dropless grouped
+  // linear's experts), in one cuBLAS grouped call (cublasGemmGroupedBatchedEx); its pointer arrays are written to
+  // the start of call.workspace (stream-ordered), the rest is cuBLAS's workspace. Plain calls only (no FP8, no
+  // epilogue, alpha 1, beta 0).
+  void gemm_grouped(const GemmCall& call, const std::vector<GroupedOperands>& groups, CUstream stream);
   // Looks up (and caches) the algorithm for `call`; false if cuBLASLt has none for the problem. Without a
   // stream nothing runs and the pointers only say which operands exist and how they are aligned. With
   // one, they are scratch operands of the call's sizes and the workspace: the heuristic's top candidates

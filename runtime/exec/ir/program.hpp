@@ -159,16 +159,17 @@ struct GemmStep {
   int64_t a_offset = 0, d_offset = 0;
   // Elements into b: the row chunk of x a chunked wgrad reads (exec/lower/impl/joint_chunked_linear_cross_entropy.cpp).
   int64_t b_offset = 0;
-  // A group of a grouped_linear after a packed (dropless) moe_permute: `route` is that permute's routing (int32,
-  // codegen::MoeSpec's layout) and this GEMM runs over the rows [starts[g], starts[g] + splits[g]) of group
-  // `route_group`, read on the host when the pass reaches its first such step (one copy and one stream
-  // synchronisation per routing and pass; refused under CUDA-graph capture). call.m is then only the balanced
-  // share (explain, prepare's plan); a/b/d_row are the elements per row of a, b, d that move with the group's
-  // first row (0: a fixed offset, the weight's). fwd and dgrad zero their d's rows past starts[E] (of
-  // route_bound), an empty group's wgrad zeroes its dW_g.
+  // A grouped_linear after a packed (dropless) moe_permute: one step per pass and kind runs every expert's GEMM.
+  // `route` is that permute's routing (int32, codegen::MoeSpec's layout); expert g's rows are [starts[g], starts[g]
+  // + splits[g]), read on the host when the pass reaches its first such step (one copy and one stream
+  // synchronisation per routing and pass; refused under CUDA-graph capture). call.m is the rows' static bound
+  // (T k: explain's FLOPs for a dropless block); a/b/d_row are the elements per row of a, b, d at an expert's
+  // rows, 0 for the weight operand, which advances route_weight elements per expert. fwd and dgrad zero their
+  // d's rows past starts[E]; an empty expert's wgrad zeroes its dW_g. The executor runs the experts' GEMMs one
+  // cuBLASLt call each, or all in one cuBLAS grouped call (docs/ops.md#mixture-of-experts).
   int route = -1;
-  int64_t route_group = 0, route_experts = 0, route_splits = 0;  // the group, E, the int index of splits[0]
-  int64_t route_bound = 0;
+  int64_t route_experts = 0, route_splits = 0;  // E, the int index of splits[0] in the routing
+  int64_t route_weight = 0;
   int64_t a_row = 0, b_row = 0, d_row = 0;
   bool routed() const { return route >= 0; }
   int64_t flops() const { return 2 * call.m * call.n * call.k; }

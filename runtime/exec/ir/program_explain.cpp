@@ -120,8 +120,8 @@ std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json&
   }
   j["operands"] = std::move(operands);
   if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
-  if (g.routed())  // a dropless grouped GEMM: m is the balanced share; the rows come from the routing per call
-    j["rows"] = {{"routing", name(g.route)}, {"group", g.route_group}, {"experts", g.route_experts},
+  if (g.routed())  // a dropless grouped GEMM: every expert's, m the rows' bound; the rows come from the routing
+    j["rows"] = {{"routing", name(g.route)}, {"experts", g.route_experts},
                  {"read", "on the host, once per pass (one stream synchronisation; no CUDA graph capture)"}};
   if (g.call.fp8) {
     j["fp8"] = {{"a", ops::dtype_name(g.call.fp8->a)}, {"b", ops::dtype_name(g.call.fp8->b)},

@@ -3,6 +3,7 @@
 #include "exec/run/executor.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -125,9 +126,9 @@ class HostRoutes {
     cuda::check(d.cuMemcpyDtoHAsync(v.data(), src, v.size() * 4u, stream), "cuMemcpyDtoHAsync(expert rows)");
     cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(expert rows)");
     for (int64_t x = 0; x < e; ++x)  // the routing kernels' invariant; a violation would be an out-of-bounds GEMM
-      if (v[x] < 0 || v[e + x] < 0 || v[e + x + 1] != v[e + x] + v[x] || v[2 * e] > g.route_bound)
+      if (v[x] < 0 || v[e + x] < 0 || v[e + x + 1] != v[e + x] + v[x] || v[2 * e] > g.call.m)
         fail(Status::internal, "the routing of a grouped_linear is inconsistent at expert {}: {} rows from row {}, "
-             "{} rows in all (bound {})", x, v[x], v[e + x], v[2 * e], g.route_bound);
+             "{} rows in all (bound {})", x, v[x], v[e + x], v[2 * e], g.call.m);
     read_.emplace_back(g.route, std::move(v));
     return read_.back().second.data();
   }
@@ -136,29 +137,61 @@ class HostRoutes {
   std::vector<std::pair<int, std::vector<int32_t>>> read_;
 };
 
-// A dropless grouped linear's GEMM for its group's rows this call (GemmStep::route); `c` has its fixed offsets.
-// An empty group writes nothing but its dW_g (zero, unless accumulating); the last group's fwd and dgrad zero
-// the rows past every expert's.
-void run_routed_gemm(Runtime& rt, const GemmStep& g, cuda::GemmCall c, const int32_t* route, void* d_base,
-                     CUstream stream) {
-  const int64_t e = g.route_experts, rows = route[g.route_group], first = route[e + g.route_group];
-  const int64_t used = route[2 * e];
+// How a dropless grouped linear's experts run (JITFUSE_GROUPED_GEMM): one cuBLASLt call per expert ("lt"), one
+// cuBLAS grouped call for all ("cublas"), or by the number of experts with rows ("auto", the default: measured in
+// docs/benchmarks.md).
+enum class GroupedGemm { automatic, lt, cublas };
+GroupedGemm grouped_gemm_choice() {
+  static const GroupedGemm choice = [] {
+    const char* v = std::getenv("JITFUSE_GROUPED_GEMM");
+    if (!v || !*v || std::strcmp(v, "auto") == 0) return GroupedGemm::automatic;
+    if (std::strcmp(v, "lt") == 0) return GroupedGemm::lt;
+    if (std::strcmp(v, "cublas") == 0) return GroupedGemm::cublas;
+    log().warn("JITFUSE_GROUPED_GEMM='{}' is not auto, lt or cublas: using auto", std::string(v).substr(0, 40));
+    return GroupedGemm::automatic;
+  }();
+  return choice;
+}
+constexpr int kGroupedMinExperts = 16;  // auto: from this many experts with rows, one grouped call
+
+// A dropless grouped linear's GEMM of one kind over every expert's rows this call (GemmStep::route); `c` has the
+// operands' base pointers. An empty expert writes nothing but its dW_g (zero, unless accumulating); fwd and dgrad
+// zero the rows past every expert's.
+void run_routed_gemm(Runtime& rt, const GemmStep& g, cuda::GemmCall c, const int32_t* route, CUstream stream) {
+  const int64_t e = g.route_experts, used = route[2 * e];
   const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
-  auto at_rows = [&](auto* p, int64_t row) { return p + static_cast<size_t>(first * row) * esz; };
-  c.a = at_rows(static_cast<const char*>(c.a), g.a_row);
-  c.b = at_rows(static_cast<const char*>(c.b), g.b_row);
-  c.d = at_rows(static_cast<char*>(c.d), g.d_row);
   const auto& d = cuda::driver();
-  if (rows > 0) {
-    c.m = rows;
-    rt.blas->gemm_rows(c, stream);
-  } else if (c.kind == cuda::GemmKind::wgrad && c.beta == 0.f) {
-    cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c.d), 0, static_cast<size_t>(c.n * c.k) * esz, stream),
-                "cuMemsetD8Async(empty group's dW)");
+  auto at = [&](auto* p, int64_t row, int64_t x) {  // operand p at expert x's rows (row > 0) or weight (row 0)
+    return p + static_cast<size_t>(row ? route[e + x] * row : x * g.route_weight) * esz;
+  };
+  std::vector<cuda::GroupedOperands> groups;
+  for (int64_t x = 0; x < e; ++x) {
+    auto* dx = at(static_cast<char*>(c.d), g.d_row, x);
+    if (route[x] > 0) {
+      groups.push_back({route[x], at(static_cast<const char*>(c.a), g.a_row, x),
+                        at(static_cast<const char*>(c.b), g.b_row, x), dx});
+    } else if (c.kind == cuda::GemmKind::wgrad && c.beta == 0.f) {
+      cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dx), 0, static_cast<size_t>(g.route_weight) * esz,
+                                    stream), "cuMemsetD8Async(empty expert's dW)");
+    }
   }
-  if (c.kind != cuda::GemmKind::wgrad && g.route_group == e - 1 && used < g.route_bound)
-    cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(static_cast<char*>(d_base) + static_cast<size_t>(used * g.d_row) * esz),
-                                  0, static_cast<size_t>((g.route_bound - used) * g.d_row) * esz, stream),
+  const GroupedGemm how = grouped_gemm_choice();
+  if (how == GroupedGemm::cublas ||
+      (how == GroupedGemm::automatic && static_cast<int64_t>(groups.size()) >= kGroupedMinExperts)) {
+    rt.blas->gemm_grouped(c, groups, stream);
+  } else {
+    for (const auto& grp : groups) {
+      cuda::GemmCall one = c;
+      one.m = grp.m;
+      one.a = grp.a;
+      one.b = grp.b;
+      one.d = grp.d;
+      rt.blas->gemm_rows(one, stream);
+    }
+  }
+  if (c.kind != cuda::GemmKind::wgrad && used < c.m)
+    cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(static_cast<char*>(c.d) + static_cast<size_t>(used * g.d_row) * esz),
+                                  0, static_cast<size_t>((c.m - used) * g.d_row) * esz, stream),
                 "cuMemsetD8Async(rows past the experts')");
 }
 
@@ -177,7 +210,7 @@ void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std:
   }
   if (g.b_offset)
     c.b = static_cast<const char*>(c.b) + static_cast<size_t>(g.b_offset) * static_cast<size_t>(ops::dtype_bytes(c.dtype));
-  if (g.routed()) return run_routed_gemm(rt, g, c, routes.get(g, ptr, stream), at(g.d), stream);
+  if (g.routed()) return run_routed_gemm(rt, g, c, routes.get(g, ptr, stream), stream);
   if (!st.use_fallback) return rt.blas->gemm(c, stream, st.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.
   void* db = at(g.bias);

@@ -5,6 +5,7 @@
 # Face's "grouped_mm" experts) eager and under torch.compile, and the bare GEMMs (torch.mm per expert on the same
 # splits, six per expert: the floor). CUDA events, warm-up, median of interleaved rounds. GPU only.
 import math
+import os
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -88,6 +89,7 @@ def _bare(x, idx, w1, w2) -> Callable[[], None]:
 def bench_moe(tokens: int = 8192, warmup: int = 3, rounds: int = 10,
               shapes: Tuple[Tuple[str, int, int, int, int], ...] = SHAPES) -> List[Dict[str, object]]:
     from .bench import time_cuda
+    how = os.environ.get("JITFUSE_GROUPED_GEMM") or "auto"
     rows: List[Dict[str, object]] = []
     for name, h, f, e, k in shapes:
         torch.manual_seed(0)
@@ -111,7 +113,7 @@ def bench_moe(tokens: int = 8192, warmup: int = 3, rounds: int = 10,
                 fn(x, idx, w, w1, w2).backward(dy)
             return run
         variants = {
-            "jitfuse dropless": step(lambda *a: dropless(a[0], a[1], a[2])),
+            f"jitfuse dropless (grouped GEMM {how})": step(lambda *a: dropless(a[0], a[1], a[2])),
             f"jitfuse padded (capacity {cap})": step(lambda *a: padded(a[0], a[1], a[2])),
             "PyTorch eager loop (HF eager)": step(eager_loop),
             "torch._grouped_mm (HF grouped_mm)": step(grouped_mm),

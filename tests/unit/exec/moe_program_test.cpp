@@ -223,29 +223,25 @@ TEST_CASE("the dropless expert block: grouped linears after a packed permute rea
         CHECK(g.route == route);  // the permute's routing, in both passes
         CHECK(g.route_experts == 4);
         CHECK(g.route_splits == 2 * 602);  // after dest [T k] and src [T k]
-        CHECK(g.route_bound == 602);
-        CHECK(g.call.m == 151);  // the balanced share: explain's FLOPs and prepare's plan
-        const int64_t wk = g.call.n * g.call.k, grp = g.route_group;
-        switch (g.call.kind) {  // rows move with the group's first row; the weight sits at group g's block
+        CHECK(g.call.m == 602);            // every expert's rows: the T k bound (explain's FLOPs)
+        CHECK(g.route_weight == g.call.n * g.call.k);
+        CHECK(g.a_offset == 0);
+        CHECK(g.b_offset == 0);
+        CHECK(g.d_offset == 0);
+        switch (g.call.kind) {  // rows move with each expert's first row; the weight by expert
           case cuda::GemmKind::fwd:
+            CHECK((g.a_row == g.call.k && g.b_row == 0 && g.d_row == g.call.n));
+            break;
           case cuda::GemmKind::dgrad:
-            CHECK(g.a_row == (g.call.kind == cuda::GemmKind::fwd ? g.call.k : g.call.n));
-            CHECK(g.b_row == 0);
-            CHECK(g.b_offset == grp * wk);
-            CHECK(g.d_row == (g.call.kind == cuda::GemmKind::fwd ? g.call.n : g.call.k));
-            CHECK(g.a_offset == 0);
-            CHECK(g.d_offset == 0);
+            CHECK((g.a_row == g.call.n && g.b_row == 0 && g.d_row == g.call.k));
             break;
           case cuda::GemmKind::wgrad:
-            CHECK(g.a_row == g.call.n);
-            CHECK(g.b_row == g.call.k);
-            CHECK(g.d_row == 0);
-            CHECK(g.d_offset == grp * wk);
+            CHECK((g.a_row == g.call.n && g.b_row == g.call.k && g.d_row == 0));
             break;
         }
-        CHECK_THAT(s.what, Catch::Contains("expert " + std::to_string(grp) + "'s rows of op 0's routing"));
+        CHECK_THAT(s.what, Catch::Contains("4 experts, each over its rows of op 0's routing"));
       }
-    CHECK(routed == (training ? 2 * 4 * 3 : 2 * 4));
+    CHECK(routed == (training ? 2 * 3 : 2));  // one step per grouped linear and kind
     REQUIRE(route >= 0);
     CHECK(p->buffer(route).name == (training ? "op0.route" : "routing op0"));
     if (training) {  // the backward's GEMMs read the saved routing
