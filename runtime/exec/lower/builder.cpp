@@ -456,6 +456,11 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   push(std::move(s));
 }
 
+void Builder::note_last(const std::string& text) {
+  auto& steps = forward_ ? p_.forward : p_.backward;
+  if (!steps.empty()) steps.back().what += "; " + text;
+}
+
 void Builder::push(Step s) {
   for (int id : s.buffers()) touch(id);
   (forward_ ? p_.forward : p_.backward).push_back(std::move(s));

@@ -100,6 +100,8 @@ class Builder {
   // The number of steps of the current direction so far, and marking steps [from, end) as weight casts
   // (skipped by a call whose weights did not change).
   size_t steps() const { return (forward_ ? p_.forward : p_.backward).size(); }
+  // Appends "; <text>" to what the pass's last step says (explain): e.g. the memory a joint strategy saves.
+  void note_last(const std::string& text);
   // After the last group of a pass: the pass's batched FP8 update (fp8_delayed operand casts, FP8 GEMM
   // outputs) as its last step, which keeps their amax partials alive to the end.
   void end_pass();

@@ -152,7 +152,19 @@ GroupedGemm grouped_gemm_choice() {
   }();
   return choice;
 }
-constexpr int kGroupedMinExperts = 16;  // auto: from this many experts with rows, one grouped call
+// auto: from this many experts with rows, one grouped call (H200, bf16: per-expert cuBLASLt calls won at 8 experts,
+// 30.2 against 55.4 ms, and 64, 7.09 against 8.19; the grouped call at 128, 7.58 against 9.22; docs/benchmarks.md).
+constexpr int kGroupedMinExperts = 96;
+
+// cuBLAS's grouped kernels read 16-byte vectors: every pointer and leading dimension must allow them (a
+// misaligned one faults the kernel, as device run 6 showed); otherwise the per-expert cuBLASLt calls.
+bool grouped_aligned(const std::vector<cuda::GroupedOperands>& groups, const cuda::GemmCall& c, size_t esz) {
+  auto ok = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  if ((static_cast<size_t>(c.n) * esz) % 16 || (static_cast<size_t>(c.k) * esz) % 16) return false;
+  for (const auto& g : groups)
+    if (!ok(g.a) || !ok(g.b) || !ok(g.d)) return false;
+  return true;
+}
 
 // A dropless grouped linear's GEMM of one kind over every expert's rows this call (GemmStep::route); `c` has the
 // operands' base pointers. An empty expert writes nothing but its dW_g (zero, unless accumulating); fwd and dgrad
@@ -176,8 +188,9 @@ void run_routed_gemm(Runtime& rt, const GemmStep& g, cuda::GemmCall c, const int
     }
   }
   const GroupedGemm how = grouped_gemm_choice();
-  if (how == GroupedGemm::cublas ||
-      (how == GroupedGemm::automatic && static_cast<int64_t>(groups.size()) >= kGroupedMinExperts)) {
+  if ((how == GroupedGemm::cublas ||
+       (how == GroupedGemm::automatic && static_cast<int64_t>(groups.size()) >= kGroupedMinExperts)) &&
+      grouped_aligned(groups, c, esz)) {
     rt.blas->gemm_grouped(c, groups, stream);
   } else {
     for (const auto& grp : groups) {

@@ -192,8 +192,9 @@ TEST_CASE("tools/examples/moe_block.json: Mixtral's expert block at 8192 tokens 
   const auto text = json_util::read_file(std::string(JF_SOURCE_DIR) + "/tools/examples/moe_block.json");
   auto p = program_of(text, {8192, 4096});
   CHECK(p->ops[2].out == ops::Shape{8 * 2560, 4096});  // capacity 2560: 1.25 x 8192 x 2 / 8
-  REQUIRE(p->plan.forward.size() == 6);  // fork_norm, permute, 2 grouped linears, swiglu, unpermute + residual
+  REQUIRE(p->plan.forward.size() == 4);  // fork_norm, permute, the grouped MLP (joint), unpermute + residual
   CHECK(p->plan.forward.front().rule == "fork_norm");
+  CHECK(p->plan.forward[2].rule == "grouped_mlp_recompute");
   CHECK(p->plan.forward.back().rule == "moe_unpermute_residual");
   int gemms = 0;
   for (const auto* pass : {&p->forward, &p->backward})
@@ -269,4 +270,35 @@ TEST_CASE("a grouped_linear inside an expert block has one group per expert", "[
       {"op": "moe_unpermute"}, {"op": "grouped_linear", "num_groups": 3, "in_features": 256, "out_features": 64}]})",
                                  "<moe>", builtins().registry());
   CHECK(ops::infer(def, {300, 256}, {})[2].route_op == -1);
+}
+
+TEST_CASE("grouped_mlp_recompute: the expert MLP saves no FC2 input and the backward recomputes it", "[exec][moe]") {
+  const std::string text = R"({"ops": [{"op": "moe_permute", "num_experts": 4, "top_k": 2},
+      {"op": "grouped_linear", "num_groups": 4, "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
+      {"op": "grouped_linear", "num_groups": 4, "in_features": 512, "out_features": 256},
+      {"op": "moe_unpermute"}]})";
+  auto p = program_of(text, {300, 256});
+  REQUIRE(p->plan.forward.size() == 3);
+  CHECK(p->plan.forward[1].rule == "grouped_mlp_recompute");
+  CHECK(p->plan.backward.size() == 3);
+  // Saved: x (FC1's input, op 1) and h (the swiglu's input, op 2), not a (FC2's input, boundary 3).
+  bool saves_h = false;
+  for (int id : p->saved_set()) {
+    CHECK(id != p->values.at(3));
+    saves_h = saves_h || id == p->values.at(2);
+  }
+  CHECK(saves_h);
+  // The backward's first step after the unpermute's recomputes a from h with the swiglu's forward kernel.
+  std::vector<std::string> k = kernels(p->backward);
+  REQUIRE(k.size() >= 3);
+  CHECK(k[0] == "jf_moe_unpermute_bwd");
+  CHECK(k[1] == "jf_swiglu_fwd");
+  CHECK(k[2] == "jf_swiglu_bwd");
+  bool noted = false;
+  for (const auto& s : p->forward)
+    noted = noted || s.what.find("FC2's input (600 x 512) not saved, recomputed in the backward: saves 0.6 MiB") !=
+                         std::string::npos;
+  CHECK(noted);
+  // Without the rule (inference, or the rule's condition) the plan saves a: compare the saved bytes.
+  CHECK(p->saved_bytes > 0);
 }

@@ -43,6 +43,7 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"fp8_act_linear_quantize", Pass::forward}, {"fp8_linear_quantize", Pass::forward},
       {"fp8_linear_pointwise_bwd", Pass::backward},
       {"linear_cross_entropy_chunked", Pass::joint}, {"moe_unpermute_residual", Pass::forward},
+      {"grouped_mlp_recompute", Pass::joint},
   };
   CHECK(rs.rules().size() == expected.size());
   std::set<size_t> orders;
@@ -101,6 +102,12 @@ nlohmann::json canonical_ops(const jitfuse::rules::Rule& r, int64_t& cols) {
     nlohmann::json op = e.attrs;
     op["op"] = e.kinds[0];
     if (e.kinds[0] == "linear") {
+      op["in_features"] = c;
+      op["out_features"] = 128;
+      c = 128;
+    }
+    if (e.kinds[0] == "grouped_linear") {  // 16 rows: 4 equal groups
+      op["num_groups"] = 4;
       op["in_features"] = c;
       op["out_features"] = 128;
       c = 128;

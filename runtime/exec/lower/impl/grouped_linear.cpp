@@ -40,13 +40,13 @@ void routed_gemm(Builder& b, int i, cuda::GemmKind kind, int route, RoutedOperan
                         b.rule_or_unfused(), op.label(), e, op.route_op, what));
 }
 
-void lower_routed(Builder& b, int i) {
+void lower_routed(Builder& b, int i, bool save_input) {
   const ops::Op& op = b.ops().at(static_cast<size_t>(i));
   const int64_t k = ops::cols_of(op.in), n = ops::cols_of(op.out);
   const int route = b.saved_context(op.route_op, Key::route), w = b.param(i, Key::weight);
   if (b.forward()) {
     routed_gemm(b, i, cuda::GemmKind::fwd, route, {b.act(i), k}, {w, 0}, {b.act(i + 1), n}, "y_g = x_g W_g^T");
-    b.boundary_saves(i, i + 1);
+    if (save_input) b.boundary_saves(i, i + 1);
     return;
   }
   const int x = b.saved_context(i, Key::input), dy = b.grad_of(i + 1), dx = b.grad_of(i), dw = b.grad(i, Key::weight);
@@ -56,9 +56,9 @@ void lower_routed(Builder& b, int i) {
 
 }  // namespace
 
-void lower_grouped_linear(Builder& b, int i) {
+void lower_grouped_linear(Builder& b, int i, bool save_input) {
   const ops::Op& op = b.ops().at(static_cast<size_t>(i));
-  if (op.route_op >= 0 && op.route_packed) return lower_routed(b, i);
+  if (op.route_op >= 0 && op.route_packed) return lower_routed(b, i, save_input);
   const int64_t groups = op.attrs.at("num_groups").get<int64_t>();
   const int64_t k = ops::cols_of(op.in), n = ops::cols_of(op.out), c = ops::rows_of(op.in) / groups;
   const std::string who = b.rule_or_unfused() + ": " + op.label();
@@ -84,7 +84,7 @@ void lower_grouped_linear(Builder& b, int i) {
   if (b.forward()) {
     for (int64_t g = 0; g < groups; ++g)
       gemm(cuda::GemmKind::fwd, g, {b.act(i), c * k}, {w, n * k}, {b.act(i + 1), c * n}, "y_g = x_g W_g^T");
-    b.boundary_saves(i, i + 1);
+    if (save_input) b.boundary_saves(i, i + 1);
     return;
   }
   const int x = b.saved_context(i, Key::input), dy = b.grad_of(i + 1), dx = b.grad_of(i), dw = b.grad(i, Key::weight);

@@ -4,8 +4,9 @@
 
 namespace jitfuse::exec {
 
-// The builder's current group is grouped_linear op `i` alone. Forward: y_g = x_g W_g^T for each of the G groups
-// of rows (GEMMs over row and weight offsets; saves x). Backward: dx_g = dy_g W_g and dW_g = dy_g^T x_g.
-void lower_grouped_linear(Builder& b, int i);
+// Grouped_linear op `i` of the builder's current group. Forward: y_g = x_g W_g^T for each of the G groups of rows
+// (GEMMs over row and weight offsets; saves x unless `save_input` is false: a joint strategy that recomputes it).
+// Backward: dx_g = dy_g W_g and dW_g = dy_g^T x_g, reading x as saved context (op i, input).
+void lower_grouped_linear(Builder& b, int i, bool save_input = true);
 
 }  // namespace jitfuse::exec
