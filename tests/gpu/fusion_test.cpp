@@ -99,6 +99,8 @@ jf_context context_without(const char* pass, const std::vector<std::string>& onl
                        {"pattern", r.impl.strategy == "regenerate_dropout_mask"   ? nlohmann::json::array({"dropout"})
                                    : r.impl.strategy == "relu_bitmask"            ? nlohmann::json::array({"linear", "bias", "relu", "linear"})
                                    : r.impl.strategy == "overlap_collective"      ? nlohmann::json::array({"all_gather", "linear"})
+                                   : r.impl.strategy == "recompute_gated_input"
+                                       ? nlohmann::json::array({"grouped_linear", "swiglu", "grouped_linear"})
                                    : r.impl.strategy == "chunked_linear_cross_entropy"
                                        ? nlohmann::json::array({"linear", "cross_entropy"})
                                    : r.impl.strategy.empty()                      ? nlohmann::json::array({"identity"})

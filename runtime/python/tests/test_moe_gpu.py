@@ -228,3 +228,30 @@ def test_hf_experts_left_with_the_reason():
     report = jt.hf.apply(model, norms=False, mlps=False)
     left = [en for en in report.entries if en.kind == "experts" and not en.swapped]
     assert len(left) == 1 and "activation" in left[0].reason
+
+
+def test_hf_experts_with_a_capacity_capture_in_a_cuda_graph():
+    """hf.apply(expert_capacity=...): the padded block, routing on the device, no host synchronisation: the whole
+    model's forward captures in a CUDA graph and replays with new tokens as its eager forward computes them."""
+    model = moe_model("mixtral", dtype=torch.bfloat16).eval()
+    report = jt.hf.apply(model, expert_capacity=2.0)
+    assert all(en.swapped for en in report.entries if en.kind == "experts") and "capacity factor 2" in str(report)
+    ids = torch.randint(0, 256, (2, 32), device=DEV)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits.clone()  # also prepares every program outside the capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            model(ids, use_cache=False)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = model(ids, use_cache=False).logits
+        g.replay()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        for seed in (1, 2):
+            ids.copy_(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed)).to(DEV))
+            g.replay()
+            torch.testing.assert_close(out, model(ids, use_cache=False).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="expert_capacity must be None"):
+        jt.hf.apply(moe_model("mixtral"), expert_capacity=0)

@@ -41,6 +41,7 @@ computes exactly what it replaced, so the model is right whatever its layer's fo
 """
 
 import inspect
+import math
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -503,9 +504,11 @@ def _experts_reference(gate_up: Tensor, down: Tensor, gated: str, x: Tensor, idx
 
 
 def _experts_ops(mod: nn.Module, lay: Tuple[int, int, int], gated: str, top_k: int,
-                 index_dtype: torch.dtype) -> List[_m.BasicOp]:
+                 index_dtype: torch.dtype, capacity: Optional[int] = None) -> List[_m.BasicOp]:
     e, h, i = lay
-    return [_m.MoEPermute(e, top_k, index_dtype=index_dtype),
+    permute = (_m.MoEPermute(e, top_k, index_dtype=index_dtype) if capacity is None else
+               _m.MoEPermute(e, top_k, index_dtype=index_dtype, layout="padded", capacity=capacity))
+    return [permute,
             _Borrowed("grouped_linear", {"num_groups": e, "in_features": h, "out_features": 2 * i},
                       [("weight", _Source(mod, "gate_up_proj"))]),
             _Borrowed(gated, {}, []),
@@ -524,14 +527,18 @@ class _ExpertsSwap:
     width: int
     instance_forward: Optional[Callable[..., Any]] = None
     kind: str = "experts"
-    seqs: Dict[Tuple[int, torch.dtype], "_m.Sequential"] = field(default_factory=dict)
+    capacity_factor: Optional[float] = None
+    seqs: Dict[Tuple[int, torch.dtype, Optional[int]], "_m.Sequential"] = field(default_factory=dict)
 
-    def seq(self, top_k: int, index_dtype: torch.dtype) -> "_m.Sequential":
-        s = self.seqs.get((top_k, index_dtype))
+    def seq(self, tokens: int, top_k: int, index_dtype: torch.dtype) -> "_m.Sequential":
+        cap = None
+        if self.capacity_factor is not None:  # GShard's capacity, in rows of 8, at most every token
+            cap = min(tokens, max(8, math.ceil(self.capacity_factor * tokens * top_k / self.lay[0] / 8) * 8))
+        s = self.seqs.get((top_k, index_dtype, cap))
         if s is None:
-            s = _m.Sequential(*_experts_ops(self.mod, self.lay, self.gated, top_k, index_dtype),
+            s = _m.Sequential(*_experts_ops(self.mod, self.lay, self.gated, top_k, index_dtype, cap),
                               name=_seq_name(self.path, "experts"))
-            self.seqs[(top_k, index_dtype)] = s
+            self.seqs[(top_k, index_dtype, cap)] = s
         return s
 
 
@@ -542,14 +549,15 @@ def _experts_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if (isinstance(idx, Tensor) and isinstance(w, Tensor) and idx.dim() == 2 and idx.dtype in (torch.int64, torch.int32)
                 and w.shape == idx.shape and w.is_floating_point() and idx.device == x.device == w.device
                 and idx.shape[0] == x.shape[0] and 1 <= idx.shape[1] <= swap.lay[0]):
-            seq = swap.seq(int(idx.shape[1]), idx.dtype)
+            seq = swap.seq(int(x.shape[0]), int(idx.shape[1]), idx.dtype)
             if seq.training != self.training:
                 seq.train(self.training)
             return seq(x, idx, w)
     return _original_forward(self)(*args, **kwargs)
 
 
-def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: Report) -> None:
+def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: Report,
+                  capacity_factor: Optional[float] = None) -> None:
     """Swaps a fused experts module for the dropless jitfuse expert block (permute, grouped gate/up GEMMs, the
     gated op, grouped down GEMMs, the weighted combine) on its own two parameters, after a probe."""
     cls = type(mod).__name__
@@ -582,10 +590,12 @@ def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: 
         report.entries.append(Entry(path, "experts", False, cls, why))
         return
     inst = mod.__dict__.get("forward")
-    mod.__dict__[_ATTR] = _ExpertsSwap(mod, lay, gated, path, _Source(mod, "gate_up_proj"), lay[1], inst)
+    mod.__dict__[_ATTR] = _ExpertsSwap(mod, lay, gated, path, _Source(mod, "gate_up_proj"), lay[1], inst,
+                                       capacity_factor=capacity_factor)
     mod.forward = types.MethodType(_experts_forward, mod)
+    how = "dropless" if capacity_factor is None else f"padded, capacity factor {capacity_factor:g}"
     report.entries.append(Entry(path, "experts", True, f"moe_permute, grouped_linear {lay[1]}->{2 * lay[2]}, {gated}, "
-                                f"grouped_linear {lay[2]}->{lay[1]}, moe_unpermute ({lay[0]} experts, dropless)"))
+                                f"grouped_linear {lay[2]}->{lay[1]}, moe_unpermute ({lay[0]} experts, {how})"))
 
 
 # ---- the causal-LM head and its loss ---------------------------------------------------------------------
@@ -718,7 +728,7 @@ def _is_norm(m: nn.Module) -> bool:
 
 
 def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool = False,
-          experts: bool = True) -> Report:
+          experts: bool = True, expert_capacity: Optional[float] = None) -> Report:
     """Swaps, in place, every norm (``norms``) and MLP (``mlps``) module of ``model`` that jitfuse can run for
     a jitfuse sequence on the module's own parameters, and returns the :class:`Report` (every module found,
     swapped or left with the reason). ``loss=True``: a causal LM's ``lm_head`` and HF's loss too, as the fused
@@ -726,7 +736,15 @@ def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool
     before are left as they are (``apply`` twice is harmless; it re-joins gate/up weights that a ``.to()``
     split). ``experts``: the fused experts of mixture-of-experts layers (Mixtral, Qwen3-MoE, OLMoE: ``gate_up_proj``
     and ``down_proj`` stacked per expert) as the dropless jitfuse expert block; the router stays the model's
-    (its logits, the auxiliary loss and their hooks unchanged). :func:`revert` undoes it."""
+    (its logits, the auxiliary loss and their hooks unchanged). ``expert_capacity``: None (dropless, as the
+    model computes; each expert's row count is read on the host once per pass, so no CUDA-graph capture) or a
+    capacity factor (GShard's: each expert keeps at most ``factor x tokens x top_k / experts`` rows, the rest of
+    its tokens dropped; fixed shapes and routing on the device, so the model's forward captures in a CUDA graph).
+    :func:`revert` undoes it."""
+    if expert_capacity is not None and (isinstance(expert_capacity, bool) or not isinstance(expert_capacity, (int, float))
+                                        or not 0 < float(expert_capacity) <= 1024):
+        raise ValueError(f"expert_capacity must be None (dropless) or a capacity factor in (0, 1024], "
+                         f"not {expert_capacity!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"jitfuse.torch.hf.apply takes an nn.Module, not {type(model).__name__}")
     report = Report()
@@ -744,7 +762,8 @@ def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool
         if experts:
             elay = _experts_layout(mod)
             if elay is not None:
-                _swap_experts(path, mod, elay, report)
+                _swap_experts(path, mod, elay, report,
+                              None if expert_capacity is None else float(expert_capacity))
                 continue
         if mlps:
             lay = _linears(mod)
@@ -786,7 +805,7 @@ def swapped(model: nn.Module) -> Dict[str, "_m.Sequential"]:
         if isinstance(swap, _LossSwap):
             out["lm_head+loss"] = swap.mean
         elif isinstance(swap, _ExpertsSwap):
-            for (k, _), seq in swap.seqs.items():
+            for (k, _, _), seq in swap.seqs.items():
                 out[p if len(swap.seqs) == 1 else f"{p}[top_k={k}]"] = seq
         elif swap is not None:
             out[p] = swap.seq
