@@ -258,3 +258,33 @@ def test_hf_experts_with_a_capacity_capture_in_a_cuda_graph():
             check("replayed logits", out, model(ids, use_cache=False).logits, torch.bfloat16)
     with pytest.raises(ValueError, match="expert_capacity must be None"):
         jt.hf.apply(moe_model("mixtral"), expert_capacity=0)
+
+
+def test_hf_experts_swap_generates_the_same_tokens_and_trains_with_checkpointing_and_compile():
+    """The decode loop (generate: 1-token steps through the dropless block, each expert's rows read per call) gives
+    the unmodified model's greedy tokens in fp32; a training step with gradient checkpointing (the block's forward
+    recomputed) and one under torch.compile (a graph break around the Sequential) give the unmodified model's
+    gradients."""
+    model = moe_model("qwen3_moe")
+    ref = copy.deepcopy(model)
+    jt.hf.apply(model)
+    ids = torch.randint(0, 256, (2, 8), device=DEV)
+    with torch.no_grad():
+        a = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        b = ref.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+    model.train()
+    ref.train()
+    model.gradient_checkpointing_enable()
+    ref.gradient_checkpointing_enable()
+    batch = torch.randint(0, 256, (2, 48), device=DEV)
+    for m in (model, ref):
+        m(batch, labels=batch).loss.backward()
+    compiled = torch.compile(model)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled(batch, labels=batch).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        scale = max(q.grad.abs().max().item(), 1e-12)
+        assert (grads[n] - q.grad).abs().max().item() <= 2e-3 * scale, f"checkpointing: {n}"
+        assert (p.grad - q.grad).abs().max().item() <= 2e-3 * scale, f"compile: {n}"
