@@ -188,6 +188,8 @@ void check_fp8(const GemmCall& g, bool launching) {
 
 void check_gemm_call(const GemmCall& call) {
   if (call.fp8) check_fp8(call, true);
+  if (call.batch < 1 || (call.batch > 1 && (call.fp8 || call.epilogue != Epilogue::none)))
+    fail(Status::internal, "a batched GEMM ({} GEMMs) is plain: no FP8, no epilogue", call.batch);
 }
 
 // The cache key: everything the heuristic's answer depends on (what the formatted string key of earlier
@@ -204,9 +206,10 @@ struct GemmKey {
   int at = 0, bt = 0, bias_dt = -1;
   bool fast_accum = false, amax = false;
   int a_scaling = 0, b_scaling = 0;
+  int64_t batch = 1, stride_a = 0, stride_b = 0, stride_d = 0;
   auto tie() const {
     return std::tie(kind, m, n, k, ldy, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, al_bias, fp8, at, bt, bias_dt,
-                    fast_accum, amax, a_scaling, b_scaling);
+                    fast_accum, amax, a_scaling, b_scaling, batch, stride_a, stride_b, stride_d);
   }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
   bool operator==(const GemmKey& o) const { return tie() == o.tie(); }
@@ -297,6 +300,10 @@ GemmKey key_of(const GemmCall& g, const Problem& p) {
   k.dt = static_cast<int>(p.dt);
   k.epi = static_cast<int>(p.epi);
   k.beta = g.beta != 0.f;
+  k.batch = g.batch;
+  k.stride_a = g.stride_a;
+  k.stride_b = g.stride_b;
+  k.stride_d = g.stride_d;
   // An odd K (or N) leaves the columns of a matrix whose pointer is 256-byte aligned at 2- or 4-byte
   // offsets: the MIN_ALIGNMENT preferences below say so, so the heuristic offers only algorithms that load
   // such columns (cuBLASLt sees the layouts too; the preferences do not rely on it).
@@ -366,6 +373,18 @@ struct Descriptors {
                "cublasLtMatrixLayoutInit(B)");
     check_blas(cublasLtMatrixLayoutInit(lc, p.ct, p.m, p.n, static_cast<int64_t>(p.ldd)), "cublasLtMatrixLayoutInit(C)");
     check_blas(cublasLtMatrixLayoutInit(ld, p.dt, p.m, p.n, static_cast<int64_t>(p.ldd)), "cublasLtMatrixLayoutInit(D)");
+    if (g.batch > 1) {  // cuBLASLt's A is our b, its B our a (problem_of)
+      const int32_t count = static_cast<int32_t>(g.batch);
+      const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {
+          {la, g.stride_b}, {lb, g.stride_a}, {lc, g.stride_d}, {ld, g.stride_d}};
+      for (const auto& [layout, stride] : strided) {
+        check_blas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
+                   "set BATCH_COUNT");
+        check_blas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                    sizeof(stride)),
+                   "set STRIDED_BATCH_OFFSET");
+      }
+    }
   }
   Descriptors(const Descriptors&) = delete;
   Descriptors& operator=(const Descriptors&) = delete;
@@ -488,6 +507,7 @@ void Blas::gemm_rows(const GemmCall& g, CUstream stream) {
 const GemmPlan* Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune, const GemmPlan* hint,
                           std::shared_ptr<const GemmPlan>* found) {
   if (g.fp8) check_fp8(g, launch || tune);
+  if (g.batch != 1) check_gemm_call(g);
   const Problem p = problem_of(g);
   const GemmKey key = key_of(g, p);
   const GemmPlan* plan = hint && hint->key == key ? hint : nullptr;

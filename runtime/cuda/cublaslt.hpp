@@ -98,6 +98,10 @@ struct GemmCall {
   // than n pads the rows (the chunked LM head's logits at an odd vocabulary: 16-byte aligned rows). After
   // fp8, which aggregate initialisers stop before.
   int64_t ldy = 0;
+  // Strided batch (equal groups of a grouped linear: G experts of C rows each): `batch` GEMMs of these dims in
+  // one cuBLASLt call, GEMM i's a, b and d at i x stride_a, stride_b, stride_d elements (C with d's).
+  int64_t batch = 1;
+  int64_t stride_a = 0, stride_b = 0, stride_d = 0;
 };
 
 // Throws invalid_argument (naming the problem's dims and what to change) when `call` breaks a rule of

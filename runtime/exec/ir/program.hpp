@@ -172,7 +172,7 @@ struct GemmStep {
   int64_t route_weight = 0;
   int64_t a_row = 0, b_row = 0, d_row = 0;
   bool routed() const { return route >= 0; }
-  int64_t flops() const { return 2 * call.m * call.n * call.k; }
+  int64_t flops() const { return 2 * call.m * call.n * call.k * call.batch; }
   int operand(GemmOperand o) const;  // its buffer id, -1: none
 };
 // Who takes a GEMM operand's pointer, and what it is.

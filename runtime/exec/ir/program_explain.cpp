@@ -42,7 +42,7 @@ std::string bytes_text(double b) {
 // Napkin bytes of a GEMM: every operand read once, the output written once.
 std::pair<int64_t, int64_t> gemm_bytes(const Program& p, const GemmStep& g) {
   int64_t r = 0, w = 0;
-  const bool chunk = g.call.kind != cuda::GemmKind::wgrad && g.a >= 0 && g.call.m < p.buffer(g.a).rows;
+  const bool chunk = g.call.kind != cuda::GemmKind::wgrad && g.call.batch == 1 && g.a >= 0 && g.call.m < p.buffer(g.a).rows;
   if (chunk) {  // a row chunk of a pipelined GEMM (docs/parallel.md): its own rows
     const int64_t e = ops::dtype_bytes(g.call.dtype), m = g.call.m, n = g.call.n, k = g.call.k;
     const bool dgrad = g.call.kind == cuda::GemmKind::dgrad;
@@ -120,6 +120,9 @@ std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json&
   }
   j["operands"] = std::move(operands);
   if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
+  if (g.call.batch > 1)
+    j["batch"] = {{"count", g.call.batch}, {"stride_a", g.call.stride_a}, {"stride_b", g.call.stride_b},
+                  {"stride_d", g.call.stride_d}};
   if (g.routed())  // a dropless grouped GEMM: every expert's, m the rows' bound; the rows come from the routing
     j["rows"] = {{"routing", name(g.route)}, {"experts", g.route_experts},
                  {"read", "on the host, once per pass (one stream synchronisation; no CUDA graph capture)"}};

@@ -137,7 +137,7 @@ TEST_CASE("moe_unpermute_residual: the combine adds the residual channel in the 
   for (const auto& g : p->plan.backward) CHECK(g.rule != "moe_unpermute_residual");
 }
 
-TEST_CASE("the expert block: padded routing, grouped linears as one GEMM per expert and pass", "[exec][moe]") {
+TEST_CASE("the expert block: padded routing, grouped linears as one strided-batched GEMM per pass and kind", "[exec][moe]") {
   auto p = program_of(R"({"ops": [{"op": "make_extra_output", "channel": "res"}, {"op": "rmsnorm"},
       {"op": "moe_permute", "num_experts": 8, "top_k": 2, "capacity": 96, "layout": "padded"},
       {"op": "grouped_linear", "num_groups": 8, "in_features": 256, "out_features": 1024}, {"op": "swiglu"},
@@ -150,21 +150,22 @@ TEST_CASE("the expert block: padded routing, grouped linears as one GEMM per exp
     for (const auto& s : *pass) {
       if (s.kind != exec::Step::Kind::gemm) continue;
       const auto& c = s.gemm.call;
-      CHECK(c.m == 96);  // every GEMM: one expert's rows
+      CHECK(c.m == 96);       // one expert's rows
+      CHECK(c.batch == 8);    // every expert in one strided-batched GEMM
+      CHECK(s.gemm.a_offset == 0);
+      CHECK(s.gemm.d_offset == 0);
       fwd += c.kind == cuda::GemmKind::fwd;
       dgrad += c.kind == cuda::GemmKind::dgrad;
       wgrad += c.kind == cuda::GemmKind::wgrad;
-      if (c.kind == cuda::GemmKind::fwd && c.n == 1024) {  // the first grouped linear's group g
-        const int64_t g = s.gemm.a_offset / (96 * 256);
-        CHECK(s.gemm.a_offset == g * 96 * 256);
-        CHECK(s.gemm.b_offset == g * 1024 * 256);
-        CHECK(s.gemm.d_offset == g * 96 * 1024);
-      }
-      if (c.kind == cuda::GemmKind::wgrad) CHECK(s.gemm.d_offset == (s.gemm.a_offset / (96 * c.n)) * c.n * c.k);
+      const int64_t rows_a = 96 * (c.kind == cuda::GemmKind::fwd ? c.k : c.n), wt = c.n * c.k;
+      CHECK(c.stride_a == rows_a);
+      CHECK(c.stride_b == (c.kind == cuda::GemmKind::wgrad ? 96 * c.k : wt));
+      CHECK(c.stride_d == (c.kind == cuda::GemmKind::fwd ? 96 * c.n : c.kind == cuda::GemmKind::dgrad ? 96 * c.k : wt));
+      CHECK(s.gemm.flops() == 2 * 8 * 96 * c.n * c.k);
     }
-  CHECK(fwd == 16);
-  CHECK(dgrad == 16);
-  CHECK(wgrad == 16);
+  CHECK(fwd == 2);
+  CHECK(dgrad == 2);
+  CHECK(wgrad == 2);
   for (const auto& s : p->forward)
     if (s.kind == exec::Step::Kind::kernel && s.kernel->spec.moe) CHECK(s.kernel->spec.moe->padded);
   // The routing holds one src per padded row.
@@ -199,7 +200,7 @@ TEST_CASE("tools/examples/moe_block.json: Mixtral's expert block at 8192 tokens 
   int gemms = 0;
   for (const auto* pass : {&p->forward, &p->backward})
     for (const auto& s : *pass) gemms += s.kind == exec::Step::Kind::gemm;
-  CHECK(gemms == 2 * 8 * 3);  // two grouped linears x 8 experts x (forward, dgrad, wgrad)
+  CHECK(gemms == 2 * 3);  // two grouped linears x (forward, dgrad, wgrad), each one batched GEMM of the 8 experts
 }
 
 TEST_CASE("the dropless expert block: grouped linears after a packed permute read each expert's rows per call",

@@ -1,7 +1,7 @@
-// grouped_linear as GEMM steps (grouped_linear.hpp), one per group and pass.
-// - Equal groups (alone, or after a padded moe_permute: C rows per expert): every GEMM's shape is known when the
-//   program is planned and no step depends on the routing: no host synchronisation, and a CUDA graph replays
-//   it. The rows an expert did not get are zero and add nothing.
+// grouped_linear as GEMM steps (grouped_linear.hpp), one per pass and kind.
+// - Equal groups (alone, or after a padded moe_permute: C rows per expert): one strided-batched cuBLASLt GEMM of
+//   every group, whose shape is known when the program is planned; no step depends on the routing: no host
+//   synchronisation, and a CUDA graph replays it. The rows an expert did not get are zero and add nothing.
 // - After a packed (dropless) moe_permute: one step per pass and kind; expert g's rows are [starts[g], starts[g] +
 //   splits[g]), which the permute's kernels counted on the device; the executor reads them on the host once per
 //   pass and runs every expert's GEMM (GemmStep::route).
@@ -61,37 +61,34 @@ void lower_grouped_linear(Builder& b, int i, bool save_input) {
   if (op.route_op >= 0 && op.route_packed) return lower_routed(b, i, save_input);
   const int64_t groups = op.attrs.at("num_groups").get<int64_t>();
   const int64_t k = ops::cols_of(op.in), n = ops::cols_of(op.out), c = ops::rows_of(op.in) / groups;
-  const std::string who = b.rule_or_unfused() + ": " + op.label();
   const int w = b.param(i, Key::weight);
-  // One GEMM of group g: a, b and d at group g's rows (or weight) — offsets in elements, per matrix's row width.
+  // Equal groups: one strided-batched GEMM per kind, GEMM g over group g's C rows (and weight); `stride`: the
+  // elements one group of an operand spans.
   struct Operand {
     int buffer;
-    int64_t group_elems;  // elements one group of it spans
+    int64_t stride;
   };
-  auto gemm = [&](cuda::GemmKind kind, int64_t g, Operand a, Operand bb, Operand d, const std::string& what) {
+  auto gemm = [&](cuda::GemmKind kind, Operand a, Operand bb, Operand d, const std::string& what) {
     GemmStep s = b.linear_gemm(i, kind);
     s.call.m = c;
-    s.call.n = n;
-    s.call.k = k;
+    s.call.batch = groups;
     s.a = a.buffer;
-    s.a_offset = g * a.group_elems;
     s.b = bb.buffer;
-    s.b_offset = g * bb.group_elems;
     s.d = d.buffer;
-    s.d_offset = g * d.group_elems;
-    b.gemm(s, fmt::format("{}: group {} of {}, rows [{}, {}): {}", who, g, groups, g * c, (g + 1) * c, what));
+    s.call.stride_a = a.stride;
+    s.call.stride_b = bb.stride;
+    s.call.stride_d = d.stride;
+    b.gemm(s, fmt::format("{}: {}: {} groups of {} rows, one strided-batched GEMM: {}", b.rule_or_unfused(),
+                          op.label(), groups, c, what));
   };
   if (b.forward()) {
-    for (int64_t g = 0; g < groups; ++g)
-      gemm(cuda::GemmKind::fwd, g, {b.act(i), c * k}, {w, n * k}, {b.act(i + 1), c * n}, "y_g = x_g W_g^T");
+    gemm(cuda::GemmKind::fwd, {b.act(i), c * k}, {w, n * k}, {b.act(i + 1), c * n}, "y_g = x_g W_g^T");
     if (save_input) b.boundary_saves(i, i + 1);
     return;
   }
   const int x = b.saved_context(i, Key::input), dy = b.grad_of(i + 1), dx = b.grad_of(i), dw = b.grad(i, Key::weight);
-  for (int64_t g = 0; g < groups; ++g) {
-    gemm(cuda::GemmKind::dgrad, g, {dy, c * n}, {w, n * k}, {dx, c * k}, "dx_g = dy_g W_g");
-    gemm(cuda::GemmKind::wgrad, g, {dy, c * n}, {x, c * k}, {dw, n * k}, "dW_g = dy_g^T x_g");
-  }
+  gemm(cuda::GemmKind::dgrad, {dy, c * n}, {w, n * k}, {dx, c * k}, "dx_g = dy_g W_g");
+  gemm(cuda::GemmKind::wgrad, {dy, c * n}, {x, c * k}, {dw, n * k}, "dW_g = dy_g^T x_g");
 }
 
 }  // namespace jitfuse::exec

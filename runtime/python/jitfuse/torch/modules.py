@@ -698,8 +698,9 @@ class MoEUnpermute(BasicOp):
 
 class GroupedLinear(BasicOp):
     """``y_g = x_g W_g^T`` per group of rows: one weight ``[num_groups, out_features, in_features]`` (the experts'
-    weights stacked, as Hugging Face's fused experts store ``gate_up_proj`` and ``down_proj``), one cuBLASLt GEMM
-    per group and pass. Between a :class:`MoEPermute` and its :class:`MoEUnpermute` the groups are the experts'
+    weights stacked, as Hugging Face's fused experts store ``gate_up_proj`` and ``down_proj``): after a dropless
+    MoEPermute one GEMM per expert over its rows (or one cuBLAS grouped call), with equal groups one strided-batched
+    GEMM per pass. Between a :class:`MoEPermute` and its :class:`MoEUnpermute` the groups are the experts'
     rows (``num_groups`` = ``num_experts``); alone, the rows are ``num_groups`` equal groups. ``weight=``: use an
     existing parameter (shared, no copy) instead of a new one."""
 
