@@ -288,3 +288,17 @@ def test_hf_experts_swap_generates_the_same_tokens_and_trains_with_checkpointing
         scale = max(q.grad.abs().max().item(), 1e-12)
         assert (grads[n] - q.grad).abs().max().item() <= 2e-3 * scale, f"checkpointing: {n}"
         assert (p.grad - q.grad).abs().max().item() <= 2e-3 * scale, f"compile: {n}"
+
+
+def test_hf_experts_swap_on_the_default_grouped_mm_implementation():
+    """transformers 5's default experts implementation (grouped_mm) in bf16, as users get it: the probe accepts it and
+    the swapped model's logits and loss match the unmodified model's within bf16's tolerance."""
+    model = moe_model("olmoe", dtype=torch.bfloat16, impl="grouped_mm")
+    ref = copy.deepcopy(model)
+    report = jt.hf.apply(model, norms=False, mlps=False)
+    assert [en.swapped for en in report.entries if en.kind == "experts"] == [True, True], str(report)
+    ids = torch.randint(0, 256, (2, 64), device=DEV)
+    with torch.no_grad():
+        out, want = model(ids, labels=ids), ref(ids, labels=ids)
+    check("logits", out.logits, want.logits, torch.bfloat16)
+    assert abs(out.loss.item() - want.loss.item()) <= 0.01 * abs(want.loss.item())
