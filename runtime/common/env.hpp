@@ -17,6 +17,7 @@ namespace jitfuse::env {
 // JITFUSE_GEMM_TUNING      0: cuBLASLt's first heuristic choice for every GEMM (no timing at prepare)
 // JITFUSE_GEMM_TUNING_MAX_BYTES  largest scratch a GEMM is timed on at prepare (default 256M; 0: no cap)
 // JITFUSE_NCCL_LIBRARY     absolute path of the libnccl.so.2 to load (default: the loader's, then CUDA's)
+// JITFUSE_GROUPED_GEMM     lt|cublas|auto: how a dropless MoE grouped linear runs its experts' GEMMs
 std::optional<std::string> get(const char* name);
 bool flag(const char* name);  // set and not "0"/"false"/""
 std::vector<std::string> split_path(const std::string& s);

@@ -3,13 +3,14 @@
 #include "exec/run/executor.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <tuple>
 
+#include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/log.hpp"
+#include "common/text.hpp"
 #include "exec/run/fp8/update.hpp"
 
 namespace jitfuse::exec {
@@ -143,11 +144,11 @@ class HostRoutes {
 enum class GroupedGemm { automatic, lt, cublas };
 GroupedGemm grouped_gemm_choice() {
   static const GroupedGemm choice = [] {
-    const char* v = std::getenv("JITFUSE_GROUPED_GEMM");
-    if (!v || !*v || std::strcmp(v, "auto") == 0) return GroupedGemm::automatic;
-    if (std::strcmp(v, "lt") == 0) return GroupedGemm::lt;
-    if (std::strcmp(v, "cublas") == 0) return GroupedGemm::cublas;
-    log().warn("JITFUSE_GROUPED_GEMM='{}' is not auto, lt or cublas: using auto", std::string(v).substr(0, 40));
+    const std::optional<std::string> v = env::get("JITFUSE_GROUPED_GEMM");
+    if (!v || v->empty() || *v == "auto") return GroupedGemm::automatic;
+    if (*v == "lt") return GroupedGemm::lt;
+    if (*v == "cublas") return GroupedGemm::cublas;
+    log().warn("JITFUSE_GROUPED_GEMM='{}' is not auto, lt or cublas: using auto", text::sanitize_message(v->substr(0, 40)));
     return GroupedGemm::automatic;
   }();
   return choice;
