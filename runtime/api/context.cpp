@@ -260,11 +260,10 @@ std::shared_ptr<const exec::Prepared> Sequence::prepared_for(const ops::Shape& i
 }
 
 void Sequence::refuse_inside_capture(CUstream stream, const ops::Shape& input, bool training) const {
-  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
-  const CUresult r = cuda::driver().cuStreamIsCapturing(stream, &capture);
-  // The legacy stream answers "implicit capture" while another stream captures in global mode.
-  if (r != CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) cuda::check(r, "cuStreamIsCapturing");
-  if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || capture != CU_STREAM_CAPTURE_STATUS_NONE)
+  CUresult r = CUDA_SUCCESS;
+  const bool capturing = cuda::stream_capturing(stream, &r);
+  cuda::check(r, "cuStreamIsCapturing");
+  if (capturing)
     fail(Status::not_prepared, "sequence '{}': input shape {} ({}) is not prepared and the stream is capturing a "
          "CUDA graph, where jitfuse cannot compile or load kernels: call jf_sequence_prepare(seq, shape, {}, stream) "
          "before the capture", def.name, ops::shape_str(input), training ? "training" : "inference", training ? 1 : 0);

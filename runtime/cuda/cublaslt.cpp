@@ -186,10 +186,17 @@ void check_fp8(const GemmCall& g, bool launching) {
 
 }  // namespace
 
-void check_gemm_call(const GemmCall& call) {
-  if (call.fp8) check_fp8(call, true);
+namespace {
+// A strided batch runs plain GEMMs only.
+void check_batch(const GemmCall& call) {
   if (call.batch < 1 || (call.batch > 1 && (call.fp8 || call.epilogue != Epilogue::none)))
     fail(Status::internal, "a batched GEMM ({} GEMMs) is plain: no FP8, no epilogue", call.batch);
+}
+}  // namespace
+
+void check_gemm_call(const GemmCall& call) {
+  if (call.fp8) check_fp8(call, true);
+  check_batch(call);
 }
 
 // The cache key: everything the heuristic's answer depends on (what the formatted string key of earlier
@@ -390,6 +397,13 @@ struct Descriptors {
   Descriptors& operator=(const Descriptors&) = delete;
 };
 
+// cublasLtMatmul of `g` (problem `p`, descriptors `ds`) with `algo` on `stream`.
+cublasStatus_t matmul(cublasLtHandle_t h, const GemmCall& g, const Problem& p, const Descriptors& ds,
+                      const cublasLtMatmulAlgo_t& algo, CUstream stream) {
+  return cublasLtMatmul(h, ds.op, &g.alpha, p.A, ds.la, p.B, ds.lb, &g.beta, p.C, ds.lc, g.d, ds.ld, &algo,
+                        g.workspace, kGemmWorkspace, reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // namespace
 
 struct Blas::Impl {
@@ -424,11 +438,7 @@ void Blas::gemm_grouped(const GemmCall& g, const std::vector<GroupedOperands>& g
   std::vector<float> alpha(n_groups, 1.f), beta(n_groups, 0.f);
   std::vector<int> size(n_groups, 1);
   for (size_t i = 0; i < n_groups; ++i) {
-    GemmCall one = g;
-    one.m = groups[i].m;
-    one.a = groups[i].a;
-    one.b = groups[i].b;
-    one.d = groups[i].d;
+    const GemmCall one = group_call(g, groups[i]);
     const Problem p = problem_of(one);
     if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX)
       fail(Status::unsupported, "cuBLAS grouped GEMM: a group's dims exceed 32 bits");
@@ -497,17 +507,14 @@ void Blas::gemm_rows(const GemmCall& g, CUstream stream) {
   while (bucket.m < g.m) bucket.m *= 2;
   const GemmPlan* plan = run(bucket, nullptr, false, false, nullptr, nullptr);
   const Problem p = problem_of(g);
-  Descriptors ds(g, p);
-  if (cublasLtMatmul(impl_->handle, ds.op, &g.alpha, p.A, ds.la, p.B, ds.lb, &g.beta, p.C, ds.lc, g.d, ds.ld,
-                     &plan->algo, g.workspace, kGemmWorkspace, reinterpret_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS)
-    return;
+  if (matmul(impl_->handle, g, p, Descriptors(g, p), plan->algo, stream) == CUBLAS_STATUS_SUCCESS) return;
   run(g, stream, true, false, nullptr, nullptr);
 }
 
 const GemmPlan* Blas::run(const GemmCall& g, CUstream stream, bool launch, bool tune, const GemmPlan* hint,
                           std::shared_ptr<const GemmPlan>* found) {
   if (g.fp8) check_fp8(g, launch || tune);
-  if (g.batch != 1) check_gemm_call(g);
+  check_batch(g);
   const Problem p = problem_of(g);
   const GemmKey key = key_of(g, p);
   const GemmPlan* plan = hint && hint->key == key ? hint : nullptr;
@@ -551,9 +558,7 @@ const GemmPlan* Blas::run(const GemmCall& g, CUstream stream, bool launch, bool 
           bool ok = true;
           for (int r = 0; r < 4 && ok; ++r) {
             check(d.cuEventRecord(e0, stream), "cuEventRecord");
-            ok = cublasLtMatmul(impl_->handle, ds.op, &g.alpha, p.A, ds.la, p.B, ds.lb, &g.beta, p.C, ds.lc, g.d, ds.ld,
-                                &res[i].algo, g.workspace, kGemmWorkspace,
-                                reinterpret_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
+            ok = matmul(impl_->handle, g, p, ds, res[i].algo, stream) == CUBLAS_STATUS_SUCCESS;
             check(d.cuEventRecord(e1, stream), "cuEventRecord");
             check(d.cuEventSynchronize(e1), "cuEventSynchronize");
             if (r > 0) check(d.cuEventElapsedTime(&t[r - 1], e0, e1), "cuEventElapsedTime");
@@ -577,10 +582,7 @@ const GemmPlan* Blas::run(const GemmCall& g, CUstream stream, bool launch, bool 
     plan = it->second.get();  // entries are never removed: the plan outlives the lock
   }
   if (!launch) return plan;
-  Descriptors ds(g, p);
-  check_blas(cublasLtMatmul(impl_->handle, ds.op, &g.alpha, p.A, ds.la, p.B, ds.lb, &g.beta, p.C, ds.lc, g.d, ds.ld,
-                            &plan->algo, g.workspace, kGemmWorkspace, reinterpret_cast<cudaStream_t>(stream)),
-             "cublasLtMatmul");
+  check_blas(matmul(impl_->handle, g, p, Descriptors(g, p), plan->algo, stream), "cublasLtMatmul");
   return plan;
 }
 

@@ -130,6 +130,14 @@ struct GroupedOperands {
   const void* b = nullptr;
   void* d = nullptr;
 };
+// `call` over group `g`'s rows and operands.
+inline GemmCall group_call(GemmCall call, const GroupedOperands& g) {
+  call.m = g.m;
+  call.a = g.a;
+  call.b = g.b;
+  call.d = g.d;
+  return call;
+}
 
 class Blas {
  public:

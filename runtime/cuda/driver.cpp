@@ -79,6 +79,13 @@ const Driver& driver() {
   return l.d;
 }
 
+bool stream_capturing(CUstream stream, CUresult* error) {
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUresult r = driver().cuStreamIsCapturing(stream, &st);
+  if (error) *error = r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ? CUDA_SUCCESS : r;
+  return r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || (r == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE);
+}
+
 void check(CUresult r, const char* call) {
   if (r == CUDA_SUCCESS) return;
   const char* name = "CUDA_ERROR_UNKNOWN";

@@ -21,6 +21,11 @@ const Driver& driver();
 // Throws Error(cuda_error) "<call> failed: CUDA_ERROR_X (<description>)" unless r == CUDA_SUCCESS.
 void check(CUresult r, const char* call);
 
+// Whether `stream` is capturing a CUDA graph, counting the legacy stream's "implicit capture" answer (another
+// stream captures in global mode) as capturing. Any other error of cuStreamIsCapturing counts as not capturing
+// and is returned in `*error` when given (CUDA_SUCCESS otherwise).
+bool stream_capturing(CUstream stream, CUresult* error = nullptr);
+
 // The code target of SM version `sm` (90 -> "sm_90a", 80 -> "sm_80"): what kernels compile for and cache
 // keys record. The one mapping (devices, the CLI's --arch, explain's arch).
 std::string arch_name(int sm);

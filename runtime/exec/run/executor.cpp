@@ -114,13 +114,11 @@ class HostRoutes {
   const int32_t* get(const GemmStep& g, const std::vector<void*>& ptr, CUstream stream) {
     for (const auto& r : read_)
       if (r.first == g.route) return r.second.data();
-    const auto& d = cuda::driver();
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    const CUresult cap = d.cuStreamIsCapturing(stream, &st);
-    if (cap == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || (cap == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
+    if (cuda::stream_capturing(stream))
       fail(Status::unsupported, "a grouped_linear after a moe_permute with \"layout\": \"packed\" (dropless) reads "
            "how many rows each expert got on the host, which a CUDA graph capture cannot do: capture the expert "
            "block with \"layout\": \"padded\" and a \"capacity\" (fixed shapes, routing on the device)");
+    const auto& d = cuda::driver();
     const int64_t e = g.route_experts;
     std::vector<int32_t> v(static_cast<size_t>(2 * e + 1));
     const auto src = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(g.route)]) + static_cast<CUdeviceptr>(g.route_splits) * 4u;
@@ -194,14 +192,7 @@ void run_routed_gemm(Runtime& rt, const GemmStep& g, cuda::GemmCall c, const int
       grouped_aligned(groups, c, esz)) {
     rt.blas->gemm_grouped(c, groups, stream);
   } else {
-    for (const auto& grp : groups) {
-      cuda::GemmCall one = c;
-      one.m = grp.m;
-      one.a = grp.a;
-      one.b = grp.b;
-      one.d = grp.d;
-      rt.blas->gemm_rows(one, stream);
-    }
+    for (const auto& grp : groups) rt.blas->gemm_rows(cuda::group_call(c, grp), stream);
   }
   if (c.kind != cuda::GemmKind::wgrad && used < c.m)
     cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(static_cast<char*>(c.d) + static_cast<size_t>(used * g.d_row) * esz),
@@ -248,12 +239,9 @@ void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std:
 class RelaxCapture {
  public:
   explicit RelaxCapture(CUstream stream) {
-    const auto& d = cuda::driver();
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    const CUresult r = d.cuStreamIsCapturing(stream, &st);
-    if (r != CUDA_ERROR_STREAM_CAPTURE_IMPLICIT && (r != CUDA_SUCCESS || st == CU_STREAM_CAPTURE_STATUS_NONE)) return;
+    if (!cuda::stream_capturing(stream)) return;
     mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
-    active_ = d.cuThreadExchangeStreamCaptureMode(&mode_) == CUDA_SUCCESS;
+    active_ = cuda::driver().cuThreadExchangeStreamCaptureMode(&mode_) == CUDA_SUCCESS;
   }
   ~RelaxCapture() {
     if (active_) cuda::driver().cuThreadExchangeStreamCaptureMode(&mode_);

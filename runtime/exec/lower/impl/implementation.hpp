@@ -66,5 +66,7 @@ std::optional<std::string> expect_kinds(const std::vector<OpUse>& window, size_t
 std::optional<std::string> chain_problem(const std::vector<OpUse>& window, size_t from, codegen::Skeleton* skeleton);
 // The i-th op (0-based) of `family` in the builder's group: operands by role, never by offset.
 int role(const Builder& b, ops::Family family, int nth = 0);
+// "12.3 MiB": the memory a joint strategy's explain text reports.
+std::string mib(double bytes);
 
 }  // namespace jitfuse::exec

@@ -17,8 +17,6 @@ namespace {
 
 using K = codegen::CrossEntropySpec::Kernel;
 
-std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0)); }
-
 class ChunkedLinearCrossEntropy final : public Implementation {
  public:
   rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }

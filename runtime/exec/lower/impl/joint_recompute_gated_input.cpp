@@ -13,8 +13,6 @@
 namespace jitfuse::exec {
 namespace {
 
-std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
-
 class RecomputeGatedInput final : public Implementation {
  public:
   rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }
@@ -41,7 +39,7 @@ class RecomputeGatedInput final : public Implementation {
       lower_grouped_linear(b, fc2, /*save_input=*/false);
       const int64_t saved = rows * a_cols * ops::dtype_bytes(b.recipe().dtype);
       b.note_last(fmt::format("{}: FC2's input ({} x {}) not saved, recomputed in the backward: saves {}", who, rows,
-                              a_cols, mib(saved)));
+                              a_cols, mib(static_cast<double>(saved))));
       return;
     }
     // a = gated(h) from the saved h: the gated op's forward kernel, saving nothing.

@@ -2,6 +2,8 @@
 // generated-chain predicate, and operands by role.
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "common/error.hpp"
 #include "exec/lower/impl/implementation.hpp"
 
@@ -67,6 +69,8 @@ std::optional<std::string> chain_problem(const std::vector<OpUse>& w, size_t fro
   if (skeleton) *skeleton = sk;
   return std::nullopt;
 }
+
+std::string mib(double bytes) { return fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0)); }
 
 int role(const Builder& b, Family family, int nth) {
   const auto& g = b.group();

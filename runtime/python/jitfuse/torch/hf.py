@@ -523,12 +523,18 @@ class _ExpertsSwap:
     lay: Tuple[int, int, int]
     gated: str
     path: str
-    weight: _Source
-    width: int
     instance_forward: Optional[Callable[..., Any]] = None
     kind: str = "experts"
     capacity_factor: Optional[float] = None
     seqs: Dict[Tuple[int, torch.dtype, Optional[int]], "_m.Sequential"] = field(default_factory=dict)
+
+    @property
+    def weight(self) -> _Source:  # what _usable reads: the input must have its dtype (outside autocast)
+        return _Source(self.mod, "gate_up_proj")
+
+    @property
+    def width(self) -> int:  # the input's last dim: the hidden size
+        return self.lay[1]
 
     def seq(self, tokens: int, top_k: int, index_dtype: torch.dtype) -> "_m.Sequential":
         cap = None
@@ -590,8 +596,7 @@ def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: 
         report.entries.append(Entry(path, "experts", False, cls, why))
         return
     inst = mod.__dict__.get("forward")
-    mod.__dict__[_ATTR] = _ExpertsSwap(mod, lay, gated, path, _Source(mod, "gate_up_proj"), lay[1], inst,
-                                       capacity_factor=capacity_factor)
+    mod.__dict__[_ATTR] = _ExpertsSwap(mod, lay, gated, path, inst, capacity_factor=capacity_factor)
     mod.forward = types.MethodType(_experts_forward, mod)
     how = "dropless" if capacity_factor is None else f"padded, capacity factor {capacity_factor:g}"
     report.entries.append(Entry(path, "experts", True, f"moe_permute, grouped_linear {lay[1]}->{2 * lay[2]}, {gated}, "
@@ -805,8 +810,10 @@ def swapped(model: nn.Module) -> Dict[str, "_m.Sequential"]:
         if isinstance(swap, _LossSwap):
             out["lm_head+loss"] = swap.mean
         elif isinstance(swap, _ExpertsSwap):
-            for (k, _, _), seq in swap.seqs.items():
-                out[p if len(swap.seqs) == 1 else f"{p}[top_k={k}]"] = seq
+            for (k, dt, cap), seq in swap.seqs.items():  # one per top-k, index dtype and capacity
+                tag = (f"top_k={k}" + (", int32" if dt == torch.int32 else "")
+                       + (f", capacity={cap}" if cap is not None else ""))
+                out[p if len(swap.seqs) == 1 else f"{p}[{tag}]"] = seq
         elif swap is not None:
             out[p] = swap.seq
     return out
