@@ -70,6 +70,8 @@ Generated generate(const KernelSpec& spec) {
     throw std::invalid_argument("codegen: a cross_entropy spec (KernelSpec::ce) belongs to the cross_entropy skeleton");
   if ((spec.skeleton == Skeleton::moe) != spec.moe.has_value())
     throw std::invalid_argument("codegen: a moe spec (KernelSpec::moe) belongs to the moe skeleton");
+  if (spec.peers != 0 && spec.skeleton != Skeleton::rownorm)
+    throw std::invalid_argument("codegen: a reduction over peers (KernelSpec::peers) belongs to the rownorm skeleton");
   std::vector<int> seq;
   const KernelSpec local = detail::by_position(spec, seq);
   Generated g = spec.skeleton == Skeleton::rownorm          ? detail::generate_rownorm(local)

@@ -24,7 +24,7 @@ namespace {
 class Rownorm {
  public:
   explicit Rownorm(const KernelSpec& spec)
-      : spec_(spec), ns_(*spec.norm), fwd_(spec.dir == Direction::forward), cols_(spec.cols) {
+      : spec_(spec), ns_(*spec.norm), fwd_(spec.dir == Direction::forward), cols_(spec.cols), peers_(spec.peers != 0) {
     const int64_t chunks = (cols_ + 7) / 8;
     const int64_t per_thread = fwd_ ? kChunksPerThreadFwd : kChunksPerThreadBwd;
     threads_ = static_cast<int>(std::clamp<int64_t>(((chunks + per_thread - 1) / per_thread + 31) / 32 * 32, 32, 1024));
@@ -44,6 +44,7 @@ class Rownorm {
     g.launch.persistent = !fwd_;  // the backward writes dgamma/dbeta partials per block
     args_.ptr(Arg::Role::in, -1, "in", "in", "ST", false);
     if (spec_.fp8 && !fwd_) throw std::invalid_argument("codegen: an FP8 cast ends forward kernels only");
+    if (peers_) peer_args(g);
     if (ns_.stats_only && (!fwd_ || spec_.fp8 || !spec_.post.empty() || !ns_.save_stats))
       throw std::invalid_argument("codegen: a stats-only norm kernel is a forward without post stages or FP8 cast "
                                   "that saves its statistics");
@@ -81,6 +82,7 @@ class Rownorm {
         k.line("}}");
       }
     }
+    if (peers_) stage_for_peers(k);
     k.line("for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {{");
     k.open();
     if (fwd_)
@@ -89,6 +91,7 @@ class Rownorm {
       backward_row(k);
     k.close();
     k.line("}}");
+    if (peers_) k.line("jf_peer_barrier<{}>(peers, 1);  // nobody reads this rank's staged rows any more", spec_.peers);
     emit_fp8_epilogue(k, spec_);
     if (!fwd_) flush_param_partials(k);
     k.close();
@@ -165,6 +168,27 @@ class Rownorm {
   }
   std::string inv_cols() const { return num(1.0 / static_cast<double>(cols_)); }
 
+  // Peers: the jf_peers table argument, and a grid whose blocks are all resident (each waits for its twins).
+  void peer_args(Generated& g) {
+    if (!fwd_ || spec_.fp8 || ns_.stats_only || spec_.peers < 2 || spec_.peers > kMaxPeers)
+      throw std::invalid_argument("codegen: a norm reducing over peers is a forward of 2 to 8 ranks without FP8 cast");
+    args_.ptr(Arg::Role::peers, -1, "peers", "peers", "jf_peers", false);
+    g.launch.max_grid = kPeerMaxBlocks;
+  }
+  // Peers: this block's rows of the input into this rank's staging buffer, then the first meeting with the
+  // same block of every rank (templates/skeletons/peer.cuh); the row loop then reads every rank's rows.
+  void stage_for_peers(Writer& k) const {
+    k.line("ST* jf_staged = (ST*)peers->data[peers->rank];");
+    k.line("for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {{");
+    k.open();
+    chunk_loop_open(k);
+    k.line("if (active) {{ float v[8]; jf_load8<DT, JF_VEC>(in + r * {0} + c0, v, n); jf_store8<DT, JF_VEC>(jf_staged + r * {0} + c0, v, n); }}", cols_);
+    chunk_loop_close(k);
+    k.close();
+    k.line("}}");
+    k.line("jf_peer_barrier<{}>(peers, 0);  // every rank's rows are staged", spec_.peers);
+  }
+
   // y = norm(pre(x)) * gamma (+ beta), then the post stages; saves pre's output and the row statistics.
   // Without pre stages the row stays in registers in its storage dtype (jf_raw8: half the registers of
   // floats for fp16/bf16, so more rows are in flight per SM) and is unpacked in each pass; layernorm's
@@ -174,7 +198,7 @@ class Rownorm {
   // (any element of the row does) and saves a pair of barriers per row. H100, 8192x4096 bf16: layernorm
   // 67 % -> see docs/benchmarks.md for the measured variants.
   void forward_row(Writer& k) {
-    const bool packed = spec_.pre.empty();
+    const bool packed = spec_.pre.empty() && !peers_;
     load_row_fwd(k, packed);
     row_statistics(k, packed);
     if (!ns_.stats_only) normalize_row(k, packed);  // stats_only: a block-scaled cast normalises (fp8_block)
@@ -196,7 +220,19 @@ class Rownorm {
     }
     k.line("float x[{}][8];", nch_);
     chunk_loop_open(k);
-    k.line("if (active) jf_load8<DT, JF_VEC>(in + r * {} + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;", cols_);
+    if (peers_) {
+      k.line("for (int e = 0; e < 8; ++e) x[k][e] = 0.f;");
+      k.line("if (active) {{");
+      k.line("  #pragma unroll");
+      k.line("  for (int w = 0; w < {}; ++w) {{  // rank order: every rank sums the same bits", spec_.peers);
+      k.line("    float t[8];");
+      k.line("    jf_load8<DT, JF_VEC>((const ST*)peers->data[w] + r * {} + c0, t, n);", cols_);
+      k.line("    for (int e = 0; e < 8; ++e) x[k][e] += t[e];");
+      k.line("  }}");
+      k.line("}}");
+    } else {
+      k.line("if (active) jf_load8<DT, JF_VEC>(in + r * {} + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;", cols_);
+    }
     k.line("if (active) {{");
     k.open();
     k.line("float (&v)[8] = x[k];");
@@ -223,7 +259,12 @@ class Rownorm {
   void row_statistics(Writer& k, bool packed) {
     k.line("// op {} {}: statistics over {} columns", ns_.op, ns_.rms ? "rmsnorm" : "layernorm", cols_);
     if (!ns_.rms) {
-      k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
+      if (peers_) {
+        k.line("float jf_k = 0.f;");
+        k.line("for (int w = 0; w < {}; ++w) jf_k += DT::load(((const ST*)peers->data[w])[r * {}]);", spec_.peers, cols_);
+      } else {
+        k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
+      }
       k.line("float s1 = 0.f, s2 = 0.f;");
       chunk_loop_open(k);
       row_chunk(k, packed);
@@ -376,6 +417,7 @@ class Rownorm {
   const NormSpec& ns_;
   const bool fwd_;
   const int64_t cols_;
+  const bool peers_;  // the input is the sum over the ranks' staged rows (templates/skeletons/peer.cuh)
   int threads_ = 32;
   int64_t nch_ = 1;
   bool prefetch_ = false;  // backward, 16-bit dtypes: the next row's dy and x are loaded a row ahead

@@ -132,6 +132,7 @@ std::vector<std::string> headers_for(const KernelSpec& spec) {
   if (spec.skeleton == Skeleton::cast_transpose) add(spec.fp8 && spec.fp8->block ? "skeletons/block_cast.cuh" : "skeletons/cast_transpose.cuh");
   if (spec.skeleton == Skeleton::cross_entropy) add("skeletons/cross_entropy.cuh");
   if (spec.skeleton == Skeleton::moe) add("skeletons/moe.cuh");
+  if (spec.peers) add("skeletons/peer.cuh");
   return out;
 }
 

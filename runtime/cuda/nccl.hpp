@@ -9,11 +9,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "ops/recipe.hpp"
 
 namespace jitfuse::cuda {
+
+class PeerWorkspace;
 
 struct Nccl {
 #define JF_NCCL_FN(name) decltype(&::name) name = nullptr;
@@ -51,11 +54,22 @@ class Communicator {
   int device() const { return device_; }  // the CUDA device ordinal the communicator runs on
   bool owned() const { return owned_; }
 
+  // The jf_peers table of the group's peer workspace (cuda/peers.hpp), made on the first call: a collective,
+  // so every rank asks at the same point of its calls (the first prepare of a program with a one-shot
+  // all-reduce). 0 when the programs take their NCCL path instead: JITFUSE_PEER_ALLREDUCE=0, `caller`
+  // capturing a CUDA graph (asked again later), or a rank that cannot map another's buffer (`why` says so;
+  // not asked again).
+  CUdeviceptr peer_table(CUstream caller, std::string* why = nullptr);
+
  private:
   Communicator() = default;
   ncclComm_t comm_ = nullptr;
   int world_ = 1, rank_ = 0, device_ = 0;
   bool owned_ = false;
+  std::mutex peers_mu_;
+  std::unique_ptr<PeerWorkspace> peers_;
+  bool peers_tried_ = false;
+  std::string peers_why_;
 };
 
 }  // namespace jitfuse::cuda

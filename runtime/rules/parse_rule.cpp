@@ -308,11 +308,12 @@ Impl parse_impl(const json& j, const std::string& p0, Pass pass, const std::vect
   if (kind == "generated") {
     check_keys(v, p, {"kind", "skeleton"}, "generated impl");
     impl.kind = Impl::Kind::generated;
-    impl.skeleton = need_string(v, "skeleton", p, "\"elementwise\", \"gated\", \"rownorm\", \"fp8_cast\" or \"moe\"");
+    static const char* const kSkeletons = "\"elementwise\", \"gated\", \"rownorm\", \"fp8_cast\", \"moe\" or "
+                                          "\"allreduce_rownorm\"";
+    impl.skeleton = need_string(v, "skeleton", p, kSkeletons);
     if (impl.skeleton != "elementwise" && impl.skeleton != "gated" && impl.skeleton != "rownorm" &&
-        impl.skeleton != "fp8_cast" && impl.skeleton != "moe")
-      invalid(p + "/skeleton", fmt::format("unknown skeleton {}; use \"elementwise\", \"gated\", \"rownorm\", "
-                                           "\"fp8_cast\" or \"moe\"", show(impl.skeleton)));
+        impl.skeleton != "fp8_cast" && impl.skeleton != "moe" && impl.skeleton != "allreduce_rownorm")
+      invalid(p + "/skeleton", fmt::format("unknown skeleton {}; use {}", show(impl.skeleton), kSkeletons));
   } else if (kind == "cublaslt") {
     check_keys(v, p, {"kind", "epilogue", "epilogue_ops", "tail"}, "cublaslt impl");
     impl.kind = Impl::Kind::cublaslt;

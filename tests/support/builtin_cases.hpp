@@ -107,6 +107,16 @@ inline const std::vector<const char*>& builtin_fp8_block_sequences() {
   return v;
 }
 
+// Tensor parallelism (after the fp8_block list): the all-reduce after a row-parallel layer, the residual and the next
+// norm (allreduce_fork_norm), planned for rank 0 of 2 and of 4 ranks: the one-shot kernel over peer buffers.
+inline const std::vector<const char*>& builtin_parallel_sequences() {
+  static const std::vector<const char*> v = {
+      R"([{"op": "all_reduce"}, {"op": "add_extra_input"}, {"op": "make_extra_output"}, {"op": "rmsnorm"}])",
+      R"([{"op": "all_reduce"}, {"op": "make_extra_output"}, {"op": "layernorm"}])",
+  };
+  return v;
+}
+
 struct BuiltinCase {
   int seq = 0;  // index into builtin_sequences(), builtin_fp8_sequences(), builtin_chain_sequences(),
                 // builtin_block_sequences(), then builtin_fp8_block_sequences()
@@ -114,8 +124,10 @@ struct BuiltinCase {
   std::string recipe;
   bool training = true;
   ops::Shape shape;
+  int world = 1;  // the world size its program is planned for (rank 0)
   std::string id() const {
-    return recipe + (training ? " train " : " infer ") + ops::shape_str(shape) + " " + ops_json;
+    return recipe + (training ? " train " : " infer ") + ops::shape_str(shape) + (world > 1 ? " W" + std::to_string(world) : "") +
+           " " + ops_json;
   }
 };
 
@@ -141,13 +153,22 @@ inline std::vector<BuiltinCase> builtin_cases() {
     for (bool training : {true, false}) out.push_back({seq, s, "fp8_block", training, ops::Shape{256, 128}});
     ++seq;
   }
+  for (const char* s : builtin_parallel_sequences()) {
+    for (const char* recipe : {"fp32", "bf16"})
+      for (bool training : {true, false})
+        for (ops::Shape shape : {ops::Shape{16, 64}, ops::Shape{3, 66}})
+          for (int world : {2, 4}) out.push_back({seq, s, recipe, training, shape, world});
+    ++seq;
+  }
   return out;
 }
 
 inline std::vector<ops::Op> case_ops(const BuiltinCase& c, const rules::RuleSet& rs) {
   std::string text = std::string(R"({"format": "jitfuse.sequence/1", "name": "n", "ops": )") + c.ops_json + "}";
   auto def = ops::parse_sequence(text, "<builtin case>", rs.registry());
-  return ops::infer(def, c.shape);
+  ops::Parallel par;
+  par.world_size = c.world;
+  return ops::infer(def, c.shape, par);
 }
 
 // The program of a case, planned and lowered as a context does (occupancy estimated: no GPU).

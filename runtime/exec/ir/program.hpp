@@ -72,7 +72,8 @@ struct Buffer {
 
 // How one kernel argument is bound at launch.
 struct KArg {
-  enum class Kind { buffer, rows, u64_const, int_const } kind = Kind::buffer;
+  // peers: the communicator's jf_peers table (cuda::Communicator::peer_table), bound by prepare.
+  enum class Kind { buffer, rows, u64_const, int_const, peers } kind = Kind::buffer;
   int buffer = -1;
   uint64_t value = 0;
 };
@@ -236,6 +237,10 @@ struct Step {
   // caller's stream and the caller's stream waits for them at the group's end.
   int stream = 0;
   std::vector<int> waits;  // steps of this pass, on the other stream, that must finish before this one
+  // A group with two ways to run (an all_reduce + residual + norm): 1, the step runs when the prepared program
+  // has the communicator's peer workspace (the one-shot kernel); -1, when it has not (NCCL, then the norm
+  // kernel); 0, always.
+  int peer_path = 0;
   // The buffers it reads or writes (every operand, argument, pair and state): lifetimes, the saved set.
   std::vector<int> buffers() const;
 };

@@ -203,6 +203,7 @@ json step_json(const Program& p, const Step& s, double bw) {
   j["bytes_read"] = rw.first;
   j["bytes_written"] = rw.second;
   if (s.stream != 0) j["stream"] = "side";
+  if (s.peer_path != 0) j["way"] = s.peer_path > 0 ? "peers" : "nccl";
   if (!s.waits.empty()) j["waits"] = s.waits;
   if (bw > 0) j["napkin_us"] = static_cast<double>(rw.first + rw.second) / (bw * 1e3);
   return j;
@@ -318,9 +319,12 @@ std::string steps_text(const json& j) {
       if (s.contains("stream") || s.contains("waits")) {
         std::string waits;
         for (const auto& w : s.value("waits", json::array())) waits += (waits.empty() ? "" : ", ") + w.dump();
-        line += fmt::format("\n             on the {} stream{}", s.contains("stream") ? "side" : "caller's",
+        line += fmt::format("\n             on the {} stream{}", s.value("stream", std::string()) == "side" ? "side" : "caller's",
                             waits.empty() ? std::string() : ", after step " + waits);
       }
+      if (s.contains("way"))
+        line += s["way"] == "peers" ? "\n             runs where the ranks map each other's buffers (the peer path)"
+                                    : "\n             runs where they do not (the NCCL path)";
       const int g = s["group"].get<int>();
       out += fmt::format("  {:>3}  {:<4} {}\n             {} | reads {}, writes {}, >= {:.1f} us\n", i++,
                          g < 0 ? std::string("end") : fmt::format("g{}", g), line, s["what"].get<std::string>(),

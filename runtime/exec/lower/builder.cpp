@@ -492,6 +492,11 @@ void Builder::mark_weight_casts(size_t from) {
   for (size_t i = from; i < steps.size(); ++i) steps[i].weight_cast = true;
 }
 
+void Builder::mark_peer_path(size_t from, int path) {
+  auto& steps = forward_ ? p_.forward : p_.backward;
+  for (size_t i = from; i < steps.size(); ++i) steps[i].peer_path = path;
+}
+
 nlohmann::json Builder::kernel_meta(int b, const char* pass) const {
   nlohmann::json kinds = nlohmann::json::array();
   for (int i = b; i < g_.end; ++i) kinds.push_back(p_.ops[i].kind);
@@ -546,6 +551,7 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
       break;
   }
     case Arg::Role::rows: k.kind = KArg::Kind::rows; break;
+    case Arg::Role::peers: k.kind = KArg::Kind::peers; break;
     case Arg::Role::seed:
       k.kind = KArg::Kind::u64_const;
       k.value = p_.ops[a.op].attrs["seed"].get<uint64_t>();

@@ -21,6 +21,7 @@ class Builder {
   const std::vector<ops::Op>& ops() const { return p_.ops; }
   const ops::Recipe& recipe() const { return p_.recipe; }
   bool training() const { return p_.training; }
+  int world_size() const { return p_.world_size; }
 
   // Starts lowering group `gi` of the forward (or backward) pass; steps added next belong to it.
   void begin_group(bool forward, int gi, const fuser::Group& g);
@@ -106,6 +107,8 @@ class Builder {
   // outputs) as its last step, which keeps their amax partials alive to the end.
   void end_pass();
   void mark_weight_casts(size_t from);
+  // Marks steps [from, end) of the current pass as one of a group's two ways (Step::peer_path: 1 or -1).
+  void mark_peer_path(size_t from, int path);
 
   // Cache metadata of a kernel that runs ops [b, group end).
   nlohmann::json kernel_meta(int b, const char* pass) const;

@@ -23,7 +23,9 @@ KernelLaunch launch_for(const codegen::Launch& L, codegen::Skeleton sk, int64_t 
     return k;
   }
   if (sk == codegen::Skeleton::rownorm) {
-    const int64_t cap = L.persistent ? resident : int64_t{0x7fffffff};
+    int64_t cap = L.persistent ? resident : int64_t{0x7fffffff};
+    // A capped grid (blocks that wait for each other's twins on other ranks): at most one block per SM.
+    if (L.max_grid > 0) cap = std::min<int64_t>({cap, L.max_grid, std::max(1, sm_count)});
     k.gx = static_cast<unsigned>(std::clamp<int64_t>(rows, 1, cap));
     k.parts = static_cast<int>(k.gx);
   } else {

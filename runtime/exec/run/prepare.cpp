@@ -198,6 +198,10 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
       fail(Status::invalid_argument, "group '{}': the communicator runs on device {}, the current device is {}: make "
            "its device current before calling", p.group, c->device(), pp->device.ordinal);
     pp->comm = c;
+    const auto peer_kernel = [](const Step& s) { return s.peer_path > 0; };
+    if (std::any_of(p.forward.begin(), p.forward.end(), peer_kernel) ||
+        std::any_of(p.backward.begin(), p.backward.end(), peer_kernel))
+      pp->peers = c->peer_table(nullptr);
   }
   pp->forward.resize(p.forward.size());
   pp->backward.resize(p.backward.size());

@@ -169,8 +169,10 @@ TEST_CASE("the collectives sit where Megatron puts them", "[exec][parallel]") {
 }
 
 TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]") {
-  // all_reduce -> add -> fork -> rmsnorm (vLLM's fusion after a row-parallel linear, decode): one kernel
-  // writes the new residual and the normalised output.
+  // all_reduce -> add -> fork -> rmsnorm (vLLM's fusion after a row-parallel linear, decode): one kernel reads
+  // every rank's partial sums over NVLink and writes the new residual and the normalised output
+  // (allreduce_fork_norm); NCCL's all-reduce and then the fork_norm kernel are the group's other way, which
+  // prepare picks where the ranks cannot map each other's buffers (Step::peer_path).
   const std::string seq = R"({"format": "jitfuse.sequence/1", "name": "t", "input_channels": ["residual"], "ops": [
       {"op": "linear", "in_features": 1024, "out_features": 1024, "tensor_parallel": "row"},
       {"op": "add_extra_input", "channel": "residual"},
@@ -178,15 +180,45 @@ TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]"
       {"op": "rmsnorm"}]})";
   for (bool training : {false, true}) {
     auto p = program_of(seq, "bf16", training, {8, 512}, 2, 1);
-    REQUIRE(p->forward.size() == 3);
+    REQUIRE(p->forward.size() == 4);
     CHECK(p->forward[0].kind == exec::Step::Kind::gemm);
-    CHECK(p->forward[1].kind == exec::Step::Kind::comm);
-    CHECK(p->forward[1].comm.op == exec::Collective::all_reduce);
-    REQUIRE(p->forward[2].kind == exec::Step::Kind::kernel);
-    CHECK(p->plan.forward.back().rule == "fork_norm");
-    CHECK(p->plan.forward.back().begin == 2);  // add, fork and norm in one group
+    CHECK(p->forward[0].peer_path == 0);
+    REQUIRE(p->forward[1].kind == exec::Step::Kind::kernel);
+    CHECK(p->forward[1].peer_path == 1);
+    CHECK(p->forward[1].kernel->spec.peers == 2);
+    CHECK(p->forward[1].kernel->gen.launch.max_grid == codegen::kPeerMaxBlocks);
+    CHECK(p->forward[1].kernel->launch.vec.gx == 8);  // one block per row, at most kPeerMaxBlocks
+    bool binds_peers = false;
+    for (const auto& a : p->forward[1].kernel->args) binds_peers = binds_peers || a.kind == exec::KArg::Kind::peers;
+    CHECK(binds_peers);
+    CHECK(p->forward[2].kind == exec::Step::Kind::comm);
+    CHECK(p->forward[2].comm.op == exec::Collective::all_reduce);
+    CHECK(p->forward[2].peer_path == -1);
+    REQUIRE(p->forward[3].kind == exec::Step::Kind::kernel);
+    CHECK(p->forward[3].peer_path == -1);
+    CHECK(p->forward[3].kernel->spec.peers == 0);
+    CHECK(p->plan.forward.back().rule == "allreduce_fork_norm");
+    CHECK(p->plan.forward.back().begin == 1);  // the all-reduce, add, fork and norm in one group
     CHECK(p->plan.forward.back().end == 5);
+    // Both ways write the same outputs and saved context (the norm's input and statistics).
+    const auto& a = p->forward[1].kernel->args;
+    const auto& b = p->forward[3].kernel->args;
+    CHECK(a.back().buffer == b.back().buffer);
+    // The backward is the ops' own: no collective (the forward all-reduce's backward is the identity).
+    if (training) CHECK(count_comm(p->backward, exec::Collective::all_reduce) == 0);
   }
+  // Larger than the staging buffer (4 MiB): NCCL's way alone, said in explain.
+  auto big = program_of(seq, "fp32", false, {2048, 512}, 2, 0);
+  REQUIRE(big->forward.size() == 3);
+  CHECK(big->forward[1].kind == exec::Step::Kind::comm);
+  CHECK(big->forward[1].peer_path == 0);
+  CHECK(big->forward[2].peer_path == 0);
+  CHECK_THAT(big->forward[2].what, Catch::Contains("more than the one-shot all-reduce stages"));
+  // At world size 1 the all-reduce is the identity: the norm kernel reads the linear's output.
+  auto one = program_of(seq, "bf16", false, {8, 1024}, 1, 0);
+  REQUIRE(one->forward.size() == 2);
+  CHECK(one->forward[1].kind == exec::Step::Kind::kernel);
+  CHECK(one->forward[1].kernel->spec.peers == 0);
   // reduce_scatter -> bias -> dropout -> add: one kernel after the collective.
   // With the GEMM and its reduce-scatter pipelined, the tail is still one kernel after them.
   auto q = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_attn_out.json"), "bf16", true, {4096 / 4, 1024 / 4}, 4, 2);

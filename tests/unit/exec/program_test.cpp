@@ -169,7 +169,8 @@ TEST_CASE("implementations answer the loader: impossible rules are refused at lo
   CHECK(rules::RuleSet::with_builtins().errors().empty());
   // One implementation per rule kind the built-ins use, each with a description.
   for (const auto* impl : exec::implementations()) CHECK_FALSE(impl->covers_text().empty());
-  CHECK(exec::implementations().size() == 22);  // 10 epilogues, 3 skeletons + fp8_cast, 6 joint strategies, unfused
+  CHECK(exec::implementations().size() == 23);  // 10 epilogues, 3 skeletons + fp8_cast + moe + allreduce_rownorm,
+                                                // 6 joint strategies, unfused
 }
 
 TEST_CASE("schema.json lists exactly the implementations jitfuse has", "[exec][rules]") {

@@ -26,6 +26,7 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"linear_residual", Pass::forward},
       {"bias_gated", Pass::forward},          {"bias_dropout_add", Pass::forward},
       {"norm_pointwise", Pass::forward},      {"add_norm", Pass::forward}, {"fork_norm", Pass::forward},
+      {"allreduce_fork_norm", Pass::forward},
       {"gated_pointwise", Pass::forward},         {"pointwise_chain", Pass::forward},
       {"act_dbias", Pass::backward},          {"extra_output_linear", Pass::backward},
       {"linear_scale_bwd", Pass::backward},   {"norm_residual_bwd", Pass::backward},

@@ -183,6 +183,11 @@ inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts, int
   return n + (src_rows < 0 ? n : src_rows) + 2 * experts + 1 + 2 * chunks * experts;
 }
 
+// The peer workspace of a communicator (runtime/cuda/peers.hpp; templates/skeletons/peer.cuh's jf_peers, whose
+// JF_PEER_MAX_RANKS and JF_PEER_MAX_BLOCKS are these): at most kMaxPeers ranks, and a kernel reducing over
+// them (KernelSpec::peers) at most kPeerMaxBlocks blocks, each with its own flags per rank.
+inline constexpr int kMaxPeers = 8, kPeerMaxBlocks = 128;
+
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the
 // ops by their position in the kernel instead (0, 1, ... in stage order) in every name and comment, so the
 // source depends only on what the kernel computes, never on where its group sits in a sequence.
@@ -203,6 +208,10 @@ struct KernelSpec {
   std::optional<Fp8Spec> fp8;
   std::optional<CrossEntropySpec> ce;  // Skeleton::cross_entropy
   std::optional<MoeSpec> moe;          // Skeleton::moe
+  // rownorm forward only: the kernel's input is the sum over `peers` ranks (2..kMaxPeers) of each rank's
+  // input, read through buffers mapped from every rank (the one-shot all-reduce of an all_reduce +
+  // residual + norm group, docs/parallel.md). 0: the input is this rank's alone.
+  int peers = 0;
   std::map<std::string, std::string> headers;  // template files the stages need (name -> "" until filled)
   std::string label;           // "bias_gelu": kernel name stem
   std::string rule;            // provenance for comments and cache metadata
@@ -233,6 +242,7 @@ struct Arg {
                    //      cast pass): amax_history[0]
     fp8_colwise,   // (op) cast_transpose: the transposed FP8 codes, unsigned char [cols, rows] (written)
     fp8_colwise_scale_inv,  // (op) a block-scaled cast (Fp8Spec::block): the transposed codes' block scales
+    peers,         // const jf_peers*: the communicator's peer-mapped buffers (KernelSpec::peers)
   } role;
   int op = -1;       // the op's index in the sequence (the source names it by its position in the kernel)
   std::string name;  // what it is ("in", "rows", "scale_input", ...); for keyed roles key_name(key)
@@ -252,6 +262,9 @@ struct Launch {
   // its own block (measured faster on an H200 than a device-sized grid-stride loop: bias+gelu 96 % vs
   // 88 % of copy bandwidth, layernorm 83 % vs 79 %).
   bool persistent = false;
+  // At most this many blocks (0: no cap beyond the skeleton's): a kernel whose blocks wait for the same
+  // block of the other ranks (KernelSpec::peers) runs at most one block per SM, all resident at once.
+  int64_t max_grid = 0;
 };
 
 // A finalize kernel sums [parts, cols] fp32 partials into a parameter grad. The gradients of one kernel

@@ -1,0 +1,152 @@
+// The peer workspace (cuda/peers.hpp): allocation, the handle exchange and agreement over NCCL, the table.
+#include "cuda/peers.hpp"
+
+#include <cstdint>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "common/error.hpp"
+#include "cuda/driver.hpp"
+#include "cuda/nccl.hpp"
+#include "jitfuse/codegen/kernel_spec.hpp"
+
+namespace jitfuse::cuda {
+namespace {
+
+// What each rank tells the others: its buffer's IPC handle and whether it could export one.
+struct Offer {
+  CUipcMemHandle handle;
+  int32_t ok;
+  int32_t pad;
+};
+
+// templates/skeletons/peer.cuh's jf_peers, as the device reads it (64-bit pointers).
+struct Table {
+  uint64_t data[codegen::kMaxPeers];
+  uint64_t flags[codegen::kMaxPeers];
+  uint64_t epochs;
+  int32_t rank, world;
+};
+static_assert(kPeerFlagsOffset + 2 * codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerEpochsOffset);
+static_assert(kPeerEpochsOffset + 2 * codegen::kPeerMaxBlocks * 4 <= kPeerTableOffset);
+static_assert(kPeerTableOffset + sizeof(Table) <= kPeerDataOffset);
+
+// A private stream, synchronised and destroyed on every way out.
+class OwnStream {
+ public:
+  OwnStream() { check(driver().cuStreamCreate(&s_, CU_STREAM_NON_BLOCKING), "cuStreamCreate"); }
+  ~OwnStream() {
+    if (!s_) return;
+    driver().cuStreamSynchronize(s_);
+    driver().cuStreamDestroy(s_);
+  }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+  CUstream get() const { return s_; }
+  void sync(const char* what) const { check(driver().cuStreamSynchronize(s_), what); }
+
+ private:
+  CUstream s_ = nullptr;
+};
+
+// The device scratch of the exchange, freed on every way out.
+class Scratch {
+ public:
+  explicit Scratch(size_t bytes) { check(driver().cuMemAlloc(&p_, bytes), "cuMemAlloc(peer exchange)"); }
+  ~Scratch() { driver().cuMemFree(p_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  CUdeviceptr get() const { return p_; }
+
+ private:
+  CUdeviceptr p_ = 0;
+};
+
+std::string error_name(CUresult r) {
+  const char* name = nullptr;
+  driver().cuGetErrorName(r, &name);
+  return name ? name : "CUDA error";
+}
+
+}  // namespace
+
+std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, std::string* why) {
+  const int world = comm.world_size(), rank = comm.rank();
+  if (world < 2 || world > codegen::kMaxPeers) {  // every rank sees the same world size: no exchange needed
+    if (why) *why = fmt::format("the group has {} ranks; the peer all-reduce runs on 2 to {}", world, codegen::kMaxPeers);
+    return nullptr;
+  }
+  const auto& d = driver();
+  const Nccl& n = nccl();
+  std::unique_ptr<PeerWorkspace> ws(new PeerWorkspace());
+  ws->mapped_.assign(static_cast<size_t>(world), 0);
+  OwnStream s;
+  Offer mine{};
+  std::string problem;
+  CUresult r = d.cuMemAlloc(&ws->own_, kPeerDataOffset + kPeerStagingBytes);
+  if (r != CUDA_SUCCESS) ws->own_ = 0;
+  if (r == CUDA_SUCCESS) r = d.cuMemsetD8Async(ws->own_, 0, kPeerDataOffset, s.get());
+  if (r == CUDA_SUCCESS) r = d.cuIpcGetMemHandle(&mine.handle, ws->own_);
+  mine.ok = r == CUDA_SUCCESS;
+  if (!mine.ok) problem = fmt::format("rank {} could not export its buffer: {}", rank, error_name(r));
+  // Every rank's offer, then whether every rank mapped every other's (the minimum over ranks).
+  Scratch ex(sizeof(Offer) * static_cast<size_t>(world) + 16);
+  std::vector<Offer> all(static_cast<size_t>(world));
+  const CUdeviceptr slot = ex.get() + sizeof(Offer) * static_cast<size_t>(rank);
+  check(d.cuMemcpyHtoDAsync(slot, &mine, sizeof mine, s.get()), "cuMemcpyHtoDAsync(peer offer)");
+  check_nccl(n.ncclAllGather(reinterpret_cast<void*>(slot), reinterpret_cast<void*>(ex.get()), sizeof(Offer),
+                             ncclUint8, comm.comm(), s.get()), "ncclAllGather(peer offers)");
+  check(d.cuMemcpyDtoHAsync(all.data(), ex.get(), sizeof(Offer) * all.size(), s.get()), "cuMemcpyDtoHAsync(peer offers)");
+  s.sync("cuStreamSynchronize(peer offers)");
+  int32_t mapped = mine.ok;
+  for (int p = 0; p < world && mapped; ++p) {
+    if (p == rank) continue;
+    if (!all[static_cast<size_t>(p)].ok) {
+      mapped = 0;
+      problem = fmt::format("rank {} could not export its buffer", p);
+      break;
+    }
+    r = d.cuIpcOpenMemHandle(&ws->mapped_[static_cast<size_t>(p)], all[static_cast<size_t>(p)].handle,
+                             CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if (r != CUDA_SUCCESS) {
+      ws->mapped_[static_cast<size_t>(p)] = 0;
+      mapped = 0;
+      problem = fmt::format("rank {} cannot map rank {}'s buffer ({}: no peer access between the GPUs, or the "
+                            "processes may not share CUDA IPC handles)", rank, p, error_name(r));
+    }
+  }
+  const CUdeviceptr agree = ex.get() + sizeof(Offer) * static_cast<size_t>(world);
+  check(d.cuMemcpyHtoDAsync(agree, &mapped, sizeof mapped, s.get()), "cuMemcpyHtoDAsync(peer agreement)");
+  check_nccl(n.ncclAllReduce(reinterpret_cast<void*>(agree), reinterpret_cast<void*>(agree), 1, ncclInt32, ncclMin,
+                             comm.comm(), s.get()), "ncclAllReduce(peer agreement)");
+  int32_t everyone = 0;
+  check(d.cuMemcpyDtoHAsync(&everyone, agree, sizeof everyone, s.get()), "cuMemcpyDtoHAsync(peer agreement)");
+  s.sync("cuStreamSynchronize(peer agreement)");
+  if (!everyone) {
+    if (why) *why = problem.empty() ? "another rank could not map a peer's buffer (its log says why)" : problem;
+    return nullptr;
+  }
+  Table t{};
+  for (int p = 0; p < world; ++p) {
+    const CUdeviceptr base = p == rank ? ws->own_ : ws->mapped_[static_cast<size_t>(p)];
+    t.data[p] = base + kPeerDataOffset;
+    t.flags[p] = base + kPeerFlagsOffset;
+  }
+  t.epochs = ws->own_ + kPeerEpochsOffset;
+  t.rank = rank;
+  t.world = world;
+  check(d.cuMemcpyHtoDAsync(ws->table(), &t, sizeof t, s.get()), "cuMemcpyHtoDAsync(peer table)");
+  s.sync("cuStreamSynchronize(peer table)");
+  return ws;
+}
+
+PeerWorkspace::~PeerWorkspace() {
+  const Driver* d = try_driver();
+  if (!d) return;
+  for (CUdeviceptr p : mapped_)
+    if (p) d->cuIpcCloseMemHandle(p);
+  if (own_) d->cuMemFree(own_);
+}
+
+}  // namespace jitfuse::cuda
