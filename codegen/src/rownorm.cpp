@@ -91,7 +91,6 @@ class Rownorm {
       backward_row(k);
     k.close();
     k.line("}}");
-    if (peers_) k.line("jf_peer_barrier<{}>(peers, 1);  // nobody reads this rank's staged rows any more", spec_.peers);
     emit_fp8_epilogue(k, spec_);
     if (!fwd_) flush_param_partials(k);
     k.close();
@@ -175,18 +174,19 @@ class Rownorm {
     args_.ptr(Arg::Role::peers, -1, "peers", "peers", "jf_peers", false);
     g.launch.max_grid = kPeerMaxBlocks;
   }
-  // Peers: this block's rows of the input into this rank's staging buffer, then the first meeting with the
-  // same block of every rank (templates/skeletons/peer.cuh); the row loop then reads every rank's rows.
+  // Peers: this block's rows of the input into its region of this rank's staging buffer, then the meeting with
+  // the same block of every rank (templates/skeletons/peer.cuh); the row loop then reads every rank's rows.
   void stage_for_peers(Writer& k) const {
-    k.line("ST* jf_staged = (ST*)peers->data[peers->rank];");
-    k.line("for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {{");
+    k.line("const size_t jf_region = jf_peer_region(peers);  // this block's, in every rank's staging buffer");
+    k.line("ST* jf_staged = (ST*)((char*)peers->data[peers->rank] + jf_region);");
+    k.line("for (jf_i64 r = blockIdx.x, j = 0; r < rows; r += gridDim.x, ++j) {{");
     k.open();
     chunk_loop_open(k);
-    k.line("if (active) {{ float v[8]; jf_load8<DT, JF_VEC>(in + r * {0} + c0, v, n); jf_store8<DT, JF_VEC>(jf_staged + r * {0} + c0, v, n); }}", cols_);
+    k.line("if (active) {{ float v[8]; jf_load8<DT, JF_VEC>(in + r * {0} + c0, v, n); jf_store8<DT, JF_VEC>(jf_staged + j * {0} + c0, v, n); }}", cols_);
     chunk_loop_close(k);
     k.close();
     k.line("}}");
-    k.line("jf_peer_barrier<{}>(peers, 0);  // every rank's rows are staged", spec_.peers);
+    k.line("jf_peer_barrier<{}>(peers);  // every rank's rows are staged", spec_.peers);
   }
 
   // y = norm(pre(x)) * gamma (+ beta), then the post stages; saves pre's output and the row statistics.
@@ -226,7 +226,7 @@ class Rownorm {
       k.line("  #pragma unroll");
       k.line("  for (int w = 0; w < {}; ++w) {{  // rank order: every rank sums the same bits", spec_.peers);
       k.line("    float t[8];");
-      k.line("    jf_load8<DT, JF_VEC>((const ST*)peers->data[w] + r * {} + c0, t, n);", cols_);
+      k.line("    jf_load8<DT, JF_VEC>((const ST*)((const char*)peers->data[w] + jf_region) + (r / gridDim.x) * {} + c0, t, n);", cols_);
       k.line("    for (int e = 0; e < 8; ++e) x[k][e] += t[e];");
       k.line("  }}");
       k.line("}}");
@@ -261,7 +261,7 @@ class Rownorm {
     if (!ns_.rms) {
       if (peers_) {
         k.line("float jf_k = 0.f;");
-        k.line("for (int w = 0; w < {}; ++w) jf_k += DT::load(((const ST*)peers->data[w])[r * {}]);", spec_.peers, cols_);
+        k.line("for (int w = 0; w < {}; ++w) jf_k += DT::load(((const ST*)((const char*)peers->data[w] + jf_region))[(r / gridDim.x) * {}]);", spec_.peers, cols_);
       } else {
         k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
       }

@@ -28,9 +28,10 @@ struct Table {
   uint64_t epochs;
   int32_t rank, world;
 };
-static_assert(kPeerFlagsOffset + 2 * codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerEpochsOffset);
-static_assert(kPeerEpochsOffset + 2 * codegen::kPeerMaxBlocks * 4 <= kPeerTableOffset);
+static_assert(kPeerFlagsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerEpochsOffset);
+static_assert(kPeerEpochsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerTableOffset);
 static_assert(kPeerTableOffset + sizeof(Table) <= kPeerDataOffset);
+static_assert(kPeerStagingBytes == 2 * codegen::kPeerMaxBlocks * codegen::kPeerBlockBytes);
 
 // A private stream, synchronised and destroyed on every way out.
 class OwnStream {

@@ -16,13 +16,13 @@ namespace jitfuse::cuda {
 
 class Communicator;
 
-// The workspace layout (each rank's buffer): flags [2][kPeerMaxBlocks][kMaxPeers] u32, this rank's epochs
-// [2][kPeerMaxBlocks] u32, the jf_peers table, then the staging buffer of kPeerStagingBytes.
+// The workspace layout (each rank's buffer): flags [kPeerMaxBlocks][kMaxPeers] u32, this rank's epochs
+// [kPeerMaxBlocks][kMaxPeers] u32, the jf_peers table, then the staging buffer: two regions of kPeerBlockBytes per
+// block (codegen::peer_rows_fit says which inputs fit: decode and short prefill, e.g. 128 tokens of hidden 8192 in
+// fp32, 256 in bf16; larger ones take NCCL's all-reduce).
 inline constexpr size_t kPeerFlagsOffset = 0, kPeerEpochsOffset = 8192, kPeerTableOffset = 12288,
                         kPeerDataOffset = 16384;
-// The largest input a one-shot all-reduce stages (decode and short prefill: 128 tokens of hidden 8192 in fp32 are
-// 4 MiB); larger ones take NCCL's all-reduce.
-inline constexpr size_t kPeerStagingBytes = size_t{4} << 20;
+inline constexpr size_t kPeerStagingBytes = 2 * 128 * 32768;
 
 class PeerWorkspace {
  public:

@@ -2,22 +2,25 @@
 // never multicast): the input of an all_reduce + residual + norm kernel (docs/parallel.md). Each rank's
 // workspace (runtime/cuda/peers.cpp) holds its flags, its staging buffer and, for its own use, its epoch
 // counters and this table. A kernel block b
-//   1. copies its rows of this rank's input into this rank's staging buffer,
-//   2. meets block b of every rank (jf_peer_barrier, phase 0): their rows are staged,
-//   3. reads the rows of every rank's staging buffer, summed in rank order (so every rank computes the
-//      same bits), and runs the rest of the kernel on them,
-//   4. meets block b of every rank again (phase 1): nobody reads this rank's staging buffer any more, so
-//      the next call may overwrite it.
-// The epochs live in device memory and advance in the kernel, so a CUDA graph replays it as it is.
+//   1. copies its rows of this rank's input into its own region of this rank's staging buffer: region
+//      (b, epoch parity), JF_PEER_BLOCK_BYTES, the block's j-th row at j * cols,
+//   2. meets block b of every rank (jf_peer_barrier): their rows are staged,
+//   3. reads its rows from region (b, parity) of every rank's staging buffer, summed in rank order (so every
+//      rank computes the same bits), and runs the rest of the kernel on them.
+// No second meeting: the next call of block b writes the other parity's region, and the one after that
+// rewrites this one only after block b of every rank met block b of this rank once more, which each does
+// after its kernel (and its reads of this region) ended. The epochs live in device memory and advance in the
+// kernel, so a CUDA graph replays it as it is.
 #pragma once
 
 #define JF_PEER_MAX_RANKS 8
 #define JF_PEER_MAX_BLOCKS 128
+#define JF_PEER_BLOCK_BYTES 32768
 
 struct jf_peers {
   void* data[JF_PEER_MAX_RANKS];        // each rank's staging buffer, as this process maps it
-  unsigned* flags[JF_PEER_MAX_RANKS];   // each rank's flags [2 phases][JF_PEER_MAX_BLOCKS][JF_PEER_MAX_RANKS]
-  unsigned* epochs;                     // this rank's [2 phases][JF_PEER_MAX_BLOCKS]
+  unsigned* flags[JF_PEER_MAX_RANKS];   // each rank's flags [JF_PEER_MAX_BLOCKS][JF_PEER_MAX_RANKS]
+  unsigned* epochs;                     // this rank's [JF_PEER_MAX_BLOCKS][JF_PEER_MAX_RANKS], one per waiting thread
   int rank, world;
 };
 
@@ -30,20 +33,24 @@ __device__ __forceinline__ unsigned jf_peer_load_acquire(const unsigned* p) {
   return v;
 }
 
-// Block blockIdx.x of every rank meets here. Thread t < W raises this rank's flag at rank t and waits for
-// rank t's flag here. A rank that never comes (ranks that called different sequences) ends the wait after
-// about 100 s with a message and a trap: the context reports an error instead of hanging the host.
+// The byte offset of this block's region of a staging buffer in the coming meeting (read before it).
+__device__ __forceinline__ size_t jf_peer_region(const jf_peers* __restrict__ p) {
+  const unsigned parity = (p->epochs[blockIdx.x * JF_PEER_MAX_RANKS] + 1u) & 1u;
+  return ((size_t)blockIdx.x * 2 + parity) * JF_PEER_BLOCK_BYTES;
+}
+
+// Block blockIdx.x of every rank meets here. Thread t < W advances its epoch, raises this rank's flag at rank
+// t (a release at system scope after the block's barrier: the block's staged rows before it) and waits for
+// rank t's flag here (an acquire). A rank that never comes (ranks that called different sequences) ends the
+// wait after about 100 s with a message and a trap: the context reports an error instead of hanging the host.
 template <int W>
-__device__ __forceinline__ void jf_peer_barrier(const jf_peers* __restrict__ p, int phase) {
-  __shared__ unsigned jf_epoch;
-  __threadfence_system();  // this block's stores (the staged rows) before the flags that announce them
+__device__ __forceinline__ void jf_peer_barrier(const jf_peers* __restrict__ p) {
   __syncthreads();
-  unsigned* counter = p->epochs + phase * JF_PEER_MAX_BLOCKS + blockIdx.x;
-  if (threadIdx.x == 0) jf_epoch = *counter + 1u;
-  __syncthreads();
-  const unsigned e = jf_epoch;
   if (threadIdx.x < W) {
-    const int slot = (phase * JF_PEER_MAX_BLOCKS + (int)blockIdx.x) * JF_PEER_MAX_RANKS;
+    const int slot = (int)blockIdx.x * JF_PEER_MAX_RANKS;
+    unsigned* counter = p->epochs + slot + threadIdx.x;
+    const unsigned e = *counter + 1u;
+    *counter = e;
     jf_peer_store_release(p->flags[threadIdx.x] + slot + p->rank, e);
     const unsigned* mine = p->flags[p->rank] + slot + threadIdx.x;
     unsigned long long t0 = 0;
@@ -53,12 +60,11 @@ __device__ __forceinline__ void jf_peer_barrier(const jf_peers* __restrict__ p, 
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
       if (t0 == 0) t0 = now;
       if (now - t0 > 100000000000ull) {
-        printf("jitfuse: all-reduce over peers: rank %d waited 100 s for rank %d (block %d, phase %d): did every "
-               "rank call the same sequences in the same order?\n", p->rank, (int)threadIdx.x, (int)blockIdx.x, phase);
+        printf("jitfuse: all-reduce over peers: rank %d waited 100 s for rank %d (block %d): did every rank call "
+               "the same sequences in the same order?\n", p->rank, (int)threadIdx.x, (int)blockIdx.x);
         __trap();
       }
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) *counter = e;
 }

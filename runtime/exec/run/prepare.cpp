@@ -2,7 +2,6 @@
 // algorithms, lays out with real occupancies; writes only the Prepared it returns.
 #include "exec/run/prepare.hpp"
 
-#include <algorithm>
 #include <limits>
 #include <thread>
 
@@ -198,10 +197,16 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
       fail(Status::invalid_argument, "group '{}': the communicator runs on device {}, the current device is {}: make "
            "its device current before calling", p.group, c->device(), pp->device.ordinal);
     pp->comm = c;
-    const auto peer_kernel = [](const Step& s) { return s.peer_path > 0; };
-    if (std::any_of(p.forward.begin(), p.forward.end(), peer_kernel) ||
-        std::any_of(p.backward.begin(), p.backward.end(), peer_kernel))
-      pp->peers = c->peer_table(nullptr);
+    // The one-shot all-reduce kernels' way, if any: every rank decides the same (the same program and GPU model).
+    bool any = false, fit = true;
+    for (const Step& s : p.forward) {
+      if (s.peer_path <= 0 || s.kind != Step::Kind::kernel) continue;
+      any = true;
+      const auto& spec = s.kernel->spec;
+      fit = fit && codegen::peer_rows_fit(s.kernel->rows, spec.cols * ops::dtype_bytes(p.recipe.dtype),
+                                          pp->device.sm_count);
+    }
+    if (any && fit) pp->peers = c->peer_table(nullptr);
   }
   pp->forward.resize(p.forward.size());
   pp->backward.resize(p.backward.size());

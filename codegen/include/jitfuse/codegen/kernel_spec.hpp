@@ -2,6 +2,7 @@
 // dtype, specialised constants) and the description of its arguments that the executor binds.
 // Specs hold no CUDA source; templates hold no matching logic.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -184,9 +185,16 @@ inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts, int
 }
 
 // The peer workspace of a communicator (runtime/cuda/peers.hpp; templates/skeletons/peer.cuh's jf_peers, whose
-// JF_PEER_MAX_RANKS and JF_PEER_MAX_BLOCKS are these): at most kMaxPeers ranks, and a kernel reducing over
-// them (KernelSpec::peers) at most kPeerMaxBlocks blocks, each with its own flags per rank.
+// JF_PEER_MAX_RANKS, JF_PEER_MAX_BLOCKS and JF_PEER_BLOCK_BYTES are these): at most kMaxPeers ranks; a kernel
+// reducing over them (KernelSpec::peers) runs at most kPeerMaxBlocks blocks, each with its own flags per rank and
+// two regions of kPeerBlockBytes (by epoch parity) for its rows in every rank's staging buffer.
 inline constexpr int kMaxPeers = 8, kPeerMaxBlocks = 128;
+inline constexpr int64_t kPeerBlockBytes = 32768;
+// Whether `rows` rows of `row_bytes` fit the regions of a grid of min(rows, kPeerMaxBlocks, sm_count) blocks.
+inline bool peer_rows_fit(int64_t rows, int64_t row_bytes, int64_t sm_count = kPeerMaxBlocks) {
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>({rows, int64_t{kPeerMaxBlocks}, sm_count}));
+  return (rows + grid - 1) / grid * row_bytes <= kPeerBlockBytes;
+}
 
 // Op indices in a spec are the sequence's (the Builder binds arguments by them); generate() numbers the
 // ops by their position in the kernel instead (0, 1, ... in stage order) in every name and comment, so the

@@ -5,10 +5,9 @@
 // (cuda/peers.hpp; the one-shot all-reduce of templates/skeletons/peer.cuh). The group keeps NCCL's way beside it
 // (the all-reduce as a comm step, then the fork_norm kernel): prepare picks one (Step::peer_path), so a group whose
 // ranks cannot map each other's buffers, or JITFUSE_PEER_ALLREDUCE=0, runs as before. Inputs larger than the staging
-// buffer (cuda::kPeerStagingBytes) take NCCL's way alone; at world size 1 the all-reduce is the identity.
+// regions (codegen::peer_rows_fit) take NCCL's way alone; at world size 1 the all-reduce is the identity.
 // The backward runs as the ops' own (the all-reduce's is the identity).
 #include "common/error.hpp"
-#include "cuda/peers.hpp"
 #include "exec/lower/impl/comm.hpp"
 #include "exec/lower/impl/generated_chain.hpp"
 #include "exec/lower/impl/registrar.hpp"
@@ -48,8 +47,8 @@ class GeneratedAllReduceNorm final : public Implementation {
       b.boundary_saves(ar, e);
       return;
     }
-    const size_t bytes = static_cast<size_t>(rows * cols) * static_cast<size_t>(ops::dtype_bytes(b.recipe().dtype));
-    const bool peers = world <= codegen::kMaxPeers && bytes <= cuda::kPeerStagingBytes;
+    const int64_t row_bytes = cols * ops::dtype_bytes(b.recipe().dtype);
+    const bool peers = world <= codegen::kMaxPeers && codegen::peer_rows_fit(rows, row_bytes);
     if (peers) {
       const size_t from = b.steps();
       ChainOptions o = opt;
@@ -69,8 +68,8 @@ class GeneratedAllReduceNorm final : public Implementation {
       b.note_last("the NCCL path, where the ranks cannot map each other's buffers");
       b.mark_peer_path(from, -1);
     } else {
-      b.note_last(fmt::format("{} bytes: more than the one-shot all-reduce stages ({}), NCCL's all-reduce first",
-                              bytes, cuda::kPeerStagingBytes));
+      b.note_last(fmt::format("{} rows of {} bytes: more than the one-shot all-reduce stages ({} blocks of {} bytes), "
+                              "NCCL's all-reduce first", rows, row_bytes, codegen::kPeerMaxBlocks, codegen::kPeerBlockBytes));
     }
     b.boundary_saves(ar, e);
   }
