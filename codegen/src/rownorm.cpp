@@ -171,18 +171,25 @@ class Rownorm {
   void peer_args(Generated& g) {
     if (!fwd_ || spec_.fp8 || ns_.stats_only || spec_.peers < 2 || spec_.peers > kMaxPeers)
       throw std::invalid_argument("codegen: a norm reducing over peers is a forward of 2 to 8 ranks without FP8 cast");
-    args_.ptr(Arg::Role::peers, -1, "peers", "peers", "jf_peers", false);
+    args_.scalar(Arg::Role::peers, -1, "peers", "peers", "jf_peers");  // by value: no dependent load of the table
     g.launch.max_grid = kPeerMaxBlocks;
   }
-  // Peers: this block's rows of the input into its region of this rank's staging buffer, then the meeting with
-  // the same block of every rank (templates/skeletons/peer.cuh); the row loop then reads every rank's rows.
+  // Peers: this block's rows of the input pushed into its slot of every rank's staging buffer, then the meeting
+  // with the same block of every rank (templates/skeletons/peer.cuh); the row loop then reads every rank's rows
+  // from this rank's staging buffer.
   void stage_for_peers(Writer& k) const {
-    k.line("const size_t jf_region = jf_peer_region(peers);  // this block's, in every rank's staging buffer");
-    k.line("ST* jf_staged = (ST*)((char*)peers->data[peers->rank] + jf_region);");
+    const int w = spec_.peers;
+    k.line("const unsigned jf_parity = jf_peer_parity(peers);");
     k.line("for (jf_i64 r = blockIdx.x, j = 0; r < rows; r += gridDim.x, ++j) {{");
     k.open();
     chunk_loop_open(k);
-    k.line("if (active) {{ float v[8]; jf_load8<DT, JF_VEC>(in + r * {0} + c0, v, n); jf_store8<DT, JF_VEC>(jf_staged + j * {0} + c0, v, n); }}", cols_);
+    k.line("if (active) {{");
+    k.line("  float v[8];");
+    k.line("  jf_load8<DT, JF_VEC>(in + r * {} + c0, v, n);", cols_);
+    k.line("  #pragma unroll");
+    k.line("  for (int w = 0; w < {}; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer", w);
+    k.line("    jf_store8<DT, JF_VEC>((ST*)((char*)peers.data[w] + jf_peer_slot<{}>(jf_parity, peers.rank)) + j * {} + c0, v, n);", w, cols_);
+    k.line("}}");
     chunk_loop_close(k);
     k.close();
     k.line("}}");
@@ -226,7 +233,7 @@ class Rownorm {
       k.line("  #pragma unroll");
       k.line("  for (int w = 0; w < {}; ++w) {{  // rank order: every rank sums the same bits", spec_.peers);
       k.line("    float t[8];");
-      k.line("    jf_load8<DT, JF_VEC>((const ST*)((const char*)peers->data[w] + jf_region) + (r / gridDim.x) * {} + c0, t, n);", cols_);
+      k.line("    jf_load8<DT, JF_VEC>((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<{}>(jf_parity, w)) + (r / gridDim.x) * {} + c0, t, n);", spec_.peers, cols_);
       k.line("    for (int e = 0; e < 8; ++e) x[k][e] += t[e];");
       k.line("  }}");
       k.line("}}");
@@ -261,7 +268,7 @@ class Rownorm {
     if (!ns_.rms) {
       if (peers_) {
         k.line("float jf_k = 0.f;");
-        k.line("for (int w = 0; w < {}; ++w) jf_k += DT::load(((const ST*)((const char*)peers->data[w] + jf_region))[(r / gridDim.x) * {}]);", spec_.peers, cols_);
+        k.line("for (int w = 0; w < {0}; ++w) jf_k += DT::load(((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<{0}>(jf_parity, w)))[(r / gridDim.x) * {1}]);", spec_.peers, cols_);
       } else {
         k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
       }

@@ -145,24 +145,24 @@ Communicator::~Communicator() {
     if (const Nccl* n = try_nccl()) n->ncclCommDestroy(comm_);
 }
 
-CUdeviceptr Communicator::peer_table(CUstream caller, std::string* why) {
+const void* Communicator::peer_table(CUstream caller, std::string* why) {
   const auto off = env::get("JITFUSE_PEER_ALLREDUCE");
   if (off && (*off == "0" || *off == "false" || *off == "off")) {
     if (why) *why = "JITFUSE_PEER_ALLREDUCE=0";
-    return 0;
+    return nullptr;
   }
   std::lock_guard<std::mutex> lock(peers_mu_);
   if (!peers_tried_) {
     if (stream_capturing(caller)) {
       if (why) *why = "the first call is being captured into a CUDA graph (run one call before capturing)";
-      return 0;
+      return nullptr;
     }
     peers_tried_ = true;
     peers_ = PeerWorkspace::create(*this, &peers_why_);
     if (!peers_) jitfuse::log().warn("group of {} ranks: the all-reduce + norm kernels take NCCL's all-reduce: {}", world_, peers_why_);
   }
   if (!peers_ && why) *why = peers_why_;
-  return peers_ ? peers_->table() : 0;
+  return peers_ ? static_cast<const void*>(&peers_->table()) : nullptr;
 }
 
 }  // namespace jitfuse::cuda

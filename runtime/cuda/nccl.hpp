@@ -54,12 +54,12 @@ class Communicator {
   int device() const { return device_; }  // the CUDA device ordinal the communicator runs on
   bool owned() const { return owned_; }
 
-  // The jf_peers table of the group's peer workspace (cuda/peers.hpp), made on the first call: a collective,
-  // so every rank asks at the same point of its calls (the first prepare of a program with a one-shot
-  // all-reduce). 0 when the programs take their NCCL path instead: JITFUSE_PEER_ALLREDUCE=0, `caller`
-  // capturing a CUDA graph (asked again later), or a rank that cannot map another's buffer (`why` says so;
-  // not asked again).
-  CUdeviceptr peer_table(CUstream caller, std::string* why = nullptr);
+  // The jf_peers table (the bytes of a kernel's by-value parameter) of the group's peer workspace
+  // (cuda/peers.hpp), made on the first call: a collective, so every rank asks at the same point of its calls
+  // (the first prepare of a program with a one-shot all-reduce). Null where the programs take their NCCL path
+  // instead: JITFUSE_PEER_ALLREDUCE=0, `caller` capturing a CUDA graph (asked again later), or a rank that
+  // cannot map another's buffer (`why` says so; not asked again).
+  const void* peer_table(CUstream caller, std::string* why = nullptr);
 
  private:
   Communicator() = default;

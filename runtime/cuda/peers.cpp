@@ -21,17 +21,10 @@ struct Offer {
   int32_t pad;
 };
 
-// templates/skeletons/peer.cuh's jf_peers, as the device reads it (64-bit pointers).
-struct Table {
-  uint64_t data[codegen::kMaxPeers];
-  uint64_t flags[codegen::kMaxPeers];
-  uint64_t epochs;
-  int32_t rank, world;
-};
+static_assert(sizeof(PeerTable) == 8 * codegen::kMaxPeers * 2 + 16);
 static_assert(kPeerFlagsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerEpochsOffset);
-static_assert(kPeerEpochsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerTableOffset);
-static_assert(kPeerTableOffset + sizeof(Table) <= kPeerDataOffset);
-static_assert(kPeerStagingBytes == 2 * codegen::kPeerMaxBlocks * codegen::kPeerBlockBytes);
+static_assert(kPeerEpochsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerDataOffset);
+static_assert(kPeerStagingPerRank == 2 * codegen::kPeerMaxBlocks * codegen::kPeerBlockBytes);
 
 // A private stream, synchronised and destroyed on every way out.
 class OwnStream {
@@ -85,7 +78,7 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
   OwnStream s;
   Offer mine{};
   std::string problem;
-  CUresult r = d.cuMemAlloc(&ws->own_, kPeerDataOffset + kPeerStagingBytes);
+  CUresult r = d.cuMemAlloc(&ws->own_, kPeerDataOffset + kPeerStagingPerRank * static_cast<size_t>(world));
   if (r != CUDA_SUCCESS) ws->own_ = 0;
   if (r == CUDA_SUCCESS) r = d.cuMemsetD8Async(ws->own_, 0, kPeerDataOffset, s.get());
   if (r == CUDA_SUCCESS) r = d.cuIpcGetMemHandle(&mine.handle, ws->own_);
@@ -128,7 +121,7 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
     if (why) *why = problem.empty() ? "another rank could not map a peer's buffer (its log says why)" : problem;
     return nullptr;
   }
-  Table t{};
+  PeerTable& t = ws->table_;
   for (int p = 0; p < world; ++p) {
     const CUdeviceptr base = p == rank ? ws->own_ : ws->mapped_[static_cast<size_t>(p)];
     t.data[p] = base + kPeerDataOffset;
@@ -137,8 +130,6 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
   t.epochs = ws->own_ + kPeerEpochsOffset;
   t.rank = rank;
   t.world = world;
-  check(d.cuMemcpyHtoDAsync(ws->table(), &t, sizeof t, s.get()), "cuMemcpyHtoDAsync(peer table)");
-  s.sync("cuStreamSynchronize(peer table)");
   return ws;
 }
 

@@ -8,6 +8,7 @@
 #include <cuda.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,12 +18,19 @@ namespace jitfuse::cuda {
 class Communicator;
 
 // The workspace layout (each rank's buffer): flags [kPeerMaxBlocks][kMaxPeers] u32, this rank's epochs
-// [kPeerMaxBlocks][kMaxPeers] u32, the jf_peers table, then the staging buffer: two regions of kPeerBlockBytes per
-// block (codegen::peer_rows_fit says which inputs fit: decode and short prefill, e.g. 128 tokens of hidden 8192 in
-// fp32, 256 in bf16; larger ones take NCCL's all-reduce).
-inline constexpr size_t kPeerFlagsOffset = 0, kPeerEpochsOffset = 8192, kPeerTableOffset = 12288,
-                        kPeerDataOffset = 16384;
-inline constexpr size_t kPeerStagingBytes = 2 * 128 * 32768;
+// [kPeerMaxBlocks][kMaxPeers] u32, then the staging buffer: per block, per epoch parity, per source rank a slot of
+// kPeerBlockBytes (codegen::peer_rows_fit says which inputs fit: decode and short prefill, e.g. 128 tokens of hidden
+// 8192 in fp32, 256 in bf16; larger ones take NCCL's all-reduce). 8 MiB of staging per rank of the group.
+inline constexpr size_t kPeerFlagsOffset = 0, kPeerEpochsOffset = 8192, kPeerDataOffset = 16384;
+inline constexpr size_t kPeerStagingPerRank = 2 * 128 * 32768;
+
+// templates/skeletons/peer.cuh's jf_peers, as a kernel takes it by value (64-bit pointers).
+struct PeerTable {
+  uint64_t data[8];
+  uint64_t flags[8];
+  uint64_t epochs;
+  int32_t rank, world;
+};
 
 class PeerWorkspace {
  public:
@@ -33,11 +41,12 @@ class PeerWorkspace {
   PeerWorkspace(const PeerWorkspace&) = delete;
   PeerWorkspace& operator=(const PeerWorkspace&) = delete;
 
-  CUdeviceptr table() const { return own_ + kPeerTableOffset; }  // the jf_peers a kernel takes
+  const PeerTable& table() const { return table_; }  // the jf_peers a kernel takes (its parameter's bytes)
 
  private:
   PeerWorkspace() = default;
   CUdeviceptr own_ = 0;
+  PeerTable table_{};
   std::vector<CUdeviceptr> mapped_;  // by rank; 0 for this rank (its own_) and for those not mapped
 };
 

@@ -1,16 +1,16 @@
 // One-shot all-reduce through buffers every rank of a group maps from every other (CUDA IPC over NVLink;
 // never multicast): the input of an all_reduce + residual + norm kernel (docs/parallel.md). Each rank's
-// workspace (runtime/cuda/peers.cpp) holds its flags, its staging buffer and, for its own use, its epoch
-// counters and this table. A kernel block b
-//   1. copies its rows of this rank's input into its own region of this rank's staging buffer: region
-//      (b, epoch parity), JF_PEER_BLOCK_BYTES, the block's j-th row at j * cols,
-//   2. meets block b of every rank (jf_peer_barrier): their rows are staged,
-//   3. reads its rows from region (b, parity) of every rank's staging buffer, summed in rank order (so every
-//      rank computes the same bits), and runs the rest of the kernel on them.
-// No second meeting: the next call of block b writes the other parity's region, and the one after that
-// rewrites this one only after block b of every rank met block b of this rank once more, which each does
-// after its kernel (and its reads of this region) ended. The epochs live in device memory and advance in the
-// kernel, so a CUDA graph replays it as it is.
+// workspace (runtime/cuda/peers.cpp) holds its flags, its epoch counters and its staging buffer; the kernel
+// takes the table of every rank's (jf_peers) by value. A kernel block b
+//   1. pushes its rows of this rank's input into slot (b, epoch parity, this rank) of EVERY rank's staging
+//      buffer (stores over NVLink: posted, no round trip), the block's j-th row at j * cols,
+//   2. meets block b of every rank (jf_peer_barrier: a flag per rank, released after the block's stores),
+//   3. reads slots (b, parity, 0..W-1) of its own staging buffer — local memory — summed in rank order (so
+//      every rank computes the same bits), and runs the rest of the kernel on them.
+// No second meeting: the next call of block b writes the other parity's slots, and the one after that rewrites
+// these only after block b of every rank raised its flag once more, which each does after its kernel (and its
+// reads of these slots) ended. The epochs live in device memory and advance in the kernel, so a CUDA graph
+// replays it as it is.
 #pragma once
 
 #define JF_PEER_MAX_RANKS 8
@@ -33,26 +33,30 @@ __device__ __forceinline__ unsigned jf_peer_load_acquire(const unsigned* p) {
   return v;
 }
 
-// The byte offset of this block's region of a staging buffer in the coming meeting (read before it).
-__device__ __forceinline__ size_t jf_peer_region(const jf_peers* __restrict__ p) {
-  const unsigned parity = (p->epochs[blockIdx.x * JF_PEER_MAX_RANKS] + 1u) & 1u;
-  return ((size_t)blockIdx.x * 2 + parity) * JF_PEER_BLOCK_BYTES;
+// The parity of this block's coming meeting (read before it).
+__device__ __forceinline__ unsigned jf_peer_parity(const jf_peers& p) {
+  return (p.epochs[blockIdx.x * JF_PEER_MAX_RANKS] + 1u) & 1u;
+}
+// The byte offset of slot (this block, parity, src) in a staging buffer of a W-rank group.
+template <int W>
+__device__ __forceinline__ size_t jf_peer_slot(unsigned parity, int src) {
+  return (((size_t)blockIdx.x * 2 + parity) * W + src) * JF_PEER_BLOCK_BYTES;
 }
 
 // Block blockIdx.x of every rank meets here. Thread t < W advances its epoch, raises this rank's flag at rank
-// t (a release at system scope after the block's barrier: the block's staged rows before it) and waits for
+// t (a release at system scope after the block's barrier: the block's pushed rows before it) and waits for
 // rank t's flag here (an acquire). A rank that never comes (ranks that called different sequences) ends the
 // wait after about 100 s with a message and a trap: the context reports an error instead of hanging the host.
 template <int W>
-__device__ __forceinline__ void jf_peer_barrier(const jf_peers* __restrict__ p) {
+__device__ __forceinline__ void jf_peer_barrier(const jf_peers& p) {
   __syncthreads();
   if (threadIdx.x < W) {
     const int slot = (int)blockIdx.x * JF_PEER_MAX_RANKS;
-    unsigned* counter = p->epochs + slot + threadIdx.x;
+    unsigned* counter = p.epochs + slot + threadIdx.x;
     const unsigned e = *counter + 1u;
     *counter = e;
-    jf_peer_store_release(p->flags[threadIdx.x] + slot + p->rank, e);
-    const unsigned* mine = p->flags[p->rank] + slot + threadIdx.x;
+    jf_peer_store_release(p.flags[threadIdx.x] + slot + p.rank, e);
+    const unsigned* mine = p.flags[p.rank] + slot + threadIdx.x;
     unsigned long long t0 = 0;
     for (unsigned spin = 0; (int)(jf_peer_load_acquire(mine) - e) < 0; ++spin) {
       if ((spin & 1023u) != 0) continue;
@@ -61,7 +65,7 @@ __device__ __forceinline__ void jf_peer_barrier(const jf_peers* __restrict__ p) 
       if (t0 == 0) t0 = now;
       if (now - t0 > 100000000000ull) {
         printf("jitfuse: all-reduce over peers: rank %d waited 100 s for rank %d (block %d): did every rank call "
-               "the same sequences in the same order?\n", p->rank, (int)threadIdx.x, (int)blockIdx.x);
+               "the same sequences in the same order?\n", p.rank, (int)threadIdx.x, (int)blockIdx.x);
         __trap();
       }
     }

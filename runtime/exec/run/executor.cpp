@@ -323,7 +323,7 @@ const Variant& run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, 
       case KArg::Kind::rows: vals[i].i64 = k.rows; kparams[i] = &vals[i].i64; break;
       case KArg::Kind::u64_const: vals[i].u64 = a.value; kparams[i] = &vals[i].u64; break;
       case KArg::Kind::int_const: vals[i].i = L.parts; kparams[i] = &vals[i].i; break;
-      case KArg::Kind::peers: vals[i].p = reinterpret_cast<void*>(pp.peers); kparams[i] = &vals[i].p; break;
+      case KArg::Kind::peers: kparams[i] = const_cast<void*>(pp.peers); break;  // the struct's bytes
     }
   }
   cuda::check(d.cuLaunchKernel(v.kernel->fn, L.gx, L.gy, 1, L.bx, L.by, 1, 0, stream, n ? kparams : nullptr, nullptr),
@@ -429,7 +429,7 @@ namespace {
 void run_step(const Prepared& pp, Runtime& rt, const Step& s, const PreparedStep& st, Launched& launched, size_t i,
               const std::vector<void*>& ptr, CUstream on, const StepFilter& filter) {
   if (s.weight_cast && filter.skip_weight_casts) return;  // the persistent FP8 copy of an unchanged weight is valid
-  if (s.peer_path != 0 && (s.peer_path > 0) != (pp.peers != 0)) return;  // the group's other way runs
+  if (s.peer_path != 0 && (s.peer_path > 0) != (pp.peers != nullptr)) return;  // the group's other way runs
   switch (s.kind) {
     case Step::Kind::gemm:
       run_gemm(rt, s.gemm, st, ptr, on, launched.routes);

@@ -101,9 +101,9 @@ struct Prepared {
   fp8::WeightCopies weight_copies;  // FP8: the weight copies its forward casts, by parameter slot
   std::shared_ptr<const Prepared> reference;  // JITFUSE_VERIFY: the unfused program of the same ops
   std::shared_ptr<cuda::Communicator> comm;  // the program's comm steps run on it (null: it has none)
-  // The communicator's jf_peers table when the program's one-shot all-reduce kernels run (Step::peer_path 1),
-  // else 0 and their NCCL path runs (-1).
-  CUdeviceptr peers = 0;
+  // The communicator's jf_peers table (a kernel's by-value parameter) when the program's one-shot all-reduce
+  // kernels run (Step::peer_path 1); null: their NCCL path runs (-1).
+  const void* peers = nullptr;
   std::shared_ptr<SideStream> side;          // null unless a step runs on the side stream
   CUmemoryPool temp_pool = nullptr;  // the device's pool for calls with the default allocator (no lookup)
 
