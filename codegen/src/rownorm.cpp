@@ -91,7 +91,6 @@ class Rownorm {
       backward_row(k);
     k.close();
     k.line("}}");
-    if (peers_) k.line("jf_peer_done(peers, jf_epoch);");
     emit_fp8_epilogue(k, spec_);
     if (!fwd_) flush_param_partials(k);
     k.close();
@@ -175,12 +174,12 @@ class Rownorm {
     args_.scalar(Arg::Role::peers, -1, "peers", "peers", "jf_peers");  // by value: no dependent load of the table
     g.launch.max_grid = kPeerMaxBlocks;
   }
-  // Peers: this block's rows of the input pushed into its slot of every rank's staging buffer (each word beside
-  // the call's epoch: templates/skeletons/peer.cuh); the row loop then reads every rank's rows from this rank's
-  // staging buffer as they arrive.
+  // Peers: this block's rows of the input pushed into its slot of every rank's staging buffer, then the meeting
+  // with the same block of every rank (templates/skeletons/peer.cuh); the row loop then reads every rank's rows
+  // from this rank's staging buffer.
   void stage_for_peers(Writer& k) const {
     const int w = spec_.peers;
-    k.line("const unsigned jf_epoch = jf_peer_epoch(peers);");
+    k.line("const unsigned jf_parity = jf_peer_parity(peers);");
     k.line("for (jf_i64 r = blockIdx.x, j = 0; r < rows; r += gridDim.x, ++j) {{");
     k.open();
     chunk_loop_open(k);
@@ -189,11 +188,12 @@ class Rownorm {
     k.line("  jf_load8<DT, JF_VEC>(in + r * {} + c0, v, n);", cols_);
     k.line("  #pragma unroll");
     k.line("  for (int w = 0; w < {}; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer", w);
-    k.line("    jf_peer_put8<DT>(jf_peer_chunk<{}, DT>(peers.data[w], jf_epoch, peers.rank, j, c0, {}), v, n, jf_epoch);", w, cols_);
+    k.line("    jf_store8<DT, JF_VEC>((ST*)((char*)peers.data[w] + jf_peer_slot<{}>(jf_parity, peers.rank)) + j * {} + c0, v, n);", w, cols_);
     k.line("}}");
     chunk_loop_close(k);
     k.close();
     k.line("}}");
+    k.line("jf_peer_barrier<{}>(peers);  // every rank's rows are staged", spec_.peers);
   }
 
   // y = norm(pre(x)) * gamma (+ beta), then the post stages; saves pre's output and the row statistics.
@@ -233,7 +233,7 @@ class Rownorm {
       k.line("  #pragma unroll");
       k.line("  for (int w = 0; w < {}; ++w) {{  // rank order: every rank sums the same bits", spec_.peers);
       k.line("    float t[8];");
-      k.line("    jf_peer_get8<DT>(peers, w, jf_peer_chunk<{}, DT>(peers.data[peers.rank], jf_epoch, w, r / gridDim.x, c0, {}), t, jf_epoch);", spec_.peers, cols_);
+      k.line("    jf_load8<DT, JF_VEC>((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<{}>(jf_parity, w)) + (r / gridDim.x) * {} + c0, t, n);", spec_.peers, cols_);
       k.line("    for (int e = 0; e < 8; ++e) x[k][e] += t[e];");
       k.line("  }}");
       k.line("}}");
@@ -266,11 +266,9 @@ class Rownorm {
   void row_statistics(Writer& k, bool packed) {
     k.line("// op {} {}: statistics over {} columns", ns_.op, ns_.rms ? "rmsnorm" : "layernorm", cols_);
     if (!ns_.rms) {
-      if (peers_) {  // the shift: the row's first element (after the stages before the norm), from thread 0
-        k.line("__shared__ float jf_k_sm;");
-        k.line("if (threadIdx.x == 0) jf_k_sm = x[0][0];");
-        k.line("__syncthreads();");
-        k.line("const float jf_k = jf_k_sm;");
+      if (peers_) {
+        k.line("float jf_k = 0.f;");
+        k.line("for (int w = 0; w < {0}; ++w) jf_k += DT::load(((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<{0}>(jf_parity, w)))[(r / gridDim.x) * {1}]);", spec_.peers, cols_);
       } else {
         k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
       }

@@ -21,8 +21,9 @@ struct Offer {
   int32_t pad;
 };
 
-static_assert(sizeof(PeerTable) == 8 * codegen::kMaxPeers + 16);
-static_assert(kPeerEpochsOffset + codegen::kPeerMaxBlocks * 4 <= kPeerDataOffset);
+static_assert(sizeof(PeerTable) == 8 * codegen::kMaxPeers * 2 + 16);
+static_assert(kPeerFlagsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerEpochsOffset);
+static_assert(kPeerEpochsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerDataOffset);
 static_assert(kPeerStagingPerRank == 2 * codegen::kPeerMaxBlocks * codegen::kPeerBlockBytes);
 
 // A private stream, synchronised and destroyed on every way out.
@@ -79,9 +80,7 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
   std::string problem;
   CUresult r = d.cuMemAlloc(&ws->own_, kPeerDataOffset + kPeerStagingPerRank * static_cast<size_t>(world));
   if (r != CUDA_SUCCESS) ws->own_ = 0;
-  // Epochs and staging zero: a slot's words carry epoch 0 until written, and every call's epoch is 1 or more.
-  if (r == CUDA_SUCCESS)
-    r = d.cuMemsetD8Async(ws->own_, 0, kPeerDataOffset + kPeerStagingPerRank * static_cast<size_t>(world), s.get());
+  if (r == CUDA_SUCCESS) r = d.cuMemsetD8Async(ws->own_, 0, kPeerDataOffset, s.get());
   if (r == CUDA_SUCCESS) r = d.cuIpcGetMemHandle(&mine.handle, ws->own_);
   mine.ok = r == CUDA_SUCCESS;
   if (!mine.ok) problem = fmt::format("rank {} could not export its buffer: {}", rank, error_name(r));
@@ -126,6 +125,7 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
   for (int p = 0; p < world; ++p) {
     const CUdeviceptr base = p == rank ? ws->own_ : ws->mapped_[static_cast<size_t>(p)];
     t.data[p] = base + kPeerDataOffset;
+    t.flags[p] = base + kPeerFlagsOffset;
   }
   t.epochs = ws->own_ + kPeerEpochsOffset;
   t.rank = rank;

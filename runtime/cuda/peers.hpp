@@ -1,6 +1,6 @@
 // The peer workspace of a communicator: one device buffer per rank, exported with CUDA IPC and mapped by every
-// other rank of the group (over NVLink; never multicast), into which a one-shot all-reduce kernel pushes its
-// input (templates/skeletons/peer.cuh, docs/parallel.md). Made once per communicator, by
+// other rank of the group (over NVLink; never multicast), in which a one-shot all-reduce kernel stages its
+// input and raises its flags (templates/skeletons/peer.cuh, docs/parallel.md). Made once per communicator, by
 // every rank at the same point of its calls (the first prepare of a program with such a kernel): a collective
 // on the communicator exchanges the handles and agrees on the outcome, so either every rank maps every other
 // rank's buffer or none does and the programs take their NCCL path.
@@ -17,16 +17,17 @@ namespace jitfuse::cuda {
 
 class Communicator;
 
-// The workspace layout (each rank's buffer): this rank's epochs [kPeerMaxBlocks] u32, then the staging buffer: per
-// block, per epoch parity, per source rank a slot of kPeerBlockBytes (codegen::peer_rows_fit says which inputs fit:
-// decode and short prefill: up to 128 tokens of hidden 8192 in bf16 or of hidden 4096 in fp32; larger ones take NCCL's
-// all-reduce). 8 MiB of staging per rank of the group.
-inline constexpr size_t kPeerEpochsOffset = 0, kPeerDataOffset = 4096;
+// The workspace layout (each rank's buffer): flags [kPeerMaxBlocks][kMaxPeers] u32, this rank's epochs
+// [kPeerMaxBlocks][kMaxPeers] u32, then the staging buffer: per block, per epoch parity, per source rank a slot of
+// kPeerBlockBytes (codegen::peer_rows_fit says which inputs fit: decode and short prefill, e.g. 128 tokens of hidden
+// 8192 in fp32, 256 in bf16; larger ones take NCCL's all-reduce). 8 MiB of staging per rank of the group.
+inline constexpr size_t kPeerFlagsOffset = 0, kPeerEpochsOffset = 8192, kPeerDataOffset = 16384;
 inline constexpr size_t kPeerStagingPerRank = 2 * 128 * 32768;
 
 // templates/skeletons/peer.cuh's jf_peers, as a kernel takes it by value (64-bit pointers).
 struct PeerTable {
   uint64_t data[8];
+  uint64_t flags[8];
   uint64_t epochs;
   int32_t rank, world;
 };

@@ -203,7 +203,7 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
       if (s.peer_path <= 0 || s.kind != Step::Kind::kernel) continue;
       any = true;
       const auto& spec = s.kernel->spec;
-      fit = fit && codegen::peer_rows_fit(s.kernel->rows, codegen::peer_row_bytes(spec.cols, ops::dtype_bytes(p.recipe.dtype)),
+      fit = fit && codegen::peer_rows_fit(s.kernel->rows, spec.cols * ops::dtype_bytes(p.recipe.dtype),
                                           pp->device.sm_count);
     }
     if (any && fit) pp->peers = c->peer_table(nullptr);

@@ -174,107 +174,76 @@ __device__ __forceinline__ float2 jf_block_sum2(float a, float b, float* smem) {
 // ---- begin template skeletons/peer.cuh
 // One-shot all-reduce through buffers every rank of a group maps from every other (CUDA IPC over NVLink;
 // never multicast): the input of an all_reduce + residual + norm kernel (docs/parallel.md). Each rank's
-// workspace (runtime/cuda/peers.cpp) holds its epoch counters and its staging buffer; the kernel takes the
-// table of every rank's buffer (jf_peers) by value. Block b of a call with epoch e (this block's count of
-// calls, kept in device memory, so a CUDA graph replays the kernel as it is):
-//   1. pushes its rows of this rank's input into slot (b, e & 1, this rank) of EVERY rank's staging buffer,
-//      as NCCL's LL protocol does: each 32-bit word of data travels with the epoch beside it in one 8-byte
-//      half of a 16-byte store, so no fence, flag or barrier is needed;
-//   2. reads slots (b, e & 1, 0..W-1) of its own staging buffer — local memory — spinning on each word until
-//      its epoch is e, sums them in rank order (every rank computes the same bits) and runs the rest of the
-//      kernel on them.
-// The slot of parity e & 1 is written again at epoch e + 2 only after this rank's block b read every rank's
-// words of epoch e + 1, which each rank wrote after its kernel of epoch e (and its reads) ended. A rank that
-// never comes (ranks that called different sequences) ends the wait after about 100 s with a message and a
-// trap: the context reports an error instead of hanging the host.
+// workspace (runtime/cuda/peers.cpp) holds its flags, its epoch counters and its staging buffer; the kernel
+// takes the table of every rank's (jf_peers) by value. A kernel block b
+//   1. pushes its rows of this rank's input into slot (b, epoch parity, this rank) of EVERY rank's staging
+//      buffer (stores over NVLink: posted, no round trip), the block's j-th row at j * cols,
+//   2. meets block b of every rank (jf_peer_barrier: a flag per rank, released after the block's stores),
+//   3. reads slots (b, parity, 0..W-1) of its own staging buffer — local memory — summed in rank order (so
+//      every rank computes the same bits), and runs the rest of the kernel on them.
+// No second meeting: the next call of block b writes the other parity's slots, and the one after that rewrites
+// these only after block b of every rank raised its flag once more, which each does after its kernel (and its
+// reads of these slots) ended. The epochs live in device memory and advance in the kernel, so a CUDA graph
+// replays it as it is.
 
 #define JF_PEER_MAX_RANKS 8
 #define JF_PEER_MAX_BLOCKS 128
 #define JF_PEER_BLOCK_BYTES 32768
 
 struct jf_peers {
-  void* data[JF_PEER_MAX_RANKS];  // each rank's staging buffer, as this process maps it
-  unsigned* epochs;               // this rank's [JF_PEER_MAX_BLOCKS]
+  void* data[JF_PEER_MAX_RANKS];        // each rank's staging buffer, as this process maps it
+  unsigned* flags[JF_PEER_MAX_RANKS];   // each rank's flags [JF_PEER_MAX_BLOCKS][JF_PEER_MAX_RANKS]
+  unsigned* epochs;                     // this rank's [JF_PEER_MAX_BLOCKS][JF_PEER_MAX_RANKS], one per waiting thread
   int rank, world;
 };
 
-// The epoch of this block's call (read before the kernel ends; jf_peer_done stores it).
-__device__ __forceinline__ unsigned jf_peer_epoch(const jf_peers& p) { return p.epochs[blockIdx.x] + 1u; }
-__device__ __forceinline__ void jf_peer_done(const jf_peers& p, unsigned epoch) {
-  __syncthreads();  // every thread read the old epoch
-  if (threadIdx.x == 0) p.epochs[blockIdx.x] = epoch;
+__device__ __forceinline__ void jf_peer_store_release(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned jf_peer_load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
-// The 16-byte words of 8 elements of DT in a slot: 4 (16-bit) or 8 (fp32) data words, each beside its epoch.
-template <typename DT>
-struct jf_peer_words {
-  static constexpr int N = sizeof(typename DT::storage) == 2 ? 4 : 8;
-};
-// Chunk c0 / 8 of row j of slot (this block, epoch & 1, src) in the staging buffer at `base`, for rows of `cols`.
-template <int W, typename DT>
-__device__ __forceinline__ unsigned* jf_peer_chunk(void* base, unsigned epoch, int src, long long j, int c0, int cols) {
-  const size_t slot = (((size_t)blockIdx.x * 2 + (epoch & 1u)) * W + src) * JF_PEER_BLOCK_BYTES;
-  const size_t chunk = (size_t)j * ((cols + 7) / 8) + c0 / 8;
-  return (unsigned*)((char*)base + slot + chunk * jf_peer_words<DT>::N * 8);
+// The parity of this block's coming meeting (read before it).
+__device__ __forceinline__ unsigned jf_peer_parity(const jf_peers& p) {
+  return (p.epochs[blockIdx.x * JF_PEER_MAX_RANKS] + 1u) & 1u;
+}
+// The byte offset of slot (this block, parity, src) in a staging buffer of a W-rank group.
+template <int W>
+__device__ __forceinline__ size_t jf_peer_slot(unsigned parity, int src) {
+  return (((size_t)blockIdx.x * 2 + parity) * W + src) * JF_PEER_BLOCK_BYTES;
 }
 
-template <typename DT>
-__device__ __forceinline__ void jf_peer_put8(unsigned* dst, const float (&v)[8], int n, unsigned epoch) {
-  constexpr int N = jf_peer_words<DT>::N;
-  unsigned w[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if (N == 4) {
-      const unsigned lo = 2 * i < n ? (unsigned)DT::store(v[2 * i]) : 0u;
-      const unsigned hi = 2 * i + 1 < n ? (unsigned)DT::store(v[2 * i + 1]) : 0u;
-      w[i] = (lo & 0xffffu) | (hi << 16);
-    } else {
-      w[i] = i < n ? __float_as_uint(v[i]) : 0u;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < N; i += 2)
-    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst + 2 * i), "r"(w[i]), "r"(epoch),
-                 "r"(w[i + 1]), "r"(epoch) : "memory");
-}
-
-__device__ __noinline__ void jf_peer_timeout(const jf_peers& p, int src) {
-  printf("jitfuse: all-reduce over peers: rank %d waited 100 s for rank %d (block %d): did every rank call the same "
-         "sequences in the same order?\n", p.rank, src, (int)blockIdx.x);
-  __trap();
-}
-
-template <typename DT>
-__device__ __forceinline__ void jf_peer_get8(const jf_peers& p, int src, const unsigned* from, float (&v)[8],
-                                             unsigned epoch) {
-  constexpr int N = jf_peer_words<DT>::N;
-  unsigned w[N];
-#pragma unroll
-  for (int i = 0; i < N; i += 2) {
-    unsigned d0, f0, d1, f1;
+// Block blockIdx.x of every rank meets here. Thread t < W advances its epoch, raises this rank's flag at rank
+// t (a release at system scope after the block's barrier: the block's pushed rows before it) and waits for
+// rank t's flag here (an acquire). A rank that never comes (ranks that called different sequences) ends the
+// wait after about 100 s with a message and a trap: the context reports an error instead of hanging the host.
+template <int W>
+__device__ __forceinline__ void jf_peer_barrier(const jf_peers& p) {
+  __syncthreads();
+  if (threadIdx.x < W) {
+    const int slot = (int)blockIdx.x * JF_PEER_MAX_RANKS;
+    unsigned* counter = p.epochs + slot + threadIdx.x;
+    const unsigned e = *counter + 1u;
+    *counter = e;
+    jf_peer_store_release(p.flags[threadIdx.x] + slot + p.rank, e);
+    const unsigned* mine = p.flags[p.rank] + slot + threadIdx.x;
     unsigned long long t0 = 0;
-    for (unsigned spin = 0;; ++spin) {
-      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1) : "l"(from + 2 * i) : "memory");
-      if (f0 == epoch && f1 == epoch) break;
-      if ((spin & 0xffffu) != 0xffffu) continue;
+    for (unsigned spin = 0; (int)(jf_peer_load_acquire(mine) - e) < 0; ++spin) {
+      if ((spin & 1023u) != 0) continue;
       unsigned long long now;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
       if (t0 == 0) t0 = now;
-      if (now - t0 > 100000000000ull) jf_peer_timeout(p, src);
-    }
-    w[i] = d0;
-    w[i + 1] = d1;
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if (N == 4) {
-      v[2 * i] = DT::load((jf_u16)(w[i] & 0xffffu));
-      v[2 * i + 1] = DT::load((jf_u16)(w[i] >> 16));
-    } else {
-      v[i] = __uint_as_float(w[i]);
+      if (now - t0 > 100000000000ull) {
+        printf("jitfuse: all-reduce over peers: rank %d waited 100 s for rank %d (block %d): did every rank call "
+               "the same sequences in the same order?\n", p.rank, (int)threadIdx.x, (int)blockIdx.x);
+        __trap();
+      }
     }
   }
+  __syncthreads();
 }
 // ---- end template skeletons/peer.cuh
 typedef jf_bf16 DT;
@@ -284,7 +253,7 @@ typedef DT::storage ST;
 #define JF_VEC true
 extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_input_make_extra_output_rmsnorm_fwd(const ST* __restrict__ in, jf_peers peers, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p2_weight, const ST* __restrict__ e0, ST* __restrict__ eo1, ST* __restrict__ s2_input, float* __restrict__ s2_mean, float* __restrict__ s2_rstd) {
   __shared__ float jf_sm[64];
-  const unsigned jf_epoch = jf_peer_epoch(peers);
+  const unsigned jf_parity = jf_peer_parity(peers);
   for (jf_i64 r = blockIdx.x, j = 0; r < rows; r += gridDim.x, ++j) {
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
@@ -296,10 +265,11 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         jf_load8<DT, JF_VEC>(in + r * 64 + c0, v, n);
         #pragma unroll
         for (int w = 0; w < 2; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer
-          jf_peer_put8<DT>(jf_peer_chunk<2, DT>(peers.data[w], jf_epoch, peers.rank, j, c0, 64), v, n, jf_epoch);
+          jf_store8<DT, JF_VEC>((ST*)((char*)peers.data[w] + jf_peer_slot<2>(jf_parity, peers.rank)) + j * 64 + c0, v, n);
       }
     }
   }
+  jf_peer_barrier<2>(peers);  // every rank's rows are staged
   for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {
     float x[1][8];
     #pragma unroll
@@ -312,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         #pragma unroll
         for (int w = 0; w < 2; ++w) {  // rank order: every rank sums the same bits
           float t[8];
-          jf_peer_get8<DT>(peers, w, jf_peer_chunk<2, DT>(peers.data[peers.rank], jf_epoch, w, r / gridDim.x, c0, 64), t, jf_epoch);
+          jf_load8<DT, JF_VEC>((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<2>(jf_parity, w)) + (r / gridDim.x) * 64 + c0, t, n);
           for (int e = 0; e < 8; ++e) x[k][e] += t[e];
         }
       }
@@ -361,14 +331,13 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
       }
     }
   }
-  jf_peer_done(peers, jf_epoch);
 }
 #undef JF_VEC
 #else
 #define JF_VEC false
 extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_input_make_extra_output_rmsnorm_fwd_scalar(const ST* __restrict__ in, jf_peers peers, ST* __restrict__ out, jf_i64 rows, const ST* __restrict__ p2_weight, const ST* __restrict__ e0, ST* __restrict__ eo1, ST* __restrict__ s2_input, float* __restrict__ s2_mean, float* __restrict__ s2_rstd) {
   __shared__ float jf_sm[64];
-  const unsigned jf_epoch = jf_peer_epoch(peers);
+  const unsigned jf_parity = jf_peer_parity(peers);
   for (jf_i64 r = blockIdx.x, j = 0; r < rows; r += gridDim.x, ++j) {
     #pragma unroll
     for (int k = 0; k < 1; ++k) {
@@ -380,10 +349,11 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         jf_load8<DT, JF_VEC>(in + r * 64 + c0, v, n);
         #pragma unroll
         for (int w = 0; w < 2; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer
-          jf_peer_put8<DT>(jf_peer_chunk<2, DT>(peers.data[w], jf_epoch, peers.rank, j, c0, 64), v, n, jf_epoch);
+          jf_store8<DT, JF_VEC>((ST*)((char*)peers.data[w] + jf_peer_slot<2>(jf_parity, peers.rank)) + j * 64 + c0, v, n);
       }
     }
   }
+  jf_peer_barrier<2>(peers);  // every rank's rows are staged
   for (jf_i64 r = blockIdx.x; r < rows; r += gridDim.x) {
     float x[1][8];
     #pragma unroll
@@ -396,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         #pragma unroll
         for (int w = 0; w < 2; ++w) {  // rank order: every rank sums the same bits
           float t[8];
-          jf_peer_get8<DT>(peers, w, jf_peer_chunk<2, DT>(peers.data[peers.rank], jf_epoch, w, r / gridDim.x, c0, 64), t, jf_epoch);
+          jf_load8<DT, JF_VEC>((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<2>(jf_parity, w)) + (r / gridDim.x) * 64 + c0, t, n);
           for (int e = 0; e < 8; ++e) x[k][e] += t[e];
         }
       }
@@ -445,7 +415,6 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
       }
     }
   }
-  jf_peer_done(peers, jf_epoch);
 }
 #undef JF_VEC
 #endif

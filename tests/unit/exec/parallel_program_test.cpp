@@ -208,13 +208,11 @@ TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]"
     if (training) CHECK(count_comm(p->backward, exec::Collective::all_reduce) == 0);
   }
   // More than the staging regions hold (128 blocks, 32 KiB each): NCCL's way alone, said in explain.
-  CHECK(codegen::peer_row_bytes(8192, 2) == 32768);  // each 32-bit word beside its epoch
-  CHECK(codegen::peer_rows_fit(128, codegen::peer_row_bytes(8192, 2)));
-  CHECK(codegen::peer_rows_fit(128, codegen::peer_row_bytes(4096, 4)));
-  CHECK_FALSE(codegen::peer_rows_fit(1, codegen::peer_row_bytes(8192, 4)));  // a row of 64 KiB
-  CHECK_FALSE(codegen::peer_rows_fit(129, codegen::peer_row_bytes(8192, 2)));
-  CHECK(codegen::peer_rows_fit(128, codegen::peer_row_bytes(4096, 2), 100));        // 100 SMs: 2 rows per block
-  CHECK_FALSE(codegen::peer_rows_fit(128, codegen::peer_row_bytes(8192, 2), 100));  // ... of 32 KiB each
+  CHECK(codegen::peer_rows_fit(128, 8192 * 4));
+  CHECK(codegen::peer_rows_fit(256, 8192 * 2));
+  CHECK_FALSE(codegen::peer_rows_fit(129, 8192 * 4));
+  CHECK(codegen::peer_rows_fit(128, 8192 * 2, 100));        // a device of 100 SMs: 2 rows per block
+  CHECK_FALSE(codegen::peer_rows_fit(128, 8192 * 4, 100));  // ... of 32 KiB each
   auto big = program_of(seq, "fp32", false, {2048, 512}, 2, 0);
   REQUIRE(big->forward.size() == 3);
   CHECK(big->forward[1].kind == exec::Step::Kind::comm);

@@ -186,14 +186,11 @@ inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts, int
 
 // The peer workspace of a communicator (runtime/cuda/peers.hpp; templates/skeletons/peer.cuh's jf_peers, whose
 // JF_PEER_MAX_RANKS, JF_PEER_MAX_BLOCKS and JF_PEER_BLOCK_BYTES are these): at most kMaxPeers ranks; a kernel
-// reducing over them (KernelSpec::peers) runs at most kPeerMaxBlocks blocks, each with a slot of kPeerBlockBytes per
-// epoch parity and source rank in every rank's staging buffer.
+// reducing over them (KernelSpec::peers) runs at most kPeerMaxBlocks blocks, each with its own flags per rank and
+// two regions of kPeerBlockBytes (by epoch parity) for its rows in every rank's staging buffer.
 inline constexpr int kMaxPeers = 8, kPeerMaxBlocks = 128;
 inline constexpr int64_t kPeerBlockBytes = 32768;
-// The bytes a row of `cols` elements of `elem_bytes` takes in a slot: every 32-bit word beside its epoch.
-inline int64_t peer_row_bytes(int64_t cols, int64_t elem_bytes) { return (cols + 7) / 8 * 16 * elem_bytes; }
-// Whether `rows` rows of `row_bytes` (peer_row_bytes) fit a slot, with a grid of min(rows, kPeerMaxBlocks, sm_count)
-// blocks.
+// Whether `rows` rows of `row_bytes` fit the regions of a grid of min(rows, kPeerMaxBlocks, sm_count) blocks.
 inline bool peer_rows_fit(int64_t rows, int64_t row_bytes, int64_t sm_count = kPeerMaxBlocks) {
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>({rows, int64_t{kPeerMaxBlocks}, sm_count}));
   return (rows + grid - 1) / grid * row_bytes <= kPeerBlockBytes;

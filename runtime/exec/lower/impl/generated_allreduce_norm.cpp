@@ -47,7 +47,7 @@ class GeneratedAllReduceNorm final : public Implementation {
       b.boundary_saves(ar, e);
       return;
     }
-    const int64_t row_bytes = codegen::peer_row_bytes(cols, ops::dtype_bytes(b.recipe().dtype));
+    const int64_t row_bytes = cols * ops::dtype_bytes(b.recipe().dtype);
     const bool peers = world <= codegen::kMaxPeers && codegen::peer_rows_fit(rows, row_bytes);
     if (peers) {
       const size_t from = b.steps();
