@@ -1,0 +1,43 @@
+# Tensor parallelism on several GPUs (docs/parallel.md): tools/multigpu/tp.py's checks through torchrun, one
+# process per GPU, on 2 and (where the machine has them) 4 GPUs: the TP and TP+SP MLP blocks against one GPU
+# (`check`), and the all-reduce + residual + RMSNorm group — the one-shot kernel over peer-mapped buffers, its
+# NCCL path and NCCL's all-reduce followed by our norm — against float64, eager and captured in CUDA graphs
+# (`arnorm`). Skipped with fewer GPUs.
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import need_torch
+
+torch = need_torch()
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 GPUs", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+TP = os.path.join(ROOT, "tools", "multigpu", "tp.py")
+
+
+def torchrun(world, mode, port, timeout=300):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", JF_TP_WATCHDOG=str(timeout - 20))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(port),
+           TP, mode]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{(r.stdout + r.stderr)[-6000:]}"
+    return r.stdout
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_blocks_match_one_gpu(world):
+    out = torchrun(world, "check", 29531 + world)
+    assert "MISMATCH" not in out and " ok" in out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_allreduce_residual_norm_matches_float64(world):
+    out = torchrun(world, "arnorm", 29541 + world)
+    assert "MISMATCH" not in out and "## all-reduce + residual + RMSNorm" in out
