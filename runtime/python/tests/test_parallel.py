@@ -13,20 +13,26 @@ def _tp_mlp(repo):
 
 def test_explain_plans_one_rank_of_a_group(ctx, repo):
     seq = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16")
-    e = seq.explain((1024, 1024), training=True, arch=90, world_size=4, rank=3)
+    e = seq.explain((1024, 1024), training=True, arch=90, world_size=2, rank=1)
     steps = e.program.forward
     comms = [s for s in steps if s["kind"] == "comm"]
-    # The gather pipelined with the column GEMM (a broadcast of each rank's rows, root = the owner), the
-    # reduce-scatter with the row GEMM (a reduce of each rank's rows to it), all on the side stream.
+    # The gather pipelined with the column GEMM (a broadcast of each chunk's rows, root = the owner), the
+    # reduce-scatter with the row GEMM (a reduce of each chunk's rows to it), all on the side stream: 4 chunks.
     assert [c["collective"] for c in comms] == ["broadcast"] * 4 + ["reduce"] * 4
-    assert [c["root"] for c in comms] == [0, 1, 2, 3] * 2
+    assert [c["root"] for c in comms] == [0, 0, 1, 1] * 2
     assert all(c["stream"] == "side" for c in comms)
-    assert all(c["count"] == 1024 * 1024 for c in comms)
+    assert all(c["count"] == 512 * 1024 for c in comms)
     back = [s["collective"] for s in e.program.backward if s["kind"] == "comm"]
     assert back == ["broadcast"] * 4 + ["reduce"] * 4
-    # The GEMMs see the whole sequence, 4 shards of 1024 tokens, in chunks of one shard.
+    # The GEMMs see the whole sequence, 2 shards of 1024 tokens, in chunks of half a shard.
     gemms = [s for s in steps if s["kind"] == "gemm"]
-    assert len(gemms) == 8 and sum(g["m"] for g in gemms) == 2 * 4096
+    assert len(gemms) == 8 and sum(g["m"] for g in gemms) == 2 * 2048
+    # Beyond 2 ranks the pipeline measured slower than the GEMMs and the collectives apart: plain collectives,
+    # on the caller's stream.
+    four = seq.explain((1024, 1024), training=True, arch=90, world_size=4, rank=3)
+    plain = [s for s in four.program.forward if s["kind"] == "comm"]
+    assert [c["collective"] for c in plain] == ["all_gather", "reduce_scatter"]
+    assert all(c["stream"] == "caller" for c in plain)
     # Under FP8 the GEMMs are not chunked: the collectives themselves; each rank sends its 1024x1024 bf16
     # shard to 3 others.
     f8 = jitfuse.Sequence(ctx, _tp_mlp(repo), "fp8_delayed").explain((1024, 1024), world_size=4, rank=3)

@@ -226,7 +226,7 @@ TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]"
   CHECK(one->forward[1].kernel->spec.peers == 0);
   // reduce_scatter -> bias -> dropout -> add: one kernel after the collective.
   // With the GEMM and its reduce-scatter pipelined, the tail is still one kernel after them.
-  auto q = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_attn_out.json"), "bf16", true, {4096 / 4, 1024 / 4}, 4, 2);
+  auto q = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_attn_out.json"), "bf16", true, {4096 / 2, 1024 / 2}, 2, 1);
   REQUIRE(q->plan.forward.size() >= 2);
   CHECK(q->plan.forward[0].rule == "linear_reduce_scatter_overlap");
   CHECK(q->plan.forward[1].rule == "bias_dropout_add_joint");
@@ -241,7 +241,20 @@ TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]"
 TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams", "[exec][parallel]") {
   using exec::Collective;
   const std::string llama_sp = parallel_block("llama_mlp_block.json", true);
-  for (int world : {1, 2, 4, 8}) {
+  // Beyond 2 ranks the pipeline measured slower than the GEMMs and the collectives apart (docs/benchmarks.md):
+  // the plain all-gather and reduce-scatter run there.
+  for (int world : {4, 8}) {
+    INFO("world size " << world);
+    auto p = program_of(llama_sp, "bf16", true, {4096 / world, 1024}, world, world - 1);
+    CHECK(count_comm(p->forward, Collective::broadcast) + count_comm(p->forward, Collective::reduce) == 0);
+    CHECK(count_comm(p->forward, Collective::all_gather) == 1);
+    CHECK(count_comm(p->forward, Collective::reduce_scatter) == 1);
+    bool said = false;
+    for (const auto& d : p->plan.decisions)
+      said = said || (d.rule == "all_gather_linear_overlap" && d.reason.find("beyond 2 ranks") != std::string::npos);
+    CHECK(said);
+  }
+  for (int world : {1, 2}) {
     INFO("world size " << world);
     auto p = program_of(llama_sp, "bf16", true, {4096 / world, 1024}, world, world - 1);
     const int chunks = std::max(world, 4);
