@@ -193,7 +193,7 @@ class Rownorm {
     chunk_loop_close(k);
     k.close();
     k.line("}}");
-    k.line("jf_peer_barrier<{}>(peers);  // every rank's rows are staged", spec_.peers);
+    k.line("jf_peer_barrier<{}>(peers);  // every rank's rows are staged", w);
   }
 
   // y = norm(pre(x)) * gamma (+ beta), then the post stages; saves pre's output and the row statistics.

@@ -11,9 +11,11 @@ std::optional<std::string> get(const char* name) {
   return std::string(v);
 }
 
+bool falsy(const std::string& value) { return value == "0" || value == "false" || value == "off"; }
+
 bool flag(const char* name) {
   auto v = get(name);
-  return v && !v->empty() && *v != "0" && *v != "false" && *v != "off";
+  return v && !v->empty() && !falsy(*v);
 }
 
 std::vector<std::string> split_path(const std::string& s) {

@@ -21,7 +21,8 @@ namespace jitfuse::env {
 // JITFUSE_PEER_ALLREDUCE   0: all_reduce + residual + norm groups take NCCL's all-reduce, never the one-shot
 //                          kernel over peer-mapped buffers (read when a program is prepared)
 std::optional<std::string> get(const char* name);
-bool flag(const char* name);  // set and not "0"/"false"/""
+bool flag(const char* name);  // set and not "0"/"false"/"off"/""
+bool falsy(const std::string& value);  // "0", "false" or "off": a switch turned off (flag's false values but "")
 std::vector<std::string> split_path(const std::string& s);
 
 }  // namespace jitfuse::env

@@ -147,7 +147,7 @@ Communicator::~Communicator() {
 
 const void* Communicator::peer_table(CUstream caller, std::string* why) {
   const auto off = env::get("JITFUSE_PEER_ALLREDUCE");
-  if (off && (*off == "0" || *off == "false" || *off == "off")) {
+  if (off && env::falsy(*off)) {
     if (why) *why = "JITFUSE_PEER_ALLREDUCE=0";
     return nullptr;
   }
