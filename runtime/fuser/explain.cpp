@@ -31,6 +31,15 @@ std::string group_ops(const Group& g, const std::vector<ops::Op>& ops) {
 namespace {
 // A parallel linear's shards and a comm op's collectives (docs/parallel.md).
 std::string parallel_text(const ops::Op& op) {
+  if (op.kind == "moe_dispatch" || op.kind == "moe_combine") {
+    const int64_t experts = op.kind == "moe_dispatch" ? op.route_experts : op.route_experts * op.world_size;
+    return fmt::format("{} the rows of {} experts {} the ranks owning them ({} each, all_to_all over group '{}' of {}; "
+                       "backward: the other way){}",
+                       op.kind == "moe_dispatch" ? "sends" : "brings back", experts,
+                       op.kind == "moe_dispatch" ? "to" : "from", experts / op.world_size, op.str("group"),
+                       op.world_size, op.kind == "moe_dispatch" ? fmt::format(", at most {} rows received",
+                                                                             ops::rows_of(op.out)) : "");
+  }
   if (op.family == ops::Family::comm) {
     std::string what = op.kind == "all_gather"       ? "gathers dim 0 (backward: reduce-scatters)"
                        : op.kind == "reduce_scatter" ? "reduce-scatters dim 0 (backward: gathers)"

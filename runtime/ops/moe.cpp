@@ -101,9 +101,13 @@ void register_grouped_linear(Registry& r) {
     const int64_t g = op.attrs["num_groups"], in_f = op.attrs["in_features"], out_f = op.attrs["out_features"];
     if (cols_of(op.in) != in_f)
       shape_error(op, fmt::format("in_features = {} but the input's last dim is {}", in_f, cols_of(op.in)));
-    if (op.route_op >= 0 && g != op.route_experts)
-      fail(Status::invalid_argument, "{}: num_groups = {} but op {} (moe_permute) routes to {} experts: one group per "
-           "expert", op.label(), g, op.route_op, op.route_experts);
+    if (op.route_op >= 0 && g != op.route_experts) {
+      // A moe_permute's routing has its splits after dest and src (2 T k ints); a moe_dispatch's after its counts.
+      const bool ep = op.route_splits_at != 2 * op.route_topk * rows_of(op.route_in);
+      fail(Status::invalid_argument, "{}: num_groups = {} but op {} ({}) routes to {} experts{}: one group per "
+           "expert", op.label(), g, op.route_op, ep ? "moe_dispatch" : "moe_permute", op.route_experts,
+           ep ? fmt::format(" (this rank's: num_experts / world size {})", op.world_size) : "");
+    }
     if (op.route_op >= 0 && op.route_packed) {
       // Dropless: group e is expert e's rows [starts[e], starts[e] + splits[e]) of the permuted rows.
       if (rows_of(op.in) != op.route_rows)
@@ -121,12 +125,69 @@ void register_grouped_linear(Registry& r) {
   r.add(std::move(k));
 }
 
+// Expert parallelism (docs/parallel.md#expert-parallelism): rank r owns experts [r E/W, (r+1) E/W). moe_dispatch
+// sends each expert's rows of this rank's packed moe_permute to the rank owning the expert; moe_combine sends them
+// back to the same rows. Comm ops (NCCL grouped send/recv, an all_to_all with per-call counts): the routing's
+// per-expert row counts of every rank are all-gathered and read on the host once per call.
+AttrSpec group_attr() { return {AttrSpec::Type::string, "group", "ep", {}, {}, {}}; }
+
+void register_dispatch(Registry& r) {
+  OpKind k;
+  k.name = "moe_dispatch";
+  k.family = Family::comm;
+  k.math = "y = the rows of every rank's moe_permute for the experts this rank owns (rank r: experts [r E/W, "
+           "(r+1) E/W)), expert-major then source rank, zero past them; dx = those rows' gradients sent back";
+  k.attrs = {group_attr(),
+             // The received rows' bound: -1 is world size x this rank's permuted rows (no routing overflows it).
+             {AttrSpec::Type::integer, "max_rows", -1, {}, -1.0, {}}};
+  k.infer = [](Op& op) {
+    // op.route_* (its moe_permute's) were set by ops::infer.
+    const int64_t e = op.route_experts, w = op.world_size, rows = rows_of(op.in);
+    if (!op.route_packed)
+      fail(Status::invalid_argument, "{}: the moe_permute (op {}) before it has \"layout\": \"padded\"; expert "
+           "parallelism sends the packed (dropless) layout: set \"layout\": \"packed\"", op.label(), op.route_op);
+    if (e % w != 0)
+      fail(Status::invalid_argument, "{}: num_experts = {} of op {} (moe_permute) is not a multiple of the world size "
+           "{}: every rank owns num_experts / world size experts", op.label(), e, op.route_op, w);
+    int64_t bound = op.attrs["max_rows"];
+    if (bound == 0 || bound < -1)
+      fail(Status::invalid_argument, "{}: max_rows = {}: the received rows' bound is >= 1, or -1 (world size x the "
+           "permuted rows)", op.label(), bound);
+    if (bound < 0 && (__builtin_mul_overflow(rows, w, &bound) || bound > std::numeric_limits<int32_t>::max()))
+      shape_error(op, fmt::format("{} ranks x {} permuted rows do not fit the int32 routing: set \"max_rows\"", w,
+                                  rows));
+    if (bound > std::numeric_limits<int32_t>::max())
+      shape_error(op, fmt::format("max_rows = {} does not fit the int32 routing", bound));
+    op.out = {bound, cols_of(op.in)};
+  };
+  r.add(std::move(k));
+}
+
+void register_combine(Registry& r) {
+  OpKind k;
+  k.name = "moe_combine";
+  k.family = Family::comm;
+  k.math = "y = the experts' rows sent back to the ranks and rows they came from (the moe_dispatch before it), zero "
+           "past the kept rows; dx = the gradients of those rows, dispatched again";
+  k.attrs = {group_attr()};
+  k.infer = [](Op& op) {
+    // op.route_op is the moe_dispatch before it, route_in its input (the permuted rows), route_rows its output rows.
+    if (rows_of(op.in) != op.route_rows)
+      shape_error(op, fmt::format("its input has {} rows; op {} (moe_dispatch) received {} rows (its max_rows)",
+                                  rows_of(op.in), op.route_op, op.route_rows));
+    op.out = {rows_of(op.route_in), cols_of(op.in)};
+  };
+  r.add(std::move(k));
+}
+
 }  // namespace
 
 void register_moe(Registry& r) {
   register_permute(r);
   register_unpermute(r);
   register_grouped_linear(r);
+  register_dispatch(r);
+  register_combine(r);
 }
 
 }  // namespace jitfuse::ops

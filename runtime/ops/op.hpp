@@ -146,14 +146,19 @@ struct Op {
   int world_size = 1, rank = 0;
   // An op the planner inserted (a parallel linear's collective): the op it serves; -1 for the sequence's own.
   int inserted_for = -1;
-  // moe_unpermute: the moe_permute whose routing it reads, that op's input shape [T, H] and its top_k.
+  // moe_unpermute (and moe_dispatch): the moe_permute whose routing it reads, that op's input shape [T, H] and its
+  // top_k. A grouped_linear or moe_combine after a moe_dispatch (expert parallelism) reads the dispatch's routing
+  // instead: route_in is then the dispatch's input shape (the permuted rows).
   int route_op = -1;
   Shape route_in;
-  int64_t route_topk = 0, route_rows = 0;  // the permuted rows (its output's rows)
+  int64_t route_topk = 0, route_rows = 0;  // the routed rows (the routing op's output rows)
   // grouped_linear between a moe_permute and its unpermute: that permute's num_experts and layout (packed: the
-  // groups are its experts' rows, counted on the device; dropless, read on the host per call).
+  // groups are its experts' rows, counted on the device; dropless, read on the host per call). After a
+  // moe_dispatch: the experts this rank owns (num_experts / world size), packed.
   int64_t route_experts = 0;
   bool route_packed = false;
+  // The int index of splits[0] (then starts[route_experts + 1]) in the routing op's int32 routing buffer.
+  int64_t route_splits_at = 0;
 
   std::string label() const;  // "op 3 (gelu)"
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }

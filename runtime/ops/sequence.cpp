@@ -390,25 +390,57 @@ void wire_extras(const OpDef& d, Op& op, std::vector<Op>& before, int& extra_in,
 
 // A moe_unpermute reads the routing of the moe_permute before it: the latest one not yet combined.
 // A grouped_linear between a moe_permute and its unpermute runs on that permute's expert rows (grouped: optional).
+// Expert parallelism: a moe_dispatch reads its moe_permute's routing; a grouped_linear or moe_combine between a
+// moe_dispatch and its combine reads the dispatch's (this rank's experts); a moe_combine closes its dispatch.
+namespace {
+void route_to_permute(Op& op, const Op& perm) {
+  op.route_op = perm.index;
+  op.route_in = {rows_of(perm.in), cols_of(perm.in)};
+  op.route_topk = perm.attrs.at("top_k").get<int64_t>();
+  op.route_rows = rows_of(perm.out);
+  op.route_experts = perm.attrs.at("num_experts").get<int64_t>();
+  op.route_packed = perm.str("layout") == "packed";
+  op.route_splits_at = 2 * op.route_topk * rows_of(perm.in);  // after dest [T k] and src [T k]
+}
+
+void route_to_dispatch(Op& op, const Op& disp) {
+  if (op.kind == "moe_unpermute" || op.kind == "moe_dispatch")
+    fail(Status::invalid_argument, "{}: {} before it sends the rows to the ranks owning their experts: put a "
+         "moe_combine after the experts' ops, before this op", op.label(), disp.label());
+  const int64_t e = disp.route_experts, w = disp.world_size;
+  op.route_op = disp.index;
+  op.route_in = {rows_of(disp.in), cols_of(disp.in)};
+  op.route_topk = disp.route_topk;
+  op.route_rows = rows_of(disp.out);
+  op.route_experts = e / w;
+  op.route_packed = true;
+  op.route_splits_at = w * e;  // after every rank's rows per expert [W E]
+}
+}  // namespace
+
 static void pair_route(Op& op, const std::vector<Op>& before, bool grouped = false) {
+  int combined = 0;  // moe_combines met walking back whose dispatch is not reached yet
   for (auto it = before.rbegin(); it != before.rend(); ++it) {
+    if (it->kind == "moe_combine") ++combined;
+    if (it->kind == "moe_dispatch" && combined > 0) --combined;
+    else if (it->kind == "moe_dispatch") return route_to_dispatch(op, *it);
     if (it->kind == "moe_unpermute") {
       if (grouped) return;
+      if (op.kind == "moe_combine") break;
       fail(Status::invalid_argument, "{}: the moe_permute before it is combined by {} already: each moe_permute has "
            "one moe_unpermute, after it", op.label(), it->label());
     }
     if (it->kind != "moe_permute") continue;
-    op.route_op = it->index;
-    op.route_in = {rows_of(it->in), cols_of(it->in)};
-    op.route_topk = it->attrs["top_k"].get<int64_t>();
-    op.route_rows = rows_of(it->out);
-    op.route_experts = it->attrs["num_experts"].get<int64_t>();
-    op.route_packed = it->str("layout") == "packed";
-    return;
+    if (op.kind == "moe_combine") break;
+    return route_to_permute(op, *it);
   }
   if (grouped) return;
-  fail(Status::invalid_argument, "{}: no moe_permute before it: moe_unpermute combines the rows a moe_permute "
-       "dispatched (put the experts' ops between the two)", op.label());
+  if (op.kind == "moe_combine")
+    fail(Status::invalid_argument, "{}: no moe_dispatch before it: moe_combine sends back the rows a moe_dispatch "
+         "sent (moe_permute, moe_dispatch, the experts' ops, moe_combine, moe_unpermute)", op.label());
+  fail(Status::invalid_argument, "{}: no moe_permute before it: {} the rows a moe_permute dispatched (put the "
+       "experts' ops between the two)", op.label(),
+       op.kind == "moe_dispatch" ? "moe_dispatch sends" : "moe_unpermute combines");
 }
 
 std::vector<Op> infer(const SequenceDef& def, const Shape& input, const Parallel& par) {
@@ -446,7 +478,7 @@ std::vector<Op> infer(const SequenceDef& def, const Shape& input, const Parallel
       for (auto& a : d.info->const_attrs) op.consts.push_back(op.num(a.c_str()));
     }
     wire_extras(d, op, ops, extra_in, extra_out, channels);
-    if (d.kind == "moe_unpermute") pair_route(op, ops);
+    if (d.kind == "moe_unpermute" || d.kind == "moe_dispatch" || d.kind == "moe_combine") pair_route(op, ops);
     if (d.kind == "grouped_linear") pair_route(op, ops, true);
     if (d.info->infer) d.info->infer(op);
     cur = op.out;

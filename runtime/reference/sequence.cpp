@@ -53,7 +53,9 @@ std::vector<int64_t> labels_of(const SeqInputs& in, const ops::Op& op) {
 
 // The routing of a moe op (a moe_permute, or the permute a moe_unpermute reads): from the permute's indices.
 MoeRouting routing_of(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op& op) {
-  const ops::Op& perm = op.kind == "moe_permute" ? op : ops.at(static_cast<size_t>(op.route_op));
+  const ops::Op* p = &op;  // through a moe_dispatch (one rank: its experts' rows are the permute's)
+  while (p->kind != "moe_permute") p = &ops.at(static_cast<size_t>(p->route_op));
+  const ops::Op& perm = *p;
   const Vec& raw = in.extra_in.at(static_cast<size_t>(perm.extra_slot));
   std::vector<int64_t> idx(raw.size());
   for (size_t i = 0; i < raw.size(); ++i) idx[i] = static_cast<int64_t>(raw[i]);
@@ -88,6 +90,16 @@ Vec moe_bwd(const std::vector<ops::Op>& ops, const SeqInputs& in, const ops::Op&
                                         in.extra_in.at(static_cast<size_t>(op.extra_slot)), r, cols);
   g.grad_extra_in.at(static_cast<size_t>(op.extra_slot)) = std::move(b.dprobs);
   return pad_rows(std::move(b.dy), ops::rows_of(op.in), cols);
+}
+
+// A collective on one rank: the identity, but for moe_dispatch's bound on the rows it receives (zero past the
+// rows it got; the rows past the bound must be zero, as the routing left them, or the executor refuses the call).
+Vec resize_rows(Vec v, const ops::Shape& from, const ops::Shape& to) {
+  const int64_t cols = ops::cols_of(from);
+  if (ops::rows_of(to) < ops::rows_of(from))
+    for (size_t i = static_cast<size_t>(ops::rows_of(to) * cols); i < v.size(); ++i)
+      if (v[i] != 0.0) throw std::invalid_argument("a moe_dispatch's max_rows is below the rows the routing sends");
+  return pad_rows(std::move(v), ops::rows_of(to), cols);
 }
 
 // A grouped_linear's groups: equal, rows / G each.
@@ -191,7 +203,7 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
         for (size_t i = 0; i < v.size(); ++i) v[i] += e[i];
         break;
       }
-      case Family::comm: one_rank(op); break;
+      case Family::comm: one_rank(op); v = resize_rows(std::move(v), op.in, op.out); break;
       case Family::loss: v = cross_entropy_fwd(v, labels_of(in, op), rows, cols, ce_attrs(op)).loss; break;
       case Family::moe: v = moe_fwd(ops, in, op, v); break;
       case Family::grouped_linear: v = grouped_fwd(ops, in, op, v); break;
@@ -262,7 +274,7 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
         for (size_t j = 0; j < dy.size(); ++j) acc[j] += dy[j];
         break;
       }
-      case Family::comm: one_rank(op); break;
+      case Family::comm: one_rank(op); dy = resize_rows(std::move(dy), op.out, op.in); break;
       case Family::loss: dy = cross_entropy_bwd(x, labels_of(in, op), dy, rows, cols, ce_attrs(op)); break;
       case Family::moe: dy = moe_bwd(ops, in, op, x, dy, g); break;
       case Family::grouped_linear: dy = grouped_bwd(ops, in, op, x, dy, g); break;

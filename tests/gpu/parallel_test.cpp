@@ -113,6 +113,37 @@ TEST_CASE("every comm op on a one-rank communicator matches the float64 referenc
       for (ops::Shape shape : {ops::Shape{33, 64}, ops::Shape{4, 3, 24}}) check(c, recipe, shape);
 }
 
+// Expert parallelism on one rank (docs/parallel.md#expert-parallelism): moe_dispatch / moe_combine around the
+// dropless expert block. At one rank every expert is this rank's, so the exchange copies each expert's rows into
+// the expert-major rows and back: the block matches the float64 reference, also with a max_rows above the
+// permuted rows (a tail of rows the exchange zeroes), and in inference. A max_rows below the rows the routing
+// sends fails the call naming the op and the fix, and the context runs the next sequence.
+TEST_CASE("the expert-parallel block on a one-rank communicator matches the float64 reference", "[parallel]") {
+  auto block = [](const std::string& max_rows, int h, int f) {
+    return seq(fmt::format(R"([{{"op": "make_extra_output", "channel": "res"}}, {{"op": "rmsnorm"}},
+      {{"op": "moe_permute", "num_experts": 8, "top_k": 2}}, {{"op": "moe_dispatch"{0}}},
+      {{"op": "grouped_linear", "num_groups": 8, "in_features": {1}, "out_features": {2}}}, {{"op": "swiglu"}},
+      {{"op": "grouped_linear", "num_groups": 8, "in_features": {3}, "out_features": {1}}},
+      {{"op": "moe_combine"}}, {{"op": "moe_unpermute"}}, {{"op": "add_extra_input", "channel": "res"}}])",
+                           max_rows, h, 2 * f, f));
+  };
+  for (const char* recipe : {"fp32", "bf16"}) {
+    check(block("", 128, 192), recipe, {97, 128});
+    check(block(R"(, "max_rows": 300)", 128, 192), recipe, {97, 128}, 3);
+  }
+  harness::CheckOptions o;
+  o.recipe = "bf16";
+  o.shape = {97, 128};
+  o.comm = one_rank();
+  o.backward = false;
+  CHECK(harness::check_sequence(test::shared_context(), test::builtin_registry(), block("", 128, 192), o).pass());
+  o.backward = true;
+  CHECK_THROWS_WITH(harness::check_sequence(test::shared_context(), test::builtin_registry(),
+                                            block(R"(, "max_rows": 100)", 128, 192), o),
+                    Catch::Contains("more than the moe_dispatch's \"max_rows\" (100): raise it"));
+  check(block("", 64, 96), "bf16", {61, 64});
+}
+
 TEST_CASE("parallel linears on one rank match the reference and their plain sequence bit for bit", "[parallel]") {
   struct Par {
     const char *col, *row;

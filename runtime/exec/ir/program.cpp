@@ -103,7 +103,7 @@ std::vector<int> Step::buffers() const {
     case Kind::gemm:
       for (int i = 0; i < kGemmOperands; ++i) out.push_back(gemm.operand(static_cast<GemmOperand>(i)));
       break;
-    case Kind::comm: out = {comm.send, comm.recv}; break;
+    case Kind::comm: out = {comm.send, comm.recv, comm.a2a.counts, comm.a2a.route}; break;
     case Kind::kernel:
       for (const auto& a : kernel->args)
         if (a.kind == KArg::Kind::buffer) out.push_back(a.buffer);
@@ -141,6 +141,7 @@ const char* collective_name(Collective c) {
     case Collective::all_reduce: return "all_reduce";
     case Collective::broadcast: return "broadcast";
     case Collective::reduce: return "reduce";
+    case Collective::all_to_all: return "all_to_all";
   }
   return "?";
 }
@@ -154,6 +155,7 @@ int64_t CommStep::wire_bytes(int world_size) const {
     case Collective::all_reduce: return 2 * (bytes / w) * (w - 1);
     case Collective::broadcast:
     case Collective::reduce: return bytes;  // a pipelined ring moves the chunk once over each link
+    case Collective::all_to_all: return bytes / w * (w - 1);  // uniform routing: (W-1)/W of the rows leave
   }
   return 0;
 }

@@ -201,7 +201,7 @@ inline void set_operand(cuda::GemmCall& call, GemmOperand o, void* ptr) { gemm_o
 
 // A collective over the group's ranks, run by NCCL on the caller's stream (docs/parallel.md). Counts are
 // elements of `dtype`; offsets are elements into the buffers (a chunk of a pipelined GEMM's operand).
-enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce };
+enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce, all_to_all };
 const char* collective_name(Collective c);
 // What explain's link times assume: NVLink 4 on an H100/H200, 18 links x 25 GB/s, one direction.
 inline constexpr double kNvlinkGbs = 450.0;
@@ -215,6 +215,22 @@ struct CommStep {
   ops::DType dtype = ops::DType::f32;
   int root = -1;  // broadcast / reduce: the rank that sends / receives
   int op_index = -1;  // the comm op it runs for
+  // all_to_all (moe_dispatch / moe_combine, expert parallelism; docs/parallel.md#expert-parallelism): rows between
+  // this rank's permuted rows (the token side, expert-contiguous over all E experts) and the rows of the E / W
+  // experts it owns (the expert side: expert-major, then source rank), each expert's rows one NCCL send/recv in
+  // one group (no sort kernel on either side). How many rows go where is known per call only: the executor reads
+  // every rank's rows per expert on the host (one copy and one synchronisation per call; no CUDA-graph capture).
+  // count: the token side's elements (the bound).
+  struct AllToAll {
+    bool to_experts = true;  // send the token side, receive the expert side (dispatch forward, combine backward)
+    int counts = -1;         // the dispatch's int32 routing: rows per expert of every rank [W E], then this rank's
+                             // experts' splits [E / W] and starts [E / W + 1] (what its grouped linears read)
+    int route = -1;          // >= 0 (dispatch forward): first all-gather this permute routing's splits into counts
+    int64_t route_splits = 0;  // the int index of the splits in `route`
+    int64_t experts = 0;       // E, over every rank
+    int64_t row = 0;           // elements per row
+    int64_t token_rows = 0, expert_rows = 0;  // the two sides' rows (bounds)
+  } a2a;
   // Bytes over the links per rank, by NCCL's bus-bandwidth convention ((W-1)/W of the data for gathers and
   // scatters, twice that for all-reduce); 0 at world size 1 (a local copy).
   int64_t wire_bytes(int world_size) const;

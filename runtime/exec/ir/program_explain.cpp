@@ -81,6 +81,17 @@ std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json&
             {"link_us", static_cast<double>(wire) / (kNvlinkGbs * 1e3)}});
   if (c.root >= 0) j["root"] = c.root;
   if (c.send_offset || c.recv_offset) j["offsets"] = {c.send_offset, c.recv_offset};
+  if (c.op == Collective::all_to_all) {  // the bounds: the rows sent and received depend on the routing
+    const auto& a = c.a2a;
+    j["all_to_all"] = {{"direction", a.to_experts ? "to the experts" : "back from the experts"},
+                       {"experts", a.experts},
+                       {"token_rows", a.token_rows},
+                       {"expert_rows", a.expert_rows},
+                       {"counts", p.buffer(a.counts).name},
+                       {"all_gathers_counts", a.route >= 0}};
+    const int64_t row = a.row * esz, token = a.token_rows * row, expert = a.expert_rows * row;
+    return a.to_experts ? std::pair<int64_t, int64_t>{token, expert} : std::pair<int64_t, int64_t>{expert, token};
+  }
   return {sent, got};
 }
 

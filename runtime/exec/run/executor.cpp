@@ -11,7 +11,9 @@
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "common/text.hpp"
+#include "exec/run/all_to_all.hpp"
 #include "exec/run/fp8/update.hpp"
+#include "exec/run/routes.hpp"
 
 namespace jitfuse::exec {
 namespace {
@@ -105,36 +107,6 @@ void bind_list(const std::vector<int>& ids, const std::vector<T>& given, std::ve
   for (size_t k = 0; k < ids.size() && k < given.size(); ++k)
     if (ids[k] >= 0) ptr[static_cast<size_t>(ids[k])] = const_cast<void*>(static_cast<const void*>(given[k]));
 }
-
-// A dropless grouped linear's rows (GemmStep::route): each routing's splits [E] and starts [E + 1], read on the host
-// by the pass's first step that needs them (after the permute's kernels wrote them, in stream order): one copy
-// and one synchronisation per routing and pass. Refused while the stream captures a CUDA graph.
-class HostRoutes {
- public:
-  const int32_t* get(const GemmStep& g, const std::vector<void*>& ptr, CUstream stream) {
-    for (const auto& r : read_)
-      if (r.first == g.route) return r.second.data();
-    if (cuda::stream_capturing(stream))
-      fail(Status::unsupported, "a grouped_linear after a moe_permute with \"layout\": \"packed\" (dropless) reads "
-           "how many rows each expert got on the host, which a CUDA graph capture cannot do: capture the expert "
-           "block with \"layout\": \"padded\" and a \"capacity\" (fixed shapes, routing on the device)");
-    const auto& d = cuda::driver();
-    const int64_t e = g.route_experts;
-    std::vector<int32_t> v(static_cast<size_t>(2 * e + 1));
-    const auto src = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(g.route)]) + static_cast<CUdeviceptr>(g.route_splits) * 4u;
-    cuda::check(d.cuMemcpyDtoHAsync(v.data(), src, v.size() * 4u, stream), "cuMemcpyDtoHAsync(expert rows)");
-    cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(expert rows)");
-    for (int64_t x = 0; x < e; ++x)  // the routing kernels' invariant; a violation would be an out-of-bounds GEMM
-      if (v[x] < 0 || v[e + x] < 0 || v[e + x + 1] != v[e + x] + v[x] || v[2 * e] > g.call.m)
-        fail(Status::internal, "the routing of a grouped_linear is inconsistent at expert {}: {} rows from row {}, "
-             "{} rows in all (bound {})", x, v[x], v[e + x], v[2 * e], g.call.m);
-    read_.emplace_back(g.route, std::move(v));
-    return read_.back().second.data();
-  }
-
- private:
-  std::vector<std::pair<int, std::vector<int32_t>>> read_;
-};
 
 // How a dropless grouped linear's experts run (JITFUSE_GROUPED_GEMM): one cuBLASLt call per expert ("lt"), one
 // cuBLAS grouped call for all ("cublas"), or by the number of experts with rows ("auto", the default: measured in
@@ -357,7 +329,7 @@ class Launched {
     std::fill(at_, at_ + n, nullptr);
   }
   const Variant*& operator[](size_t i) { return at_[i]; }
-  HostRoutes routes;  // the expert rows the pass's dropless grouped GEMMs read
+  HostRoutes routes;  // the expert rows the pass's dropless grouped GEMMs read (exec/run/routes.hpp)
 
  private:
   static constexpr size_t kInline = 256;
@@ -391,8 +363,10 @@ void run_fp8_update(const Fp8UpdateStep& u, Launched& launched, const std::vecto
 }  // namespace
 
 namespace {
-void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& ptr, CUstream stream) {
+void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& ptr, CUstream stream,
+              HostRoutes& routes) {
   if (!pp.comm) fail(Status::internal, "a comm step without a communicator");
+  if (c.op == Collective::all_to_all) return run_all_to_all(*pp.comm, c, ptr, stream, routes);
   const cuda::Nccl& n = cuda::nccl();
   const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
   const char* send = static_cast<const char*>(ptr[static_cast<size_t>(c.send)]) + static_cast<size_t>(c.send_offset) * esz;
@@ -411,6 +385,7 @@ void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& p
       return cuda::check_nccl(n.ncclBroadcast(send, recv, count, dt, c.root, comm, stream), "ncclBroadcast");
     case Collective::reduce:
       return cuda::check_nccl(n.ncclReduce(send, recv, count, dt, ncclSum, c.root, comm, stream), "ncclReduce");
+    case Collective::all_to_all: break;  // above
   }
 }
 }  // namespace
@@ -435,7 +410,7 @@ void run_step(const Prepared& pp, Runtime& rt, const Step& s, const PreparedStep
       run_gemm(rt, s.gemm, st, ptr, on, launched.routes);
       launched[i] = &kGemmRan;
       return;
-    case Step::Kind::comm: return run_comm(pp, s.comm, ptr, on);
+    case Step::Kind::comm: return run_comm(pp, s.comm, ptr, on, launched.routes);
     case Step::Kind::kernel: launched[i] = &run_kernel(pp, rt, *s.kernel, st, ptr, on); return;
     case Step::Kind::finalize:
       if (const Variant* v = launched[static_cast<size_t>(s.finalize.kernel_step)]) run_finalize(s.finalize, *v, ptr, on);

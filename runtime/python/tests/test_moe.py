@@ -43,6 +43,28 @@ def test_library_refuses_groups_that_are_not_the_experts(ctx):
         jitfuse.Sequence(ctx, json.dumps({"ops": ops}), "bf16").explain((300, 64))
 
 
+def test_library_plans_the_expert_parallel_block_for_one_rank(ctx):
+    ops = block_ops(e=8)
+    ops.insert(1, {"op": "moe_dispatch", "group": "ep"})
+    ops.insert(5, {"op": "moe_combine", "group": "ep"})
+    for op in ops:
+        if op["op"] == "grouped_linear":
+            op["num_groups"] = 4
+    e = jitfuse.Sequence(ctx, json.dumps({"name": "ep", "ops": ops}), "bf16").explain(
+        (300, 64), training=True, arch=90, world_size=2, rank=1)
+    assert e.ops[1].output == (1200, 64)  # W T k rows: no routing overflows it
+    comms = [s for s in e.program.forward if s["kind"] == "comm"]
+    assert [c["collective"] for c in comms] == ["all_to_all", "all_to_all"]
+    assert comms[0]["all_to_all"]["all_gathers_counts"] and not comms[1]["all_to_all"]["all_gathers_counts"]
+    assert comms[0]["all_to_all"]["direction"] == "to the experts" and comms[0]["all_to_all"]["experts"] == 8
+    back = [s["all_to_all"]["direction"] for s in e.program.backward if s["kind"] == "comm"]
+    assert back == ["to the experts", "back from the experts"]
+    gemms = [st for st in e.program.forward if st.get("gemm")]
+    assert all(g["rows"]["experts"] == 4 and g["m"] == 1200 for g in gemms)  # this rank's experts
+    with pytest.raises(jitfuse.JitfuseError, match=r"not a multiple of the world size 3"):
+        jitfuse.Sequence(ctx, json.dumps({"name": "ep", "ops": ops}), "bf16").explain((300, 64), world_size=3, rank=0)
+
+
 class TestModule:
     @pytest.fixture(autouse=True)
     def _torch(self):
@@ -65,6 +87,20 @@ class TestModule:
         assert m[1].weight.shape == (8, 192, 64)
         w = torch.nn.Parameter(torch.zeros(8, 192, 64))
         assert jt.GroupedLinear(8, 64, 192, weight=w).weight is w  # shared, not copied
+
+    def test_expert_parallel_modules(self):
+        jt, torch = self.jt, self.torch
+        assert jt.MoEDispatch().attrs(True) == {"group": "ep"}
+        assert jt.MoEDispatch("ep2", max_rows=4096).attrs(True) == {"group": "ep2", "max_rows": 4096}
+        assert jt.MoECombine().spec() == {"op": "moe_combine", "group": "ep"}
+        m = jt.Sequential(jt.MoEPermute(8, 2), jt.MoEDispatch(), jt.GroupedLinear(4, 64, 192, device="cpu"),
+                          jt.SwiGLU(), jt.GroupedLinear(4, 96, 64, device="cpu"), jt.MoECombine(), jt.MoEUnpermute(),
+                          name="ep_experts")
+        assert m.n_extra_inputs == 2
+        e = m.explain((300, 64), dtype=torch.float32, world_size=2, rank=0)
+        assert e.ops[1].output == (1200, 64)
+        with pytest.raises(ValueError, match="max_rows must be None or an int >= 1"):
+            jt.MoEDispatch(max_rows=0)
 
     def test_construction_errors(self):
         jt, torch = self.jt, self.torch

@@ -2,7 +2,9 @@
 # process per GPU, on 2 and (where the machine has them) 4 GPUs: the TP and TP+SP MLP blocks against one GPU
 # (`check`), and the all-reduce + residual + RMSNorm group — the one-shot kernel over peer-mapped buffers, its
 # NCCL path and NCCL's all-reduce followed by our norm — against float64, eager and captured in CUDA graphs
-# (`arnorm`). Skipped with fewer GPUs.
+# (`arnorm`); tools/multigpu/ep.py's expert parallelism: the expert block with MoEDispatch / MoECombine against
+# float64 on every rank (`check`) and a small MoE language model's 60 AdamW steps against one GPU (`train`).
+# Skipped with fewer GPUs.
 import os
 import subprocess
 import sys
@@ -18,14 +20,15 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 pytestmark = pytest.mark.gpu
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 TP = os.path.join(ROOT, "tools", "multigpu", "tp.py")
+EP = os.path.join(ROOT, "tools", "multigpu", "ep.py")
 
 
-def torchrun(world, mode, port, timeout=300):
+def torchrun(world, mode, port, timeout=300, script=TP):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", JF_TP_WATCHDOG=str(timeout - 20))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(port),
-           TP, mode]
+           script, mode]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{(r.stdout + r.stderr)[-6000:]}"
     return r.stdout
@@ -41,3 +44,15 @@ def test_tensor_parallel_blocks_match_one_gpu(world):
 def test_allreduce_residual_norm_matches_float64(world):
     out = torchrun(world, "arnorm", 29541 + world)
     assert "MISMATCH" not in out and "## all-reduce + residual + RMSNorm" in out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_block_matches_float64(world):
+    out = torchrun(world, "check", 29551 + world, script=EP)
+    assert "MISMATCH" not in out and "dW2 (this rank's experts)" in out and "max_rows too small -> ok" in out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_training_tracks_one_gpu(world):
+    out = torchrun(world, "train", 29561 + world, script=EP)
+    assert "MISMATCH" not in out and "apart ok" in out

@@ -388,3 +388,119 @@ TEST_CASE("the C ABI plans a rank without a GPU and refuses to run without a com
   jf_sequence_destroy(seq);
   jf_context_destroy(ctx);
 }
+
+// Expert parallelism (docs/parallel.md#expert-parallelism): moe_dispatch / moe_combine around the dropless
+// expert block, planned for a rank of 2 and 4: one all_to_all step each way per pass (the dispatch's forward
+// all-gathers the counts first and makes its routing, which the backward reads saved), the grouped linears over
+// this rank's E / W experts reading the dispatch's routing, the received rows bounded by max_rows.
+namespace {
+std::string ep_block(int experts, const std::string& dispatch_attrs = "", const std::string& permute_attrs = "",
+                     int world = 2) {
+  return fmt::format(R"({{"format": "jitfuse.sequence/1", "name": "ep", "ops": [
+    {{"op": "make_extra_output", "channel": "res"}}, {{"op": "rmsnorm"}},
+    {{"op": "moe_permute", "num_experts": {0}, "top_k": 2{2}}}, {{"op": "moe_dispatch"{1}}},
+    {{"op": "grouped_linear", "num_groups": {3}, "in_features": 64, "out_features": 192}}, {{"op": "swiglu"}},
+    {{"op": "grouped_linear", "num_groups": {3}, "in_features": 96, "out_features": 64}},
+    {{"op": "moe_combine"}}, {{"op": "moe_unpermute"}}, {{"op": "add_extra_input", "channel": "res"}}]}})",
+                     experts, dispatch_attrs, permute_attrs, experts / world);
+}
+}  // namespace
+
+TEST_CASE("the expert-parallel block plans one all_to_all each way and this rank's experts", "[exec][parallel][moe]") {
+  using exec::Collective;
+  for (bool training : {true, false}) {
+    auto p = program_of(ep_block(16), "bf16", training, {100, 64}, 2, 1);
+    CHECK(p->group == "ep");
+    CHECK(count_comm(p->forward, Collective::all_to_all) == 2);
+    const exec::CommStep* dispatch = nullptr;
+    for (const auto& s : p->forward)
+      if (s.kind == exec::Step::Kind::comm && !dispatch) dispatch = &s.comm;
+    REQUIRE(dispatch);
+    CHECK(dispatch->a2a.to_experts);
+    CHECK(dispatch->a2a.route >= 0);  // the forward all-gathers the permute's counts
+    CHECK(dispatch->a2a.experts == 16);
+    CHECK(dispatch->a2a.token_rows == 200);
+    CHECK(dispatch->a2a.expert_rows == 400);  // W x T k
+    CHECK(p->buffer(dispatch->a2a.counts).bytes == (2 * 16 + 2 * 8 + 1) * 4u);
+    CHECK(p->ops[3].out == ops::Shape{400, 64});
+    CHECK(p->ops[7].out == ops::Shape{200, 64});
+    int routed = 0;
+    for (const auto* steps : {&p->forward, &p->backward})
+      for (const auto& s : *steps)
+        if (s.kind == exec::Step::Kind::gemm && s.gemm.routed()) {
+          ++routed;
+          CHECK(s.gemm.route_experts == 8);
+          CHECK(s.gemm.route_splits == 32);  // after every rank's counts
+          CHECK(s.gemm.call.m == 400);
+        }
+    CHECK(routed == (training ? 6 : 2));
+    if (!training) continue;
+    CHECK(count_comm(p->backward, Collective::all_to_all) == 2);
+    for (const auto& s : p->backward)
+      if (s.kind == exec::Step::Kind::comm) {
+        CHECK(s.comm.a2a.route == -1);  // the saved counts: no second all-gather
+        CHECK(s.comm.a2a.counts == dispatch->a2a.counts);
+      }
+    // The first backward exchange is the combine's: it sends the gradients to the experts.
+    for (const auto& s : p->backward)
+      if (s.kind == exec::Step::Kind::comm) {
+        CHECK(s.comm.a2a.to_experts);
+        break;
+      }
+  }
+  // max_rows bounds the received rows (and the expert GEMMs' m).
+  auto q = program_of(ep_block(8, R"(, "max_rows": 300)", "", 4), "bf16", true, {100, 64}, 4, 3);
+  CHECK(q->ops[3].out == ops::Shape{300, 64});
+  CHECK(q->ops[4].route_experts == 2);
+  // explain names the exchange.
+  const std::string text = fuser::op_wiring(q->ops[3], q->ops);
+  CHECK_THAT(text, Catch::Contains("sends the rows of 8 experts to the ranks owning them (2 each"));
+  CHECK_THAT(text, Catch::Contains("at most 300 rows received"));
+}
+
+TEST_CASE("expert-parallel sequences that cannot run are refused with the op and the fix", "[exec][parallel][moe]") {
+  auto infer = [](const std::string& text, int world) {
+    auto def = ops::parse_sequence(text, "<t>", builtins().registry());
+    return ops::infer(def, {100, 64}, {world, 0});
+  };
+  std::string e = error_of([&] { infer(ep_block(6), 4); });
+  CHECK_THAT(e, Catch::Contains("op 3 (moe_dispatch): num_experts = 6 of op 2 (moe_permute) is not a multiple of the world size 4"));
+  e = error_of([&] { infer(ep_block(8, "", R"(, "layout": "padded", "capacity": 40)"), 2); });
+  CHECK_THAT(e, Catch::Contains("expert parallelism sends the packed (dropless) layout"));
+  e = error_of([&] { infer(ep_block(8, R"(, "max_rows": 0)"), 2); });
+  CHECK_THAT(e, Catch::Contains("max_rows = 0"));
+  // Groups of the grouped linear: this rank's experts.
+  e = error_of([&] {
+    std::string t = ep_block(8);
+    t.replace(t.find("\"num_groups\": 4"), 15, "\"num_groups\": 8");
+    infer(t, 2);
+  });
+  CHECK_THAT(e, Catch::Contains("num_groups = 8 but op 3 (moe_dispatch) routes to 4 experts (this rank's"));
+  auto seq = [](const std::string& ops) { return R"({"format": "jitfuse.sequence/1", "name": "t", "ops": )" + ops + "}"; };
+  e = error_of([&] { infer(seq(R"([{"op": "moe_dispatch"}])"), 2); });
+  CHECK_THAT(e, Catch::Contains("op 0 (moe_dispatch): no moe_permute before it"));
+  e = error_of([&] { infer(seq(R"([{"op": "moe_permute", "num_experts": 4, "top_k": 1}, {"op": "moe_combine"}])"), 2); });
+  CHECK_THAT(e, Catch::Contains("op 1 (moe_combine): no moe_dispatch before it"));
+  e = error_of([&] {
+    infer(seq(R"([{"op": "moe_permute", "num_experts": 4, "top_k": 1}, {"op": "moe_dispatch"}, {"op": "moe_unpermute"}])"), 2);
+  });
+  CHECK_THAT(e, Catch::Contains("op 2 (moe_unpermute): op 1 (moe_dispatch) before it sends the rows"));
+  CHECK_THAT(e, Catch::Contains("put a moe_combine"));
+  e = error_of([&] {
+    infer(seq(R"([{"op": "moe_permute", "num_experts": 4, "top_k": 1}, {"op": "moe_dispatch"}, {"op": "moe_combine"},
+                  {"op": "moe_combine"}])"), 2);
+  });
+  CHECK_THAT(e, Catch::Contains("op 3 (moe_combine): no moe_dispatch before it"));
+  // A combine of the wrong rows.
+  e = error_of([&] {
+    infer(seq(R"([{"op": "moe_permute", "num_experts": 4, "top_k": 1}, {"op": "moe_dispatch", "max_rows": 150},
+                  {"op": "reshape", "shape": [-1, 32]}, {"op": "moe_combine"}])"), 2);
+  });
+  CHECK_THAT(e, Catch::Contains("op 3 (moe_combine)"));
+  CHECK_THAT(e, Catch::Contains("op 1 (moe_dispatch) received 150 rows"));
+  // One rank: the float64 reference exists, the shapes are the block's.
+  std::string whole = ep_block(8);
+  for (size_t at; (at = whole.find("\"num_groups\": 4")) != std::string::npos;) whole.replace(at, 15, "\"num_groups\": 8");
+  auto one = infer(whole, 1);
+  CHECK(one.at(3).out == ops::Shape{200, 64});
+}

@@ -1,12 +1,56 @@
-// Comm ops as comm steps. Each op's backward is the conjugate collective: all_gather <-> reduce_scatter;
+// Comm ops as comm steps. Each op's backward is the conjugate collective: all_gather <-> reduce_scatter,
+// moe_dispatch <-> moe_combine (all_to_all both);
 // all_reduce "forward" sums values and passes gradients through, all_reduce "backward" passes values
 // through and sums gradients (Megatron's reduce_from / copy_to tensor-parallel region).
 #include "exec/lower/impl/comm.hpp"
+
+#include <fmt/format.h>
 
 #include "common/error.hpp"
 #include "exec/lower/impl/generated_chain.hpp"
 
 namespace jitfuse::exec {
+
+namespace {
+// moe_dispatch / moe_combine: one all_to_all step per pass (CommStep::AllToAll). A dispatch's forward makes its
+// routing: every rank's rows per expert (all-gathered from the permute's splits), then this rank's experts'
+// splits and starts; saved for the backward (the forward's arena in inference) and read by the grouped linears
+// and the moe_combine after it. The backward of each is the other's exchange on the gradients.
+void lower_all_to_all(Builder& b, int i) {
+  const ops::Op& op = b.ops().at(static_cast<size_t>(i));
+  const bool dispatch = op.kind == "moe_dispatch", fwd = b.forward();
+  const int disp = dispatch ? i : op.route_op;
+  const ops::Op& d = b.ops().at(static_cast<size_t>(disp));
+  CommStep c;
+  c.op = Collective::all_to_all;
+  c.op_index = i;
+  c.dtype = b.recipe().dtype;
+  auto& a = c.a2a;
+  a.to_experts = dispatch == fwd;
+  a.experts = d.route_experts;
+  a.row = ops::cols_of(op.in);
+  a.token_rows = ops::rows_of(d.in);
+  a.expert_rows = ops::rows_of(d.out);
+  c.count = a.token_rows * a.row;
+  if (dispatch && fwd) {
+    const int64_t w = op.world_size, ints = w * a.experts + 2 * (a.experts / w) + 1;
+    const size_t bytes = static_cast<size_t>(ints) * 4;
+    a.counts = b.training() ? b.saved_new(i, Key::route, ops::DType::i32, 1, ints, bytes)
+                            : b.temp(fmt::format("routing op{}", i), ops::DType::i32, 1, ints, bytes);
+    if (!b.training()) b.provide_saved(i, Key::route, a.counts);
+    a.route = b.saved_context(op.route_op, Key::route);
+    a.route_splits = op.route_splits_at;
+  } else {
+    a.counts = b.saved_context(disp, Key::route);
+  }
+  c.send = fwd ? b.act(i) : b.grad_of(i + 1);
+  c.recv = fwd ? b.act(i + 1) : b.grad_of(i);
+  const int64_t local = a.experts / op.world_size;
+  b.comm(c, fmt::format("all_to_all ({}): {}the rows of {} experts {} the ranks owning them ({} each){}", op.label(),
+                        fwd ? "" : "gradients: ", a.experts, a.to_experts ? "to" : "back from", local,
+                        dispatch && fwd ? "; every rank's rows per expert all-gathered first" : ""));
+}
+}  // namespace
 
 void lower_comm(Builder& b, int i) {
   const ops::Op& op = b.ops().at(static_cast<size_t>(i));
@@ -15,6 +59,7 @@ void lower_comm(Builder& b, int i) {
   c.op = Collective::all_reduce;
   c.op_index = i;
   c.dtype = b.recipe().dtype;
+  if (op.kind == "moe_dispatch" || op.kind == "moe_combine") return lower_all_to_all(b, i);
   if (op.kind == "all_gather") {
     c.op = fwd ? Collective::all_gather : Collective::reduce_scatter;
     c.count = ops::numel(op.in);  // all_gather: each rank's shard; reduce_scatter: each rank's result

@@ -1,4 +1,4 @@
-// Lowering a comm op (all_gather, reduce_scatter, all_reduce) into comm steps: its forward and backward
+// Lowering a comm op (all_gather, reduce_scatter, all_reduce, moe_dispatch, moe_combine) into comm steps: its forward and backward
 // collectives on the program's communicator (docs/parallel.md). Unfused groups of one comm op lower here.
 #pragma once
 #include "exec/lower/builder.hpp"

@@ -34,7 +34,7 @@ void routed_gemm(Builder& b, int i, cuda::GemmKind kind, int route, RoutedOperan
   s.d_row = d.row;
   s.route = route;
   s.route_experts = e;
-  s.route_splits = 2 * op.route_topk * ops::rows_of(op.route_in);  // after dest [T k] and src [T k]
+  s.route_splits = op.route_splits_at;
   s.route_weight = s.call.n * s.call.k;
   b.gemm(s, fmt::format("{}: {}: {} experts, each over its rows of op {}'s routing (read per call): {}",
                         b.rule_or_unfused(), op.label(), e, op.route_op, what));

@@ -27,7 +27,7 @@ from . import _dynamo_backend  # noqa: E402
 from ._dynamo_backend import backend, explain  # noqa: E402
 from .modules import (GEGLU, GELU, QGELU, AddChannel, AddExtraInput, AllGather, AllReduce, BasicOp, Bias, CrossEntropy, Dropout,  # noqa: E402
                       Fork, Fp8Sequential, GroupedLinear, ReduceScatter, Identity, LayerNorm, Linear, MakeExtraOutput,
-                      MoEPermute, MoEUnpermute, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
+                      MoECombine, MoEDispatch, MoEPermute, MoEUnpermute, Op, Quantize, ReGLU, ReLU, Reshape, RMSNorm, Scale,
                       Sequential, SiLU, SReLU, SwiGLU, export_definitions)
 from .. import _toolchain  # noqa: E402
 
@@ -44,5 +44,5 @@ __all__ = [
     "MakeExtraOutput", "Fork", "AddChannel", "ChannelError", "Wiring", "forward_op", "backward_op", "Fp8Sequential",
     "Float8Tensor", "fp8_weights_unchanged", "extension_active", "export_definitions", "AllGather", "ReduceScatter",
     "AllReduce", "distributed", "hf", "backend", "explain", "UnsupportedTorchError", "CrossEntropy", "MoEPermute",
-    "MoEUnpermute", "GroupedLinear",
+    "MoEUnpermute", "GroupedLinear", "MoEDispatch", "MoECombine",
 ]

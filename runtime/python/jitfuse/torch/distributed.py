@@ -86,7 +86,7 @@ def communicator(name: str = "tp", device_index: Optional[int] = None) -> Commun
 def needs_comm(ops: Iterable[Dict[str, Any]]) -> Optional[str]:
     """The group a sequence's ops run collectives on, or None."""
     for o in ops:
-        if o.get("op") in ("all_gather", "reduce_scatter", "all_reduce"):
+        if o.get("op") in ("all_gather", "reduce_scatter", "all_reduce", "moe_dispatch", "moe_combine"):
             return str(o.get("group", "tp"))
         if o.get("op") == "linear" and o.get("tensor_parallel", "none") != "none":
             return str(o.get("group", "tp"))

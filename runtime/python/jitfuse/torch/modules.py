@@ -765,6 +765,37 @@ class AllReduce(_Collective):
         return {"group": self.group, "direction": self.direction}
 
 
+class MoEDispatch(_Collective):
+    """Expert parallelism (docs/parallel.md#expert-parallelism): after a dropless :class:`MoEPermute` over all
+    ``num_experts`` experts, sends each expert's rows to the rank of group ``group`` that owns it (rank ``r``:
+    experts ``[r E/W, (r+1) E/W)``) and returns the rows this rank's experts got from every rank, expert by
+    expert (the :class:`GroupedLinear` after it has ``num_groups = E/W``); its backward sends the gradients back.
+    ``max_rows`` bounds the rows received (None: world size x the permuted rows, which no routing exceeds; a call
+    whose routing exceeds a smaller bound fails on every rank). NCCL send/recv; the counts are read on the host
+    once per call (no CUDA-graph capture). Pairs with the :class:`MoECombine` after the experts' ops."""
+
+    op = "moe_dispatch"
+
+    def __init__(self, group: str = "ep", max_rows: Optional[int] = None):
+        super().__init__(group)
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+            raise ValueError(f"MoEDispatch max_rows must be None or an int >= 1, not {max_rows!r}")
+        self.max_rows = max_rows
+
+    def attrs(self, training: bool) -> Dict[str, Any]:
+        return {"group": self.group, **({"max_rows": self.max_rows} if self.max_rows is not None else {})}
+
+
+class MoECombine(_Collective):
+    """Sends the experts' rows back to the ranks and rows the :class:`MoEDispatch` before it took them from (the
+    permuted rows of this rank, for the :class:`MoEUnpermute` after it); backward: dispatches the gradients."""
+
+    op = "moe_combine"
+
+    def __init__(self, group: str = "ep"):
+        super().__init__(group)
+
+
 class Op(BasicOp):
     """Any op by name, e.g. a pointwise op declared in a rules file: ``Op("softplus", beta=2.0)``.
     ``params``: {ABI name: shape or tensor} for ops that declare parameters (zero-initialised from a
@@ -1190,16 +1221,18 @@ class Sequential(nn.Module):
         return seq.explain(tuple(shape), training, arch, world_size=int(world_size), rank=int(rank))
 
     def _tp_ops(self) -> List[BasicOp]:
-        return [op for op in self._ops if getattr(op, "tensor_parallel", "none") != "none"]
+        return [op for op in self._ops if getattr(op, "tensor_parallel", "none") != "none"
+                or isinstance(op, (MoEDispatch, MoECombine))]
 
     def _tp_rank(self) -> Tuple[int, int]:
-        """(world size, rank) a tensor-parallel module runs as: the size its parallel linears were cut for and
-        this process's rank in their group (0 when the group is not registered); (1, 0) without parallel ops."""
+        """(world size, rank) a parallel module runs as: the size its parallel linears were cut for (an
+        expert-parallel one: its group's size) and this process's rank in their group (0 when the group is not
+        registered); (1, 0) without parallel ops."""
         ops = self._tp_ops()
         if not ops:
             return 1, 0
         from . import distributed
-        world = max(int(op.tp_world_size) for op in ops)
+        world = max(int(getattr(op, "tp_world_size", 0) or distributed.world_size(op.group)) for op in ops)
         return world, distributed.rank(ops[0].group) if world > 1 else 0
 
     @property

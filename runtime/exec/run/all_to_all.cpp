@@ -1,0 +1,161 @@
+#include "exec/run/all_to_all.hpp"
+
+#include <cstdint>
+
+#include "common/error.hpp"
+#include "cuda/driver.hpp"
+
+namespace jitfuse::exec {
+namespace {
+
+// Who sends what this call, from every rank's rows per expert `all` [W E] (rank s, expert x: all[s E + x]).
+struct Counts {
+  int w = 1, me = 0;
+  int64_t e = 0, local = 0;  // E, and E / W experts per rank
+  std::vector<int32_t> all;
+  std::vector<int64_t> token_start;  // this rank's permuted rows: expert x's start
+  std::vector<int64_t> expert_at;    // the expert side: rows of (local expert l, source s) start at [l W + s]
+  std::vector<int32_t> route;        // this rank's experts: splits [local], starts [local + 1]
+  int32_t at(int s, int64_t x) const { return all[static_cast<size_t>(s * e + x)]; }
+};
+
+std::vector<int32_t> read_counts(const cuda::Communicator& comm, const CommStep& c, const std::vector<void*>& ptr,
+                                 CUstream stream) {
+  const auto& a = c.a2a;
+  const auto& d = cuda::driver();
+  const auto counts = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(a.counts)]);
+  std::vector<int32_t> all(static_cast<size_t>(comm.world_size() * a.experts));
+  if (a.route >= 0) {
+    const auto* splits = static_cast<const int32_t*>(ptr[static_cast<size_t>(a.route)]) + a.route_splits;
+    cuda::check_nccl(cuda::nccl().ncclAllGather(splits, reinterpret_cast<void*>(counts), static_cast<size_t>(a.experts),
+                                                ncclInt32, comm.comm(), stream),
+                     "ncclAllGather(rows per expert)");
+  }
+  cuda::check(d.cuMemcpyDtoHAsync(all.data(), counts, all.size() * 4u, stream), "cuMemcpyDtoHAsync(rows per expert)");
+  cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(rows per expert)");
+  return all;
+}
+
+// Checks every rank's counts (so that every rank fails alike) and lays out both sides.
+Counts plan(const cuda::Communicator& comm, const CommStep& c, std::vector<int32_t> all) {
+  const auto& a = c.a2a;
+  Counts k;
+  k.w = comm.world_size();
+  k.me = comm.rank();
+  k.e = a.experts;
+  k.local = a.experts / k.w;
+  k.all = std::move(all);
+  for (int s = 0; s < k.w; ++s) {
+    int64_t sent = 0, got = 0;
+    for (int64_t x = 0; x < k.e; ++x) {
+      if (k.at(s, x) < 0) fail(Status::internal, "op {}: rank {} routed {} rows to expert {}", c.op_index, s, k.at(s, x), x);
+      sent += k.at(s, x);
+      for (int r = 0; r < k.w; ++r) got += x / k.local == s ? k.at(r, x) : 0;
+    }
+    if (sent > a.token_rows)
+      fail(Status::invalid_argument, "op {} (all_to_all): rank {} routed {} rows, more than this rank's {} permuted "
+           "rows: every rank of the group runs the same sequence on as many tokens", c.op_index, s, sent, a.token_rows);
+    if (got > a.expert_rows)
+      fail(Status::invalid_argument, "op {} (all_to_all): rank {}'s experts got {} rows this call, more than the "
+           "moe_dispatch's \"max_rows\" ({}): raise it, or leave it -1 (world size x the permuted rows)", c.op_index,
+           s, got, a.expert_rows);
+  }
+  k.token_start.assign(static_cast<size_t>(k.e), 0);
+  for (int64_t x = 1; x < k.e; ++x) k.token_start[x] = k.token_start[x - 1] + k.at(k.me, x - 1);
+  k.expert_at.assign(static_cast<size_t>(k.local * k.w), 0);
+  k.route.assign(static_cast<size_t>(2 * k.local + 1), 0);
+  int64_t row = 0;
+  for (int64_t l = 0; l < k.local; ++l) {
+    k.route[k.local + l] = static_cast<int32_t>(row);
+    for (int s = 0; s < k.w; ++s) {
+      k.expert_at[l * k.w + s] = row;
+      row += k.at(s, k.me * k.local + l);
+    }
+    k.route[l] = static_cast<int32_t>(row - k.route[k.local + l]);
+  }
+  k.route[2 * k.local] = static_cast<int32_t>(row);
+  return k;
+}
+
+// Ends an NCCL group however the scope is left (an exception between start and end included).
+class NcclGroup {
+ public:
+  NcclGroup() { cuda::check_nccl(cuda::nccl().ncclGroupStart(), "ncclGroupStart"); }
+  ~NcclGroup() {
+    if (open_) cuda::nccl().ncclGroupEnd();  // leaving by an exception: that error is the one reported
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  void end() {
+    open_ = false;
+    cuda::check_nccl(cuda::nccl().ncclGroupEnd(), "ncclGroupEnd");
+  }
+
+ private:
+  bool open_ = true;
+};
+
+void exchange(const cuda::Communicator& comm, const CommStep& c, const Counts& k, const std::vector<void*>& ptr,
+              CUstream stream) {
+  const auto& a = c.a2a;
+  const auto& n = cuda::nccl();
+  const size_t row_bytes = static_cast<size_t>(a.row * ops::dtype_bytes(c.dtype));
+  const ncclDataType_t dt = cuda::nccl_dtype(c.dtype);
+  char* token = static_cast<char*>(ptr[static_cast<size_t>(a.to_experts ? c.send : c.recv)]);
+  char* expert = static_cast<char*>(ptr[static_cast<size_t>(a.to_experts ? c.recv : c.send)]);
+  NcclGroup group;
+  for (int r = 0; r < k.w; ++r) {
+    for (int64_t l = 0; l < k.local; ++l) {
+      const int64_t mine = k.at(k.me, r * k.local + l), theirs = k.at(r, k.me * k.local + l);
+      char* t = token + static_cast<size_t>(k.token_start[static_cast<size_t>(r * k.local + l)]) * row_bytes;
+      char* x = expert + static_cast<size_t>(k.expert_at[static_cast<size_t>(l * k.w + r)]) * row_bytes;
+      if (r == k.me) {  // this rank's own experts: a copy
+        if (mine == 0) continue;
+        const auto from = reinterpret_cast<CUdeviceptr>(a.to_experts ? t : x), to = reinterpret_cast<CUdeviceptr>(a.to_experts ? x : t);
+        cuda::check(cuda::driver().cuMemcpyDtoDAsync(to, from, static_cast<size_t>(mine) * row_bytes, stream),
+                    "cuMemcpyDtoDAsync(own experts' rows)");
+        continue;
+      }
+      const size_t to_r = static_cast<size_t>(mine * a.row), from_r = static_cast<size_t>(theirs * a.row);
+      if (a.to_experts) {
+        if (mine) cuda::check_nccl(n.ncclSend(t, to_r, dt, r, comm.comm(), stream), "ncclSend(rows to an expert)");
+        if (theirs) cuda::check_nccl(n.ncclRecv(x, from_r, dt, r, comm.comm(), stream), "ncclRecv(an expert's rows)");
+      } else {
+        if (theirs) cuda::check_nccl(n.ncclSend(x, from_r, dt, r, comm.comm(), stream), "ncclSend(an expert's rows back)");
+        if (mine) cuda::check_nccl(n.ncclRecv(t, to_r, dt, r, comm.comm(), stream), "ncclRecv(rows back)");
+      }
+    }
+  }
+  group.end();
+}
+
+}  // namespace
+
+void run_all_to_all(const cuda::Communicator& comm, const CommStep& c, const std::vector<void*>& ptr,
+                    CUstream stream, HostRoutes& routes) {
+  const auto& a = c.a2a;
+  if (cuda::stream_capturing(stream))
+    fail(Status::unsupported, "op {} (moe_dispatch / moe_combine) sends as many rows to each rank as the routing "
+         "chose this call, which the host reads: a CUDA graph capture cannot; run the expert-parallel block outside "
+         "the graph", c.op_index);
+  if (a.experts % comm.world_size() != 0 || a.token_rows < 0 || a.expert_rows < 0)
+    fail(Status::internal, "op {}: {} experts over {} ranks", c.op_index, a.experts, comm.world_size());
+  const Counts k = plan(comm, c, read_counts(comm, c, ptr, stream));
+  const auto& d = cuda::driver();
+  if (a.route >= 0) {  // the routing the grouped linears and the backward read (pageable: staged before return)
+    const auto at = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(a.counts)]) + static_cast<CUdeviceptr>(k.w * k.e) * 4u;
+    cuda::check(d.cuMemcpyHtoDAsync(at, k.route.data(), k.route.size() * 4u, stream), "cuMemcpyHtoDAsync(routing)");
+  }
+  routes.put(a.counts, k.route);
+  exchange(comm, c, k, ptr, stream);
+  // The receiving side past the rows it got: zero (as moe_permute's rows past the kept ones).
+  const int64_t got = a.to_experts ? k.route[static_cast<size_t>(2 * k.local)] : k.token_start.back() + k.at(k.me, k.e - 1);
+  const int64_t bound = a.to_experts ? a.expert_rows : a.token_rows;
+  const size_t row_bytes = static_cast<size_t>(a.row * ops::dtype_bytes(c.dtype));
+  if (got < bound)
+    cuda::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(c.recv)]) + got * row_bytes, 0,
+                                  static_cast<size_t>(bound - got) * row_bytes, stream),
+                "cuMemsetD8Async(rows past the received)");
+}
+
+}  // namespace jitfuse::exec

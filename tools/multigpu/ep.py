@@ -1,0 +1,342 @@
+"""Expert parallelism on several GPUs (docs/parallel.md#expert-parallelism): the dropless expert block with
+``MoEDispatch`` / ``MoECombine`` around this rank's experts, against float64 and one GPU.
+
+Launch one process per GPU:
+
+    torchrun --nproc-per-node 2 tools/multigpu/ep.py check     # every rank's outputs and gradients vs float64
+    torchrun --nproc-per-node 2 tools/multigpu/ep.py train     # a small MoE LM, 60 AdamW steps vs one GPU
+    torchrun --nproc-per-node 2 tools/multigpu/ep.py bench     # Mixtral-like block: EP vs one GPU, NCCL alone
+
+`check`: E experts (default 8, top-2), every rank its own tokens (a different seed per rank) and routing
+(skewed: expert 0 takes about a third of the slots; the last expert none), the same full expert weights on every
+rank from one seed, this rank's experts ``[r E/W, (r+1) E/W)`` cut out of them. The block
+``MoEPermute, MoEDispatch, GroupedLinear(E/W, h, 2f), SwiGLU, GroupedLinear(E/W, f, h), MoECombine, MoEUnpermute``
+runs forward and backward; the reference is the float64 MoE of every rank's tokens (all-gathered) with the full
+weights: this rank's output, dx and dprobs, and the gradients of this rank's experts (summed over every rank's
+tokens). fp32 (tolerance 1e-4) and bf16 (3e-2), and a ``max_rows`` below the rows routed (every rank must fail
+with the same error, then run the next call). Exit status 1 on any mismatch.
+`train`: a two-layer MoE language model (embedding, per layer a router (torch) and the jitfuse block with the
+residual, RMSNorm, head) on W x 4 batches; every rank trains on its own batch (data parallel) with its experts
+(expert parallel): non-expert gradients averaged over ranks, expert gradients divided by W (each rank's loss
+reaches every expert). The reference is the same model with all experts on one GPU on the concatenated batch.
+Final loss (mean of the last 5 steps) within 1 %.
+`bench`: forward + backward (bf16) of the expert block at --tokens per rank x --hidden, --experts, top --topk, ffn
+--ffn (default Mixtral-8x7B: 8192 x 4096, 8 experts, top-2, 14336): EP at W ranks (each rank its tokens, E/W
+experts); the whole block on one GPU (all experts, the same tokens per GPU: the same GEMM work per GPU); and
+torch.distributed.all_to_all_single of the permuted rows there and back (the exchange alone, forward +
+backward). Interleaved rounds, CUDA events, median; the maximum over ranks.
+Needs PyTorch, NCCL and JITFUSE_LIBRARY / PYTHONPATH=runtime/python as for the package.
+"""
+import argparse
+import faulthandler
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import jitfuse.torch as jt
+
+
+def routing(tokens, experts, topk, gen, skew=True):
+    """(indices [T, k] int64, probs [T, k] fp32): distinct experts per token; skewed: the first slot is expert 0
+    for about a third of the tokens, the last expert never chosen."""
+    live = experts - 1 if skew and experts > topk + 1 else experts
+    scores = torch.rand(tokens, live, device="cuda", generator=gen)
+    if skew:
+        scores[torch.rand(tokens, device="cuda", generator=gen) < 0.33, 0] = 2.0
+    idx = scores.topk(topk, dim=1).indices
+    probs = torch.rand(tokens, topk, device="cuda", generator=gen) + 0.1
+    return idx, (probs / probs.sum(1, keepdim=True)).float()
+
+
+def block(h, f, experts, topk, world, dtype, name, max_rows=None, w1=None, w2=None):
+    """The expert block: expert-parallel over `world` ranks (world > 1 or EP wanted: dispatch and combine), or
+    all experts here (world 0)."""
+    local = experts // max(world, 1)
+    ops = [jt.MoEPermute(experts, topk)]
+    if world:
+        ops.append(jt.MoEDispatch(group="ep", max_rows=max_rows))
+    ops += [jt.GroupedLinear(local, h, 2 * f, weight=w1), jt.SwiGLU(), jt.GroupedLinear(local, f, h, weight=w2)]
+    if world:
+        ops.append(jt.MoECombine(group="ep"))
+    ops.append(jt.MoEUnpermute())
+    return jt.Sequential(*ops, device="cuda", dtype=dtype, name=name)
+
+
+def reference(x, idx, probs, w1, w2, dy):
+    """float64 MoE and its gradients: (y, dx, dprobs, dw1, dw2)."""
+    x, probs = x.double().requires_grad_(True), probs.double().requires_grad_(True)
+    w1, w2 = w1.double().requires_grad_(True), w2.double().requires_grad_(True)
+    f = w2.shape[2]
+    y = torch.zeros_like(x)
+    for j in range(idx.shape[1]):
+        for e in range(w1.shape[0]):
+            rows = (idx[:, j] == e).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            a = x[rows] @ w1[e].T
+            hmid = F.silu(a[:, :f]) * a[:, f:]
+            y = y.index_add(0, rows, probs[rows, j:j + 1] * (hmid @ w2[e].T))
+    y.backward(dy.double())
+    return y.detach(), x.grad, probs.grad, w1.grad, w2.grad
+
+
+def gather(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def rel_err(got, want):
+    want = want.double()
+    return (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+
+
+def check_case(args, dtype, tol):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e, k, h, f, t = args.experts, args.topk, args.hidden, args.ffn, args.tokens
+    local = e // world
+    g = torch.Generator(device="cuda").manual_seed(99)  # the same full weights on every rank
+    w1 = torch.randn(e, 2 * f, h, device="cuda", generator=g) / h ** 0.5
+    w2 = torch.randn(e, h, f, device="cuda", generator=g) / f ** 0.5
+    mine = torch.Generator(device="cuda").manual_seed(1000 + rank)  # this rank's tokens
+    x = torch.randn(t, h, device="cuda", generator=mine)
+    dy = torch.randn(t, h, device="cuda", generator=mine)
+    idx, probs = routing(t, e, k, mine)
+    ep = block(h, f, e, k, world, dtype, f"ep_check_{dtype}".replace("torch.", ""))
+    with torch.no_grad():
+        ep[2].weight.copy_(w1[rank * local:(rank + 1) * local])
+        ep[4].weight.copy_(w2[rank * local:(rank + 1) * local])
+    xd = x.to(dtype).requires_grad_(True)
+    pd = probs.clone().requires_grad_(True)
+    y = ep(xd, idx, pd)
+    y.backward(dy.to(dtype))
+    y_ref, dx_ref, dp_ref, dw1_ref, dw2_ref = reference(gather(x.to(dtype).float()), gather(idx), gather(probs),
+                                                        w1.to(dtype).float(), w2.to(dtype).float(),
+                                                        gather(dy.to(dtype).float()))
+    rows, ex = slice(rank * t, (rank + 1) * t), slice(rank * local, (rank + 1) * local)
+    pairs = [("y", y, y_ref[rows]), ("dx", xd.grad, dx_ref[rows]), ("dprobs", pd.grad, dp_ref[rows]),
+             ("dW1 (this rank's experts)", ep[2].weight.grad, dw1_ref[ex]),
+             ("dW2 (this rank's experts)", ep[4].weight.grad, dw2_ref[ex])]
+    bad = 0
+    for what, got, want in pairs:
+        err = rel_err(got, want)
+        bad += not err < tol
+        if rank == 0 or not err < tol:
+            print(f"rank {rank} EP={world} {dtype}: {what} max rel err {err:.2e} "
+                  f"{'ok' if err < tol else 'MISMATCH'}", flush=True)
+    return bad
+
+
+def check_overflow(args):
+    """A max_rows below what the routing sends: every rank fails with the same error; the next call runs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e, k, h, f, t = args.experts, args.topk, args.hidden, args.ffn, args.tokens
+    small = block(h, f, e, k, world, torch.float32, "ep_small", max_rows=t * k // (2 * world))
+    mine = torch.Generator(device="cuda").manual_seed(2000 + rank)
+    x = torch.randn(t, h, device="cuda", generator=mine)
+    idx, probs = routing(t, e, k, mine, skew=True)
+    msg = ""
+    try:
+        small(x, idx, probs)
+    except Exception as err:  # noqa: BLE001 - the error is what is checked
+        msg = str(err)
+    ok = "max_rows" in msg and "raise it" in msg
+    full = block(h, f, e, k, world, torch.float32, "ep_after")
+    ok = ok and bool(torch.isfinite(full(x, idx, probs)).all())
+    if rank == 0 or not ok:
+        print(f"rank {rank} EP={world}: max_rows too small -> {'ok' if ok else 'MISMATCH'}: {msg[:300]}", flush=True)
+    return 0 if ok else 1
+
+
+def any_rank_failed(bad):
+    flag = torch.tensor([bad], device="cuda")
+    dist.all_reduce(flag)
+    return 1 if flag.item() else 0
+
+
+def check(args):
+    jt.distributed.set_process_group(None, "ep")
+    bad = check_case(args, torch.float32, 1e-4) + check_case(args, torch.bfloat16, 3e-2) + check_overflow(args)
+    return any_rank_failed(bad)
+
+
+class MoELayer(nn.Module):
+    """x + MoE(rmsnorm(x)) with a torch router (softmax, top-k, renormalised) and the jitfuse expert block."""
+
+    def __init__(self, h, f, experts, topk, world, rank, name):
+        super().__init__()
+        self.topk = topk
+        self.norm = nn.RMSNorm(h, eps=1e-5, device="cuda")
+        self.router = nn.Linear(h, experts, bias=False, device="cuda")
+        self.experts = block(h, f, experts, topk, world, torch.float32, name)
+        self.world, self.rank = world, rank
+
+    def forward(self, x):
+        hs = self.norm(x).reshape(-1, x.shape[-1])
+        p = torch.softmax(self.router(hs).float(), dim=-1)
+        probs, idx = p.topk(self.topk, dim=-1)
+        probs = probs / probs.sum(-1, keepdim=True)
+        return x + self.experts(hs, idx, probs).reshape(x.shape)
+
+
+class MoELM(nn.Module):
+    def __init__(self, vocab, h, f, experts, topk, world, rank, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, h, device="cuda")
+        self.layers = nn.ModuleList(MoELayer(h, f, experts, topk, world, rank, f"ep_lm_w{world}_{i}")
+                                    for i in range(layers))
+        self.norm = nn.RMSNorm(h, eps=1e-5, device="cuda")
+        self.head = nn.Linear(h, vocab, bias=False, device="cuda")
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def lm(args, world, rank):
+    """The model from seed 0; with world > 0 this rank's experts cut out of the full ones."""
+    torch.manual_seed(0)
+    full = MoELM(args.vocab, args.hidden, args.ffn, args.experts, args.topk, 0, 0)
+    if not world:
+        return full
+    ep = MoELM(args.vocab, args.hidden, args.ffn, args.experts, args.topk, world, rank)
+    local = args.experts // world
+    state = {}
+    for name, p in full.state_dict().items():
+        state[name] = p[rank * local:(rank + 1) * local] if ".experts." in name else p
+    ep.load_state_dict(state)
+    return ep
+
+
+def train(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jt.distributed.set_process_group(None, "ep")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    batches = [[torch.randint(0, args.vocab, (4, 64), device="cuda", generator=gen) for _ in range(world)]
+               for _ in range(4)]
+    curves = {}
+    for w in (0, world):
+        model = lm(args, w, rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curve = []
+        for step in range(args.steps):
+            group = batches[step % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            loss = model(group[rank] if w else torch.cat(group))
+            loss.backward()
+            if w:
+                for name, p in model.named_parameters():
+                    if ".experts." in name:
+                        p.grad /= w
+                    else:
+                        dist.all_reduce(p.grad)
+                        p.grad /= w
+                both = loss.detach().clone()
+                dist.all_reduce(both)
+                loss = both / w
+            opt.step()
+            curve.append(loss.item())
+        curves[w] = curve
+    one, ep = statistics.mean(curves[0][-5:]), statistics.mean(curves[world][-5:])
+    rel = abs(ep - one) / one
+    ok = rel < 0.01 and curves[world][-1] < curves[world][0] - 0.5
+    if rank == 0 or not ok:
+        print(f"rank {rank} MoE LM EP={world}, {args.steps} AdamW steps: first loss {curves[world][0]:.4f}, final "
+              f"(mean of the last 5) {ep:.4f} against one GPU's {one:.4f}: {rel:.2%} apart {'ok' if ok else 'MISMATCH'}",
+              flush=True)
+    return any_rank_failed(0 if ok else 1)
+
+
+def events_ms(fn, iters, warm=3):
+    times = []
+    for i in range(warm + iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[warm:])
+
+
+def bench(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jt.distributed.set_process_group(None, "ep")
+    e, k, h, f, t, dt = args.experts, args.topk, args.hidden, args.ffn, args.tokens, torch.bfloat16
+    mine = torch.Generator(device="cuda").manual_seed(3000 + rank)
+    x = (torch.randn(t, h, device="cuda", generator=mine) * 0.5).to(dt).requires_grad_(True)
+    dy = torch.randn(t, h, device="cuda", generator=mine).to(dt)
+    idx, probs = routing(t, e, k, mine, skew=False)
+    probs.requires_grad_(True)
+    variants = {}
+    ep = block(h, f, e, k, world, dt, "ep_bench")
+    variants[f"jitfuse EP={world} ({e // world} experts per GPU)"] = lambda: ep(x, idx, probs).backward(dy)
+    one = block(h, f, e, k, 0, dt, "ep_bench_one")
+    variants["jitfuse one GPU (all experts, same tokens per GPU)"] = lambda: one(x, idx, probs).backward(dy)
+    rows = torch.randn(t * k, h, device="cuda", dtype=dt)
+    back = torch.empty_like(rows)
+
+    def exchange():  # the permuted rows there and back, twice (forward and backward), even splits
+        for _ in range(2):
+            dist.all_to_all_single(back, rows)
+            dist.all_to_all_single(rows, back)
+    variants["torch all_to_all_single alone (4 x T k rows)"] = exchange
+    for fn in variants.values():
+        fn()
+    torch.cuda.synchronize()
+    ms = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, fn in variants.items():
+            for p in (x, probs, *ep.parameters(), *one.parameters()):
+                p.grad = None
+            dist.barrier()
+            ms[name].append(events_ms(fn, args.iters))
+    med = torch.tensor([statistics.median(v) for v in ms.values()], dtype=torch.float64, device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"\nexpert block fwd+bwd, bf16, {t} tokens per GPU x hidden {h}, {e} experts top-{k}, ffn {f}, "
+              f"W={world} ({torch.cuda.get_device_name()}); ms, max over ranks of the median of {args.rounds} rounds")
+        base = med[1].item()
+        for name, v in zip(variants, med.tolist()):
+            print(f"| {name} | {v:.3f} | {v / base:.3f}x one GPU |")
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["check", "train", "bench"])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=None, help="default 128 (bench: 4096)")
+    ap.add_argument("--ffn", type=int, default=None, help="default 192 (bench: 14336)")
+    ap.add_argument("--tokens", type=int, default=None, help="per rank; default 384 (bench: 8192)")
+    ap.add_argument("--vocab", type=int, default=512, help="train")
+    ap.add_argument("--steps", type=int, default=60, help="train: AdamW steps")
+    ap.add_argument("--rounds", type=int, default=5, help="bench: interleaved rounds")
+    ap.add_argument("--iters", type=int, default=10, help="bench: timed steps per variant per round")
+    args = ap.parse_args()
+    for name, small, big in (("hidden", 128, 4096), ("ffn", 192, 14336), ("tokens", 384, 8192)):
+        if getattr(args, name) is None:
+            setattr(args, name, big if args.mode == "bench" else small)
+    if os.environ.get("JF_TP_WATCHDOG"):
+        faulthandler.dump_traceback_later(int(os.environ["JF_TP_WATCHDOG"]), exit=True)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    try:
+        rc = {"check": check, "train": train, "bench": bench}[args.mode](args)
+    finally:
+        dist.destroy_process_group()
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
