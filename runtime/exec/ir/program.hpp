@@ -107,6 +107,11 @@ struct KernelStep {
   std::vector<Follow> finalize;  // what sizes the partials (layout.cpp); the launches are FinalizeSteps
   int amax_partials = -1;        // FP8: the per-block amax partials the kernel writes (-1: none)
   int64_t rows = 0;
+  // Expert parallelism: a kernel over the rows a moe_dispatch received (between it and its combine) runs over the
+  // rows this rank's experts got this call, min(rows, routing[rows_route_total]) of the dispatch's host routing
+  // (exec/run/routes.hpp; the rows past them are read by nobody); -1: always `rows`.
+  int rows_route = -1;
+  int64_t rows_route_total = 0;
   int64_t bytes_read = 0, bytes_written = 0;  // napkin traffic of the main kernel
 };
 

@@ -164,6 +164,7 @@ std::pair<int64_t, int64_t> kernel_json(const Program& p, const KernelStep& k, j
             {"block", {L.bx, L.by}},
             {"rows", k.rows},
             {"args", args}});
+  if (k.rows_route >= 0) j["rows_per_call"] = "the rows this rank's experts received (" + p.buffer(k.rows_route).name + ")";
   return {k.bytes_read, k.bytes_written};
 }
 

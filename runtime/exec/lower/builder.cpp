@@ -616,6 +616,10 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   ks->meta = meta;
   ks->gen = codegen::generate(spec);
   ks->rows = rows;
+  if (const int d = received_rows_of(rows); d >= 0) {
+    ks->rows_route = saved_context(d, Key::route);
+    ks->rows_route_total = 2 * (p_.ops[static_cast<size_t>(d)].route_experts / p_.world_size);
+  }
   // codegen spells the operand a cast writes; here it is typed once.
   const auto operand = spec.fp8 ? fp8::parse_operand(spec.fp8->tensor) : fp8::Operand::none;
   if (!operand) fail(Status::internal, "kernel {}: unknown FP8 operand '{}'", ks->gen.kernel, spec.fp8->tensor);
@@ -629,6 +633,26 @@ void Builder::kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta
   s.kernel = ks;
   push(std::move(s));
   follow_ups(*ks, q, fp8_tensor);
+}
+
+int Builder::received_rows_of(int64_t rows) const {
+  const auto& ops = p_.ops;
+  for (int i = g_.begin; i < g_.end; ++i) {
+    const ops::Family f = ops[static_cast<size_t>(i)].family;
+    if (f == ops::Family::make_extra_output || f == ops::Family::add_extra_input || f == ops::Family::comm ||
+        f == ops::Family::moe)
+      return -1;
+  }
+  int combined = 0, dispatch = -1;
+  for (int i = g_.begin - 1; i >= 0 && dispatch < 0; --i) {
+    const std::string& k = ops[static_cast<size_t>(i)].kind;
+    if (k == "moe_combine") ++combined;
+    if (k == "moe_dispatch" && combined-- == 0) dispatch = i;
+  }
+  if (dispatch < 0 || rows != ops::rows_of(ops[static_cast<size_t>(dispatch)].out)) return -1;
+  for (size_t j = static_cast<size_t>(g_.end); j < ops.size(); ++j)
+    if (ops[j].kind == "moe_combine" && ops[j].route_op == dispatch) return dispatch;
+  return -1;
 }
 
 // The steps after kernel step `ks` (the last one added): one launch per finalize kernel, and its FP8

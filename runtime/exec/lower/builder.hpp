@@ -97,6 +97,9 @@ class Builder {
   // A generated kernel: `spec` over `rows` rows reading buffer `in` and writing buffer `out`.
   void kernel(const codegen::KernelSpec& spec, const nlohmann::json& meta, int in, int out, int64_t rows,
               const std::string& what);
+  // The moe_dispatch whose received rows the current group runs over (strictly between the dispatch and its
+  // combine, over its max_rows rows, no channel op): that dispatch's index, else -1 (KernelStep::rows_route).
+  int received_rows_of(int64_t rows) const;
 
   // The number of steps of the current direction so far, and marking steps [from, end) as weight casts
   // (skipped by a call whose weights did not change).

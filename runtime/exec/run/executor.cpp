@@ -258,8 +258,16 @@ const Variant& scalar_variant(const Prepared& pp, Runtime& rt, const KernelStep&
 }
 
 // Launches kernel step `k` and returns the variant it launched (what its finalize and FP8 update steps use).
+// KernelStep::rows_route: the rows an expert-parallel kernel runs over this call.
+int64_t rows_now(const KernelStep& k, const HostRoutes& routes) {
+  if (k.rows_route < 0) return k.rows;
+  const auto* r = routes.find(k.rows_route);
+  if (!r || k.rows_route_total >= static_cast<int64_t>(r->size())) return k.rows;
+  return std::min<int64_t>(k.rows, (*r)[static_cast<size_t>(k.rows_route_total)]);
+}
+
 const Variant& run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, const PreparedStep& st,
-                          const std::vector<void*>& ptr, CUstream stream) {
+                          const std::vector<void*>& ptr, CUstream stream, const HostRoutes& routes) {
   const auto& d = cuda::driver();
   bool vec = k.spec.vec;
   for (int id : k.align_buffers) vec = vec && aligned16(ptr[static_cast<size_t>(id)]);
@@ -292,7 +300,7 @@ const Variant& run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, 
     const KArg& a = k.args[i];
     switch (a.kind) {
       case KArg::Kind::buffer: vals[i].p = ptr[static_cast<size_t>(a.buffer)]; kparams[i] = &vals[i].p; break;
-      case KArg::Kind::rows: vals[i].i64 = k.rows; kparams[i] = &vals[i].i64; break;
+      case KArg::Kind::rows: vals[i].i64 = rows_now(k, routes); kparams[i] = &vals[i].i64; break;
       case KArg::Kind::u64_const: vals[i].u64 = a.value; kparams[i] = &vals[i].u64; break;
       case KArg::Kind::int_const: vals[i].i = L.parts; kparams[i] = &vals[i].i; break;
       case KArg::Kind::peers: kparams[i] = const_cast<void*>(pp.peers); break;  // the struct's bytes
@@ -411,7 +419,7 @@ void run_step(const Prepared& pp, Runtime& rt, const Step& s, const PreparedStep
       launched[i] = &kGemmRan;
       return;
     case Step::Kind::comm: return run_comm(pp, s.comm, ptr, on, launched.routes);
-    case Step::Kind::kernel: launched[i] = &run_kernel(pp, rt, *s.kernel, st, ptr, on); return;
+    case Step::Kind::kernel: launched[i] = &run_kernel(pp, rt, *s.kernel, st, ptr, on, launched.routes); return;
     case Step::Kind::finalize:
       if (const Variant* v = launched[static_cast<size_t>(s.finalize.kernel_step)]) run_finalize(s.finalize, *v, ptr, on);
       return;

@@ -6,8 +6,7 @@
 namespace jitfuse::exec {
 
 const int32_t* HostRoutes::get(const GemmStep& g, const std::vector<void*>& ptr, CUstream stream) {
-  for (const auto& r : read_)
-    if (r.first == g.route) return r.second.data();
+  if (const auto* known = find(g.route)) return known->data();
   if (cuda::stream_capturing(stream))
     fail(Status::unsupported, "a grouped_linear after a moe_permute with \"layout\": \"packed\" (dropless) reads "
          "how many rows each expert got on the host, which a CUDA graph capture cannot do: capture the expert "
@@ -24,6 +23,12 @@ const int32_t* HostRoutes::get(const GemmStep& g, const std::vector<void*>& ptr,
            "{} rows in all (bound {})", x, v[x], v[e + x], v[2 * e], g.call.m);
   read_.emplace_back(g.route, std::move(v));
   return read_.back().second.data();
+}
+
+const std::vector<int32_t>* HostRoutes::find(int route) const {
+  for (const auto& r : read_)
+    if (r.first == route) return &r.second;
+  return nullptr;
 }
 
 void HostRoutes::put(int route, std::vector<int32_t> splits_starts) {

@@ -19,6 +19,8 @@ class HostRoutes {
   const int32_t* get(const GemmStep& g, const std::vector<void*>& ptr, CUstream stream);
   // The routing in buffer `route`, known on the host already (splits [E], starts [E + 1]).
   void put(int route, std::vector<int32_t> splits_starts);
+  // The routing of buffer `route` if this pass has it on the host already, else null.
+  const std::vector<int32_t>* find(int route) const;
 
  private:
   std::vector<std::pair<int, std::vector<int32_t>>> read_;

@@ -434,6 +434,17 @@ TEST_CASE("the expert-parallel block plans one all_to_all each way and this rank
           CHECK(s.gemm.call.m == 400);
         }
     CHECK(routed == (training ? 6 : 2));
+    // The kernels over the received rows (the swiglu, forward and backward) run over this call's rows.
+    int per_call = 0;
+    for (const auto* steps : {&p->forward, &p->backward})
+      for (const auto& s : *steps)
+        if (s.kind == exec::Step::Kind::kernel && s.kernel->rows_route >= 0) {
+          ++per_call;
+          CHECK(s.kernel->rows_route == dispatch->a2a.counts);
+          CHECK(s.kernel->rows_route_total == 16);  // after this rank's 8 experts' splits and 8 starts
+          CHECK(s.kernel->rows == 400);
+        }
+    CHECK(per_call >= (training ? 2 : 1));
     if (!training) continue;
     CHECK(count_comm(p->backward, Collective::all_to_all) == 2);
     for (const auto& s : p->backward)
