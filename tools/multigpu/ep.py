@@ -5,6 +5,7 @@ Launch one process per GPU:
 
     torchrun --nproc-per-node 2 tools/multigpu/ep.py check     # every rank's outputs and gradients vs float64
     torchrun --nproc-per-node 2 tools/multigpu/ep.py train     # a small MoE LM, 60 AdamW steps vs one GPU
+    torchrun --nproc-per-node 2 tools/multigpu/ep.py hf        # HF Mixtral with hf.apply(expert_parallel="ep")
     torchrun --nproc-per-node 2 tools/multigpu/ep.py bench     # Mixtral-like block: EP vs one GPU, NCCL alone
 
 `check`: E experts (default 8, top-2), every rank its own tokens (a different seed per rank) and routing
@@ -20,6 +21,10 @@ residual, RMSNorm, head) on W x 4 batches; every rank trains on its own batch (d
 (expert parallel): non-expert gradients averaged over ranks, expert gradients divided by W (each rank's loss
 reaches every expert). The reference is the same model with all experts on one GPU on the concatenated batch.
 Final loss (mean of the last 5 steps) within 1 %.
+`hf`: a 2-layer Hugging Face Mixtral (fp32, from a config) with ``jitfuse.torch.hf.apply(model,
+expert_parallel="ep")`` (every rank keeps its experts) against the unmodified model, every rank on its own
+tokens: logits, gradients (this rank's experts' against the all-reduced full gradients), greedy generate() of 8
+tokens, and 20 AdamW steps (DP + EP) against the unmodified model on every rank's batch (within 1 %).
 `bench`: forward + backward (bf16) of the expert block at --tokens per rank x --hidden, --experts, top --topk, ffn
 --ffn (default Mixtral-8x7B: 8192 x 4096, 8 experts, top-2, 14336): EP at W ranks (each rank its tokens, E/W
 experts; the default max_rows W T k, and 1.25 T k); the whole block on one GPU (all experts, the same tokens per GPU: the same GEMM work per GPU); and
@@ -234,12 +239,7 @@ def train(args):
             loss = model(group[rank] if w else torch.cat(group))
             loss.backward()
             if w:
-                for name, p in model.named_parameters():
-                    if ".experts." in name:
-                        p.grad /= w
-                    else:
-                        dist.all_reduce(p.grad)
-                        p.grad /= w
+                ep_grads(model, w)
                 both = loss.detach().clone()
                 dist.all_reduce(both)
                 loss = both / w
@@ -254,6 +254,104 @@ def train(args):
               f"(mean of the last 5) {ep:.4f} against one GPU's {one:.4f}: {rel:.2%} apart {'ok' if ok else 'MISMATCH'}",
               flush=True)
     return any_rank_failed(0 if ok else 1)
+
+
+def hf_mixtral():
+    """A 2-layer Mixtral (fp32, random init from seed 0; transformers' fused experts)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                                     num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=128)
+    return transformers.MixtralForCausalLM(cfg).to("cuda", torch.float32)
+
+
+def ep_grads(model, world):
+    """Data parallel + expert parallel: non-expert gradients averaged over ranks, expert gradients / W."""
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if ".experts." not in name:
+            dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def check_hf(args):
+    """An unmodified HF Mixtral against the same model after ``hf.apply(model, expert_parallel="ep")`` on every
+    rank (its own tokens): logits, the loss's gradients (this rank's experts' summed over every rank's tokens),
+    greedy generate(), and 20 AdamW steps (DP + EP) against one GPU on every rank's batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jt.distributed.set_process_group(None, "ep")
+    ref, ep = hf_mixtral(), hf_mixtral()
+    report = jt.hf.apply(ep, expert_parallel="ep")
+    swapped = [e for e in report.entries if e.kind == "experts" and e.swapped and "expert-parallel" in e.what]
+    bad = 0 if len(swapped) == 2 else 1
+    local = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    ids = torch.randint(0, 512, (2, 32), device="cuda", generator=gen)
+    out_ep, out_ref = ep(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    out_ep.loss.backward()
+    out_ref.loss.backward()
+    pairs = [("logits", out_ep.logits, out_ref.logits)]
+    full = dict(ref.named_parameters())
+    for name, p in ep.named_parameters():
+        want = full[name].grad
+        if ".experts." in name:
+            want = want.clone()
+            dist.all_reduce(want)  # every rank's tokens reach this rank's experts
+            want = want[local]
+        if name.endswith(("layers.0.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj", "layers.0.mlp.gate.weight",
+                          "embed_tokens.weight", "layers.1.self_attn.q_proj.weight")):
+            pairs.append((f"d {name}", p.grad, want))
+    for what, got, want in pairs:
+        err = rel_err(got, want)
+        bad += not err < 1e-3
+        if rank == 0 or not err < 1e-3:
+            print(f"rank {rank} HF Mixtral EP={world}: {what} max rel err {err:.2e} {'ok' if err < 1e-3 else 'MISMATCH'}",
+                  flush=True)
+    prompt = ids[:1, :8]
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        same = torch.equal(ep.generate(prompt, **kw), ref.generate(prompt, **kw))
+    bad += not same
+    print(f"rank {rank} HF Mixtral EP={world}: greedy generate() of 8 tokens {'equal' if same else 'MISMATCH'}",
+          flush=True)
+    bad += hf_train(args, rank, world)
+    return any_rank_failed(bad)
+
+
+def hf_train(args, rank, world):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    batches = [[torch.randint(0, 512, (2, 32), device="cuda", generator=gen) for _ in range(world)] for _ in range(4)]
+    curves = {}
+    jt.distributed.set_process_group(None, "ep")
+    for w in (0, world):
+        model = hf_mixtral()
+        if w:
+            jt.hf.apply(model, expert_parallel="ep")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curve = []
+        for step in range(20):
+            group = batches[step % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            ids = group[rank] if w else torch.cat(group)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if w:
+                ep_grads(model, w)
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+                loss /= w
+            opt.step()
+            curve.append(loss.item())
+        curves[w] = curve
+    one, ep = statistics.mean(curves[0][-3:]), statistics.mean(curves[world][-3:])
+    rel = abs(ep - one) / one
+    ok = rel < 0.01 and curves[world][-1] < curves[world][0]
+    if rank == 0 or not ok:
+        print(f"rank {rank} HF Mixtral EP={world}, 20 AdamW steps: first loss {curves[world][0]:.4f}, final {ep:.4f} "
+              f"against one GPU's {one:.4f}: {rel:.2%} apart {'ok' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
 
 
 def events_ms(fn, iters, warm=3):
@@ -316,7 +414,7 @@ def bench(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["check", "train", "bench"])
+    ap.add_argument("mode", choices=["check", "train", "hf", "bench"])
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=None, help="default 128 (bench: 4096)")
@@ -336,7 +434,7 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     try:
-        rc = {"check": check, "train": train, "bench": bench}[args.mode](args)
+        rc = {"check": check, "train": train, "hf": check_hf, "bench": bench}[args.mode](args)
     finally:
         dist.destroy_process_group()
     sys.exit(rc)

@@ -3,7 +3,8 @@
 # (`check`), and the all-reduce + residual + RMSNorm group — the one-shot kernel over peer-mapped buffers, its
 # NCCL path and NCCL's all-reduce followed by our norm — against float64, eager and captured in CUDA graphs
 # (`arnorm`); tools/multigpu/ep.py's expert parallelism: the expert block with MoEDispatch / MoECombine against
-# float64 on every rank (`check`) and a small MoE language model's 60 AdamW steps against one GPU (`train`).
+# float64 on every rank (`check`), a small MoE language model's 60 AdamW steps against one GPU (`train`), and
+# Hugging Face's Mixtral with hf.apply(expert_parallel="ep") against the unmodified model (`hf`).
 # Skipped with fewer GPUs.
 import os
 import subprocess
@@ -56,3 +57,9 @@ def test_expert_parallel_block_matches_float64(world):
 def test_expert_parallel_training_tracks_one_gpu(world):
     out = torchrun(world, "train", 29561 + world, script=EP)
     assert "MISMATCH" not in out and "apart ok" in out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_hf_mixtral_matches_the_unmodified_model(world):
+    out = torchrun(world, "hf", 29571 + world, script=EP)
+    assert "MISMATCH" not in out and "generate() of 8 tokens equal" in out and "apart ok" in out

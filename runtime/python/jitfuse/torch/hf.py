@@ -504,16 +504,21 @@ def _experts_reference(gate_up: Tensor, down: Tensor, gated: str, x: Tensor, idx
 
 
 def _experts_ops(mod: nn.Module, lay: Tuple[int, int, int], gated: str, top_k: int,
-                 index_dtype: torch.dtype, capacity: Optional[int] = None) -> List[_m.BasicOp]:
+                 index_dtype: torch.dtype, capacity: Optional[int] = None,
+                 ep: Optional[Tuple[str, int]] = None) -> List[_m.BasicOp]:
+    """The expert block's ops; ``ep`` (group, world size): expert-parallel, this rank's E / W experts between a
+    MoEDispatch and a MoECombine (the module's parameters hold only those)."""
     e, h, i = lay
+    local = e // ep[1] if ep else e
     permute = (_m.MoEPermute(e, top_k, index_dtype=index_dtype) if capacity is None else
                _m.MoEPermute(e, top_k, index_dtype=index_dtype, layout="padded", capacity=capacity))
-    return [permute,
-            _Borrowed("grouped_linear", {"num_groups": e, "in_features": h, "out_features": 2 * i},
+    return [permute, *([_m.MoEDispatch(ep[0])] if ep else []),
+            _Borrowed("grouped_linear", {"num_groups": local, "in_features": h, "out_features": 2 * i},
                       [("weight", _Source(mod, "gate_up_proj"))]),
             _Borrowed(gated, {}, []),
-            _Borrowed("grouped_linear", {"num_groups": e, "in_features": i, "out_features": h},
+            _Borrowed("grouped_linear", {"num_groups": local, "in_features": i, "out_features": h},
                       [("weight", _Source(mod, "down_proj"))]),
+            *([_m.MoECombine(ep[0])] if ep else []),
             _m.MoEUnpermute()]
 
 
@@ -526,6 +531,7 @@ class _ExpertsSwap:
     instance_forward: Optional[Callable[..., Any]] = None
     kind: str = "experts"
     capacity_factor: Optional[float] = None
+    ep: Optional[Tuple[str, int]] = None  # expert parallelism: (group, world size); the parameters hold this rank's
     seqs: Dict[Tuple[int, torch.dtype, Optional[int]], "_m.Sequential"] = field(default_factory=dict)
 
     @property
@@ -542,7 +548,7 @@ class _ExpertsSwap:
             cap = min(tokens, max(8, math.ceil(self.capacity_factor * tokens * top_k / self.lay[0] / 8) * 8))
         s = self.seqs.get((top_k, index_dtype, cap))
         if s is None:
-            s = _m.Sequential(*_experts_ops(self.mod, self.lay, self.gated, top_k, index_dtype, cap),
+            s = _m.Sequential(*_experts_ops(self.mod, self.lay, self.gated, top_k, index_dtype, cap, self.ep),
                               name=_seq_name(self.path, "experts"))
             self.seqs[(top_k, index_dtype, cap)] = s
         return s
@@ -563,9 +569,10 @@ def _experts_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: Report,
-                  capacity_factor: Optional[float] = None) -> None:
+                  capacity_factor: Optional[float] = None, ep: Optional[Tuple[str, int, int]] = None) -> None:
     """Swaps a fused experts module for the dropless jitfuse expert block (permute, grouped gate/up GEMMs, the
-    gated op, grouped down GEMMs, the weighted combine) on its own two parameters, after a probe."""
+    gated op, grouped down GEMMs, the weighted combine) on its own two parameters, after a probe. ``ep`` (group,
+    world size, rank): expert-parallel; after the probe the two parameters keep only this rank's experts."""
     cls = type(mod).__name__
     params = [mod.gate_up_proj, mod.down_proj]
     gated = _GATED.get(_activation(getattr(mod, "act_fn", None)) or "")
@@ -578,6 +585,8 @@ def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: 
         why = "its parameters are not all of one float32/float16/bfloat16 dtype"
     elif lay[1] % 8 or lay[2] % 8:
         why = f"hidden {lay[1]} or expert width {lay[2]} is not a multiple of 8 (the routing kernels' rows)"
+    elif ep and lay[0] % ep[1]:
+        why = f"its {lay[0]} experts do not split over the {ep[1]} ranks of group '{ep[0]}'"
     if not why:
         e, h, _ = lay
         k = min(2, e)
@@ -596,9 +605,19 @@ def _swap_experts(path: str, mod: nn.Module, lay: Tuple[int, int, int], report: 
         report.entries.append(Entry(path, "experts", False, cls, why))
         return
     inst = mod.__dict__.get("forward")
-    mod.__dict__[_ATTR] = _ExpertsSwap(mod, lay, gated, path, inst, capacity_factor=capacity_factor)
+    if ep:  # this rank's experts only (the same Parameter objects: optimizers built before still hold them)
+        local = lay[0] // ep[1]
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data[ep[2] * local:(ep[2] + 1) * local].clone()
+    mod.__dict__[_ATTR] = _ExpertsSwap(mod, lay, gated, path, inst, capacity_factor=capacity_factor,
+                                       ep=(ep[0], ep[1]) if ep else None)
     mod.forward = types.MethodType(_experts_forward, mod)
     how = "dropless" if capacity_factor is None else f"padded, capacity factor {capacity_factor:g}"
+    if ep:
+        local = lay[0] // ep[1]
+        how += (f", expert-parallel over group '{ep[0]}': experts {ep[2] * local}-{(ep[2] + 1) * local - 1} of "
+                f"{lay[0]} on this rank")
     report.entries.append(Entry(path, "experts", True, f"moe_permute, grouped_linear {lay[1]}->{2 * lay[2]}, {gated}, "
                                 f"grouped_linear {lay[2]}->{lay[1]}, moe_unpermute ({lay[0]} experts, {how})"))
 
@@ -733,7 +752,8 @@ def _is_norm(m: nn.Module) -> bool:
 
 
 def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool = False,
-          experts: bool = True, expert_capacity: Optional[float] = None) -> Report:
+          experts: bool = True, expert_capacity: Optional[float] = None,
+          expert_parallel: Optional[str] = None) -> Report:
     """Swaps, in place, every norm (``norms``) and MLP (``mlps``) module of ``model`` that jitfuse can run for
     a jitfuse sequence on the module's own parameters, and returns the :class:`Report` (every module found,
     swapped or left with the reason). ``loss=True``: a causal LM's ``lm_head`` and HF's loss too, as the fused
@@ -745,13 +765,26 @@ def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool
     model computes; each expert's row count is read on the host once per pass, so no CUDA-graph capture) or a
     capacity factor (GShard's: each expert keeps at most ``factor x tokens x top_k / experts`` rows, the rest of
     its tokens dropped; fixed shapes and routing on the device, so the model's forward captures in a CUDA graph).
-    :func:`revert` undoes it."""
+    ``expert_parallel``: the name of a group registered with ``jitfuse.torch.distributed.set_process_group``:
+    rank r of its W ranks keeps experts ``[r E/W, (r+1) E/W)`` of every experts module (their two parameters are
+    cut to those, in place) and each call sends every expert's rows to the rank owning it and back
+    (docs/parallel.md#expert-parallelism); every rank calls the model on its own tokens, the same number of times.
+    :func:`revert` undoes it (but for expert-parallel experts, which keep only this rank's weights)."""
     if expert_capacity is not None and (isinstance(expert_capacity, bool) or not isinstance(expert_capacity, (int, float))
                                         or not 0 < float(expert_capacity) <= 1024):
         raise ValueError(f"expert_capacity must be None (dropless) or a capacity factor in (0, 1024], "
                          f"not {expert_capacity!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"jitfuse.torch.hf.apply takes an nn.Module, not {type(model).__name__}")
+    ep = None
+    if expert_parallel is not None:
+        from . import distributed
+        if expert_capacity is not None:
+            raise ValueError("expert_parallel sends the dropless layout: leave expert_capacity None")
+        if not isinstance(expert_parallel, str) or expert_parallel not in distributed._groups:
+            raise ValueError(f"expert_parallel={expert_parallel!r}: register the group first with "
+                             f"jitfuse.torch.distributed.set_process_group(group, {expert_parallel!r})")
+        ep = (expert_parallel, distributed.world_size(expert_parallel), distributed.rank(expert_parallel))
     report = Report()
     if loss and _ATTR not in model.__dict__:
         _swap_loss(model, report)
@@ -768,7 +801,7 @@ def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool
             elay = _experts_layout(mod)
             if elay is not None:
                 _swap_experts(path, mod, elay, report,
-                              None if expert_capacity is None else float(expert_capacity))
+                              None if expert_capacity is None else float(expert_capacity), ep)
                 continue
         if mlps:
             lay = _linears(mod)
@@ -790,7 +823,12 @@ def revert(model: nn.Module) -> int:
     """Gives every module :func:`apply` swapped its own forward back; returns how many. (The gate/up weights
     stay in their shared buffer: the values are the same.)"""
     n = 0
-    for _, mod in model.named_modules():
+    for path, mod in model.named_modules():
+        swap = mod.__dict__.get(_ATTR)
+        if isinstance(swap, _ExpertsSwap) and swap.ep:
+            warnings.warn(f"jitfuse.torch.hf.revert: {path} holds this rank's experts only (expert_parallel): "
+                          f"left swapped", stacklevel=2)
+            continue
         swap = mod.__dict__.pop(_ATTR, None)
         if swap is None:
             continue
