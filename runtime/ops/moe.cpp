@@ -143,13 +143,17 @@ void register_dispatch(Registry& r) {
   k.infer = [](Op& op) {
     // op.route_* (its moe_permute's) were set by ops::infer.
     const int64_t e = op.route_experts, w = op.world_size, rows = rows_of(op.in);
-    if (!op.route_packed)
-      fail(Status::invalid_argument, "{}: the moe_permute (op {}) before it has \"layout\": \"padded\"; expert "
-           "parallelism sends the packed (dropless) layout: set \"layout\": \"packed\"", op.label(), op.route_op);
     if (e % w != 0)
       fail(Status::invalid_argument, "{}: num_experts = {} of op {} (moe_permute) is not a multiple of the world size "
            "{}: every rank owns num_experts / world size experts", op.label(), e, op.route_op, w);
     int64_t bound = op.attrs["max_rows"];
+    if (!op.route_packed) {  // padded: every expert `capacity` rows from every rank, E C rows in all (fixed)
+      if (bound != -1 && bound != rows)
+        fail(Status::invalid_argument, "{}: after a padded moe_permute (op {}) each rank's experts receive exactly "
+             "num_experts x capacity = {} rows: leave \"max_rows\" -1", op.label(), op.route_op, rows);
+      op.out = op.in;
+      return;
+    }
     if (bound == 0 || bound < -1)
       fail(Status::invalid_argument, "{}: max_rows = {}: the received rows' bound is >= 1, or -1 (world size x the "
            "permuted rows)", op.label(), bound);

@@ -116,8 +116,9 @@ TEST_CASE("every comm op on a one-rank communicator matches the float64 referenc
 // Expert parallelism on one rank (docs/parallel.md#expert-parallelism): moe_dispatch / moe_combine around the
 // dropless expert block. At one rank every expert is this rank's, so the exchange copies each expert's rows into
 // the expert-major rows and back: the block matches the float64 reference, also with a max_rows above the
-// permuted rows (a tail of rows the exchange zeroes), and in inference. A max_rows below the rows the routing
-// sends fails the call naming the op and the fix, and the context runs the next sequence.
+// permuted rows (a tail of rows the exchange zeroes), in inference, and after a padded permute (fixed rows per
+// rank and expert, drops). A max_rows below the rows the routing sends fails the call naming the op and the fix,
+// and the context runs the next sequence.
 TEST_CASE("the expert-parallel block on a one-rank communicator matches the float64 reference", "[parallel]") {
   auto block = [](const std::string& max_rows, int h, int f) {
     return seq(fmt::format(R"([{{"op": "make_extra_output", "channel": "res"}}, {{"op": "rmsnorm"}},
@@ -142,6 +143,10 @@ TEST_CASE("the expert-parallel block on a one-rank communicator matches the floa
                                             block(R"(, "max_rows": 100)", 128, 192), o),
                     Catch::Contains("more than the moe_dispatch's \"max_rows\" (100): raise it"));
   check(block("", 64, 96), "bf16", {61, 64});
+  // The padded layout (fixed rows per rank and expert, what a CUDA graph captures): a capacity that drops.
+  std::string padded = block("", 128, 192);
+  padded.replace(padded.find(R"("top_k": 2})"), 11, R"("top_k": 2, "layout": "padded", "capacity": 20})");
+  for (const char* recipe : {"fp32", "bf16"}) check(padded, recipe, {97, 128});
 }
 
 TEST_CASE("parallel linears on one rank match the reference and their plain sequence bit for bit", "[parallel]") {

@@ -15,7 +15,9 @@ rank from one seed, this rank's experts ``[r E/W, (r+1) E/W)`` cut out of them. 
 runs forward and backward; the reference is the float64 MoE of every rank's tokens (all-gathered) with the full
 weights: this rank's output, dx and dprobs, and the gradients of this rank's experts (summed over every rank's
 tokens). fp32 (tolerance 1e-4) and bf16 (3e-2), and a ``max_rows`` below the rows routed (every rank must fail
-with the same error, then run the next call). Exit status 1 on any mismatch.
+with the same error, then run the next call); the padded layout (capacity = the mean rows per expert: the hot
+expert drops slots, GShard's first-come order in the reference) in fp32, and in a CUDA graph (3 replays with new
+tokens and routing equal to the eager call). Exit status 1 on any mismatch.
 `train`: a two-layer MoE language model (embedding, per layer a router (torch) and the jitfuse block with the
 residual, RMSNorm, head) on W x 4 batches; every rank trains on its own batch (data parallel) with its experts
 (expert parallel): non-expert gradients averaged over ranks, expert gradients divided by W (each rank's loss
@@ -58,11 +60,12 @@ def routing(tokens, experts, topk, gen, skew=True):
     return idx, (probs / probs.sum(1, keepdim=True)).float()
 
 
-def block(h, f, experts, topk, world, dtype, name, max_rows=None, w1=None, w2=None):
+def block(h, f, experts, topk, world, dtype, name, max_rows=None, w1=None, w2=None, capacity=None):
     """The expert block: expert-parallel over `world` ranks (world > 1 or EP wanted: dispatch and combine), or
-    all experts here (world 0)."""
+    all experts here (world 0); `capacity`: the padded layout (fixed rows per rank and expert)."""
     local = experts // max(world, 1)
-    ops = [jt.MoEPermute(experts, topk)]
+    ops = [jt.MoEPermute(experts, topk) if capacity is None else
+           jt.MoEPermute(experts, topk, layout="padded", capacity=capacity)]
     if world:
         ops.append(jt.MoEDispatch(group="ep", max_rows=max_rows))
     ops += [jt.GroupedLinear(local, h, 2 * f, weight=w1), jt.SwiGLU(), jt.GroupedLinear(local, f, h, weight=w2)]
@@ -101,7 +104,20 @@ def rel_err(got, want):
     return (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
 
 
-def check_case(args, dtype, tol):
+def kept(idx, experts, capacity):
+    """GShard's capacity on one rank's routing: slot (t, j) is kept when fewer than `capacity` slots before it (in
+    token, then slot order) chose its expert. A float mask [T, k]."""
+    keep = torch.ones(idx.shape, device=idx.device)
+    if capacity is None:
+        return keep
+    flat = idx.reshape(-1)
+    for e in range(experts):
+        hit = flat == e
+        keep.view(-1)[hit & (hit.cumsum(0) > capacity)] = 0
+    return keep
+
+
+def check_case(args, dtype, tol, capacity=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     e, k, h, f, t = args.experts, args.topk, args.hidden, args.ffn, args.tokens
     local = e // world
@@ -112,7 +128,8 @@ def check_case(args, dtype, tol):
     x = torch.randn(t, h, device="cuda", generator=mine)
     dy = torch.randn(t, h, device="cuda", generator=mine)
     idx, probs = routing(t, e, k, mine)
-    ep = block(h, f, e, k, world, dtype, f"ep_check_{dtype}".replace("torch.", ""))
+    name = f"ep_check_{dtype}{'' if capacity is None else f'_cap{capacity}'}".replace("torch.", "")
+    ep = block(h, f, e, k, world, dtype, name, capacity=capacity)
     with torch.no_grad():
         ep[2].weight.copy_(w1[rank * local:(rank + 1) * local])
         ep[4].weight.copy_(w2[rank * local:(rank + 1) * local])
@@ -120,11 +137,12 @@ def check_case(args, dtype, tol):
     pd = probs.clone().requires_grad_(True)
     y = ep(xd, idx, pd)
     y.backward(dy.to(dtype))
-    y_ref, dx_ref, dp_ref, dw1_ref, dw2_ref = reference(gather(x.to(dtype).float()), gather(idx), gather(probs),
+    keep = kept(idx, e, capacity)  # a dropped slot adds nothing and gets a zero gradient
+    y_ref, dx_ref, dp_ref, dw1_ref, dw2_ref = reference(gather(x.to(dtype).float()), gather(idx), gather(probs * keep),
                                                         w1.to(dtype).float(), w2.to(dtype).float(),
                                                         gather(dy.to(dtype).float()))
     rows, ex = slice(rank * t, (rank + 1) * t), slice(rank * local, (rank + 1) * local)
-    pairs = [("y", y, y_ref[rows]), ("dx", xd.grad, dx_ref[rows]), ("dprobs", pd.grad, dp_ref[rows]),
+    pairs = [("y", y, y_ref[rows]), ("dx", xd.grad, dx_ref[rows]), ("dprobs", pd.grad, dp_ref[rows] * keep),
              ("dW1 (this rank's experts)", ep[2].weight.grad, dw1_ref[ex]),
              ("dW2 (this rank's experts)", ep[4].weight.grad, dw2_ref[ex])]
     bad = 0
@@ -132,8 +150,41 @@ def check_case(args, dtype, tol):
         err = rel_err(got, want)
         bad += not err < tol
         if rank == 0 or not err < tol:
-            print(f"rank {rank} EP={world} {dtype}: {what} max rel err {err:.2e} "
-                  f"{'ok' if err < tol else 'MISMATCH'}", flush=True)
+            print(f"rank {rank} EP={world} {dtype}{'' if capacity is None else f' padded, capacity {capacity}'}: "
+                  f"{what} max rel err {err:.2e} {'ok' if err < tol else 'MISMATCH'}", flush=True)
+    return bad
+
+
+def check_graph(args):
+    """The padded expert-parallel block (fixed rows per rank and expert) in inference, captured in a CUDA graph on
+    every rank: a replay with new tokens and routing equals the eager call bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e, k, h, f, t = args.experts, args.topk, args.hidden, args.ffn, args.tokens
+    ep = block(h, f, e, k, world, torch.bfloat16, "ep_graph", capacity=t * k // e).eval()
+    mine = torch.Generator(device="cuda").manual_seed(4000 + rank)
+    x = torch.randn(t, h, device="cuda", generator=mine).bfloat16()
+    idx, probs = routing(t, e, k, mine)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(s):
+        for _ in range(2):
+            ep(x, idx, probs)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        y = ep(x, idx, probs)
+    bad = 0
+    for rep in range(3):
+        x.copy_(torch.randn(t, h, device="cuda", generator=mine))
+        i2, p2 = routing(t, e, k, mine)
+        idx.copy_(i2)
+        probs.copy_(p2)
+        g.replay()
+        with torch.no_grad():
+            want = ep(x, idx, probs)
+        bad += not torch.equal(y, want)
+    print(f"rank {rank} EP={world} padded block in a CUDA graph: 3 replays with new routing "
+          f"{'equal to eager' if not bad else 'MISMATCH'}", flush=True)
     return bad
 
 
@@ -166,7 +217,9 @@ def any_rank_failed(bad):
 
 def check(args):
     jt.distributed.set_process_group(None, "ep")
-    bad = check_case(args, torch.float32, 1e-4) + check_case(args, torch.bfloat16, 3e-2) + check_overflow(args)
+    cap = args.tokens * args.topk // args.experts  # the mean: the hot expert drops slots
+    bad = (check_case(args, torch.float32, 1e-4) + check_case(args, torch.bfloat16, 3e-2) + check_overflow(args)
+           + check_case(args, torch.float32, 1e-4, capacity=cap) + check_graph(args))
     return any_rank_failed(bad)
 
 
@@ -316,6 +369,16 @@ def check_hf(args):
     bad += not same
     print(f"rank {rank} HF Mixtral EP={world}: greedy generate() of 8 tokens {'equal' if same else 'MISMATCH'}",
           flush=True)
+    # The padded layout (expert_capacity: fixed rows per rank and expert, CUDA-graph capturable); a factor of
+    # E / k gives every expert room for every token: no drop, the unmodified model's logits.
+    padded = hf_mixtral()
+    jt.hf.apply(padded, expert_parallel="ep", expert_capacity=4.0)
+    with torch.no_grad():
+        err = rel_err(padded(input_ids=ids).logits, ref(input_ids=ids).logits)
+    bad += not err < 1e-3
+    if rank == 0 or not err < 1e-3:
+        print(f"rank {rank} HF Mixtral EP={world}, expert_capacity 4 (padded): logits max rel err {err:.2e} "
+              f"{'ok' if err < 1e-3 else 'MISMATCH'}", flush=True)
     bad += hf_train(args, rank, world)
     return any_rank_failed(bad)
 

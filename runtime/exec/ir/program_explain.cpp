@@ -87,7 +87,7 @@ std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json&
                        {"experts", a.experts},
                        {"token_rows", a.token_rows},
                        {"expert_rows", a.expert_rows},
-                       {"counts", p.buffer(a.counts).name},
+                       {"counts", a.counts >= 0 ? p.buffer(a.counts).name : "none: capacity rows per rank and expert"},
                        {"all_gathers_counts", a.route >= 0}};
     const int64_t row = a.row * esz, token = a.token_rows * row, expert = a.expert_rows * row;
     return a.to_experts ? std::pair<int64_t, int64_t>{token, expert} : std::pair<int64_t, int64_t>{expert, token};

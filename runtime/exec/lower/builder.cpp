@@ -649,7 +649,9 @@ int Builder::received_rows_of(int64_t rows) const {
     if (k == "moe_combine") ++combined;
     if (k == "moe_dispatch" && combined-- == 0) dispatch = i;
   }
-  if (dispatch < 0 || rows != ops::rows_of(ops[static_cast<size_t>(dispatch)].out)) return -1;
+  if (dispatch < 0 || !ops[static_cast<size_t>(dispatch)].route_packed ||
+      rows != ops::rows_of(ops[static_cast<size_t>(dispatch)].out))
+    return -1;
   for (size_t j = static_cast<size_t>(g_.end); j < ops.size(); ++j)
     if (ops[j].kind == "moe_combine" && ops[j].route_op == dispatch) return dispatch;
   return -1;

@@ -134,12 +134,18 @@ void exchange(const cuda::Communicator& comm, const CommStep& c, const Counts& k
 void run_all_to_all(const cuda::Communicator& comm, const CommStep& c, const std::vector<void*>& ptr,
                     CUstream stream, HostRoutes& routes) {
   const auto& a = c.a2a;
+  if (a.experts < 1 || a.experts % comm.world_size() != 0 || a.token_rows < 0 || a.expert_rows < 0)
+    fail(Status::internal, "op {}: {} experts over {} ranks", c.op_index, a.experts, comm.world_size());
+  if (a.counts < 0) {  // padded: capacity rows per (rank, expert), fixed: nothing read, a CUDA graph replays it
+    const auto cap = static_cast<int32_t>(a.token_rows / a.experts);
+    const Counts k = plan(comm, c, std::vector<int32_t>(static_cast<size_t>(comm.world_size() * a.experts), cap));
+    return exchange(comm, c, k, ptr, stream);
+  }
   if (cuda::stream_capturing(stream))
     fail(Status::unsupported, "op {} (moe_dispatch / moe_combine) sends as many rows to each rank as the routing "
-         "chose this call, which the host reads: a CUDA graph capture cannot; run the expert-parallel block outside "
-         "the graph", c.op_index);
-  if (a.experts % comm.world_size() != 0 || a.token_rows < 0 || a.expert_rows < 0)
-    fail(Status::internal, "op {}: {} experts over {} ranks", c.op_index, a.experts, comm.world_size());
+         "chose this call, which the host reads: a CUDA graph capture cannot; capture the expert block with a "
+         "padded moe_permute (\"layout\": \"padded\", a \"capacity\": fixed rows per rank and expert), or run "
+         "it outside the graph", c.op_index);
   const Counts k = plan(comm, c, read_counts(comm, c, ptr, stream));
   const auto& d = cuda::driver();
   if (a.route >= 0) {  // the routing the grouped linears and the backward read (pageable: staged before return)

@@ -459,6 +459,26 @@ TEST_CASE("the expert-parallel block plans one all_to_all each way and this rank
         break;
       }
   }
+  // After a padded permute: capacity rows per (rank, expert), fixed: no counts, nothing read on the host (a CUDA
+  // graph captures it), the grouped linears one strided-batched GEMM over this rank's experts (W C rows each).
+  {
+    auto pd = program_of(ep_block(16, "", R"(, "layout": "padded", "capacity": 24)"), "bf16", true, {100, 64}, 2, 0);
+    CHECK(pd->ops[3].out == ops::Shape{16 * 24, 64});
+    for (const auto* steps : {&pd->forward, &pd->backward})
+      for (const auto& s : *steps) {
+        if (s.kind == exec::Step::Kind::comm) {
+          CHECK(s.comm.op == Collective::all_to_all);
+          CHECK(s.comm.a2a.counts == -1);
+          CHECK(s.comm.a2a.route == -1);
+        }
+        if (s.kind == exec::Step::Kind::gemm) {
+          CHECK_FALSE(s.gemm.routed());
+          CHECK(s.gemm.call.batch == 8);
+          CHECK(s.gemm.call.m == 2 * 24);
+        }
+        if (s.kind == exec::Step::Kind::kernel) CHECK(s.kernel->rows_route == -1);
+      }
+  }
   // max_rows bounds the received rows (and the expert GEMMs' m).
   auto q = program_of(ep_block(8, R"(, "max_rows": 300)", "", 4), "bf16", true, {100, 64}, 4, 3);
   CHECK(q->ops[3].out == ops::Shape{300, 64});
@@ -476,8 +496,8 @@ TEST_CASE("expert-parallel sequences that cannot run are refused with the op and
   };
   std::string e = error_of([&] { infer(ep_block(6), 4); });
   CHECK_THAT(e, Catch::Contains("op 3 (moe_dispatch): num_experts = 6 of op 2 (moe_permute) is not a multiple of the world size 4"));
-  e = error_of([&] { infer(ep_block(8, "", R"(, "layout": "padded", "capacity": 40)"), 2); });
-  CHECK_THAT(e, Catch::Contains("expert parallelism sends the packed (dropless) layout"));
+  e = error_of([&] { infer(ep_block(8, R"(, "max_rows": 100)", R"(, "layout": "padded", "capacity": 40)"), 2); });
+  CHECK_THAT(e, Catch::Contains("receive exactly num_experts x capacity = 320 rows: leave \"max_rows\" -1"));
   e = error_of([&] { infer(ep_block(8, R"(, "max_rows": 0)"), 2); });
   CHECK_THAT(e, Catch::Contains("max_rows = 0"));
   // Groups of the grouped linear: this rank's experts.

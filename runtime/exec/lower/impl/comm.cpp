@@ -15,7 +15,8 @@ namespace {
 // moe_dispatch / moe_combine: one all_to_all step per pass (CommStep::AllToAll). A dispatch's forward makes its
 // routing: every rank's rows per expert (all-gathered from the permute's splits), then this rank's experts'
 // splits and starts; saved for the backward (the forward's arena in inference) and read by the grouped linears
-// and the moe_combine after it. The backward of each is the other's exchange on the gradients.
+// and the moe_combine after it. The backward of each is the other's exchange on the gradients. After a padded
+// moe_permute every (rank, expert) pair sends `capacity` rows: fixed counts, no routing, no host read.
 void lower_all_to_all(Builder& b, int i) {
   const ops::Op& op = b.ops().at(static_cast<size_t>(i));
   const bool dispatch = op.kind == "moe_dispatch", fwd = b.forward();
@@ -32,7 +33,8 @@ void lower_all_to_all(Builder& b, int i) {
   a.token_rows = ops::rows_of(d.in);
   a.expert_rows = ops::rows_of(d.out);
   c.count = a.token_rows * a.row;
-  if (dispatch && fwd) {
+  if (!d.route_packed) {  // padded: capacity rows per (rank, expert), fixed; no counts, nothing read on the host
+  } else if (dispatch && fwd) {
     const int64_t w = op.world_size, ints = w * a.experts + 2 * (a.experts / w) + 1;
     const size_t bytes = static_cast<size_t>(ints) * 4;
     a.counts = b.training() ? b.saved_new(i, Key::route, ops::DType::i32, 1, ints, bytes)
@@ -48,7 +50,8 @@ void lower_all_to_all(Builder& b, int i) {
   const int64_t local = a.experts / op.world_size;
   b.comm(c, fmt::format("all_to_all ({}): {}the rows of {} experts {} the ranks owning them ({} each){}", op.label(),
                         fwd ? "" : "gradients: ", a.experts, a.to_experts ? "to" : "back from", local,
-                        dispatch && fwd ? "; every rank's rows per expert all-gathered first" : ""));
+                        !d.route_packed ? fmt::format("; padded: {} rows per rank and expert", a.token_rows / a.experts)
+                        : dispatch && fwd ? "; every rank's rows per expert all-gathered first" : ""));
 }
 }  // namespace
 

@@ -769,6 +769,8 @@ def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool
     rank r of its W ranks keeps experts ``[r E/W, (r+1) E/W)`` of every experts module (their two parameters are
     cut to those, in place) and each call sends every expert's rows to the rank owning it and back
     (docs/parallel.md#expert-parallelism); every rank calls the model on its own tokens, the same number of times.
+    With ``expert_capacity`` too, every rank sends each expert ``capacity`` rows: fixed shapes, so the model's
+    forward (decode) captures in a CUDA graph.
     :func:`revert` undoes it (but for expert-parallel experts, which keep only this rank's weights)."""
     if expert_capacity is not None and (isinstance(expert_capacity, bool) or not isinstance(expert_capacity, (int, float))
                                         or not 0 < float(expert_capacity) <= 1024):
@@ -779,8 +781,6 @@ def apply(model: nn.Module, *, norms: bool = True, mlps: bool = True, loss: bool
     ep = None
     if expert_parallel is not None:
         from . import distributed
-        if expert_capacity is not None:
-            raise ValueError("expert_parallel sends the dropless layout: leave expert_capacity None")
         if not isinstance(expert_parallel, str) or expert_parallel not in distributed._groups:
             raise ValueError(f"expert_parallel={expert_parallel!r}: register the group first with "
                              f"jitfuse.torch.distributed.set_process_group(group, {expert_parallel!r})")
