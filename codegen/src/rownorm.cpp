@@ -188,7 +188,7 @@ class Rownorm {
     k.line("  jf_load8<DT, JF_VEC>(in + r * {} + c0, v, n);", cols_);
     k.line("  #pragma unroll");
     k.line("  for (int w = 0; w < {}; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer", w);
-    k.line("    jf_store8<DT, JF_VEC>((ST*)((char*)peers.data[w] + jf_peer_slot<{}>(jf_parity, peers.rank)) + j * {} + c0, v, n);", w, cols_);
+    k.line("    jf_store8<DT, JF_VEC>(jf_peer_row<{}, ST>(peers, w, jf_parity, peers.rank, j, {}) + c0, v, n);", w, cols_);
     k.line("}}");
     chunk_loop_close(k);
     k.close();
@@ -233,7 +233,7 @@ class Rownorm {
       k.line("  #pragma unroll");
       k.line("  for (int w = 0; w < {}; ++w) {{  // rank order: every rank sums the same bits", spec_.peers);
       k.line("    float t[8];");
-      k.line("    jf_load8<DT, JF_VEC>((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<{}>(jf_parity, w)) + (r / gridDim.x) * {} + c0, t, n);", spec_.peers, cols_);
+      k.line("    jf_load8<DT, JF_VEC>(jf_peer_row<{}, ST>(peers, peers.rank, jf_parity, w, r / gridDim.x, {}) + c0, t, n);", spec_.peers, cols_);
       k.line("    for (int e = 0; e < 8; ++e) x[k][e] += t[e];");
       k.line("  }}");
       k.line("}}");
@@ -268,7 +268,7 @@ class Rownorm {
     if (!ns_.rms) {
       if (peers_) {
         k.line("float jf_k = 0.f;");
-        k.line("for (int w = 0; w < {0}; ++w) jf_k += DT::load(((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<{0}>(jf_parity, w)))[(r / gridDim.x) * {1}]);", spec_.peers, cols_);
+        k.line("for (int w = 0; w < {0}; ++w) jf_k += DT::load(*jf_peer_row<{0}, ST>(peers, peers.rank, jf_parity, w, r / gridDim.x, {1}));", spec_.peers, cols_);
       } else {
         k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
       }

@@ -42,6 +42,13 @@ template <int W>
 __device__ __forceinline__ size_t jf_peer_slot(unsigned parity, int src) {
   return (((size_t)blockIdx.x * 2 + parity) * W + src) * JF_PEER_BLOCK_BYTES;
 }
+// This block's j-th row (of `cols` elements of type ST) in slot (this block, parity, src) of rank dst's staging
+// buffer: where a block pushes its rows (dst: every rank, src: this one) and reads every rank's (dst: this rank).
+template <int W, class ST>
+__device__ __forceinline__ ST* jf_peer_row(const jf_peers& p, int dst, unsigned parity, int src, long long j,
+                                           int cols) {
+  return (ST*)((char*)p.data[dst] + jf_peer_slot<W>(parity, src)) + j * cols;
+}
 
 // Block blockIdx.x of every rank meets here. Thread t < W advances its epoch, raises this rank's flag at rank
 // t (a release at system scope after the block's barrier: the block's pushed rows before it) and waits for

@@ -215,6 +215,13 @@ template <int W>
 __device__ __forceinline__ size_t jf_peer_slot(unsigned parity, int src) {
   return (((size_t)blockIdx.x * 2 + parity) * W + src) * JF_PEER_BLOCK_BYTES;
 }
+// This block's j-th row (of `cols` elements of type ST) in slot (this block, parity, src) of rank dst's staging
+// buffer: where a block pushes its rows (dst: every rank, src: this one) and reads every rank's (dst: this rank).
+template <int W, class ST>
+__device__ __forceinline__ ST* jf_peer_row(const jf_peers& p, int dst, unsigned parity, int src, long long j,
+                                           int cols) {
+  return (ST*)((char*)p.data[dst] + jf_peer_slot<W>(parity, src)) + j * cols;
+}
 
 // Block blockIdx.x of every rank meets here. Thread t < W advances its epoch, raises this rank's flag at rank
 // t (a release at system scope after the block's barrier: the block's pushed rows before it) and waits for
@@ -265,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         jf_load8<DT, JF_VEC>(in + r * 64 + c0, v, n);
         #pragma unroll
         for (int w = 0; w < 2; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer
-          jf_store8<DT, JF_VEC>((ST*)((char*)peers.data[w] + jf_peer_slot<2>(jf_parity, peers.rank)) + j * 64 + c0, v, n);
+          jf_store8<DT, JF_VEC>(jf_peer_row<2, ST>(peers, w, jf_parity, peers.rank, j, 64) + c0, v, n);
       }
     }
   }
@@ -282,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         #pragma unroll
         for (int w = 0; w < 2; ++w) {  // rank order: every rank sums the same bits
           float t[8];
-          jf_load8<DT, JF_VEC>((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<2>(jf_parity, w)) + (r / gridDim.x) * 64 + c0, t, n);
+          jf_load8<DT, JF_VEC>(jf_peer_row<2, ST>(peers, peers.rank, jf_parity, w, r / gridDim.x, 64) + c0, t, n);
           for (int e = 0; e < 8; ++e) x[k][e] += t[e];
         }
       }
@@ -349,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         jf_load8<DT, JF_VEC>(in + r * 64 + c0, v, n);
         #pragma unroll
         for (int w = 0; w < 2; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer
-          jf_store8<DT, JF_VEC>((ST*)((char*)peers.data[w] + jf_peer_slot<2>(jf_parity, peers.rank)) + j * 64 + c0, v, n);
+          jf_store8<DT, JF_VEC>(jf_peer_row<2, ST>(peers, w, jf_parity, peers.rank, j, 64) + c0, v, n);
       }
     }
   }
@@ -366,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(32, 16) jf_allreduce_add_extra_inpu
         #pragma unroll
         for (int w = 0; w < 2; ++w) {  // rank order: every rank sums the same bits
           float t[8];
-          jf_load8<DT, JF_VEC>((const ST*)((const char*)peers.data[peers.rank] + jf_peer_slot<2>(jf_parity, w)) + (r / gridDim.x) * 64 + c0, t, n);
+          jf_load8<DT, JF_VEC>(jf_peer_row<2, ST>(peers, peers.rank, jf_parity, w, r / gridDim.x, 64) + c0, t, n);
           for (int e = 0; e < 8; ++e) x[k][e] += t[e];
         }
       }
