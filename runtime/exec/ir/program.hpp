@@ -223,13 +223,15 @@ struct CommStep {
   // all_to_all (moe_dispatch / moe_combine, expert parallelism; docs/parallel.md#expert-parallelism): rows between
   // this rank's permuted rows (the token side, expert-contiguous over all E experts) and the rows of the E / W
   // experts it owns (the expert side: expert-major, then source rank), each expert's rows one NCCL send/recv in
-  // one group (no sort kernel on either side). How many rows go where is known per call only: the executor reads
-  // every rank's rows per expert on the host (one copy and one synchronisation per call; no CUDA-graph capture).
+  // one group (no sort kernel on either side). Dropless (a packed permute), how many rows go where is known per call
+  // only: the executor reads every rank's rows per expert on the host (one copy and one synchronisation per call;
+  // no CUDA-graph capture). Padded (counts -1): `capacity` rows per (rank, expert), fixed: nothing read, capturable.
   // count: the token side's elements (the bound).
   struct AllToAll {
     bool to_experts = true;  // send the token side, receive the expert side (dispatch forward, combine backward)
     int counts = -1;         // the dispatch's int32 routing: rows per expert of every rank [W E], then this rank's
-                             // experts' splits [E / W] and starts [E / W + 1] (what its grouped linears read)
+                             // experts' splits [E / W] and starts [E / W + 1] (what its grouped linears read);
+                             // -1: padded (token_rows / experts rows per rank and expert)
     int route = -1;          // >= 0 (dispatch forward): first all-gather this permute routing's splits into counts
     int64_t route_splits = 0;  // the int index of the splits in `route`
     int64_t experts = 0;       // E, over every rank
