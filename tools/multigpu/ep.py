@@ -47,6 +47,9 @@ from torch import nn
 
 import jitfuse.torch as jt
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp import any_rank_failed, curves_agree  # noqa: E402  (tools/multigpu/tp.py: the same checks' helpers)
+
 
 def routing(tokens, experts, topk, gen, skew=True):
     """(indices [T, k] int64, probs [T, k] fp32): distinct experts per token; skewed: the first slot is expert 0
@@ -209,12 +212,6 @@ def check_overflow(args):
     return 0 if ok else 1
 
 
-def any_rank_failed(bad):
-    flag = torch.tensor([bad], device="cuda")
-    dist.all_reduce(flag)
-    return 1 if flag.item() else 0
-
-
 def check(args):
     jt.distributed.set_process_group(None, "ep")
     cap = args.tokens * args.topk // args.experts  # the mean: the hot expert drops slots
@@ -299,14 +296,7 @@ def train(args):
             opt.step()
             curve.append(loss.item())
         curves[w] = curve
-    one, ep = statistics.mean(curves[0][-5:]), statistics.mean(curves[world][-5:])
-    rel = abs(ep - one) / one
-    ok = rel < 0.01 and curves[world][-1] < curves[world][0] - 0.5
-    if rank == 0 or not ok:
-        print(f"rank {rank} MoE LM EP={world}, {args.steps} AdamW steps: first loss {curves[world][0]:.4f}, final "
-              f"(mean of the last 5) {ep:.4f} against one GPU's {one:.4f}: {rel:.2%} apart {'ok' if ok else 'MISMATCH'}",
-              flush=True)
-    return any_rank_failed(0 if ok else 1)
+    return any_rank_failed(curves_agree(f"MoE LM EP={world}, {args.steps} AdamW steps", curves[world], curves[0]))
 
 
 def hf_mixtral():
@@ -408,13 +398,7 @@ def hf_train(args, rank, world):
             opt.step()
             curve.append(loss.item())
         curves[w] = curve
-    one, ep = statistics.mean(curves[0][-3:]), statistics.mean(curves[world][-3:])
-    rel = abs(ep - one) / one
-    ok = rel < 0.01 and curves[world][-1] < curves[world][0]
-    if rank == 0 or not ok:
-        print(f"rank {rank} HF Mixtral EP={world}, 20 AdamW steps: first loss {curves[world][0]:.4f}, final {ep:.4f} "
-              f"against one GPU's {one:.4f}: {rel:.2%} apart {'ok' if ok else 'MISMATCH'}", flush=True)
-    return 0 if ok else 1
+    return curves_agree(f"HF Mixtral EP={world}, 20 AdamW steps", curves[world], curves[0], last=3, drop=0.0)
 
 
 def events_ms(fn, iters, warm=3):

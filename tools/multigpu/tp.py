@@ -110,6 +110,19 @@ def any_rank_failed(bad):
     return 1 if flag.item() else 0
 
 
+def curves_agree(label, parallel, one, last=5, drop=0.5):
+    """Training curves of the parallel model and one GPU's: ok when the means of their `last` losses are within
+    1 % and the parallel loss fell by more than `drop`; printed by rank 0 and by a rank that disagrees. 0 or 1."""
+    rank = dist.get_rank()
+    p, o = statistics.mean(parallel[-last:]), statistics.mean(one[-last:])
+    rel = abs(p - o) / o
+    ok = rel < 0.01 and parallel[-1] < parallel[0] - drop
+    if rank == 0 or not ok:
+        print(f"rank {rank} {label}: first loss {parallel[0]:.4f}, final (mean of the last {last}) {p:.4f} against "
+              f"one GPU's {o:.4f}: {rel:.2%} apart {'ok' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
 def check(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     jt.distributed.set_process_group(None, "tp")
@@ -684,14 +697,7 @@ def train(args):
             opt.step()
             curve.append(loss.item())
         curves[w] = curve
-    one, tp = statistics.mean(curves[1][-5:]), statistics.mean(curves[world][-5:])
-    rel = abs(tp - one) / one
-    ok = rel < 0.01 and curves[world][-1] < curves[world][0] - 0.5
-    if rank == 0 or not ok:
-        print(f"rank {rank} HF Llama TP={world}, {args.steps} AdamW steps: first loss {curves[world][0]:.4f}, final "
-              f"(mean of the last 5) {tp:.4f} against one GPU's {one:.4f}: {rel:.2%} apart {'ok' if ok else 'MISMATCH'}",
-              flush=True)
-    return any_rank_failed(0 if ok else 1)
+    return any_rank_failed(curves_agree(f"HF Llama TP={world}, {args.steps} AdamW steps", curves[world], curves[1]))
 
 
 SIZES = {"bench": (4096, 14336, 8192)}  # --hidden, --ffn, --tokens when not given; the others: 256, 1024, 512
