@@ -414,7 +414,7 @@ void route_to_dispatch(Op& op, const Op& disp) {
   op.route_rows = rows_of(disp.out);
   op.route_experts = e / w;
   op.route_packed = disp.route_packed;  // padded: this rank's experts' equal groups of W C rows
-  op.route_splits_at = w * e;  // after every rank's rows per expert [W E]
+  op.route_splits_at = w * (e + 2);  // after every rank's rows per expert and its two bounds [W (E + 2)]
 }
 }  // namespace
 

@@ -141,7 +141,7 @@ TEST_CASE("the expert-parallel block on a one-rank communicator matches the floa
   o.backward = true;
   CHECK_THROWS_WITH(harness::check_sequence(test::shared_context(), test::builtin_registry(),
                                             block(R"(, "max_rows": 100)", 128, 192), o),
-                    Catch::Contains("more than the moe_dispatch's \"max_rows\" (100): raise it"));
+                    Catch::Contains("more than the moe_dispatch's \"max_rows\" on that rank (100): raise it"));
   check(block("", 64, 96), "bf16", {61, 64});
   // The padded layout (fixed rows per rank and expert, what a CUDA graph captures): a capacity that drops.
   std::string padded = block("", 128, 192);

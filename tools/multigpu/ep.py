@@ -17,7 +17,8 @@ weights: this rank's output, dx and dprobs, and the gradients of this rank's exp
 tokens). fp32 (tolerance 1e-4) and bf16 (3e-2), and a ``max_rows`` below the rows routed (every rank must fail
 with the same error, then run the next call); the padded layout (capacity = the mean rows per expert: the hot
 expert drops slots, GShard's first-come order in the reference) in fp32, and in a CUDA graph (3 replays with new
-tokens and routing equal to the eager call). Exit status 1 on any mismatch.
+tokens and routing equal to the eager call); ranks with different token counts (fp32), and one rank's default
+``max_rows`` overflowing while another's would not (every rank fails alike). Exit status 1 on any mismatch.
 `train`: a two-layer MoE language model (embedding, per layer a router (torch) and the jitfuse block with the
 residual, RMSNorm, head) on W x 4 batches; every rank trains on its own batch (data parallel) with its experts
 (expert parallel): non-expert gradients averaged over ranks, expert gradients divided by W (each rank's loss
@@ -97,9 +98,16 @@ def reference(x, idx, probs, w1, w2, dy):
 
 
 def gather(t):
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out)
+    """Every rank's rows of t, concatenated in rank order (ranks may hold different row counts)."""
+    n = torch.tensor([t.shape[0]], device="cuda")
+    sizes = [torch.empty_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    most = max(int(x.item()) for x in sizes)
+    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[:t.shape[0]] = t
+    out = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(out, padded)
+    return torch.cat([o[:int(x.item())] for o, x in zip(out, sizes)])
 
 
 def rel_err(got, want):
@@ -120,9 +128,12 @@ def kept(idx, experts, capacity):
     return keep
 
 
-def check_case(args, dtype, tol, capacity=None):
+def check_case(args, dtype, tol, capacity=None, extra=0):
+    """`extra`: rank r runs tokens + extra * r tokens (ranks with different token counts)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    e, k, h, f, t = args.experts, args.topk, args.hidden, args.ffn, args.tokens
+    e, k, h, f = args.experts, args.topk, args.hidden, args.ffn
+    t = args.tokens + extra * rank
+    first = sum(args.tokens + extra * r for r in range(rank))  # this rank's first row among every rank's
     local = e // world
     g = torch.Generator(device="cuda").manual_seed(99)  # the same full weights on every rank
     w1 = torch.randn(e, 2 * f, h, device="cuda", generator=g) / h ** 0.5
@@ -131,7 +142,7 @@ def check_case(args, dtype, tol, capacity=None):
     x = torch.randn(t, h, device="cuda", generator=mine)
     dy = torch.randn(t, h, device="cuda", generator=mine)
     idx, probs = routing(t, e, k, mine)
-    name = f"ep_check_{dtype}{'' if capacity is None else f'_cap{capacity}'}".replace("torch.", "")
+    name = f"ep_check_{dtype}{'' if capacity is None else f'_cap{capacity}'}_{extra}".replace("torch.", "")
     ep = block(h, f, e, k, world, dtype, name, capacity=capacity)
     with torch.no_grad():
         ep[2].weight.copy_(w1[rank * local:(rank + 1) * local])
@@ -144,7 +155,7 @@ def check_case(args, dtype, tol, capacity=None):
     y_ref, dx_ref, dp_ref, dw1_ref, dw2_ref = reference(gather(x.to(dtype).float()), gather(idx), gather(probs * keep),
                                                         w1.to(dtype).float(), w2.to(dtype).float(),
                                                         gather(dy.to(dtype).float()))
-    rows, ex = slice(rank * t, (rank + 1) * t), slice(rank * local, (rank + 1) * local)
+    rows, ex = slice(first, first + t), slice(rank * local, (rank + 1) * local)
     pairs = [("y", y, y_ref[rows]), ("dx", xd.grad, dx_ref[rows]), ("dprobs", pd.grad, dp_ref[rows] * keep),
              ("dW1 (this rank's experts)", ep[2].weight.grad, dw1_ref[ex]),
              ("dW2 (this rank's experts)", ep[4].weight.grad, dw2_ref[ex])]
@@ -153,9 +164,36 @@ def check_case(args, dtype, tol, capacity=None):
         err = rel_err(got, want)
         bad += not err < tol
         if rank == 0 or not err < tol:
-            print(f"rank {rank} EP={world} {dtype}{'' if capacity is None else f' padded, capacity {capacity}'}: "
-                  f"{what} max rel err {err:.2e} {'ok' if err < tol else 'MISMATCH'}", flush=True)
+            print(f"rank {rank} EP={world} {dtype}{'' if capacity is None else f' padded, capacity {capacity}'}"
+                  f"{f', {t} tokens here' if extra else ''}: {what} max rel err {err:.2e} "
+                  f"{'ok' if err < tol else 'MISMATCH'}", flush=True)
     return bad
+
+
+def check_uneven_overflow(args):
+    """Ranks with different token counts (rank r: tokens x (r + 1)) that all route to rank 0's experts: rank 0's
+    default max_rows (W x its own permuted rows) overflows while rank 1's would not; every rank must fail with the
+    same error (none may wait in the exchange), then run the next call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e, k, h, f = args.experts, args.topk, args.hidden, args.ffn
+    t = args.tokens * (rank + 1)
+    local = e // world
+    mine = torch.Generator(device="cuda").manual_seed(5000 + rank)
+    x = torch.randn(t, h, device="cuda", generator=mine)
+    idx = torch.rand(t, local, device="cuda", generator=mine).argsort(1)[:, :k]  # rank 0's experts only
+    probs = torch.full((t, k), 1.0 / k, device="cuda")
+    msg = ""
+    try:
+        block(h, f, e, k, world, torch.float32, "ep_uneven")(x, idx, probs)
+    except Exception as err:  # noqa: BLE001 - the error is what is checked
+        msg = str(err)
+    ok = "rank 0's experts got" in msg and "max_rows" in msg
+    roomy = block(h, f, e, k, world, torch.float32, "ep_uneven_roomy", max_rows=world * args.tokens * world * k)
+    ok = ok and bool(torch.isfinite(roomy(x, idx, probs)).all())
+    if rank == 0 or not ok:
+        print(f"rank {rank} EP={world}, {t} tokens here: one rank's max_rows too small -> every rank "
+              f"{'failed alike, then ran: ok' if ok else 'MISMATCH'}: {msg[:240]}", flush=True)
+    return 0 if ok else 1
 
 
 def check_graph(args):
@@ -216,7 +254,8 @@ def check(args):
     jt.distributed.set_process_group(None, "ep")
     cap = args.tokens * args.topk // args.experts  # the mean: the hot expert drops slots
     bad = (check_case(args, torch.float32, 1e-4) + check_case(args, torch.bfloat16, 3e-2) + check_overflow(args)
-           + check_case(args, torch.float32, 1e-4, capacity=cap) + check_graph(args))
+           + check_case(args, torch.float32, 1e-4, capacity=cap) + check_graph(args)
+           + check_case(args, torch.float32, 1e-4, extra=40) + check_uneven_overflow(args))
     return any_rank_failed(bad)
 
 

@@ -229,10 +229,12 @@ struct CommStep {
   // count: the token side's elements (the bound).
   struct AllToAll {
     bool to_experts = true;  // send the token side, receive the expert side (dispatch forward, combine backward)
-    int counts = -1;         // the dispatch's int32 routing: rows per expert of every rank [W E], then this rank's
+    int counts = -1;         // the dispatch's int32 routing: every rank's rows per expert and its two bounds (its
+                             // permuted rows, the rows its experts may receive) [W (E + 2)], then this rank's
                              // experts' splits [E / W] and starts [E / W + 1] (what its grouped linears read);
                              // -1: padded (token_rows / experts rows per rank and expert)
-    int route = -1;          // >= 0 (dispatch forward): first all-gather this permute routing's splits into counts
+    int route = -1;          // >= 0 (dispatch forward): first all-gather this permute routing's splits (and this
+                             // rank's bounds) into counts
     int64_t route_splits = 0;  // the int index of the splits in `route`
     int64_t experts = 0;       // E, over every rank
     int64_t row = 0;           // elements per row

@@ -8,43 +8,67 @@
 namespace jitfuse::exec {
 namespace {
 
-// Who sends what this call, from every rank's rows per expert `all` [W E] (rank s, expert x: all[s E + x]).
+// Who sends what this call, from every rank's rows per expert (rank s, expert x: at(s, x)) and every rank's two
+// bounds: its permuted rows and the rows its experts may receive (ranks may run different token counts).
 struct Counts {
   int w = 1, me = 0;
   int64_t e = 0, local = 0;  // E, and E / W experts per rank
-  std::vector<int32_t> all;
+  std::vector<int32_t> table;        // [W (E + 2)]: rank s's E counts, then its token and expert bounds
   std::vector<int64_t> token_start;  // this rank's permuted rows: expert x's start
   std::vector<int64_t> expert_at;    // the expert side: rows of (local expert l, source s) start at [l W + s]
   std::vector<int32_t> route;        // this rank's experts: splits [local], starts [local + 1]
-  int32_t at(int s, int64_t x) const { return all[static_cast<size_t>(s * e + x)]; }
+  int32_t at(int s, int64_t x) const { return table[static_cast<size_t>(s * (e + 2) + x)]; }
 };
 
+// Every rank's counts and bounds on the host: in the dispatch's forward, this rank's splits and bounds are put into
+// its slot of the counts buffer and all-gathered (in place); otherwise (the backward, the combine) the buffer holds
+// them already.
 std::vector<int32_t> read_counts(const cuda::Communicator& comm, const CommStep& c, const std::vector<void*>& ptr,
                                  CUstream stream) {
   const auto& a = c.a2a;
   const auto& d = cuda::driver();
   const auto counts = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(a.counts)]);
-  std::vector<int32_t> all(static_cast<size_t>(comm.world_size() * a.experts));
+  const size_t per = static_cast<size_t>(a.experts + 2);
+  std::vector<int32_t> table(static_cast<size_t>(comm.world_size()) * per);
   if (a.route >= 0) {
-    const auto* splits = static_cast<const int32_t*>(ptr[static_cast<size_t>(a.route)]) + a.route_splits;
-    cuda::check_nccl(cuda::nccl().ncclAllGather(splits, reinterpret_cast<void*>(counts), static_cast<size_t>(a.experts),
-                                                ncclInt32, comm.comm(), stream),
+    const CUdeviceptr mine = counts + static_cast<CUdeviceptr>(comm.rank()) * per * 4u;
+    const auto splits = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(a.route)]) + static_cast<CUdeviceptr>(a.route_splits) * 4u;
+    cuda::check(d.cuMemcpyDtoDAsync(mine, splits, static_cast<size_t>(a.experts) * 4u, stream),
+                "cuMemcpyDtoDAsync(rows per expert)");
+    const int32_t bounds[2] = {static_cast<int32_t>(a.token_rows), static_cast<int32_t>(a.expert_rows)};
+    cuda::check(d.cuMemcpyHtoDAsync(mine + static_cast<CUdeviceptr>(a.experts) * 4u, bounds, sizeof bounds, stream),
+                "cuMemcpyHtoDAsync(bounds)");  // pageable: staged before the call returns
+    cuda::check_nccl(cuda::nccl().ncclAllGather(reinterpret_cast<const void*>(mine), reinterpret_cast<void*>(counts),
+                                                per, ncclInt32, comm.comm(), stream),
                      "ncclAllGather(rows per expert)");
   }
-  cuda::check(d.cuMemcpyDtoHAsync(all.data(), counts, all.size() * 4u, stream), "cuMemcpyDtoHAsync(rows per expert)");
+  cuda::check(d.cuMemcpyDtoHAsync(table.data(), counts, table.size() * 4u, stream), "cuMemcpyDtoHAsync(rows per expert)");
   cuda::check(d.cuStreamSynchronize(stream), "cuStreamSynchronize(rows per expert)");
-  return all;
+  return table;
 }
 
-// Checks every rank's counts (so that every rank fails alike) and lays out both sides.
-Counts plan(const cuda::Communicator& comm, const CommStep& c, std::vector<int32_t> all) {
+// The padded exchange's table: `capacity` rows per (rank, expert), every rank the same bounds.
+std::vector<int32_t> fixed_counts(const cuda::Communicator& comm, const CommStep& c) {
   const auto& a = c.a2a;
+  const size_t per = static_cast<size_t>(a.experts + 2);
+  std::vector<int32_t> table(static_cast<size_t>(comm.world_size()) * per,
+                             static_cast<int32_t>(a.token_rows / a.experts));
+  for (int s = 0; s < comm.world_size(); ++s) {
+    table[s * per + per - 2] = static_cast<int32_t>(a.token_rows);
+    table[s * per + per - 1] = static_cast<int32_t>(a.expert_rows);
+  }
+  return table;
+}
+
+// Checks every rank's counts against that rank's bounds (every rank checks all: they fail together) and lays out
+// both sides.
+Counts plan(const cuda::Communicator& comm, const CommStep& c, std::vector<int32_t> table) {
   Counts k;
   k.w = comm.world_size();
   k.me = comm.rank();
-  k.e = a.experts;
-  k.local = a.experts / k.w;
-  k.all = std::move(all);
+  k.e = c.a2a.experts;
+  k.local = k.e / k.w;
+  k.table = std::move(table);
   for (int s = 0; s < k.w; ++s) {
     int64_t sent = 0, got = 0;
     for (int64_t x = 0; x < k.e; ++x) {
@@ -52,13 +76,14 @@ Counts plan(const cuda::Communicator& comm, const CommStep& c, std::vector<int32
       sent += k.at(s, x);
       for (int r = 0; r < k.w; ++r) got += x / k.local == s ? k.at(r, x) : 0;
     }
-    if (sent > a.token_rows)
-      fail(Status::invalid_argument, "op {} (all_to_all): rank {} routed {} rows, more than this rank's {} permuted "
-           "rows: every rank of the group runs the same sequence on as many tokens", c.op_index, s, sent, a.token_rows);
-    if (got > a.expert_rows)
+    const int64_t tokens = k.at(s, k.e), bound = k.at(s, k.e + 1);
+    if (sent > tokens)
+      fail(Status::internal, "op {} (all_to_all): rank {} routed {} rows, more than its {} permuted rows", c.op_index,
+           s, sent, tokens);
+    if (got > bound)
       fail(Status::invalid_argument, "op {} (all_to_all): rank {}'s experts got {} rows this call, more than the "
-           "moe_dispatch's \"max_rows\" ({}): raise it, or leave it -1 (world size x the permuted rows)", c.op_index,
-           s, got, a.expert_rows);
+           "moe_dispatch's \"max_rows\" on that rank ({}): raise it, or leave it -1 (world size x the permuted rows; with "
+           "token counts that differ between the ranks, set it for the largest)", c.op_index, s, got, bound);
   }
   k.token_start.assign(static_cast<size_t>(k.e), 0);
   for (int64_t x = 1; x < k.e; ++x) k.token_start[x] = k.token_start[x - 1] + k.at(k.me, x - 1);
@@ -136,11 +161,8 @@ void run_all_to_all(const cuda::Communicator& comm, const CommStep& c, const std
   const auto& a = c.a2a;
   if (a.experts < 1 || a.experts % comm.world_size() != 0 || a.token_rows < 0 || a.expert_rows < 0)
     fail(Status::internal, "op {}: {} experts over {} ranks", c.op_index, a.experts, comm.world_size());
-  if (a.counts < 0) {  // padded: capacity rows per (rank, expert), fixed: nothing read, a CUDA graph replays it
-    const auto cap = static_cast<int32_t>(a.token_rows / a.experts);
-    const Counts k = plan(comm, c, std::vector<int32_t>(static_cast<size_t>(comm.world_size() * a.experts), cap));
-    return exchange(comm, c, k, ptr, stream);
-  }
+  if (a.counts < 0)  // padded: capacity rows per (rank, expert), fixed: nothing read, a CUDA graph replays it
+    return exchange(comm, c, plan(comm, c, fixed_counts(comm, c)), ptr, stream);
   if (cuda::stream_capturing(stream))
     fail(Status::unsupported, "op {} (moe_dispatch / moe_combine) sends as many rows to each rank as the routing "
          "chose this call, which the host reads: a CUDA graph capture cannot; capture the expert block with a "
@@ -149,7 +171,7 @@ void run_all_to_all(const cuda::Communicator& comm, const CommStep& c, const std
   const Counts k = plan(comm, c, read_counts(comm, c, ptr, stream));
   const auto& d = cuda::driver();
   if (a.route >= 0) {  // the routing the grouped linears and the backward read (pageable: staged before return)
-    const auto at = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(a.counts)]) + static_cast<CUdeviceptr>(k.w * k.e) * 4u;
+    const auto at = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(a.counts)]) + static_cast<CUdeviceptr>(k.w * (k.e + 2)) * 4u;
     cuda::check(d.cuMemcpyHtoDAsync(at, k.route.data(), k.route.size() * 4u, stream), "cuMemcpyHtoDAsync(routing)");
   }
   routes.put(a.counts, k.route);

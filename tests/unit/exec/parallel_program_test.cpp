@@ -421,7 +421,7 @@ TEST_CASE("the expert-parallel block plans one all_to_all each way and this rank
     CHECK(dispatch->a2a.experts == 16);
     CHECK(dispatch->a2a.token_rows == 200);
     CHECK(dispatch->a2a.expert_rows == 400);  // W x T k
-    CHECK(p->buffer(dispatch->a2a.counts).bytes == (2 * 16 + 2 * 8 + 1) * 4u);
+    CHECK(p->buffer(dispatch->a2a.counts).bytes == (2 * (16 + 2) + 2 * 8 + 1) * 4u);  // counts and bounds, routing
     CHECK(p->ops[3].out == ops::Shape{400, 64});
     CHECK(p->ops[7].out == ops::Shape{200, 64});
     int routed = 0;
@@ -430,7 +430,7 @@ TEST_CASE("the expert-parallel block plans one all_to_all each way and this rank
         if (s.kind == exec::Step::Kind::gemm && s.gemm.routed()) {
           ++routed;
           CHECK(s.gemm.route_experts == 8);
-          CHECK(s.gemm.route_splits == 32);  // after every rank's counts
+          CHECK(s.gemm.route_splits == 36);  // after every rank's counts and bounds
           CHECK(s.gemm.call.m == 400);
         }
     CHECK(routed == (training ? 6 : 2));

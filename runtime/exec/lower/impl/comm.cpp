@@ -13,8 +13,8 @@ namespace jitfuse::exec {
 
 namespace {
 // moe_dispatch / moe_combine: one all_to_all step per pass (CommStep::AllToAll). A dispatch's forward makes its
-// routing: every rank's rows per expert (all-gathered from the permute's splits), then this rank's experts'
-// splits and starts; saved for the backward (the forward's arena in inference) and read by the grouped linears
+// routing: every rank's rows per expert and its two bounds (all-gathered from the permute's splits), then this
+// rank's experts' splits and starts; saved for the backward (the forward's arena in inference) and read by the grouped linears
 // and the moe_combine after it. The backward of each is the other's exchange on the gradients. After a padded
 // moe_permute every (rank, expert) pair sends `capacity` rows: fixed counts, no routing, no host read.
 void lower_all_to_all(Builder& b, int i) {
@@ -35,7 +35,7 @@ void lower_all_to_all(Builder& b, int i) {
   c.count = a.token_rows * a.row;
   if (!d.route_packed) {  // padded: capacity rows per (rank, expert), fixed; no counts, nothing read on the host
   } else if (dispatch && fwd) {
-    const int64_t w = op.world_size, ints = w * a.experts + 2 * (a.experts / w) + 1;
+    const int64_t w = op.world_size, ints = w * (a.experts + 2) + 2 * (a.experts / w) + 1;
     const size_t bytes = static_cast<size_t>(ints) * 4;
     a.counts = b.training() ? b.saved_new(i, Key::route, ops::DType::i32, 1, ints, bytes)
                             : b.temp(fmt::format("routing op{}", i), ops::DType::i32, 1, ints, bytes);
