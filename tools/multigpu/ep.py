@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jitfuse.torch as jt
+from jitfuse.bench import time_cuda  # CUDA events around each call, median after the warm-up
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp import any_rank_failed, curves_agree  # noqa: E402  (tools/multigpu/tp.py: the same checks' helpers)
@@ -440,18 +441,6 @@ def hf_train(args, rank, world):
     return curves_agree(f"HF Mixtral EP={world}, 20 AdamW steps", curves[world], curves[0], last=3, drop=0.0)
 
 
-def events_ms(fn, iters, warm=3):
-    times = []
-    for i in range(warm + iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[warm:])
-
-
 def bench(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     jt.distributed.set_process_group(None, "ep")
@@ -486,7 +475,7 @@ def bench(args):
             for p in (x, probs, *ep.parameters(), *ep_b.parameters(), *one.parameters()):
                 p.grad = None
             dist.barrier()
-            ms[name].append(events_ms(fn, args.iters))
+            ms[name].append(time_cuda(fn, args.iters, warmup=3))
     med = torch.tensor([statistics.median(v) for v in ms.values()], dtype=torch.float64, device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     if rank == 0:
