@@ -24,7 +24,8 @@ constexpr std::pair<Key, const char*> kKeys[] = {
     {Key::input, "input"}, {Key::output, "output"}, {Key::mean, "mean"}, {Key::rstd, "rstd"},
     {Key::mask, "mask"},   {Key::lse, "lse"},       {Key::scale, "scale"}, {Key::dx, "dx"},
     {Key::dW, "dW"},       {Key::db, "db"},         {Key::weight, "weight"}, {Key::bias, "bias"},
-    {Key::channel, "channel"}, {Key::route, "route"}, {Key::stats, "stats"}};
+    {Key::channel, "channel"}, {Key::route, "route"}, {Key::stats, "stats"},
+    {Key::weight2, "weight2"}};
 }  // namespace
 
 const char* key_name(Key k) {

@@ -133,6 +133,8 @@ void check_fp8(const GemmCall& g, bool launching) {
   if (f.a == ops::DType::e5m2 && f.b == ops::DType::e5m2)
     bad("E5M2 x E5M2 is not supported by cuBLASLt; one operand must be E4M3 (the HYBRID recipe pairs E5M2 "
         "gradients with E4M3 activations and weights)");
+  if (g.weight_t)
+    bad("FP8 GEMMs take the TN layout only: a weight stored [in, out] (weight_t) has no FP8 form; store it [out, in]");
   if (g.kind != GemmKind::fwd)
     bad(fmt::format("FP8 GEMMs take the TN layout only: a {} GEMM must be called as the primitive D = A B^T "
                     "(GemmKind::fwd) on transposed FP8 copies (cublaslt.hpp)", kind_name(g.kind)));
@@ -189,8 +191,8 @@ void check_fp8(const GemmCall& g, bool launching) {
 namespace {
 // A strided batch runs plain GEMMs only.
 void check_batch(const GemmCall& call) {
-  if (call.batch < 1 || (call.batch > 1 && (call.fp8 || call.epilogue != Epilogue::none)))
-    fail(Status::internal, "a batched GEMM ({} GEMMs) is plain: no FP8, no epilogue", call.batch);
+  if (call.batch < 1 || (call.batch > 1 && (call.fp8 || call.epilogue != Epilogue::none || call.weight_t)))
+    fail(Status::internal, "a batched GEMM ({} GEMMs) is plain: no FP8, no epilogue, weights [n, k]", call.batch);
 }
 }  // namespace
 
@@ -214,9 +216,10 @@ struct GemmKey {
   bool fast_accum = false, amax = false;
   int a_scaling = 0, b_scaling = 0;
   int64_t batch = 1, stride_a = 0, stride_b = 0, stride_d = 0;
+  bool weight_t = false;
   auto tie() const {
     return std::tie(kind, m, n, k, ldy, dt, epi, beta, al_a, al_b, al_c, al_d, al_aux, al_bias, fp8, at, bt, bias_dt,
-                    fast_accum, amax, a_scaling, b_scaling, batch, stride_a, stride_b, stride_d);
+                    fast_accum, amax, a_scaling, b_scaling, batch, stride_a, stride_b, stride_d, weight_t);
   }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
   bool operator==(const GemmKey& o) const { return tie() == o.tie(); }
@@ -241,29 +244,8 @@ struct Problem {
   cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
 };
 
-Problem problem_of(const GemmCall& g) {
-  Problem p;
-  const uint64_t ldy = static_cast<uint64_t>(g.ldy > g.n ? g.ldy : g.n);
-  switch (g.kind) {
-    case GemmKind::fwd:  // y^T[n,m] = W(kxn col-major)^T * x^T(kxm)
-      p.m = g.n; p.n = g.m; p.k = g.k;
-      p.A = g.b; p.ta = CUBLAS_OP_T; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
-      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.k; p.b_cols = g.m; p.ldb = g.k;
-      p.ldd = ldy;
-      break;
-    case GemmKind::dgrad:  // dx^T[k,m] = W^T(kxn) * dy^T(nxm)
-      p.m = g.k; p.n = g.m; p.k = g.n;
-      p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
-      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.n; p.b_cols = g.m; p.ldb = ldy;
-      p.ldd = g.k;
-      break;
-    case GemmKind::wgrad:  // dW^T[k,n] = x^T(kxm) * dy(mxn)
-      p.m = g.k; p.n = g.n; p.k = g.m;
-      p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.m; p.lda = g.k;
-      p.B = g.a; p.tb = CUBLAS_OP_T; p.b_rows = g.n; p.b_cols = g.m; p.ldb = ldy;
-      p.ldd = g.k;
-      break;
-  }
+// Dtypes, epilogue and C of a call, whichever way its operands lie.
+void finish_problem(const GemmCall& g, Problem& p) {
   // Plain GEMMs: every matrix has g.dtype. FP8: cuBLASLt's A is our B (W) and its B our A (x); C has D's
   // type, bf16 when D is FP8 (cuBLASLt's table; C is never read then, beta being 0).
   p.dt = g.fp8 ? fp8_data_type(g.dtype) : data_type(g.dtype);
@@ -284,7 +266,7 @@ Problem problem_of(const GemmCall& g) {
     case Epilogue::relu_aux_bias: p.epi = CUBLASLT_EPILOGUE_RELU_AUX_BIAS; break;
     case Epilogue::drelu_bgrad: p.epi = CUBLASLT_EPILOGUE_DRELU_BGRAD; break;
     // wgrad's B is dy (m x n after the transpose): BGRADB sums it over GEMM-k (the m tokens), n entries.
-    case Epilogue::bgradb: p.epi = CUBLASLT_EPILOGUE_BGRADB; break;
+    case Epilogue::bgradb: p.epi = g.weight_t ? CUBLASLT_EPILOGUE_BGRADA : CUBLASLT_EPILOGUE_BGRADB; break;
   }
   const GemmKind epi_kind = g.epilogue == Epilogue::dgelu_bgrad || g.epilogue == Epilogue::drelu_bgrad ? GemmKind::dgrad
                             : g.epilogue == Epilogue::bgradb    ? GemmKind::wgrad
@@ -294,6 +276,60 @@ Problem problem_of(const GemmCall& g) {
   // C = D when beta is 0 (nothing is read), except for FP8 output: C's layout is bf16 there, and cuBLASLt
   // refuses an in-place call whose C and D layouts differ (INVALID_VALUE, H100 run #14), so C is null.
   p.C = g.beta != 0.f ? (g.c ? g.c : g.d) : (g.fp8 && ops::is_fp8(g.dtype) ? nullptr : g.d);
+}
+
+// The weight stored [k, n] (GemmCall::weight_t): in column-major terms W is [n, k] with leading dimension n.
+Problem problem_of_weight_t(const GemmCall& g, uint64_t ldy) {
+  Problem p;
+  switch (g.kind) {
+    case GemmKind::fwd:  // y^T[n,m] = W(nxk col-major) * x^T(kxm)
+      p.m = g.n; p.n = g.m; p.k = g.k;
+      p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.n; p.a_cols = g.k; p.lda = g.n;
+      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.k; p.b_cols = g.m; p.ldb = g.k;
+      p.ldd = ldy;
+      break;
+    case GemmKind::dgrad:  // dx^T[k,m] = W(nxk col-major)^T * dy^T(nxm)
+      p.m = g.k; p.n = g.m; p.k = g.n;
+      p.A = g.b; p.ta = CUBLAS_OP_T; p.a_rows = g.n; p.a_cols = g.k; p.lda = g.n;
+      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.n; p.b_cols = g.m; p.ldb = ldy;
+      p.ldd = g.k;
+      break;
+    case GemmKind::wgrad:  // dW(nxk col-major)[n,k] = dy^T(nxm) * x(kxm col-major)^T; BGRADA sums A over the m rows
+      p.m = g.n; p.n = g.k; p.k = g.m;
+      p.A = g.a; p.ta = CUBLAS_OP_N; p.a_rows = g.n; p.a_cols = g.m; p.lda = ldy;
+      p.B = g.b; p.tb = CUBLAS_OP_T; p.b_rows = g.k; p.b_cols = g.m; p.ldb = g.k;
+      p.ldd = g.n;
+      break;
+  }
+  finish_problem(g, p);
+  return p;
+}
+
+Problem problem_of(const GemmCall& g) {
+  Problem p;
+  const uint64_t ldy = static_cast<uint64_t>(g.ldy > g.n ? g.ldy : g.n);
+  if (g.weight_t) return problem_of_weight_t(g, ldy);
+  switch (g.kind) {
+    case GemmKind::fwd:  // y^T[n,m] = W(kxn col-major)^T * x^T(kxm)
+      p.m = g.n; p.n = g.m; p.k = g.k;
+      p.A = g.b; p.ta = CUBLAS_OP_T; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
+      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.k; p.b_cols = g.m; p.ldb = g.k;
+      p.ldd = ldy;
+      break;
+    case GemmKind::dgrad:  // dx^T[k,m] = W^T(kxn) * dy^T(nxm)
+      p.m = g.k; p.n = g.m; p.k = g.n;
+      p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.n; p.lda = g.k;
+      p.B = g.a; p.tb = CUBLAS_OP_N; p.b_rows = g.n; p.b_cols = g.m; p.ldb = ldy;
+      p.ldd = g.k;
+      break;
+    case GemmKind::wgrad:  // dW^T[k,n] = x^T(kxm) * dy(mxn)
+      p.m = g.k; p.n = g.n; p.k = g.m;
+      p.A = g.b; p.ta = CUBLAS_OP_N; p.a_rows = g.k; p.a_cols = g.m; p.lda = g.k;
+      p.B = g.a; p.tb = CUBLAS_OP_T; p.b_rows = g.n; p.b_cols = g.m; p.ldb = ldy;
+      p.ldd = g.k;
+      break;
+  }
+  finish_problem(g, p);
   return p;
 }
 
@@ -311,6 +347,7 @@ GemmKey key_of(const GemmCall& g, const Problem& p) {
   k.stride_a = g.stride_a;
   k.stride_b = g.stride_b;
   k.stride_d = g.stride_d;
+  k.weight_t = g.weight_t;
   // An odd K (or N) leaves the columns of a matrix whose pointer is 256-byte aligned at 2- or 4-byte
   // offsets: the MIN_ALIGNMENT preferences below say so, so the heuristic offers only algorithms that load
   // such columns (cuBLASLt sees the layouts too; the preferences do not rely on it).

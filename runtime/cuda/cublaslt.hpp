@@ -102,6 +102,10 @@ struct GemmCall {
   // one cuBLASLt call, GEMM i's a, b and d at i x stride_a, stride_b, stride_d elements (C with d's).
   int64_t batch = 1;
   int64_t stride_a = 0, stride_b = 0, stride_d = 0;
+  // The weight is stored [k, n] ("in_out": GPT-2's Conv1D, a transposed nn.Linear weight) instead of [n, k]:
+  // fwd y = x W, dgrad dx = dy W^T, wgrad dW[k,n] = x^T dy (BGRADB's bias gradient becomes BGRADA's, the same
+  // sums over the m rows). Plain GEMMs only: FP8 operands take the TN layout (check_gemm_call refuses it).
+  bool weight_t = false;
 };
 
 // Throws invalid_argument (naming the problem's dims and what to change) when `call` breaks a rule of

@@ -502,6 +502,16 @@ void apply_recipe(const SequenceDef& def, Recipe& recipe) {
       fail(Status::unsupported,
            "sequence '{}': op {} ({}) under recipe {}: a loss has no FP8 form; run the LM head and its loss in a "
            "bf16 sequence of their own", def.name, op.index, op.kind, rn);
+    if (op.kind == "linear" && op.attrs.value("weight_layout", "out_in") == "in_out")
+      fail(Status::unsupported,
+           "sequence '{}': op {} (linear) under recipe {}: weight_layout \"in_out\" has no FP8 form (FP8 GEMMs read "
+           "both operands along K); store the weight [out_features, in_features] under an FP8 recipe",
+           def.name, op.index, rn);
+    if (op.kind == "linear" && op.attrs.value("split_weight", false))
+      fail(Status::unsupported,
+           "sequence '{}': op {} (linear) under recipe {}: split_weight has no FP8 form (the weight is cast as one "
+           "tensor); join the two weights into one [out_features, in_features] weight under an FP8 recipe",
+           def.name, op.index, rn);
     if (op.kind == "quantize" && op.index + 1 != static_cast<int>(def.ops.size()))
       fail(Status::invalid_argument,
            "sequence '{}': op {} (quantize) under recipe {} must be the last op: its E4M3 output is the sequence's "

@@ -24,6 +24,27 @@ const Vec& param(const SeqInputs& in, const ops::Op& op, const char* name) {
   return it->second;
 }
 
+// A [rows, cols] row-major matrix transposed.
+Vec transposed(const Vec& a, int64_t rows, int64_t cols) {
+  Vec t(a.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[static_cast<size_t>(c * rows + r)] = a[static_cast<size_t>(r * cols + c)];
+  return t;
+}
+
+// A linear's weight as [out_features, in_features] (weight_layout "in_out" stores it transposed).
+bool weight_in_out(const ops::Op& op) { return op.attrs.value("weight_layout", "out_in") == "in_out"; }
+Vec linear_weight(const SeqInputs& in, const ops::Op& op) {
+  const Vec& w = param(in, op, "weight");
+  if (op.attrs.value("split_weight", false)) {  // [weight; weight2]: the outputs' two halves
+    Vec both = w;
+    const Vec& w2 = param(in, op, "weight2");
+    both.insert(both.end(), w2.begin(), w2.end());
+    return both;
+  }
+  return weight_in_out(op) ? transposed(w, ops::cols_of(op.in), ops::cols_of(op.out)) : w;
+}
+
 bool dropout_active(const ops::Op& op) { return op.flag("training") && op.num("p") > 0; }
 
 // One process holds one rank: the float64 reference of a collective exists at world size 1 (the identity).
@@ -165,7 +186,7 @@ SeqForward sequence_forward(const std::vector<ops::Op>& ops, const SeqInputs& in
           in.quantize(op.index, "weight", wq, ops::cols_of(op.out), cols);
           v = linear_fwd(xq, wq, rows, ops::cols_of(op.out), cols);
         } else {
-          v = linear_fwd(v, param(in, op, "weight"), rows, ops::cols_of(op.out), cols);
+          v = linear_fwd(v, linear_weight(in, op), rows, ops::cols_of(op.out), cols);
         }
         break;
       case Family::bias: v = bias_fwd(v, param(in, op, "bias"), rows, cols); break;
@@ -244,8 +265,14 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
           break;
         }
         Vec dw = linear_wgrad(dy, x, rows, n, cols);
-        g.grad_params[{i, "weight"}] = dw;
-        dy = linear_dgrad(dy, param(in, op, "weight"), rows, n, cols);
+        if (op.attrs.value("split_weight", false)) {
+          const auto mid = dw.begin() + static_cast<std::ptrdiff_t>(dw.size() / 2);
+          g.grad_params[{i, "weight"}] = Vec(dw.begin(), mid);
+          g.grad_params[{i, "weight2"}] = Vec(mid, dw.end());
+        } else {
+          g.grad_params[{i, "weight"}] = weight_in_out(op) ? transposed(dw, n, cols) : dw;
+        }
+        dy = linear_dgrad(dy, linear_weight(in, op), rows, n, cols);
         break;
       }
       case Family::bias: g.grad_params[{i, "bias"}] = col_sum(dy, rows, cols); break;

@@ -82,6 +82,12 @@ void forget(int64_t key);
 // The lowest device `key` is registered on, or -1 (the Meta kernels prepare their program there).
 int registered_device(int64_t key);
 void set_resolver(std::function<bool(int64_t key, int device)> resolver);
+// The forward's Meta kernel for an input with symbolic row dims (torch.compile(dynamic=True)): the Python
+// package's answer (jitfuse.torch._ops.symbolic_fake_outputs: outputs keeping the symbolic rows, the saved
+// block's size data-dependent), or nullopt to specialise the dims as a host without Python does.
+using SymbolicMeta = std::function<std::optional<std::vector<at::Tensor>>(int64_t key, int device,
+                                                                          const at::Tensor& input, bool training)>;
+void set_symbolic_meta(SymbolicMeta fn);
 
 // C++ hosts (no Python): a sequence document ("jitfuse.sequence/1" JSON), its recipe and parameter order,
 // created on every device it runs on.

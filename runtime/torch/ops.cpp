@@ -305,7 +305,8 @@ std::vector<at::Tensor> backward_cuda(int64_t key, const at::Tensor& input, at::
 // from the program of (shape, training), prepared on first use as a real call prepares it. A Meta kernel sees
 // no CUDA device, so the program is the one on the device the key is registered on (the Python package
 // registers a module's sequence on its device when it first runs or is traced), else the current device.
-// Symbolic sizes are specialised (a guard per dimension): programs are prepared per concrete shape.
+// Symbolic row dims: the package's answer (set_symbolic_meta) where a Python package set one; otherwise, and for other
+// symbolic sizes, they are specialised (a guard per dimension): programs are prepared per concrete shape.
 int meta_device(int64_t key) {
   const int d = registered_device(key);
   return d >= 0 ? d : static_cast<int>(c10::cuda::current_device());
@@ -322,12 +323,30 @@ struct NoMetaInclude {
   NoMetaInclude& operator=(const NoMetaInclude&) = delete;
 };
 
+std::mutex g_symbolic_mu;
+SymbolicMeta g_symbolic_meta;  // set by the Python package (python.cpp); empty in a host without Python
+
+bool has_symbolic_dim(const at::Tensor& t) {
+  for (const c10::SymInt& d : t.sym_sizes())
+    if (!d.maybe_as_int()) return true;
+  return false;
+}
+
 std::vector<at::Tensor> forward_meta(int64_t key, const at::Tensor& input, const OptTensors& extra_inputs_opt,
                                      const OptTensors& params_opt, const std::optional<at::Tensor>& rng_state,
                                      bool training) {
   (void)rng_state;
   const at::TensorList extra_inputs = tensors_or_none(extra_inputs_opt), params = tensors_or_none(params_opt);
   const int dev = meta_device(key);
+  if (has_symbolic_dim(input)) {
+    SymbolicMeta fn;
+    {
+      std::lock_guard<std::mutex> g(g_symbolic_mu);
+      fn = g_symbolic_meta;
+    }
+    if (fn)
+      if (auto outs = fn(key, dev, input, training)) return *outs;
+  }
   std::shared_ptr<Sequence> sp;
   std::shared_ptr<Program> pp;
   {
@@ -480,6 +499,11 @@ std::vector<at::Tensor> forward_autograd(int64_t key, const at::Tensor& input, c
 }
 
 }  // namespace
+
+void set_symbolic_meta(SymbolicMeta fn) {
+  std::lock_guard<std::mutex> g(g_symbolic_mu);
+  g_symbolic_meta = std::move(fn);
+}
 
 std::vector<at::Tensor> call_forward(int64_t key, const at::Tensor& input, at::TensorList extra_inputs,
                                      at::TensorList params, const std::optional<at::Tensor>& rng_state, bool training) {

@@ -321,6 +321,17 @@ bool resolve(int64_t key, int device) {
   return ok;
 }
 
+// The forward's Meta kernel on symbolic rows: jitfuse.torch._ops.symbolic_fake_outputs(key, device, input,
+// training) -> a list of tensors, or None (specialise). Its exceptions propagate as the Meta kernel's.
+PyObject* g_symbolic_meta = nullptr;  // the callable, kept for the process
+
+std::optional<std::vector<at::Tensor>> symbolic_meta(int64_t key, int device, const at::Tensor& input, bool training) {
+  py::gil_scoped_acquire gil;
+  py::object r = py::reinterpret_borrow<py::object>(g_symbolic_meta)(key, device, input, training);
+  if (r.is_none()) return std::nullopt;
+  return r.cast<std::vector<at::Tensor>>();
+}
+
 // JITFUSE_TORCH_SEGV_TRACE=1: a crash prints its C++ frames to stderr (diagnosis on machines without gdb).
 void segv_trace(int sig) {
   void* frames[64];
@@ -355,6 +366,12 @@ PYBIND11_MODULE(_jitfuse_torch_C, m) {
   m.def("set_error_class", [](py::object cls) {
     Py_XDECREF(g_error_class);
     g_error_class = cls.release().ptr();
+  });
+  m.def("set_symbolic_meta", [](py::object fn) {
+    PyObject* old = g_symbolic_meta;
+    g_symbolic_meta = fn.release().ptr();
+    Py_XDECREF(old);
+    jitfuse_torch::set_symbolic_meta(&symbolic_meta);
   });
   m.def("set_resolver", [](py::object fn) {
     PyObject* old = g_resolver;

@@ -177,6 +177,9 @@ struct GemmStep {
   int64_t route_experts = 0, route_splits = 0;  // E, the int index of splits[0] in the routing
   int64_t route_weight = 0;
   int64_t a_row = 0, b_row = 0, d_row = 0;
+  // A split_weight linear (builder only: Builder::gemm emits it as two GEMMs over the outputs' halves, and no
+  // step of a program has it set): fwd/dgrad its second weight, wgrad that weight's gradient.
+  int b2 = -1;
   bool routed() const { return route >= 0; }
   int64_t flops() const { return 2 * call.m * call.n * call.k * call.batch; }
   int operand(GemmOperand o) const;  // its buffer id, -1: none

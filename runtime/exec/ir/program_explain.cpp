@@ -12,7 +12,9 @@ namespace {
 using nlohmann::json;
 
 // cuBLASLt's column-major view of the row-major linear products (cuda/cublaslt.cpp).
-const char* layout(cuda::GemmKind k) {
+// The weight stored [k, n] (weight_layout in_out): W's operand is transposed the other way (wgrad: dW^T's).
+const char* layout(cuda::GemmKind k, bool weight_t) {
+  if (weight_t) return k == cuda::GemmKind::fwd ? "NN" : k == cuda::GemmKind::dgrad ? "TN" : "NT";
   switch (k) {
     case cuda::GemmKind::fwd: return "TN";
     case cuda::GemmKind::dgrad: return "NN";
@@ -20,7 +22,11 @@ const char* layout(cuda::GemmKind k) {
   }
   return "?";
 }
-const char* formula(cuda::GemmKind k) {
+const char* formula(cuda::GemmKind k, bool weight_t) {
+  if (weight_t)
+    return k == cuda::GemmKind::fwd     ? "y[m,n] = x[m,k] W[k,n]"
+           : k == cuda::GemmKind::dgrad ? "dx[m,k] = dy[m,n] W[k,n]^T"
+                                        : "dW[k,n] = x[m,k]^T dy[m,n]";
   switch (k) {
     case cuda::GemmKind::fwd: return "y[m,n] = x[m,k] W[n,k]^T";
     case cuda::GemmKind::dgrad: return "dx[m,k] = dy[m,n] W[n,k]";
@@ -109,11 +115,11 @@ std::string comm_line(const json& s) {
 std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json& j) {
   auto name = [&](int id) { return id >= 0 ? json(p.buffer(id).name) : json(nullptr); };
   j.update({{"gemm", kind_name(g.call.kind)},
-            {"formula", formula(g.call.kind)},
+            {"formula", formula(g.call.kind, g.call.weight_t)},
             {"m", g.call.m},
             {"n", g.call.n},
             {"k", g.call.k},
-            {"layout", layout(g.call.kind)},
+            {"layout", layout(g.call.kind, g.call.weight_t)},
             {"epilogue", cuda::epilogue_name(g.call.epilogue)},
             {"dtype", ops::dtype_name(g.call.dtype)},
             {"alpha", g.call.alpha},
@@ -131,6 +137,10 @@ std::pair<int64_t, int64_t> gemm_json(const Program& p, const GemmStep& g, json&
   }
   j["operands"] = std::move(operands);
   if (g.bias_grad_fallback) j["fallback"] = "plain wgrad + ones^T dy when cuBLASLt has no BGRADB algorithm";
+  // A strided [m, n] operand (a split_weight linear's half: rows of the whole output) and element offsets.
+  if (g.call.ldy > g.call.n) j["ldy"] = g.call.ldy;
+  if (g.a_offset || g.b_offset || g.d_offset)
+    j["element_offsets"] = {{"a", g.a_offset}, {"b", g.b_offset}, {"d", g.d_offset}};
   if (g.call.batch > 1)
     j["batch"] = {{"count", g.call.batch}, {"stride_a", g.call.stride_a}, {"stride_b", g.call.stride_b},
                   {"stride_d", g.call.stride_d}};

@@ -440,10 +440,12 @@ GemmStep Builder::linear_gemm(int lin, cuda::GemmKind kind) const {
   g.call.k = ops::cols_of(o.in);
   g.call.n = ops::cols_of(o.out);
   g.call.dtype = p_.recipe.dtype;
+  g.call.weight_t = o.family == ops::Family::linear && o.attrs.value("weight_layout", "out_in") == "in_out";
   return g;
 }
 
 void Builder::gemm(const GemmStep& g, const std::string& what) {
+  if (g.b2 >= 0) return split_gemm(g, what);
   Step s;
   s.kind = Step::Kind::gemm;
   s.group = group_;
@@ -454,6 +456,33 @@ void Builder::gemm(const GemmStep& g, const std::string& what) {
   if (g.d_amax >= 0)  // the FP8 output's state: rolled by the pass's batched update
     batch_.entries.push_back({static_cast<int>(steps()), g.d_amax, g.d_history, g.d_scale, g.d_scale_inv});
   push(std::move(s));
+}
+
+// A split_weight linear's GEMM as two over the outputs' halves (row stride: the whole output): fwd writes
+// y[:, :n/2] = x W^T and y[:, n/2:] = x W2^T; dgrad dx = dy[:, :n/2] W + dy[:, n/2:] W2 (the second with
+// beta = 1); wgrad dW = dy[:, :n/2]^T x and dW2 = dy[:, n/2:]^T x. No epilogue (legality keeps rules that fuse
+// one off such a linear).
+void Builder::split_gemm(const GemmStep& g, const std::string& what) {
+  if (g.call.epilogue != cuda::Epilogue::none || g.call.fp8 || g.call.batch != 1 || g.call.n % 2 != 0)
+    fail(Status::internal, "{}: a split_weight linear's GEMMs take no epilogue, FP8 or batch", what);
+  GemmStep first = g;
+  first.b2 = -1;
+  first.call.ldy = g.call.ldy > g.call.n ? g.call.ldy : g.call.n;
+  first.call.n = g.call.n / 2;
+  GemmStep second = first;
+  const int64_t half = first.call.n;
+  switch (g.call.kind) {
+    case cuda::GemmKind::fwd: second.b = g.b2; second.d_offset += half; break;
+    case cuda::GemmKind::dgrad:
+      second.b = g.b2;
+      second.a_offset += half;
+      second.call.beta = 1.f;  // dx += dy[:, n/2:] W2
+      second.c = -1;
+      break;
+    case cuda::GemmKind::wgrad: second.d = g.b2; second.a_offset += half; break;
+  }
+  gemm(first, what + " (first half: weight)");
+  gemm(second, what + " (second half: weight2)");
 }
 
 void Builder::note_last(const std::string& text) {

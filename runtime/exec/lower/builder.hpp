@@ -89,7 +89,7 @@ class Builder {
 
   // A cuBLASLt GEMM for linear op `lin` (dims from its shapes, dtype from the recipe).
   GemmStep linear_gemm(int lin, cuda::GemmKind kind) const;
-  void gemm(const GemmStep& g, const std::string& what);
+  void gemm(const GemmStep& g, const std::string& what);  // g.b2 set: as two GEMMs (split_gemm)
   // A collective on the program's communicator (docs/parallel.md).
   void comm(const CommStep& c, const std::string& what);
   // Puts the step added last on `stream` (0: the caller's, 1: the side stream) after steps `waits`.
@@ -121,6 +121,7 @@ class Builder {
   bool forward() const { return forward_; }
 
  private:
+  void split_gemm(const GemmStep& g, const std::string& what);
   static constexpr int kNotRouted = -2;
   int channel_route(BufferRole role, const ops::Op& o);  // kNotRouted: the op's own caller tensor
   int channel_buffer(const ops::Op& fork, BufferRole role, Storage storage, const char* prefix);

@@ -280,6 +280,53 @@ def test_a_moved_model_still_runs_and_apply_rejoins():
         assert torch.equal(model(x).logits, a)
 
 
+# ---- PEFT / LoRA ----------------------------------------------------------------------------------------------
+
+
+def _lora(model, targets, seed, random_b=False):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)  # LoRA's A (and B with random_b) are drawn here: the same for both copies
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
+                          init_lora_weights=not random_b)
+    return peft.get_peft_model(model, cfg)
+
+
+def test_lora_on_attention_trains_with_the_swapped_norms_and_mlps():
+    """PEFT LoRA on q_proj/v_proj (the base frozen), then hf.apply: the norms and MLPs are swapped (their
+    frozen weights read live), the LoRA weights train, and the loss curve is the unswapped PEFT model's."""
+    base = build("llama", seed=5)
+    a = _lora(copy.deepcopy(base), ["q_proj", "v_proj"], 1)
+    b = _lora(copy.deepcopy(base), ["q_proj", "v_proj"], 1)
+    report = hf.apply(b)
+    assert len([e for e in report.swapped if e.kind == "mlp"]) == L, str(report)
+    frozen = {n: p.detach().clone() for n, p in b.named_parameters() if "mlp" in n}
+    la = train(a, steps=20, seed=3)
+    lb = train(b, steps=20, seed=3)
+    assert abs(la[0] - lb[0]) / la[0] < 1e-3, (la, lb)
+    assert abs(sum(la[-5:]) - sum(lb[-5:])) / sum(la[-5:]) < 0.01, (la, lb)
+    for n, p in b.named_parameters():
+        if "mlp" in n:
+            assert torch.equal(p, frozen[n]), n   # frozen by PEFT: never updated
+    assert any(p.requires_grad for n, p in b.named_parameters() if "lora_" in n)
+
+
+def test_a_projection_wrapped_after_apply_runs_its_lora_layer():
+    """hf.apply first, then LoRA on the MLP's projections: each wrapped MLP runs its own forward again (which
+    calls the LoRA layers), with one warning; the model equals the PEFT model that was never swapped."""
+    base = build("llama", seed=6)
+    ref = _lora(copy.deepcopy(base), ["gate_proj", "up_proj", "down_proj"], 2, random_b=True)
+    model = copy.deepcopy(base)
+    hf.apply(model)
+    model = _lora(model, ["gate_proj", "up_proj", "down_proj"], 2, random_b=True)
+    hf._warned_replaced = False  # the warning is once per process
+    x = ids()
+    with pytest.warns(UserWarning, match="replaced after apply"):
+        with torch.no_grad():
+            y = model(x).logits
+    with torch.no_grad():
+        assert rel_err(y, ref(x).logits) < 1e-4
+
+
 # ---- loss=True: the causal LM's head and HF's loss as the fused chunked head ---------------------------------
 
 

@@ -369,3 +369,22 @@ def test_the_library_names_a_tensor_of_the_wrong_shape_dtype_or_layout(ctx, bad,
     assert seq.lib.cdll.jf_forward(seq.handle, ctypes.byref(a), None, None) == _abi.JF_ERR_INVALID_ARGUMENT
     assert seq.lib.last_error() == message
     seq.close()
+
+
+def test_weights_as_the_model_stores_them(ctx):
+    """weight_layout "in_out" (GPT-2's Conv1D) and split_weight (gate and up as two weights): the parameters the
+    library asks for, and the GEMMs explain shows (no GPU needed)."""
+    conv = jitfuse.Sequence(ctx, [{"op": "linear", "in_features": 64, "out_features": 256, "weight_layout": "in_out"},
+                                  {"op": "bias"}, {"op": "gelu", "approximate": "tanh"}], "bf16")
+    e = conv.explain((32, 64))
+    gemms = [st for st in e.program.forward + e.program.backward if st["kind"] == "gemm"]
+    assert gemms and all("W[k,n]" in st["formula"] for st in gemms), gemms
+    assert [st["layout"] for st in gemms][:1] == ["NN"]
+    split = jitfuse.Sequence(ctx, [{"op": "linear", "in_features": 64, "out_features": 96, "split_weight": True},
+                                   {"op": "swiglu"}], "bf16")
+    e = split.explain((32, 64))
+    fwd = [st for st in e.program.forward if st["kind"] == "gemm"]
+    assert [(st["n"], st.get("ldy"), st.get("element_offsets", {}).get("d", 0)) for st in fwd] == [(48, 96, 0), (48, 96, 48)]
+    with pytest.raises(jitfuse.JitfuseError, match="split_weight has no FP8 form"):
+        jitfuse.Sequence(ctx, [{"op": "linear", "in_features": 128, "out_features": 128, "split_weight": True}],
+                         "fp8_current").explain((128, 128))

@@ -46,7 +46,8 @@ def gelu_tanh(x):
 def ref_op(op, x, extras, params):
     """Float64 forward of one jitfuse.torch op: returns (y, extras consumed, extra outputs)."""
     if isinstance(op, jt.Linear):
-        return x @ params["weight"].T, 0, []
+        w = params["weight"]
+        return x @ (w if op.weight_layout == "in_out" else w.T), 0, []
     if isinstance(op, jt.Bias):
         return x + params["bias"], 0, []
     if isinstance(op, jt.GELU):
@@ -207,6 +208,17 @@ def test_transformer_layer_numerics(dtype):
     randomize(model)
     x = torch.randn(64, 256, device=DEV, dtype=dtype)
     run_and_check(model, x, [torch.randn_like(x), torch.randn_like(x)], dtype, gemm=True, chain=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_an_in_out_weight_mlp_numerics(dtype):
+    """GPT-2's Conv1D layout: Linear(weight_layout="in_out") holds [in, out] weights, read as they lie."""
+    model = jt.Sequential(jt.Linear(256, 1024, weight_layout="in_out"), jt.Bias(1024), jt.GELU("tanh"),
+                          jt.Linear(1024, 256, weight_layout="in_out"), jt.Bias(256), jt.AddExtraInput()).to(DEV, dtype)
+    assert tuple(model._ops[0].weight.shape) == (256, 1024)
+    randomize(model)
+    x = torch.randn(64, 256, device=DEV, dtype=dtype)
+    run_and_check(model, x, [torch.randn_like(x)], dtype, gemm=True, chain=2)
 
 
 def test_three_d_input_keeps_its_shape():

@@ -74,6 +74,7 @@ enum class Key : uint8_t {
   channel,                                      // grad_extra_out: the gradient a channel's readers summed
   route,                                        // a moe_permute's token routing (int32, moe_route_ints)
   stats,                                        // a vocab-parallel cross_entropy's gathered row statistics
+  weight2,                                      // a split_weight linear's second weight (its outputs' second half)
 };
 const char* key_name(Key k);                      // "input", "weight", ...; "" for none
 std::optional<Key> parse_key(std::string_view name);  // a parameter's name (ops::Op::params) -> its key

@@ -30,6 +30,9 @@ class ChunkedLinearCrossEntropy final : public Implementation {
     const bool bias = w.size() == 3 && w[1].family() == ops::Family::bias;
     if ((w.size() != 2 && !bias) || w[0].family() != ops::Family::linear || w.back().name() != "cross_entropy")
       return "chunked_linear_cross_entropy implements " + covers_text();
+    if (w[0].str("weight_layout") == "in_out")
+      return "a head weight stored [in, out] (weight_layout in_out): the chunked head pads the vocabulary's rows of an "
+             "[out, in] weight; the ops run unfused";
     if (w.back().str("reduction") == "none")
       return "reduction none: the backward's per-row upstream gradients are "
              "not known in the forward, which computes "

@@ -206,8 +206,8 @@ def _linear_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
         back = _only_user(mm)
         if a is u and _param(w, 2) and _param(b, 1) and _is_method(back, "view") and not mm.kwargs:
             in_f, out_f = _val(w).shape
-            return _Step([("linear", {"in_features": in_f, "out_features": out_f},
-                           [("weight", _Param((w,), "t", (out_f, in_f)))]),
+            return _Step([("linear", {"in_features": in_f, "out_features": out_f, "weight_layout": "in_out"},
+                           [("weight", _Param((w,), "as_is", (in_f, out_f)))]),
                           ("bias", {}, [("bias", _Param((b,), "as_is", (out_f,)))])], [u, mm, back], back,
                          kind="linear (Conv1D)")
     return None
@@ -268,7 +268,8 @@ def _act_step(s: fx.Node) -> Optional[_Step]:
 
 def _gated_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
     """act(linear(s, Wg)) * linear(s, Wu) with two weights of one shape, as HF's gated MLPs write it (the
-    chain's first op may share its input with others)."""
+    chain's first op may share its input with others). One linear with ``split_weight``: the two weights as
+    they are, no copy (FP8 recipes join them per step: :func:`_for_recipe`)."""
     us = [u for u in s.users if _linear_of(u, s) is not None] if first else list(s.users)
     if len(us) != 2:
         return None
@@ -283,11 +284,35 @@ def _gated_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
             if _val(wg).shape != _val(wu).shape:
                 return None
             n, k = _val(wg).shape
-            ops = [("linear", {"in_features": k, "out_features": 2 * n},
-                    [("weight", _Param((wg, wu), "cat", (2 * n, k)))]),
+            ops = [("linear", {"in_features": k, "out_features": 2 * n, "split_weight": True},
+                    [("weight", _Param((wg,), "as_is", (n, k))), ("weight2", _Param((wu,), "as_is", (n, k)))]),
                    ({"silu": "swiglu", "gelu_tanh": "geglu", "relu": "reglu"}[name], {}, [])]
             return _Step(ops, [g, u, act, mul], mul, kind=f"gated ({name})")
     return None
+
+
+def _chunk_gated_step(s: fx.Node) -> Optional[_Step]:
+    """``gate, up = s.chunk(2, dim=-1); up * act(gate)`` as Phi-3's MLP writes it after its ``gate_up_proj``:
+    the gated op on ``s``'s two halves (the first half gated, as jitfuse's gated ops take them)."""
+    c = _only_user(s)
+    if not ((_is_method(c, "chunk") or _is_fn(c, {torch.chunk})) and c.args[0] is s):
+        return None
+    n_chunks = c.args[1] if len(c.args) > 1 else c.kwargs.get("chunks")
+    dim = c.args[2] if len(c.args) > 2 else c.kwargs.get("dim", 0)
+    vs = _val(s)
+    if n_chunks != 2 or vs is None or dim not in (-1, vs.dim() - 1) or vs.shape[-1] % 2:
+        return None
+    items = {u.args[1]: u for u in c.users if _is_fn(u, {operator.getitem})}
+    if len(items) != 2 or len(c.users) != 2 or set(items) != {0, 1}:
+        return None
+    gate, up = items[0], items[1]
+    act = _only_user(gate)
+    name = _act_of(act, gate) if act is not None else None
+    mul = _only_user(act) if name else None
+    if name not in _GATED or not _is_fn(mul, {operator.mul}) or _other(mul, act) is not up or _only_user(up) is not mul:
+        return None
+    op = {"silu": "swiglu", "gelu_tanh": "geglu", "relu": "reglu"}[name]
+    return _Step([(op, {}, [])], [c, gate, up, act, mul], mul, kind=f"gated halves ({name})")
 
 
 def _dropout_step(s: fx.Node) -> Optional[_Step]:
@@ -392,7 +417,7 @@ def _extend(start: fx.Node, taken: set, dtype: torch.dtype) -> Tuple[List[_Step]
         if first:
             st = _norm_step(s) or _gated_step(s, True) or _linear_step(s, True)
         else:
-            for f in (_gated_step, _linear_step, _act_step, _dropout_step, _scale_step, _norm_step):
+            for f in (_gated_step, _linear_step, _chunk_gated_step, _act_step, _dropout_step, _scale_step, _norm_step):
                 st = f(s)
                 if st is not None:
                     break
@@ -471,6 +496,23 @@ class _Given(_m.BasicOp):
         return [(n, torch.empty(s, device="meta", dtype=self._jf_dtype)) for n, s in self._jf_given]
 
 
+def _for_recipe(op: str, attrs: Dict[str, Any], ps: List[Tuple[str, _Param]],
+                recipe: Optional[str]) -> Tuple[Dict[str, Any], List[Tuple[str, _Param]]]:
+    """A linear's attributes and parameters as a recipe runs them: FP8 GEMMs read one ``[out, in]`` weight,
+    so under an FP8 recipe a split gated weight is joined (``torch.cat``) and an ``[in, out]`` (Conv1D) weight
+    transposed, once per step; plain recipes read them as they are."""
+    if op != "linear" or not recipe:
+        return attrs, ps
+    a = dict(attrs)
+    if a.pop("split_weight", False):
+        (_, p1), (_, p2) = ps
+        return a, [("weight", _Param(p1.nodes + p2.nodes, "cat", (2 * p1.shape[0], p1.shape[1])))]
+    if a.pop("weight_layout", "out_in") == "in_out":
+        (_, p1), = ps
+        return a, [("weight", _Param(p1.nodes, "t", (p1.shape[1], p1.shape[0])))]
+    return attrs, ps
+
+
 def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int, training: bool,
              dtype: torch.dtype, recipe: Optional[str]) -> Tuple[Chain, fx.Node]:
     g = gm.graph
@@ -488,6 +530,7 @@ def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
                 d = _m.Dropout(attrs["p"])
                 ops.append(d)
                 continue
+            attrs, ps = _for_recipe(op, attrs, ps, recipe)
             ops.append(_Given(op, attrs, [(n, p.shape) for n, p in ps], dtype))
             pnodes += [(p.how, p.nodes) for _, p in ps]
         if st.channel:

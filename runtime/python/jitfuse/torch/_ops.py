@@ -57,6 +57,66 @@ def _concrete(shape: Any) -> Tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
+def _hint(d: Any) -> Optional[int]:
+    """A dim's value without a guard: an int as it is, a symbolic dim's hint (the example's value); None if it
+    has none (an unbacked size)."""
+    if isinstance(d, int):
+        return d
+    node = getattr(d, "node", None)
+    h = getattr(node, "hint", None) if node is not None else None
+    return int(h) if h is not None else None
+
+
+def _symbolic_outputs(prog: Any, input: Tensor, training: bool) -> Optional[List[Tensor]]:
+    """The fake outputs for an input whose leading (row) dims are symbolic (``torch.compile(dynamic=True)``,
+    or Dynamo's automatic dynamic shapes after a second row count): the program of the example's shape says
+    each output's columns, and an output with the input's leading dims keeps them symbolic, so one graph
+    serves every row count (the library prepares one program per concrete shape at run time, sharing its
+    kernels: they depend on the columns only). The saved block's size is data-dependent (an unbacked size).
+    None: not that case (a symbolic column count, or an output whose rows differ): the caller specialises."""
+    lead = [_hint(d) for d in input.shape[:-1]]
+    if not lead or any(h is None for h in lead) or not isinstance(input.shape[-1], int):
+        return None
+    hint = tuple(lead) + (int(input.shape[-1]),)
+    info = prog.info(hint, bool(training))
+    outs = []
+    for o in info.outputs:
+        if tuple(o.shape[:-1]) != hint[:-1]:
+            return None
+        outs.append(input.new_empty((*input.shape[:-1], int(o.shape[-1])), dtype=torch_dtype(o.dl_dtype)))
+    if prog.fp8_output:
+        outs.append(input.new_empty((1,), dtype=torch.float32))
+    if training:
+        size = _dynamic_size(input)
+        if size is None:
+            return None
+        outs.append(input.new_empty((size,), dtype=torch.uint8))
+    return outs
+
+
+def _dynamic_size(input: Tensor) -> Any:
+    """A data-dependent (unbacked) size for the saved block: the fake-impl context's under a Python fake kernel,
+    else (the extension's Meta kernel) one from the shape environment of ``input``'s symbolic dims; None if
+    there is neither (the caller specialises)."""
+    try:
+        return torch.library.get_ctx().new_dynamic_size()
+    except Exception:  # noqa: BLE001 - not inside a Python fake kernel
+        pass
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+    env = next((getattr(d.node, "shape_env", None) for d in input.shape if isinstance(d, torch.SymInt)), None)
+    if env is None:
+        return None
+    size = env.create_unbacked_symint()
+    _constrain_range_for_size(size)
+    return size
+
+
+def symbolic_fake_outputs(key: int, device_index: int, input: Tensor, training: bool) -> Optional[List[Tensor]]:
+    """The extension's forward Meta kernel on an input with symbolic dims (runtime/torch/ops.cpp calls it):
+    what the Python fake kernel returns there (:func:`_symbolic_outputs`), or None to specialise."""
+    return _symbolic_outputs(device_program(key, device_index), input, training)
+
+
 def forward_op(key: int, input: Tensor, extra_inputs: Optional[List[Tensor]], params: Optional[List[Tensor]],
                rng_state: Optional[Tensor], training: bool) -> List[Tensor]:
     """Runs a jitfuse sequence forward. Returns [output, *extra_outputs, saved] when ``training``, where
@@ -70,6 +130,10 @@ def forward_op(key: int, input: Tensor, extra_inputs: Optional[List[Tensor]], pa
 
 def _forward_fake(key, input, extra_inputs, params, rng_state, training):
     prog = device_program(key, traced_device_index(input))
+    if not all(isinstance(d, int) for d in input.shape):
+        outs = _symbolic_outputs(prog, input, training)
+        if outs is not None:
+            return outs
     info = prog.info(_concrete(input.shape), bool(training))
     outs = [input.new_empty(o.shape, dtype=torch_dtype(o.dl_dtype)) for o in info.outputs]
     if prog.fp8_output:
@@ -279,3 +343,5 @@ FAKE_IN_PYTHON = _ext.EXT is None or not torch._C._dispatch_has_kernel_for_dispa
 if FAKE_IN_PYTHON:
     torch.library.register_fake("jitfuse::forward", _forward_fake, lib=_LIB)
     torch.library.register_fake("jitfuse::backward", _backward_fake, lib=_LIB)
+elif hasattr(_ext.EXT, "set_symbolic_meta"):  # one answer for symbolic rows on both paths
+    _ext.EXT.set_symbolic_meta(symbolic_fake_outputs)

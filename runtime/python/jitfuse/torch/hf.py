@@ -21,8 +21,8 @@ swapped, in place, for a jitfuse sequence built on that module's own parameters.
   outside autocast (e.g. HF's float32 norm on a bfloat16 input), or of the wrong width; also once the gate
   and up weights no longer share a buffer (after a ``.to()`` that copied them: a one-time warning; call
   ``apply`` again).
-- GPT-2's Conv1D weights are ``[in, out]``: the sequence reads them transposed, which costs one row-major
-  copy of each weight per call (autograd carries the gradient back).
+- GPT-2's Conv1D weights are ``[in, out]``: the sequence's linears read them as they lie (``weight_layout``
+  ``"in_out"``: the GEMMs take the transposed operand), no copy per call.
 
 With ``loss=True`` a causal LM's head and loss are swapped too (Liger Kernel's fused linear cross-entropy, for
 HF's own loss): when the model's forward gets ``labels``, it runs the decoder, then ``lm_head`` and HF's shifted
@@ -99,17 +99,16 @@ _warned_split = False
 
 
 class _Source:
-    """One parameter of a swapped module, read at every call: ``module.attr`` (``transpose``: its ``.t()``,
-    GPT-2's Conv1D), or the joined ``[m1.attr; m2.attr]`` of a gated MLP's two Linears. Holds the modules
-    themselves (not closures), so ``copy.deepcopy`` of the model points the copy at the copy's modules."""
+    """One parameter of a swapped module, read at every call: ``module.attr``, or the joined
+    ``[m1.attr; m2.attr]`` of a gated MLP's two Linears. Holds the modules themselves (not closures), so ``copy.deepcopy`` of the model points the copy at the copy's modules."""
 
-    def __init__(self, module: nn.Module, attr: str, second: Optional[nn.Module] = None, transpose: bool = False):
-        self.module, self.attr, self.second, self.transpose = module, attr, second, transpose
+    def __init__(self, module: nn.Module, attr: str, second: Optional[nn.Module] = None):
+        self.module, self.attr, self.second = module, attr, second
 
     def get(self, quiet: bool = False) -> Tensor:
         t = getattr(self.module, self.attr)
         if self.second is None:
-            return t.t() if self.transpose else t
+            return t
         u = getattr(self.second, self.attr)
         if _adjacent(t, u):
             return _JoinHalves.apply(t, u)
@@ -256,12 +255,33 @@ class _Swap:
     weight: _Source                      # a parameter whose dtype the input must have (outside autocast)
     width: int                           # the input's last dim
     instance_forward: Optional[Callable[..., Any]] = None  # a forward the module had as an instance attribute
+    # The submodules whose parameters the sequence reads, by name: one replaced since apply() (PEFT wrapping
+    # a projection in a LoRA layer, say) makes the module run its own forward again, which calls the new one.
+    children: Dict[str, nn.Module] = field(default_factory=dict)
 
 
-def _usable(x: Any, swap: _Swap) -> bool:
+_warned_replaced = False
+
+
+def _children_unchanged(module: nn.Module, swap: _Swap) -> bool:
+    """Whether the submodules ``swap``'s sequence reads are still ``module``'s (warns once when one is not)."""
+    global _warned_replaced
+    for name, child in swap.children.items():
+        if module._modules.get(name) is not child:
+            if not _warned_replaced:
+                _warned_replaced = True
+                warnings.warn(f"jitfuse.torch.hf: {type(module).__name__}.{name} was replaced after apply() (by a "
+                              f"PEFT/LoRA wrapper?): the module runs its own forward again, which calls the new "
+                              f"one; call jitfuse.torch.hf.apply(model) after wrapping to swap what still can be",
+                              stacklevel=4)
+            return False
+    return True
+
+
+def _usable(x: Any, swap: Any, module: Optional[nn.Module] = None) -> bool:
     if not isinstance(x, Tensor) or not x.is_cuda or x.dtype not in SUPPORTED_DTYPES or x.dim() < 1:
         return False
-    if x.shape[-1] != swap.width or x.numel() == 0:
+    if x.shape[-1] != swap.width or x.numel() == 0 or (module is not None and not _children_unchanged(module, swap)):
         return False
     w = getattr(swap.weight.module, swap.weight.attr)
     if not isinstance(w, Tensor) or not w.is_cuda or w.device != x.device:
@@ -271,7 +291,7 @@ def _usable(x: Any, swap: _Swap) -> bool:
 
 def _swapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     swap: _Swap = self.__dict__[_ATTR]
-    if len(args) == 1 and not kwargs and _usable(args[0], swap):
+    if len(args) == 1 and not kwargs and _usable(args[0], swap, self):
         seq = swap.seq
         if seq.training != self.training:
             seq.train(self.training)
@@ -281,7 +301,8 @@ def _swapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _install(module: nn.Module, seq: "_m.Sequential", kind: str, weight: _Source, width: int) -> None:
     inst = module.__dict__.get("forward")
-    module.__dict__[_ATTR] = _Swap(seq, kind, weight, width, inst)
+    children = {n: c for n, c in module._modules.items() if c is not None and any(True for _ in c.parameters())}
+    module.__dict__[_ATTR] = _Swap(seq, kind, weight, width, inst, children)
     module.forward = types.MethodType(_swapped_forward, module)
 
 
@@ -391,12 +412,14 @@ def _mlp_ops(mlp: nn.Module, lay: Dict[str, Any]) -> Tuple[Optional[List[_m.Basi
     k, n = fc.weight.shape
     if tuple(proj.weight.shape) != (n, k) or fc.bias is None or proj.bias is None:
         return None, "", "c_fc and c_proj do not chain (shapes or biases)", None
-    first = _Source(fc, "weight", transpose=True)
-    ops += [_Borrowed("linear", {"in_features": k, "out_features": n}, [("weight", first)]),
+    # The [in, out] weights read as they lie (weight_layout in_out): no transposed copy per call.
+    first = _Source(fc, "weight")
+    ops += [_Borrowed("linear", {"in_features": k, "out_features": n, "weight_layout": "in_out"}, [("weight", first)]),
             _Borrowed("bias", {}, [("bias", _Source(fc, "bias"))])]
     ops.append({"gelu_tanh": lambda: _m.GELU("tanh"), "gelu_erf": lambda: _m.GELU("none"), "relu": _m.ReLU,
                 "silu": _m.SiLU}[act]())
-    ops += [_Borrowed("linear", {"in_features": n, "out_features": k}, [("weight", _Source(proj, "weight", transpose=True))]),
+    ops += [_Borrowed("linear", {"in_features": n, "out_features": k, "weight_layout": "in_out"},
+                      [("weight", _Source(proj, "weight"))]),
             _Borrowed("bias", {}, [("bias", _Source(proj, "bias"))])]
     drop = getattr(mlp, "dropout", None)
     p = float(drop.p) if isinstance(drop, nn.Dropout) else 0.0
@@ -411,7 +434,8 @@ def _mlp_reference(ops: List[_m.BasicOp], x: Tensor) -> Tensor:
     for op in ops:
         if isinstance(op, _Borrowed):
             p = [s.get(quiet=True).detach().double().cpu() for _, s in op.__dict__["_jf_sources"]]
-            y = y @ p[0].t() if op.op == "linear" else (y + p[0] if op.op == "bias" else y)
+            in_out = op.op == "linear" and op._jf_attrs.get("weight_layout") == "in_out"
+            y = (y @ (p[0] if in_out else p[0].t())) if op.op == "linear" else (y + p[0] if op.op == "bias" else y)
         elif isinstance(op, (_m.SwiGLU, _m.GEGLU, _m.ReGLU)):
             n = y.shape[-1] // 2
             a, b = y[..., :n], y[..., n:]

@@ -167,13 +167,21 @@ class Linear(BasicOp):
     ``accumulate_grad``: the library adds the weight gradient to the gradient buffer (which this
     package then zero-fills); autograd still accumulates into ``.grad`` as usual. ``bias``: accepted as
     ``False`` only, so that ``nn.Linear``'s spelling ``Linear(h, f, bias=False)`` works; a bias is the op
-    :class:`Bias`."""
+    :class:`Bias`. ``weight_layout="in_out"``: ``weight`` is ``[in_features, out_features]`` (GPT-2's Conv1D;
+    ``y = x W``), read by the GEMMs as it lies (plain recipes, no tensor parallelism)."""
 
     op = "linear"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, accumulate_grad: bool = False,
                  tensor_parallel: str = "none", sequence_parallel: bool = False, group: str = "tp",
-                 world_size: Optional[int] = None, device: Any = None, dtype: Optional[torch.dtype] = None):
+                 world_size: Optional[int] = None, device: Any = None, dtype: Optional[torch.dtype] = None,
+                 weight_layout: str = "out_in"):
+        if weight_layout not in ("out_in", "in_out"):
+            raise ValueError(f"weight_layout must be 'out_in' ([out, in], nn.Linear's) or 'in_out' ([in, out]), not "
+                             f"{weight_layout!r}")
+        if weight_layout == "in_out" and tensor_parallel != "none":
+            raise ValueError("weight_layout='in_out' takes no tensor parallelism: a shard is cut from an [out, in] "
+                             "weight")
         if bias:
             raise ValueError(f"jitfuse's Linear has no bias: add the op Bias({int(out_features)}) after it "
                              f"(Linear(...), Bias(...)), as in the sequence format")
@@ -195,7 +203,9 @@ class Linear(BasicOp):
         if (tensor_parallel == "column" and self.out_features % w) or (tensor_parallel == "row" and self.in_features % w):
             raise ValueError(f"a {tensor_parallel}-parallel Linear({self.in_features}, {self.out_features}) does not "
                              f"split into {w} equal shards")
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, **_factory(device, dtype)))
+        self.weight_layout = weight_layout
+        shape = (in_local, out_local) if weight_layout == "in_out" else (out_local, in_local)
+        self.weight = nn.Parameter(torch.empty(*shape, **_factory(device, dtype)))
         self.reset_parameters()
 
     def n_ops(self) -> int:
@@ -207,10 +217,15 @@ class Linear(BasicOp):
         return 1 if self.tensor_parallel == "column" else 0
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if getattr(self, "weight_layout", "out_in") == "in_out":  # nn.Linear's init, on the [out, in] view
+            nn.init.kaiming_uniform_(self.weight.t(), a=math.sqrt(5))
+        else:
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def attrs(self, training: bool) -> Dict[str, Any]:
         a: Dict[str, Any] = {"in_features": self.in_features, "out_features": self.out_features}
+        if getattr(self, "weight_layout", "out_in") == "in_out":
+            a["weight_layout"] = "in_out"
         if self.accumulate_grad:
             a["accumulate_grad"] = True
         if self.tensor_parallel != "none":
