@@ -161,6 +161,12 @@ def table(rows: List[Dict[str, object]]) -> str:
     return "\n".join(out)
 
 
+def _print_compile() -> None:
+    from .bench_hf import bench_compile
+    print("\nthe same under torch.compile: backend=\"jitfuse\" against backend=\"inductor\":\n")
+    print(table(bench_compile()))
+
+
 def _print_decode() -> None:
     from .bench_hf import bench_decode
     print("\ndecode, one token per step (greedy, static KV cache), mode=\"reduce-overhead\" (CUDA graphs), "
@@ -173,12 +179,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--skip-steps", action="store_true", help="only the host-overhead table")
-    ap.add_argument("--case", choices=("default", "paths", "stack", "export", "lm_head", "hf", "decode", "moe"), default="default",
+    ap.add_argument("--case", choices=("default", "paths", "stack", "export", "lm_head", "hf", "compile", "decode", "moe"), default="default",
                     help="paths: host time per call, C++ extension vs pure-Python vs PyTorch (one process); "
                          "stack: 4-layer Llama/GPT-2 block stacks, training step wall and GPU time; "
                          "lm_head: linear + cross-entropy fwd+bwd, time and peak memory vs eager and compile; "
                          "hf: Hugging Face models, unmodified vs jitfuse.torch.hf.apply, training step (then under "
-                         "torch.compile, and decode); decode: only the decode table (reduce-overhead, per token); "
+                         "torch.compile, and decode); compile: only the torch.compile table; decode: only the decode table "
+                         "(reduce-overhead, per token); "
                          "moe: the expert block fwd+bwd vs an eager loop, torch._grouped_mm (eager, compiled), bare GEMMs")
     a = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -186,14 +193,15 @@ def main() -> None:
     if a.case == "decode":
         _print_decode()
         return
+    if a.case == "compile":
+        _print_compile()
+        return
     if a.case == "hf":
         from .bench_hf import bench_hf
         print("\nHugging Face training step (forward + loss, backward, AdamW), bf16, 8192 tokens, median ms of "
               "interleaved rounds:\n")
         print(table(bench_hf()))
-        from .bench_hf import bench_compile
-        print("\nthe same under torch.compile: backend=\"jitfuse\" against backend=\"inductor\":\n")
-        print(table(bench_compile()))
+        _print_compile()
         _print_decode()
         return
     if a.case == "moe":

@@ -390,8 +390,9 @@ def test_the_fake_kernels_are_the_extensions_meta_kernels():
                 keep = got[:-1] if tr else got
                 assert all(t.shape[0] is fx.shape[0] or str(t.shape[0]) == str(fx.shape[0]) for t in keep[:1 + n_extra])
                 assert [(t.dtype, t.device) for t in got] == [(t.dtype, t.device) for t in real[tr]], tr
-                if tr:
-                    assert isinstance(got[-1].shape[0], torch.SymInt) and got[-1].dtype == torch.uint8
+                if tr:  # data-dependent under compile; FakeTensorMode alone may give it the real call's size
+                    n = got[-1].shape[0]
+                    assert isinstance(n, torch.SymInt) or n == real[tr][-1].shape[0], (n, real[tr][-1].shape)
             fo = [fk(t) for t in outs]
             got_b = bwd(key, fx, fe, fo[0], fo[1:1 + n_extra], fp, fo[-1], fk(dy), [fk(t) for t in gextra])
             assert meta(got_b) == meta(real_b)

@@ -59,6 +59,12 @@ def _is_method(n: Any, name: str) -> bool:
 
 
 def _num(v: Any) -> Optional[float]:
+    """A number: a constant, or a graph input holding one (under ``dynamic=True`` Dynamo passes float attributes
+    such as a norm's eps as inputs; reading it guards on its value, so a new value recompiles)."""
+    if isinstance(v, fx.Node) and v.op == "placeholder":
+        v = v.meta.get("example_value", v.meta.get("val"))
+        if isinstance(v, (torch.SymFloat, torch.SymInt)):
+            return float(v)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -79,8 +85,25 @@ def _param(n: Any, dims: int) -> bool:
             and v.dtype in _FLOATS)
 
 
+_SIZE_FNS = {f for f in (getattr(torch.ops.aten.sym_size, "int", None), getattr(torch.ops.aten.sym_size, "default", None),
+                          getattr(torch.ops.aten.sym_numel, "default", None)) if f is not None}
+
+
+def _size_query(u: fx.Node) -> bool:
+    """A node that reads only a tensor's metadata (its size, dim count): under dynamic shapes Dynamo's graph
+    has these, and they are not consumers of the data."""
+    return ((u.op == "call_method" and u.target in ("size", "dim", "numel")) or
+            (u.op == "call_function" and (u.target in _SIZE_FNS or
+                                          (u.target is getattr and len(u.args) > 1 and u.args[1] in ("shape", "ndim")))))
+
+
+def _users(n: fx.Node) -> List[fx.Node]:
+    """The consumers of ``n``'s data (size queries left out)."""
+    return [u for u in n.users if not _size_query(u)]
+
+
 def _only_user(n: fx.Node) -> Optional[fx.Node]:
-    us = list(n.users)
+    us = _users(n)
     return us[0] if len(us) == 1 else None
 
 
@@ -110,7 +133,7 @@ class _Step:
 def _norm_step(s: fx.Node) -> Optional[_Step]:
     """A norm reading ``s``: F.layer_norm / F.rms_norm, or HF's RMSNorm written out (Llama's, Gemma's)."""
     h = _val(s).shape[-1] if _val(s) is not None else None
-    for u in s.users:
+    for u in _users(s):
         if _is_fn(u, _LAYER_NORM) and u.args[0] is s and len(u.args) >= 3:
             shape, w = u.args[1], u.args[2]
             b = u.args[3] if len(u.args) > 3 else u.kwargs.get("bias")
@@ -135,7 +158,7 @@ def _norm_step(s: fx.Node) -> Optional[_Step]:
 
 
 def _hf_rms(s: fx.Node, x32: fx.Node, h: Optional[int]) -> Optional[_Step]:
-    users = list(x32.users)
+    users = _users(x32)
     pw = next((v for v in users if _is_method(v, "pow") and v.args[1] == 2), None)
     mul = next((v for v in users if _is_fn(v, {operator.mul}) and _other(v, x32) is not None), None)
     if pw is None or mul is None or len(users) != 2:
@@ -163,7 +186,7 @@ def _hf_rms(s: fx.Node, x32: fx.Node, h: Optional[int]) -> Optional[_Step]:
         if _is_fn(w, {operator.add}) and _num(_other(w, w.args[0] if isinstance(w.args[0], fx.Node) else w.args[1])) == 1.0:
             wf = w.args[1] if isinstance(w.args[1], fx.Node) else w.args[0]
             src = wf.args[0] if _is_method(wf, "float") else wf
-            if _param(src, 1) and len(w.users) == 1 and (wf is src or len(wf.users) == 1):
+            if _param(src, 1) and len(_users(w)) == 1 and (wf is src or len(_users(wf)) == 1):
                 out = _only_user(nxt)
                 extra = [w] + ([wf] if wf is not src else [])
                 if _is_method(out, "type_as") and out.args[1] is s:
@@ -184,7 +207,7 @@ def _linear_of(u: fx.Node, s: fx.Node) -> Optional[Tuple[fx.Node, Optional[fx.No
 def _linear_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
     """A linear reading ``s`` (its only consumer; the chain's first op may share its input with others)."""
     if first:
-        cands = [u for u in s.users if _linear_of(u, s) is not None or
+        cands = [u for u in _users(s) if _linear_of(u, s) is not None or
                  (_is_method(u, "view") and _is_fn(_only_user(u), _ADDMM))]
         u = cands[0] if len(cands) == 1 else None
     else:
@@ -226,7 +249,7 @@ def _act_of(u: fx.Node, s: fx.Node) -> Optional[str]:
 
 def _gelu_formula(s: fx.Node) -> Optional[Tuple[List[fx.Node], fx.Node]]:
     """0.5 * s * (1 + tanh(sqrt(2/pi) * (s + 0.044715 * s**3))) as HF's NewGELUActivation writes it."""
-    us = list(s.users)
+    us = _users(s)
     if len(us) != 3:
         return None
     half = next((u for u in us if _is_fn(u, {operator.mul}) and _num(_other(u, s)) == 0.5), None)
@@ -270,7 +293,7 @@ def _gated_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
     """act(linear(s, Wg)) * linear(s, Wu) with two weights of one shape, as HF's gated MLPs write it (the
     chain's first op may share its input with others). One linear with ``split_weight``: the two weights as
     they are, no copy (FP8 recipes join them per step: :func:`_for_recipe`)."""
-    us = [u for u in s.users if _linear_of(u, s) is not None] if first else list(s.users)
+    us = [u for u in _users(s) if _linear_of(u, s) is not None] if first else _users(s)
     if len(us) != 2:
         return None
     lins = [(u, _linear_of(u, s)) for u in us]
@@ -302,8 +325,8 @@ def _chunk_gated_step(s: fx.Node) -> Optional[_Step]:
     vs = _val(s)
     if n_chunks != 2 or vs is None or dim not in (-1, vs.dim() - 1) or vs.shape[-1] % 2:
         return None
-    items = {u.args[1]: u for u in c.users if _is_fn(u, {operator.getitem})}
-    if len(items) != 2 or len(c.users) != 2 or set(items) != {0, 1}:
+    items = {u.args[1]: u for u in _users(c) if _is_fn(u, {operator.getitem})}
+    if len(items) != 2 or len(_users(c)) != 2 or set(items) != {0, 1}:
         return None
     gate, up = items[0], items[1]
     act = _only_user(gate)
@@ -410,7 +433,7 @@ def _extend(start: fx.Node, taken: set, dtype: torch.dtype) -> Tuple[List[_Step]
     why = "end of the graph"
     first = True
     while True:
-        if not first and any(u in taken for u in s.users):
+        if not first and any(u in taken for u in _users(s)):
             why = "a consumer already in a chain"
             break
         st = None
@@ -424,12 +447,12 @@ def _extend(start: fx.Node, taken: set, dtype: torch.dtype) -> Tuple[List[_Step]
         if st is None and not first:
             st = _add_step(s, start, dtype)
         if st is None:
-            users = list(s.users)
+            users = _users(s)
             why = (f"{s.name} has {len(users)} consumers" if len(users) != 1 else
                    f"{users[0].name} ({getattr(users[0].target, '__name__', users[0].target)}) is not an op the "
                    f"backend matches")
             break
-        if not first and len(s.users) != len(set(s.users) & set(st.covered)):
+        if not first and len(_users(s)) != len(set(_users(s)) & set(st.covered)):
             why = f"{s.name} has a consumer outside the chain"
             break
         if st.channel and any(x.channel for x in steps):
@@ -513,10 +536,35 @@ def _for_recipe(op: str, attrs: Dict[str, Any], ps: List[Tuple[str, _Param]],
     return attrs, ps
 
 
+def _dims(n: fx.Node) -> Optional[List[str]]:
+    v = _val(n)
+    return [str(d) for d in v.shape] if v is not None else None
+
+
+def _size_sources(steps: List[_Step], start: fx.Node) -> Dict[fx.Node, fx.Node]:
+    """Where each size query of a replaced intermediate node reads from instead: the chain's input when the
+    shapes are equal, or when it asks for a leading (row) dim, which every op of a chain keeps. Raises
+    ValueError (the chain is left) for a query jitfuse cannot answer from a node that stays."""
+    out = steps[-1].out
+    moved: Dict[fx.Node, fx.Node] = {}
+    for n in (n for st in steps for n in st.covered if n is not out):
+        for u in (u for u in n.users if _size_query(u)):
+            dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
+            nd = len(_dims(n) or [])
+            leading = isinstance(dim, int) and not isinstance(dim, bool) and -nd <= dim < nd - 1 and dim != -1
+            if _dims(n) == _dims(start) or (leading and _dims(n)[:-1] == _dims(start)[:-1]):
+                moved[u] = n
+            else:
+                raise ValueError(f"{u.name} reads the size of {n.name}, an intermediate of the chain with a shape "
+                                 f"its input does not have")
+    return moved
+
+
 def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int, training: bool,
              dtype: torch.dtype, recipe: Optional[str]) -> Tuple[Chain, fx.Node]:
     g = gm.graph
     out = steps[-1].out
+    size_queries = _size_sources(steps, start)
     channel = any(st.channel for st in steps)
     extras = [st.extra for st in steps if st.extra is not None]
     vx = _val(start)
@@ -531,7 +579,9 @@ def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
                 ops.append(d)
                 continue
             attrs, ps = _for_recipe(op, attrs, ps, recipe)
-            ops.append(_Given(op, attrs, [(n, p.shape) for n, p in ps], dtype))
+            # A parameter's shape is static (a column count read from an activation specialises it, as
+            # the weights it must match are static).
+            ops.append(_Given(op, attrs, [(n, tuple(int(d) for d in p.shape)) for n, p in ps], dtype))
             pnodes += [(p.how, p.nodes) for _, p in ps]
         if st.channel:
             ops.append(_m.AddChannel("residual"))
@@ -541,10 +591,9 @@ def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
     seq.train(training)
     # The library plans the chain for the example's shape now (no GPU): a sequence it refuses (a shape, an
     # FP8 constraint) stays with Inductor, named, instead of failing inside the compiled step.
-    try:
-        shape = [int(d) for d in vx.shape]
-    except Exception:  # noqa: BLE001 - symbolic dims: planned at the first call instead
-        shape = None
+    # Symbolic dims (dynamic shapes) are not read (int() would guard on them and specialise the graph): such a
+    # chain is planned at its first call instead.
+    shape = [int(d) for d in vx.shape] if all(isinstance(d, int) for d in vx.shape) else None
     if shape:
         seq.explain(shape, training=training, dtype=dtype)
     vo = _val(out)
@@ -563,6 +612,8 @@ def _rewrite(gm: fx.GraphModule, steps: List[_Step], start: fx.Node, index: int,
         call = g.call_module(name, (start, *extras, *args))
     call.meta.update(out.meta)  # the same shape and dtype (_Chain casts back): a later chain may start here
     out.replace_all_uses_with(call)
+    for u, n in size_queries.items():
+        u.replace_input_with(n, start)
     covered = [n for st in steps for n in st.covered]
     for n in reversed(covered):
         if not n.users:
