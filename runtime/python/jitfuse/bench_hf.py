@@ -184,9 +184,9 @@ def bench_decode(batches: Tuple[int, ...] = (1, 8), prompt: int = 128, new_token
             decode(base, step, x, 8)  # compile and record the graphs
             toks, ms = decode(base, step, x, new_tokens, timed=True)
             res[k] = (toks, statistics.median(ms[4:]))
-        same = bool((res["jitfuse"][0] == res["inductor"][0]).float().mean().item() > 0.9)
+        # (Greedy tokens of a random-init bf16 model diverge once one argmax flips: test_compile_backend_gpu.py
+        # checks them in fp32 against the eager model.)
         rows.append({"model": name, "batch": b, "inductor ms/token": res["inductor"][1],
-                     "jitfuse ms/token": res["jitfuse"][1], "ratio": res["jitfuse"][1] / res["inductor"][1],
-                     "greedy tokens agree (>90%)": same})
+                     "jitfuse ms/token": res["jitfuse"][1], "ratio": res["jitfuse"][1] / res["inductor"][1]})
     torch._dynamo.reset()
     return rows
