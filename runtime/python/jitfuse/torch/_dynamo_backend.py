@@ -59,13 +59,19 @@ def _is_method(n: Any, name: str) -> bool:
 
 
 def _num(v: Any) -> Optional[float]:
-    """A number: a constant, or a graph input holding one (under ``dynamic=True`` Dynamo passes float attributes
-    such as a norm's eps as inputs; reading it guards on its value, so a new value recompiles)."""
-    if isinstance(v, fx.Node) and v.op == "placeholder":
+    """A number: a constant, or a node holding a symbolic one (under ``dynamic=True`` Dynamo passes float
+    attributes such as a norm's eps as 0-d tensor inputs read with ``.item()``; reading its value guards on it,
+    so a new value recompiles)."""
+    if isinstance(v, fx.Node):
         v = v.meta.get("example_value", v.meta.get("val"))
         if isinstance(v, (torch.SymFloat, torch.SymInt)):
             return float(v)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _scalar_read(n: Any) -> List[fx.Node]:
+    """``[n]`` when ``n`` is a ``.item()`` read of a scalar input that only the chain uses (replaced with it)."""
+    return [n] if _is_method(n, "item") and len(n.users) == 1 else []
 
 
 def _other(n: fx.Node, x: Any) -> Any:
@@ -168,11 +174,12 @@ def _hf_rms(s: fx.Node, x32: fx.Node, h: Optional[int]) -> Optional[_Step]:
             not (mean.kwargs.get("keepdim") or mean.args[2:] == (True,)):
         return None
     add = _only_user(mean)
-    eps = _num(_other(add, mean)) if _is_fn(add, {operator.add}) else None
+    eps_node = _other(add, mean) if _is_fn(add, {operator.add}) else None
+    eps = _num(eps_node)
     rs = _only_user(add) if eps else None
     if not _is_fn(rs, {torch.rsqrt}) or _other(mul, x32) is not rs or _only_user(rs) is not mul:
         return None
-    covered = [x32, pw, mean, add, rs, mul]
+    covered = [x32, pw, mean] + _scalar_read(eps_node) + [add, rs, mul]
     nxt = _only_user(mul)
     # Llama: weight * y.to(input_dtype) (the cast may be absent); Gemma: y * (1.0 + weight.float()), type_as(s)
     if _is_method(nxt, "to") or _is_method(nxt, "type_as"):
