@@ -847,7 +847,8 @@ class Sequential(nn.Module):
       input, extra inputs and floating parameters are cast to the autocast dtype per call (as ``nn.Linear``
       under autocast: the output has the autocast dtype, gradients flow back to float32 master weights).
     - Parameters are checked at every call (shape, dtype, device, layout); a non-contiguous one (e.g.
-      ``nn.Parameter(conv1d.weight.t())``) is copied row-major per call, its gradient flowing back to it.
+      ``nn.Parameter(conv1d.weight.t())``) is copied row-major per call, its gradient flowing back to it
+      (a Conv1D's ``[in, out]`` weight needs no copy: ``Linear(..., weight_layout="in_out")``).
     - ``recipe="fp8_current"`` / ``"fp8_delayed"``: training and inference under FP8 (the module is an
       :class:`Fp8Sequential`). Parameters, activations, outputs and gradients stay bf16; every Linear runs
       on FP8 GEMMs (E4M3 input and weight, E5M2 output gradient, per-tensor scales from this tensor's amax
