@@ -342,9 +342,10 @@ def test_compiled_fullgraph_and_reduce_overhead_have_no_breaks():
 def test_the_fake_kernels_are_the_extensions_meta_kernels():
     """On the extension path the ops' fake kernels are its C++ Meta kernels (no Python fake registered): under
     FakeTensorMode a forward (inference and training, with the saved block) and a backward give the shapes,
-    dtypes and devices of the real calls; a symbolic batch size stays symbolic in the outputs (the package's
-    answer through set_symbolic_meta; the saved block's size data-dependent); opcheck's fake-tensor check passes
-    through them; torch.export traces through them."""
+    dtypes and devices of the real calls; with a symbolic batch size the outputs' batch dim is the input's
+    (symbolic through the package's set_symbolic_meta hook where a shape environment gives the saved block a
+    data-dependent size -- torch.compile(dynamic=True), test_compile_backend_gpu.py -- else specialised);
+    opcheck's fake-tensor check passes through them; torch.export traces through them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from jitfuse.torch import _ops
