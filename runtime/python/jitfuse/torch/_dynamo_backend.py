@@ -64,7 +64,7 @@ def _num(v: Any) -> Optional[float]:
     so a new value recompiles)."""
     if isinstance(v, fx.Node):
         v = v.meta.get("example_value", v.meta.get("val"))
-        if isinstance(v, (torch.SymFloat, torch.SymInt)):
+        if isinstance(v, torch.SymFloat):  # (a SymInt is a size: read as a constant it would specialise it)
             return float(v)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
