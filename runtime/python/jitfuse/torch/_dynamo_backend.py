@@ -316,7 +316,7 @@ def _gated_step(s: fx.Node, first: bool = False) -> Optional[_Step]:
             n, k = _val(wg).shape
             ops = [("linear", {"in_features": k, "out_features": 2 * n, "split_weight": True},
                     [("weight", _Param((wg,), "as_is", (n, k))), ("weight2", _Param((wu,), "as_is", (n, k)))]),
-                   ({"silu": "swiglu", "gelu_tanh": "geglu", "relu": "reglu"}[name], {}, [])]
+                   (_GATED[name].op, {}, [])]
             return _Step(ops, [g, u, act, mul], mul, kind=f"gated ({name})")
     return None
 
@@ -341,8 +341,7 @@ def _chunk_gated_step(s: fx.Node) -> Optional[_Step]:
     mul = _only_user(act) if name else None
     if name not in _GATED or not _is_fn(mul, {operator.mul}) or _other(mul, act) is not up or _only_user(up) is not mul:
         return None
-    op = {"silu": "swiglu", "gelu_tanh": "geglu", "relu": "reglu"}[name]
-    return _Step([(op, {}, [])], [c, gate, up, act, mul], mul, kind=f"gated halves ({name})")
+    return _Step([(_GATED[name].op, {}, [])], [c, gate, up, act, mul], mul, kind=f"gated halves ({name})")
 
 
 def _dropout_step(s: fx.Node) -> Optional[_Step]:
@@ -553,13 +552,16 @@ def _size_sources(steps: List[_Step], start: fx.Node) -> Dict[fx.Node, fx.Node]:
     shapes are equal, or when it asks for a leading (row) dim, which every op of a chain keeps. Raises
     ValueError (the chain is left) for a query jitfuse cannot answer from a node that stays."""
     out = steps[-1].out
+    ds = _dims(start)
     moved: Dict[fx.Node, fx.Node] = {}
     for n in (n for st in steps for n in st.covered if n is not out):
-        for u in (u for u in n.users if _size_query(u)):
+        queries = [u for u in n.users if _size_query(u)]
+        dn = _dims(n) if queries else None
+        for u in queries:
             dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
-            nd = len(_dims(n) or [])
+            nd = len(dn or [])
             leading = isinstance(dim, int) and not isinstance(dim, bool) and -nd <= dim < nd - 1 and dim != -1
-            if _dims(n) == _dims(start) or (leading and _dims(n)[:-1] == _dims(start)[:-1]):
+            if dn is not None and (dn == ds or (leading and dn[:-1] == ds[:-1])):
                 moved[u] = n
             else:
                 raise ValueError(f"{u.name} reads the size of {n.name}, an intermediate of the chain with a shape "

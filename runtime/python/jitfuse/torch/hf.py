@@ -100,7 +100,8 @@ _warned_split = False
 
 class _Source:
     """One parameter of a swapped module, read at every call: ``module.attr``, or the joined
-    ``[m1.attr; m2.attr]`` of a gated MLP's two Linears. Holds the modules themselves (not closures), so ``copy.deepcopy`` of the model points the copy at the copy's modules."""
+    ``[m1.attr; m2.attr]`` of a gated MLP's two Linears. Holds the modules themselves (not closures), so
+    ``copy.deepcopy`` of the model points the copy at the copy's modules."""
 
     def __init__(self, module: nn.Module, attr: str, second: Optional[nn.Module] = None):
         self.module, self.attr, self.second = module, attr, second
@@ -301,7 +302,7 @@ def _swapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _install(module: nn.Module, seq: "_m.Sequential", kind: str, weight: _Source, width: int) -> None:
     inst = module.__dict__.get("forward")
-    children = {n: c for n, c in module._modules.items() if c is not None and any(True for _ in c.parameters())}
+    children = {n: c for n, c in module._modules.items() if c is not None and next(c.parameters(), None) is not None}
     module.__dict__[_ATTR] = _Swap(seq, kind, weight, width, inst, children)
     module.forward = types.MethodType(_swapped_forward, module)
 
