@@ -45,12 +45,12 @@ void register_linear(Registry& r) {
                                   : fmt::format("in_features = {} but the input's last dim is {}", in_f, cols_of(op.in)));
     op.out = op.in;
     op.out.back() = out_f;
-    const bool in_out = op.attrs.value("weight_layout", "out_in") == "in_out";
+    const bool in_out = op.weight_in_out();
     if (in_out && tp != "none")
       shape_error(op, fmt::format("weight_layout \"in_out\" with tensor_parallel \"{}\": a parallel linear's shard is "
                                   "cut from an [out_features, in_features] weight; store it that way (transpose it "
                                   "once) or run the linear without tensor parallelism", tp));
-    if (op.attrs.value("split_weight", false)) {
+    if (op.split_weight()) {
       if (out_f % 2 != 0 || in_out || tp != "none")
         shape_error(op, fmt::format("split_weight needs an even out_features (it is {}), weight_layout \"out_in\" and no "
                                     "tensor parallelism: its two weights are the outputs' halves, [out_features / 2, "

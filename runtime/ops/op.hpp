@@ -164,6 +164,9 @@ struct Op {
   double num(const char* attr) const { return attrs.at(attr).get<double>(); }
   bool flag(const char* attr) const { return attrs.at(attr).get<bool>(); }
   std::string str(const char* attr) const { return attrs.at(attr).get<std::string>(); }
+  // A linear's weight attributes (docs/ops.md#linear); false for every other op.
+  bool weight_in_out() const { return attrs.value("weight_layout", "out_in") == "in_out"; }  // stored [in, out]
+  bool split_weight() const { return attrs.value("split_weight", false); }  // two parameters, the outputs' halves
 };
 
 class Registry {

@@ -33,16 +33,15 @@ Vec transposed(const Vec& a, int64_t rows, int64_t cols) {
 }
 
 // A linear's weight as [out_features, in_features] (weight_layout "in_out" stores it transposed).
-bool weight_in_out(const ops::Op& op) { return op.attrs.value("weight_layout", "out_in") == "in_out"; }
 Vec linear_weight(const SeqInputs& in, const ops::Op& op) {
   const Vec& w = param(in, op, "weight");
-  if (op.attrs.value("split_weight", false)) {  // [weight; weight2]: the outputs' two halves
+  if (op.split_weight()) {  // [weight; weight2]: the outputs' two halves
     Vec both = w;
     const Vec& w2 = param(in, op, "weight2");
     both.insert(both.end(), w2.begin(), w2.end());
     return both;
   }
-  return weight_in_out(op) ? transposed(w, ops::cols_of(op.in), ops::cols_of(op.out)) : w;
+  return op.weight_in_out() ? transposed(w, ops::cols_of(op.in), ops::cols_of(op.out)) : w;
 }
 
 bool dropout_active(const ops::Op& op) { return op.flag("training") && op.num("p") > 0; }
@@ -265,12 +264,12 @@ SeqGrads sequence_backward(const std::vector<ops::Op>& ops, const SeqInputs& in,
           break;
         }
         Vec dw = linear_wgrad(dy, x, rows, n, cols);
-        if (op.attrs.value("split_weight", false)) {
+        if (op.split_weight()) {
           const auto mid = dw.begin() + static_cast<std::ptrdiff_t>(dw.size() / 2);
           g.grad_params[{i, "weight"}] = Vec(dw.begin(), mid);
           g.grad_params[{i, "weight2"}] = Vec(mid, dw.end());
         } else {
-          g.grad_params[{i, "weight"}] = weight_in_out(op) ? transposed(dw, n, cols) : dw;
+          g.grad_params[{i, "weight"}] = op.weight_in_out() ? transposed(dw, n, cols) : dw;
         }
         dy = linear_dgrad(dy, linear_weight(in, op), rows, n, cols);
         break;

@@ -338,6 +338,16 @@ std::vector<at::Tensor> forward_meta(int64_t key, const at::Tensor& input, const
   (void)rng_state;
   const at::TensorList extra_inputs = tensors_or_none(extra_inputs_opt), params = tensors_or_none(params_opt);
   const int dev = meta_device(key);
+  std::shared_ptr<Sequence> sp;
+  {
+    NoMetaInclude real;
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+    sp = sequence(key, dev);
+  }
+  // The counts and the dtype first: they read no size, so they hold for symbolic rows too.
+  check_arity(*sp, "jitfuse::forward", input, extra_inputs.size(), params.size());
+  TORCH_CHECK_TYPE(input.scalar_type() == sp->dtype, "jitfuse: sequence '", sp->name, "': input is ",
+                   py_dtype(input.scalar_type()), ", the program runs ", py_dtype(sp->dtype));
   if (has_symbolic_dim(input)) {
     SymbolicMeta fn;
     {
@@ -347,16 +357,10 @@ std::vector<at::Tensor> forward_meta(int64_t key, const at::Tensor& input, const
     if (fn)
       if (auto outs = fn(key, dev, input, training)) return *outs;
   }
-  std::shared_ptr<Sequence> sp;
   std::shared_ptr<Program> pp;
   {
     NoMetaInclude real;
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
-    sp = sequence(key, dev);
-    const Sequence& s = *sp;
-    check_arity(s, "jitfuse::forward", input, extra_inputs.size(), params.size());
-    TORCH_CHECK_TYPE(input.scalar_type() == s.dtype, "jitfuse: sequence '", s.name, "': input is ",
-                     py_dtype(input.scalar_type()), ", the program runs ", py_dtype(s.dtype));
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
     pp = sp->program(concrete_sizes(input), training, stream);
   }

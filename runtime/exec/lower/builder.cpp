@@ -440,7 +440,7 @@ GemmStep Builder::linear_gemm(int lin, cuda::GemmKind kind) const {
   g.call.k = ops::cols_of(o.in);
   g.call.n = ops::cols_of(o.out);
   g.call.dtype = p_.recipe.dtype;
-  g.call.weight_t = o.family == ops::Family::linear && o.attrs.value("weight_layout", "out_in") == "in_out";
+  g.call.weight_t = o.family == ops::Family::linear && o.weight_in_out();
   return g;
 }
 

@@ -232,7 +232,7 @@ GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
   }
   g.a = x;
   g.b = b.param(lin, Key::weight);
-  if (b.ops()[lin].attrs.value("split_weight", false)) g.b2 = b.param(lin, Key::weight2);
+  if (b.ops()[lin].split_weight()) g.b2 = b.param(lin, Key::weight2);
   return g;
 }
 
@@ -297,7 +297,7 @@ void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
   dg.call.alpha = lb.alpha;
   dg.a = lb.dy;
   dg.b = b.param(lin, Key::weight);
-  if (op.attrs.value("split_weight", false)) dg.b2 = b.param(lin, Key::weight2);
+  if (op.split_weight()) dg.b2 = b.param(lin, Key::weight2);
   dg.d = lb.dx;
   if (lb.accumulate >= 0) {
     dg.call.beta = 1.f;
@@ -314,7 +314,7 @@ void linear_backward(Builder& b, int lin, const LinearBackward& lb) {
   wg.a = lb.dy;
   wg.b = lb.input >= 0 ? lb.input : b.saved_context(lin, Key::input);
   wg.d = b.grad(lin, Key::weight);
-  if (op.attrs.value("split_weight", false)) wg.b2 = b.grad(lin, Key::weight2);
+  if (op.split_weight()) wg.b2 = b.grad(lin, Key::weight2);
   wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
   if (lb.bias_grad_op >= 0) {
     // db = column sums of dy, taken by the wgrad GEMM that reads dy anyway (ones: the fallback's column).

@@ -118,7 +118,7 @@ GroupedGemm grouped_gemm_choice() {
     if (!v || v->empty() || *v == "auto") return GroupedGemm::automatic;
     if (*v == "lt") return GroupedGemm::lt;
     if (*v == "cublas") return GroupedGemm::cublas;
-    log().warn("JITFUSE_GROUPED_GEMM='{}' is not auto, lt or cublas: using auto", text::sanitize_message(v->substr(0, 40)));
+    log().warn("JITFUSE_GROUPED_GEMM='{}' is not auto, lt or cublas: using auto", text::shorten(*v, 40));
     return GroupedGemm::automatic;
   }();
   return choice;

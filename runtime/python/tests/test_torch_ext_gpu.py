@@ -394,6 +394,11 @@ def test_the_fake_kernels_are_the_extensions_meta_kernels():
                 if tr:  # data-dependent under compile; FakeTensorMode alone may give it the real call's size
                     n = got[-1].shape[0]
                     assert isinstance(n, torch.SymInt) or n == real[tr][-1].shape[0], (n, real[tr][-1].shape)
+            if shape_env is not None:  # counts and dtype are checked before the symbolic hook answers
+                with pytest.raises(Exception, match="extra input"):
+                    fwd(key, fx, [], fp, fk(rng), False)
+                with pytest.raises(Exception, match="the program runs"):
+                    fwd(key, fx.float(), fe, fp, fk(rng), False)
             fo = [fk(t) for t in outs]
             got_b = bwd(key, fx, fe, fo[0], fo[1:1 + n_extra], fp, fo[-1], fk(dy), [fk(t) for t in gextra])
             assert meta(got_b) == meta(real_b)

@@ -8,9 +8,11 @@
 #include "cache/disk_store.hpp"
 #include "cache/kernel_cache.hpp"
 #include "cache_test_util.hpp"
+#include "support/scoped_env.hpp"
 
 using namespace jitfuse;
 using namespace jitfuse::cache;
+using jitfuse::test::ScopedEnv;
 
 namespace {
 
@@ -23,25 +25,6 @@ KernelRequest base_request() {
   r.meta = {{"rule", "r"}, {"shape", {128, 256}}};
   return r;
 }
-
-// Sets (or unsets) an environment variable for a scope, restoring the old value afterwards.
-struct ScopedEnv {
-  std::string name;
-  std::optional<std::string> old;
-  ScopedEnv(const char* n, const char* value) : name(n) {
-    if (const char* v = std::getenv(n)) old = v;
-    if (value)
-      ::setenv(n, value, 1);
-    else
-      ::unsetenv(n);
-  }
-  ~ScopedEnv() {
-    if (old)
-      ::setenv(name.c_str(), old->c_str(), 1);
-    else
-      ::unsetenv(name.c_str());
-  }
-};
 
 }  // namespace
 

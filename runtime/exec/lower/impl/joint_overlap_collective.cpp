@@ -1,13 +1,30 @@
 // Joint strategy overlap_collective ([all_gather, linear] or [linear, reduce_scatter], docs/parallel.md): the
-// GEMM runs in row chunks, each chunk's collective on the program's side stream, so chunk i's transfer
-// overlaps chunk i+1's GEMM. The all-gather becomes one broadcast per chunk (rank r's rows land where the
-// gather puts them) and the reduce-scatter one reduce per chunk (to the rank that owns the rows):
+// collective runs on the program's side stream beside GEMMs that do not need its result. Two ways, chosen by the
+// world size (JITFUSE_OVERLAP overrides: every rank must set the same value):
+//
+// "chunks" (W <= 2): the GEMM runs in row chunks, each chunk's transfer on the side stream, so chunk i's transfer
+// overlaps chunk i+1's GEMM. The all-gather becomes one broadcast per chunk (rank r's rows land where the gather
+// puts them) and the reduce-scatter one reduce per chunk (to the rank that owns the rows):
 //   forward  all_gather + linear:  bcast(c0) | bcast(c1) GEMM(c0) | bcast(c2) GEMM(c1) | ...
 //   backward (dgrad + reduce-scatter): dgrad(c0) | reduce(c0) dgrad(c1) | ... then wgrad beside the last reduces
 //   forward  linear + reduce_scatter: GEMM(c0) | reduce(c0) GEMM(c1) | ...
 //   backward (all-gather of dy + dgrad): bcast(c0) | bcast(c1) dgrad(c0) | ... then wgrad
-// Chunks: max(W, 4) in all, W per rank shard times 4 / W (at least 1); the saved context is the unfused ops'.
+// Chunks: max(W, 4) in all, W per rank shard times 4 / W (at least 1).
+//
+// "local" (W > 2; at 4 ranks the chunked pipeline measured slower than the GEMMs and NCCL's collectives apart: the
+// chunked GEMMs lose efficiency and W x chunks NCCL kernels take their SMs): one NCCL collective, whole GEMMs
+// except where this rank's own rows need no transfer:
+//   forward  all_gather + linear:  GEMM(own rows, read from the shard itself) beside all_gather | GEMM(the rest)
+//   backward (dgrad + reduce-scatter): dgrad | reduce_scatter beside wgrad
+//   forward  linear + reduce_scatter: GEMM | reduce_scatter (nothing to overlap inside the window)
+//   backward (all-gather of dy + dgrad): dgrad(own rows) beside all_gather | dgrad(the rest) | wgrad
+// Either way the saved context is the unfused ops'.
+#include <atomic>
+
+#include "common/env.hpp"
 #include "common/error.hpp"
+#include "common/log.hpp"
+#include "common/text.hpp"
 #include "exec/lower/impl/registrar.hpp"
 #include "exec/lower/lowering.hpp"
 
@@ -15,6 +32,21 @@ namespace jitfuse::exec {
 namespace {
 
 constexpr int kTargetChunks = 4;
+
+// How the window overlaps its collective (the comment above): JITFUSE_OVERLAP = auto (the default: chunks up to 2
+// ranks, local beyond), chunks or local. Read when a program is planned.
+enum class Mode { chunks, local };
+Mode mode_of(int world) {
+  const std::optional<std::string> v = env::get("JITFUSE_OVERLAP");
+  if (v && *v == "chunks") return Mode::chunks;
+  if (v && *v == "local") return Mode::local;
+  static std::atomic<bool> warned{false};
+  if (v && !v->empty() && *v != "auto" && !warned.exchange(true))
+    log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks or local: using auto", text::shorten(*v, 40));
+  // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs"): at 2 ranks the
+  // chunked pipeline hides 47 % of the collectives; at 4 it was slower than the GEMM and NCCL's collectives apart.
+  return world > 2 ? Mode::local : Mode::chunks;
+}
 
 // Chunks per rank shard of `shard_rows` rows at world size `w`: 4 / W (at least 1), halved until it divides.
 int64_t chunks_per_rank(int64_t shard_rows, int w) {
@@ -39,13 +71,11 @@ class OverlapCollective final : public Implementation {
     const ops::Op& comm = gather ? *w[0].op : *w[1].op;
     if (comm.in.size() != 2) return "the pipelined GEMM takes 2-D activations (its rows are dim 0)";
     const int64_t shard = gather ? comm.in.at(0) : comm.out.at(0);
+    if (mode_of(comm.world_size) == Mode::local) {
+      if (comm.world_size < 2) return "one rank: nothing to overlap";
+      return std::nullopt;
+    }
     if (comm.world_size * chunks_per_rank(shard, comm.world_size) < 2) return "one chunk: nothing to overlap";
-    // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs"): at 2 ranks the
-    // pipeline hides 47 % of the collectives; at 4 it is slower than the GEMMs and NCCL's collectives apart (4.55
-    // against 4.11 ms: the chunked GEMMs lose efficiency and NCCL's broadcast/reduce kernels take their SMs).
-    if (comm.world_size > 2)
-      return fmt::format("{} ranks: measured slower than the GEMM and the collective apart beyond 2 ranks "
-                         "(docs/benchmarks.md)", comm.world_size);
     return std::nullopt;
   }
   std::optional<std::string> check_fp8(const std::vector<OpUse>&, const rules::Impl&, rules::Pass) const override {
@@ -54,6 +84,13 @@ class OverlapCollective final : public Implementation {
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
     const bool gather = b.ops()[g.begin].family == ops::Family::comm;
+    if (mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size) == Mode::local) {
+      if (gather)
+        local_gather(b, g.begin, g.begin + 1);
+      else
+        local_scatter(b, g.begin + 1, g.begin);
+      return;
+    }
     if (gather)
       lower_gather(b, g.begin, g.begin + 1);
     else
@@ -117,6 +154,89 @@ class OverlapCollective final : public Implementation {
     wg.d = b.grad(lin, Key::weight);
     wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
     b.gemm(wg, who(b) + ": wgrad " + op.label());
+  }
+
+  // The whole collective of op `comm_op` on `stream` after `waits` (local mode).
+  static int whole(Builder& b, Collective kind, int comm_op, int send, int recv, int64_t count, int stream,
+                   std::vector<int> waits, const std::string& what) {
+    CommStep c;
+    c.op = kind;
+    c.op_index = comm_op;
+    c.dtype = b.recipe().dtype;
+    c.send = send;
+    c.recv = recv;
+    c.count = count;
+    b.comm(c, fmt::format("{} ({} of {}{})", who(b), collective_name(kind), b.ops()[comm_op].label(), what));
+    b.place_last(stream, std::move(waits));
+    return static_cast<int>(b.steps()) - 1;
+  }
+  // GEMMs of `kind` over the gathered rows other than this rank's ([0, rank n) and [(rank + 1) n, W n)), after
+  // the collective `after`: A and D are both [W n, .] buffers.
+  static void other_rows(Builder& b, int lin, cuda::GemmKind kind, const Chunks& c, int a, int64_t a_cols, int d,
+                         int64_t d_cols, int after, const char* what) {
+    const int64_t own0 = c.row0(c.rank, 0), own1 = own0 + c.shard, all = c.world * c.shard;
+    for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, own0}, std::pair<int64_t, int64_t>{own1, all}})
+      if (r1 > r0)
+        chunk_gemm(b, lin, kind, a, r0 * a_cols, d, r0 * d_cols, r1 - r0, {after},
+                   fmt::format("{}: {}rows {}..{} of {} (the other ranks' rows, after the all-gather)", who(b), what,
+                               r0, r1, b.ops()[lin].label()));
+  }
+
+  // Local mode, [all_gather ag, linear lin]. Forward: this rank's rows of y from its own shard while the
+  // all-gather runs; the other rows after it. Backward: dgrad, then the reduce-scatter beside the wgrad.
+  static void local_gather(Builder& b, int ag, int lin) {
+    const ops::Op& comm = b.ops()[ag];
+    const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
+    Chunks c = chunks_of(comm, comm.in.at(0));
+    c.per_rank = 1;
+    c.rows = c.shard;
+    if (b.forward()) {
+      const int x = b.act(ag), full = b.act(lin), y = b.act(lin + 1);
+      const int64_t own0 = c.row0(c.rank, 0);
+      // The collective first: the side stream forks from the caller's where its first step is issued, so a GEMM
+      // issued before it would run before it.
+      const int g = whole(b, Collective::all_gather, ag, x, full, ops::numel(comm.in), 1, {},
+                          ", beside this rank's rows' GEMM");
+      chunk_gemm(b, lin, cuda::GemmKind::fwd, x, 0, y, own0 * n_out, c.shard, {},
+                 fmt::format("{}: rows {}..{} of {} (this rank's, from its shard: no transfer)", who(b), own0,
+                             own0 + c.shard, b.ops()[lin].label()));
+      other_rows(b, lin, cuda::GemmKind::fwd, c, full, k, y, n_out, g, "");
+      b.boundary_saves(ag, lin + 1);
+      b.save_alias(lin, Key::input, full);  // the gathered input: inside the group, so the group saves it
+      return;
+    }
+    const int dy = b.grad_of(lin + 1), dfull = b.grad_of(lin), dx = b.grad_of(ag);
+    const int gm = chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dfull, 0, c.world * c.shard, {},
+                              fmt::format("{}: dgrad {}", who(b), b.ops()[lin].label()));
+    whole(b, Collective::reduce_scatter, ag, dfull, dx, ops::numel(comm.in), 1, {gm}, ", beside the wgrad");
+    wgrad(b, lin, dy, b.saved_context(lin, Key::input));
+  }
+
+  // Local mode, [linear lin, reduce_scatter rs]. Forward: the GEMM, then the reduce-scatter. Backward: this rank's
+  // rows of dx from its own shard of dy while the all-gather of dy runs; the other rows after it; the wgrad.
+  static void local_scatter(Builder& b, int rs, int lin) {
+    const ops::Op& comm = b.ops()[rs];
+    const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
+    Chunks c = chunks_of(comm, comm.out.at(0));
+    c.per_rank = 1;
+    c.rows = c.shard;
+    if (b.forward()) {
+      const int x = b.act(lin), partial = b.act(rs), y = b.act(rs + 1);
+      chunk_gemm(b, lin, cuda::GemmKind::fwd, x, 0, partial, 0, c.world * c.shard, {},
+                 fmt::format("{}: {}", who(b), b.ops()[lin].label()));
+      whole(b, Collective::reduce_scatter, rs, partial, y, ops::numel(comm.out), 0, {}, "");
+      b.boundary_saves(lin, rs + 1);
+      return;
+    }
+    const int dy = b.grad_of(rs + 1), dfull = b.grad_of(rs), dx = b.grad_of(lin);
+    const int64_t own0 = c.row0(c.rank, 0);
+    const int g = whole(b, Collective::all_gather, rs, dy, dfull, ops::numel(comm.out), 1, {},
+                        ", beside this rank's rows' dgrad");  // first: as in local_gather
+    chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dx, own0 * k, c.shard, {},
+               fmt::format("{}: dgrad rows {}..{} of {} (this rank's, from its shard of dy: no transfer)", who(b),
+                           own0, own0 + c.shard, b.ops()[lin].label()));
+    other_rows(b, lin, cuda::GemmKind::dgrad, c, dfull, n_out, dx, k, g, "dgrad ");
+    wgrad(b, lin, dfull, b.saved_context(lin, Key::input));
   }
 
   // [all_gather ag, linear lin]: x shard [n, k] -> gathered [W n, k] -> y [W n, N].

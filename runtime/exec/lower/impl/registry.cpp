@@ -131,7 +131,7 @@ std::optional<std::string> check_legal(const rules::Rule& rule, const std::vecto
   const auto window = window_of(ops, b, e);
   if (auto why = impl->check(window, rule.impl, pass)) return why;
   for (const auto& u : window)
-    if (u.family() == ops::Family::linear && u.op && u.op->attrs.value("split_weight", false))
+    if (u.family() == ops::Family::linear && u.op && u.op->split_weight())
       return fmt::format("{} runs as two GEMMs over its outputs' halves (split_weight), with no epilogue; {} does not "
                          "lower to them (the unfused linear does)", u.op->label(), impl->name());
   const bool linear = std::any_of(window.begin(), window.end(), [](const OpUse& u) { return u.family() == ops::Family::linear; });
