@@ -302,13 +302,43 @@ TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams"
       CHECK(exec::program_text(*p, 3350).find("no transfer") != std::string::npos);
     }
   }
+  // Tensor parallelism without SP: the all-reduce of the column-parallel linear's dx beside its wgrad
+  // (all_reduce_linear_overlap); not where a bias follows the linear (GPT-2: its GEMMs keep their epilogues).
+  for (int world : {1, 4}) {
+    INFO("TP, world size " << world);
+    auto p = program_of(parallel_block("llama_mlp_block.json", false), "bf16", true, {4096, 1024}, world, 0);
+    bool beside = false;
+    for (size_t i = 0; i + 1 < p->backward.size(); ++i) {
+      const auto& s = p->backward[i];
+      if (s.kind != exec::Step::Kind::comm || s.comm.op != Collective::all_reduce || s.stream != 1) continue;
+      const auto& next = p->backward[i + 1];
+      beside = s.waits.size() == 1 && p->backward[static_cast<size_t>(s.waits[0])].gemm.call.kind == cuda::GemmKind::dgrad &&
+               next.kind == exec::Step::Kind::gemm && next.gemm.call.kind == cuda::GemmKind::wgrad && next.waits.empty();
+    }
+    CHECK(beside);
+    CHECK(p->plan.forward[1].rule == "all_reduce_linear_overlap");
+    auto q = program_of(parallel_block("gpt2_mlp_block.json", false), "bf16", true, {4096, 1024}, world, 0);
+    bool said = false;
+    for (const auto& d : q->plan.decisions)
+      said = said || (d.rule == "all_reduce_linear_overlap" && d.reason.find("bias folds") != std::string::npos);
+    CHECK(said);
+    for (const auto& st : q->backward) CHECK(st.stream == 0);
+  }
   // JITFUSE_OVERLAP picks either way at any world size; another value warns and takes auto.
   {
     test::ScopedEnv env("JITFUSE_OVERLAP", "chunks");
     auto p = program_of(llama_sp, "bf16", true, {1024, 1024}, 4, 1);
     CHECK(count_comm(p->forward, Collective::broadcast) == 4);
   }
-  for (const char* v : {"local", "nonsense\n"}) {
+  {
+    test::ScopedEnv env("JITFUSE_OVERLAP", "local,chunks");  // the all-gather window local, the reduce-scatter's chunked
+    auto p = program_of(llama_sp, "bf16", true, {1024, 1024}, 4, 1);
+    CHECK(count_comm(p->forward, Collective::all_gather) == 1);
+    CHECK(count_comm(p->forward, Collective::reduce) == 4);
+    CHECK(count_comm(p->backward, Collective::broadcast) == 4);
+    CHECK(count_comm(p->backward, Collective::reduce_scatter) == 1);
+  }
+  for (const char* v : {"local", "nonsense\n", "local,nonsense"}) {
     test::ScopedEnv env("JITFUSE_OVERLAP", v);
     auto p = program_of(llama_sp, "bf16", true, {1024, 1024}, 4, 1);
     CHECK(count_comm(p->forward, Collective::broadcast) == 0);

@@ -19,6 +19,7 @@ struct OpUse {
   const ops::OpKind* kind = nullptr;
   const nlohmann::json* attrs = nullptr;
   const ops::Op* op = nullptr;  // concrete windows only: shapes
+  const ops::Op* next = nullptr;  // concrete windows only: the op after this one in the sequence (null at its end)
   const std::string& name() const { return kind->name; }
   ops::Family family() const { return kind->family; }
   // The attribute's value (or the pattern's constraint on it); `otherwise` when unknown.

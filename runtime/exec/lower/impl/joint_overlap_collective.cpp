@@ -1,5 +1,6 @@
-// Joint strategy overlap_collective ([all_gather, linear] or [linear, reduce_scatter], docs/parallel.md): the
-// collective runs on the program's side stream beside GEMMs that do not need its result. Two ways, chosen by the
+// Joint strategy overlap_collective ([all_gather, linear], [linear, reduce_scatter], [all_reduce, linear];
+// docs/parallel.md): the collective runs on the program's side stream beside GEMMs that do not need its result.
+// For the all-gather and reduce-scatter windows, two ways, chosen by the
 // world size (JITFUSE_OVERLAP overrides: every rank must set the same value):
 //
 // "chunks" (W <= 2): the GEMM runs in row chunks, each chunk's transfer on the side stream, so chunk i's transfer
@@ -19,12 +20,17 @@
 //   forward  linear + reduce_scatter: GEMM | reduce_scatter (nothing to overlap inside the window)
 //   backward (all-gather of dy + dgrad): dgrad(own rows) beside all_gather | dgrad(the rest) | wgrad
 // Either way the saved context is the unfused ops'.
+//
+// [all_reduce, linear] (tensor parallelism without SP: the all-reduce that sums a column-parallel linear's dx in
+// the backward, the identity in the forward): forward: the GEMM; backward: dgrad | all_reduce beside wgrad. Not
+// where a bias follows the linear (its epilogues would be lost: the check says so).
 #include <atomic>
 
 #include "common/env.hpp"
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "common/text.hpp"
+#include "exec/lower/impl/comm.hpp"
 #include "exec/lower/impl/registrar.hpp"
 #include "exec/lower/lowering.hpp"
 
@@ -34,17 +40,32 @@ namespace {
 constexpr int kTargetChunks = 4;
 
 // How the window overlaps its collective (the comment above): JITFUSE_OVERLAP = auto (the default: chunks up to 2
-// ranks, local beyond), chunks or local. Read when a program is planned.
-enum class Mode { chunks, local };
-Mode mode_of(int world) {
-  const std::optional<std::string> v = env::get("JITFUSE_OVERLAP");
-  if (v && *v == "chunks") return Mode::chunks;
-  if (v && *v == "local") return Mode::local;
-  static std::atomic<bool> warned{false};
-  if (v && !v->empty() && *v != "auto" && !warned.exchange(true))
-    log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks or local: using auto", text::shorten(*v, 40));
+// ranks, local beyond), chunks or local for both windows, or "<all_gather window>,<reduce_scatter window>" (e.g.
+// "local,chunks"). Read when a program is planned.
+enum class Mode { automatic, chunks, local };
+std::optional<Mode> mode_word(const std::string& w) {
+  if (w == "auto" || w.empty()) return Mode::automatic;
+  if (w == "chunks") return Mode::chunks;
+  if (w == "local") return Mode::local;
+  return std::nullopt;
+}
+Mode mode_of(int world, bool gather) {
+  Mode m = Mode::automatic;
+  if (const std::optional<std::string> v = env::get("JITFUSE_OVERLAP")) {
+    const size_t comma = v->find(',');
+    const std::optional<Mode> g = mode_word(v->substr(0, comma));
+    const std::optional<Mode> sc = comma == std::string::npos ? g : mode_word(v->substr(comma + 1));
+    static std::atomic<bool> warned{false};
+    if (g && sc)
+      m = gather ? *g : *sc;
+    else if (!warned.exchange(true))
+      log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks, local or two of them separated by a comma: using auto",
+                 text::shorten(*v, 40));
+  }
+  if (m != Mode::automatic) return m;
   // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs"): at 2 ranks the
-  // chunked pipeline hides 47 % of the collectives; at 4 it was slower than the GEMM and NCCL's collectives apart.
+  // chunked pipeline hides 47 % of the collectives and local runs level with it; at 4 the chunked pipeline was
+  // slower than the GEMM and NCCL's collectives apart, local hides 44 %.
   return world > 2 ? Mode::local : Mode::chunks;
 }
 
@@ -60,18 +81,32 @@ class OverlapCollective final : public Implementation {
   rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }
   std::string name() const override { return "overlap_collective"; }
   std::string covers_text() const override {
-    return "[all_gather, linear] or [linear, reduce_scatter] (joint pass, plain recipes)";
+    return "[all_gather, linear], [linear, reduce_scatter] or [all_reduce (summing in the backward), linear] (joint "
+           "pass, plain recipes)";
   }
   std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
     if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
     const bool gather = w.size() == 2 && w[0].name() == "all_gather" && w[1].family() == ops::Family::linear;
     const bool scatter = w.size() == 2 && w[0].family() == ops::Family::linear && w[1].name() == "reduce_scatter";
-    if (!gather && !scatter) return "the window is neither [all_gather, linear] nor [linear, reduce_scatter]";
+    const bool reduce = w.size() == 2 && w[0].name() == "all_reduce" && w[1].family() == ops::Family::linear;
+    if (!gather && !scatter && !reduce)
+      return "the window is neither [all_gather, linear], [linear, reduce_scatter] nor [all_reduce, linear]";
+    if (reduce) {
+      if (w[0].str("direction", "backward") != "backward")
+        return "the all_reduce sums in the forward: nothing of the linear's can run beside it";
+      if (!w[0].op) return std::nullopt;  // the loader
+      // Measured only where the linear's output goes to a generated op (the Llama MLP, docs/benchmarks.md): a bias
+      // after it folds into its GEMMs' epilogues (linear_bias*, linear_bias_bwd), which this window would undo.
+      if (w[1].next && w[1].next->family == ops::Family::bias)
+        return "the linear's bias folds into its GEMMs' epilogues (rules linear_bias*, linear_bias_bwd), which "
+               "this window would give up";
+      return std::nullopt;
+    }
     if (!w[0].op) return std::nullopt;  // the loader: the pattern can run
     const ops::Op& comm = gather ? *w[0].op : *w[1].op;
     if (comm.in.size() != 2) return "the pipelined GEMM takes 2-D activations (its rows are dim 0)";
     const int64_t shard = gather ? comm.in.at(0) : comm.out.at(0);
-    if (mode_of(comm.world_size) == Mode::local) {
+    if (mode_of(comm.world_size, gather) == Mode::local) {
       if (comm.world_size < 2) return "one rank: nothing to overlap";
       return std::nullopt;
     }
@@ -83,8 +118,9 @@ class OverlapCollective final : public Implementation {
   }
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
+    if (b.ops()[g.begin].kind == "all_reduce") return reduce_linear(b, g.begin, g.begin + 1);
     const bool gather = b.ops()[g.begin].family == ops::Family::comm;
-    if (mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size) == Mode::local) {
+    if (mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size, gather) == Mode::local) {
       if (gather)
         local_gather(b, g.begin, g.begin + 1);
       else
@@ -237,6 +273,26 @@ class OverlapCollective final : public Implementation {
                            own0, own0 + c.shard, b.ops()[lin].label()));
     other_rows(b, lin, cuda::GemmKind::dgrad, c, dfull, n_out, dx, k, g, "dgrad ");
     wgrad(b, lin, dfull, b.saved_context(lin, Key::input));
+  }
+
+  // [all_reduce ar (summing in the backward: a column-parallel linear's input), linear lin]. Forward: the
+  // all-reduce's identity, the GEMM. Backward: the dgrad, then the all-reduce of dx beside the wgrad.
+  static void reduce_linear(Builder& b, int ar, int lin) {
+    const ops::Op& op = b.ops()[lin];
+    const int64_t rows = ops::rows_of(op.in);
+    if (b.forward()) {
+      lower_comm(b, ar);  // nothing, or the identity's copy into the linear's input
+      chunk_gemm(b, lin, cuda::GemmKind::fwd, b.act(lin), 0, b.act(lin + 1), 0, rows, {},
+                 fmt::format("{}: {}", who(b), op.label()));
+      b.boundary_saves(ar, lin + 1);
+      if (b.training()) b.save_alias(lin, Key::input, b.act(lin));  // inside the group, so the group saves it
+      return;
+    }
+    const int dy = b.grad_of(lin + 1), dfull = b.grad_of(lin), dx = b.grad_of(ar);
+    const int gm = chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dfull, 0, rows, {},
+                              fmt::format("{}: dgrad {}", who(b), op.label()));
+    whole(b, Collective::all_reduce, ar, dfull, dx, ops::numel(b.ops()[ar].in), 1, {gm}, ", beside the wgrad");
+    wgrad(b, lin, dy, b.saved_context(lin, Key::input));
   }
 
   // [all_gather ag, linear lin]: x shard [n, k] -> gathered [W n, k] -> y [W n, N].

@@ -19,7 +19,8 @@ std::string OpUse::str(const char* attr, const std::string& otherwise) const {
 
 std::vector<OpUse> window_of(const std::vector<ops::Op>& ops, int b, int e) {
   std::vector<OpUse> w;
-  for (int i = b; i < e; ++i) w.push_back({ops[i].info, &ops[i].attrs, &ops[i]});
+  for (int i = b; i < e; ++i)
+    w.push_back({ops[i].info, &ops[i].attrs, &ops[i], i + 1 < static_cast<int>(ops.size()) ? &ops[i + 1] : nullptr});
   return w;
 }
 
