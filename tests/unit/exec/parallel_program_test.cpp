@@ -242,8 +242,8 @@ TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]"
 TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams", "[exec][parallel]") {
   using exec::Collective;
   const std::string llama_sp = parallel_block("llama_mlp_block.json", true);
-  // Beyond 2 ranks ("local"): one all-gather / reduce-scatter each, beside the GEMMs that do not need it.
-  for (int world : {4, 8}) {
+  // From 2 ranks ("local"): one all-gather / reduce-scatter each, beside the GEMMs that do not need it.
+  for (int world : {2, 4, 8}) {
     for (int rank : {0, 1, world - 1}) {
       INFO("world size " << world << ", rank " << rank);
       const int64_t shard = 4096 / world;
@@ -345,13 +345,14 @@ TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams"
     CHECK(count_comm(p->forward, Collective::all_gather) == 1);
   }
   {
-    test::ScopedEnv env("JITFUSE_OVERLAP", "local");
+    test::ScopedEnv env("JITFUSE_OVERLAP", nullptr);  // the default from 2 ranks
     auto p = program_of(llama_sp, "bf16", true, {2048, 1024}, 2, 0);
     CHECK(count_comm(p->forward, Collective::broadcast) == 0);
     CHECK(count_comm(p->backward, Collective::reduce_scatter) == 1);
   }
   for (int world : {1, 2}) {
     INFO("world size " << world);
+    test::ScopedEnv env("JITFUSE_OVERLAP", world == 1 ? "auto" : "chunks");  // the default at one rank
     auto p = program_of(llama_sp, "bf16", true, {4096 / world, 1024}, world, world - 1);
     const int chunks = std::max(world, 4);
     // all_gather + gate_up: one broadcast per chunk (rank r's rows), each chunk's GEMM after its broadcast.

@@ -3,7 +3,7 @@
 // For the all-gather and reduce-scatter windows, two ways, chosen by the
 // world size (JITFUSE_OVERLAP overrides: every rank must set the same value):
 //
-// "chunks" (W <= 2): the GEMM runs in row chunks, each chunk's transfer on the side stream, so chunk i's transfer
+// "chunks" (one rank; JITFUSE_OVERLAP=chunks at any world size): the GEMM runs in row chunks, each chunk's transfer on the side stream, so chunk i's transfer
 // overlaps chunk i+1's GEMM. The all-gather becomes one broadcast per chunk (rank r's rows land where the gather
 // puts them) and the reduce-scatter one reduce per chunk (to the rank that owns the rows):
 //   forward  all_gather + linear:  bcast(c0) | bcast(c1) GEMM(c0) | bcast(c2) GEMM(c1) | ...
@@ -12,8 +12,9 @@
 //   backward (all-gather of dy + dgrad): bcast(c0) | bcast(c1) dgrad(c0) | ... then wgrad
 // Chunks: max(W, 4) in all, W per rank shard times 4 / W (at least 1).
 //
-// "local" (W > 2; at 4 ranks the chunked pipeline measured slower than the GEMMs and NCCL's collectives apart: the
-// chunked GEMMs lose efficiency and W x chunks NCCL kernels take their SMs): one NCCL collective, whole GEMMs
+// "local" (2 ranks and more; at 4 ranks the chunked pipeline measured slower than the GEMMs and NCCL's collectives
+// apart: the chunked GEMMs lose efficiency and W x chunks NCCL kernels take their SMs; at 2 local runs level with it
+// or ahead): one NCCL collective, whole GEMMs
 // except where this rank's own rows need no transfer:
 //   forward  all_gather + linear:  GEMM(own rows, read from the shard itself) beside all_gather | GEMM(the rest)
 //   backward (dgrad + reduce-scatter): dgrad | reduce_scatter beside wgrad
@@ -39,8 +40,8 @@ namespace {
 
 constexpr int kTargetChunks = 4;
 
-// How the window overlaps its collective (the comment above): JITFUSE_OVERLAP = auto (the default: chunks up to 2
-// ranks, local beyond), chunks or local for both windows, or "<all_gather window>,<reduce_scatter window>" (e.g.
+// How the window overlaps its collective (the comment above): JITFUSE_OVERLAP = auto (the default: local from 2
+// ranks, chunks at one), chunks or local for both windows, or "<all_gather window>,<reduce_scatter window>" (e.g.
 // "local,chunks"). Read when a program is planned.
 enum class Mode { automatic, chunks, local };
 std::optional<Mode> mode_word(const std::string& w) {
@@ -63,10 +64,10 @@ Mode mode_of(int world, bool gather) {
                  text::shorten(*v, 40));
   }
   if (m != Mode::automatic) return m;
-  // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs"): at 2 ranks the
-  // chunked pipeline hides 47 % of the collectives and local runs level with it; at 4 the chunked pipeline was
-  // slower than the GEMM and NCCL's collectives apart, local hides 44 %.
-  return world > 2 ? Mode::local : Mode::chunks;
+  // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs", sessions 42 and 45): at
+  // 4 ranks the chunked pipeline was slower than the GEMM and NCCL's collectives apart, local hides 38-44 %; at 2
+  // local ran level with the chunks or 1.6 % ahead (7.31-7.39 against 7.39-7.64 ms).
+  return world >= 2 ? Mode::local : Mode::chunks;
 }
 
 // Chunks per rank shard of `shard_rows` rows at world size `w`: 4 / W (at least 1), halved until it divides.
