@@ -199,23 +199,6 @@ TEST_CASE("a GEMM pipelined with its collective in row chunks matches the refere
     for (const char* recipe : {"fp32", "bf16"})
       for (ops::Shape sh : {ops::Shape{64, 64}, ops::Shape{256, 64}, ops::Shape{1024, 64}}) check(block, recipe, sh);
   }
-  // Without SP, from 1024 rows: the row-parallel linear's GEMM in 4 row chunks, each chunk's all-reduce on the side
-  // stream (linear_all_reduce_overlap); the Llama block's column-parallel linear runs the backward's all-reduce of
-  // dx beside its wgrad (all_reduce_linear_overlap).
-  for (bool is_llama : {true, false}) {
-    const std::string block = is_llama ? llama("column", "row", false) : gpt2("column", "row", false);
-    jf_sequence s = nullptr;
-    REQUIRE(jf_sequence_create(test::shared_context(), block.c_str(), "bf16", &s) == JF_OK);
-    const ops::Shape shape{1024, 64};
-    const char* js = nullptr;
-    REQUIRE(jf_sequence_explain(s, shape.data(), 2, 1, 90, &js) == JF_OK);
-    const std::string plan = js;
-    jf_sequence_destroy(s);
-    CHECK(plan.find("\"linear_all_reduce_overlap\"") != std::string::npos);
-    CHECK((plan.find("\"all_reduce_linear_overlap\"") != std::string::npos) == is_llama);
-    for (const char* recipe : {"fp32", "bf16"})
-      for (ops::Shape sh : {ops::Shape{1024, 64}, ops::Shape{2052, 64}}) check(block, recipe, sh);
-  }
 }
 
 TEST_CASE("a sequence with comm steps replays from a CUDA graph bit-identical to its eager calls", "[parallel]") {

@@ -33,7 +33,7 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"bias_gated_bwd", Pass::backward},     {"bias_dropout_add_joint", Pass::joint},
       {"linear_silu_recompute", Pass::joint}, {"bias_gelu_linear_bias_bwd", Pass::backward},
       {"all_gather_linear_overlap", Pass::joint}, {"linear_reduce_scatter_overlap", Pass::joint},
-      {"all_reduce_linear_overlap", Pass::joint}, {"linear_all_reduce_overlap", Pass::joint},
+      {"all_reduce_linear_overlap", Pass::joint},
       {"bias_gelu_linear_bwd", Pass::backward}, {"linear_bias_bwd", Pass::backward},
       {"norm_quantize", Pass::forward},       {"bias_act_quantize", Pass::forward},
       {"gated_quantize", Pass::forward},       {"linear_gelu", Pass::forward},
@@ -129,9 +129,7 @@ TEST_CASE("every built-in rule's canonical window passes its conditions and the 
   for (const auto& r : rs.rules()) {
     INFO("rule " << r.name);
     int64_t cols = 256;
-    // linear_all_reduce_overlap pipelines 4 row chunks of at least 256 rows (fewer: decode, refused by design).
-    const int64_t rows = r.name == "linear_all_reduce_overlap" ? 1024 : 16;
-    auto ops = jf_test::make_ops(rs, canonical_ops(r, cols), {rows, cols});
+    auto ops = jf_test::make_ops(rs, canonical_ops(r, cols), {16, cols});
     jitfuse::fuser::PlanInputs in;
     in.recipe = in.dtype = "bf16";
     // The FP8 cast rules apply under the FP8 recipes only (activations stay bf16).

@@ -1,5 +1,4 @@
-// Joint strategy overlap_collective ([all_gather, linear], [linear, reduce_scatter], [all_reduce, linear],
-// [linear, all_reduce];
+// Joint strategy overlap_collective ([all_gather, linear], [linear, reduce_scatter], [all_reduce, linear];
 // docs/parallel.md): the collective runs on the program's side stream beside GEMMs that do not need its result.
 // For the all-gather and reduce-scatter windows, two ways, chosen by the
 // world size (JITFUSE_OVERLAP overrides: every rank must set the same value):
@@ -23,12 +22,9 @@
 //   backward (all-gather of dy + dgrad): dgrad(own rows) beside all_gather | dgrad(the rest) | wgrad
 // Either way the saved context is the unfused ops'.
 //
-// [linear, all_reduce] (a row-parallel linear's partial sums, without SP): the GEMM in 4 row chunks, each chunk's
-// all-reduce on the side stream beside the next chunk's GEMM (from 1024 rows; backward: the identity, dgrad, wgrad).
 // [all_reduce, linear] (tensor parallelism without SP: the all-reduce that sums a column-parallel linear's dx in
 // the backward, the identity in the forward): forward: the GEMM; backward: dgrad | all_reduce beside wgrad. Not
 // where a bias follows the linear (its epilogues would be lost: the check says so).
-#include <algorithm>
 #include <atomic>
 
 #include "common/env.hpp"
@@ -43,9 +39,6 @@ namespace jitfuse::exec {
 namespace {
 
 constexpr int kTargetChunks = 4;
-// [linear, all_reduce]: row chunks, each at least kMinChunkRows rows (fewer: decode and short prefill, where the
-// all-reduce runs whole or inside the norm kernel).
-constexpr int64_t kReduceChunks = 4, kMinChunkRows = 256;
 
 // How the window overlaps its collective (the comment above): JITFUSE_OVERLAP = auto (the default: local from 2
 // ranks, chunks at one), chunks or local for both windows, or "<all_gather window>,<reduce_scatter window>" (e.g.
@@ -89,29 +82,16 @@ class OverlapCollective final : public Implementation {
   rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }
   std::string name() const override { return "overlap_collective"; }
   std::string covers_text() const override {
-    return "[all_gather, linear], [linear, reduce_scatter], [all_reduce (summing in the backward), linear] or "
-           "[linear, all_reduce (summing in the forward)] (joint pass, plain recipes)";
+    return "[all_gather, linear], [linear, reduce_scatter] or [all_reduce (summing in the backward), linear] (joint "
+           "pass, plain recipes)";
   }
   std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
     if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
     const bool gather = w.size() == 2 && w[0].name() == "all_gather" && w[1].family() == ops::Family::linear;
     const bool scatter = w.size() == 2 && w[0].family() == ops::Family::linear && w[1].name() == "reduce_scatter";
     const bool reduce = w.size() == 2 && w[0].name() == "all_reduce" && w[1].family() == ops::Family::linear;
-    const bool reduce_after = w.size() == 2 && w[0].family() == ops::Family::linear && w[1].name() == "all_reduce";
-    if (!gather && !scatter && !reduce && !reduce_after)
-      return "the window is none of [all_gather, linear], [linear, reduce_scatter], [all_reduce, linear] and "
-             "[linear, all_reduce]";
-    if (reduce_after) {
-      if (w[1].str("direction", "forward") != "forward")
-        return "the all_reduce sums in the backward: the linear's backward needs it first";
-      if (!w[0].op) return std::nullopt;  // the loader
-      const int64_t rows = ops::rows_of(w[0].op->out);
-      if (w[0].op->out.size() != 2) return "the pipelined GEMM takes 2-D activations (its rows are dim 0)";
-      if (rows < kReduceChunks * kMinChunkRows)
-        return fmt::format("{} rows: fewer than {} chunks of {} (decode and short prefill take the all-reduce whole, "
-                           "or in the norm kernel: allreduce_fork_norm)", rows, kReduceChunks, kMinChunkRows);
-      return std::nullopt;
-    }
+    if (!gather && !scatter && !reduce)
+      return "the window is neither [all_gather, linear], [linear, reduce_scatter] nor [all_reduce, linear]";
     if (reduce) {
       if (w[0].str("direction", "backward") != "backward")
         return "the all_reduce sums in the forward: nothing of the linear's can run beside it";
@@ -140,7 +120,6 @@ class OverlapCollective final : public Implementation {
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
     if (b.ops()[g.begin].kind == "all_reduce") return reduce_linear(b, g.begin, g.begin + 1);
-    if (b.ops()[g.begin + 1].kind == "all_reduce") return linear_reduce(b, g.begin, g.begin + 1);
     const bool gather = b.ops()[g.begin].family == ops::Family::comm;
     if (mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size, gather) == Mode::local) {
       if (gather)
@@ -314,42 +293,6 @@ class OverlapCollective final : public Implementation {
     const int gm = chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dfull, 0, rows, {},
                               fmt::format("{}: dgrad {}", who(b), op.label()));
     whole(b, Collective::all_reduce, ar, dfull, dx, ops::numel(b.ops()[ar].in), 1, {gm}, ", beside the wgrad");
-    wgrad(b, lin, dy, b.saved_context(lin, Key::input));
-  }
-
-  // [linear lin, all_reduce ar (summing in the forward: a row-parallel linear's partial sums)]. Forward: the GEMM
-  // in kReduceChunks row chunks, each chunk's all-reduce on the side stream beside the next chunk's GEMM (every
-  // rank computes every row: no owner order). Backward: the all-reduce's identity, then dgrad and wgrad.
-  static void linear_reduce(Builder& b, int lin, int ar) {
-    const ops::Op& op = b.ops()[lin];
-    const int64_t rows = ops::rows_of(op.out), k = ops::cols_of(op.in), n = ops::cols_of(op.out);
-    if (b.forward()) {
-      const int x = b.act(lin), partial = b.act(ar), y = b.act(ar + 1);
-      const int64_t per = (rows + kReduceChunks - 1) / kReduceChunks;
-      for (int64_t r0 = 0; r0 < rows; r0 += per) {
-        const int64_t m = std::min(per, rows - r0);
-        const int gm = chunk_gemm(b, lin, cuda::GemmKind::fwd, x, r0 * k, partial, r0 * n, m, {},
-                                  fmt::format("{}: rows {}..{} of {}", who(b), r0, r0 + m, op.label()));
-        CommStep c;
-        c.op = Collective::all_reduce;
-        c.op_index = ar;
-        c.dtype = b.recipe().dtype;
-        c.send = partial;
-        c.send_offset = r0 * n;
-        c.recv = y;
-        c.recv_offset = r0 * n;
-        c.count = m * n;
-        b.comm(c, fmt::format("{} (all_reduce of rows {}..{} of {}, beside the next chunk's GEMM)", who(b), r0,
-                              r0 + m, b.ops()[ar].label()));
-        b.place_last(1, {gm});
-      }
-      b.boundary_saves(lin, ar + 1);
-      return;
-    }
-    lower_comm(b, ar);  // the identity: nothing, or a copy of the output's gradient
-    const int dy = b.grad_of(lin + 1);
-    chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, b.grad_of(lin), 0, rows, {},
-               fmt::format("{}: dgrad {}", who(b), op.label()));
     wgrad(b, lin, dy, b.saved_context(lin, Key::input));
   }
 
