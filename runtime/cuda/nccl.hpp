@@ -72,4 +72,22 @@ class Communicator {
   std::string peers_why_;
 };
 
+// Ends an NCCL group however the scope is left (an exception between start and end included).
+class NcclGroup {
+ public:
+  NcclGroup() { check_nccl(nccl().ncclGroupStart(), "ncclGroupStart"); }
+  ~NcclGroup() {
+    if (open_) nccl().ncclGroupEnd();  // leaving by an exception: that error is the one reported
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  void end() {
+    open_ = false;
+    check_nccl(nccl().ncclGroupEnd(), "ncclGroupEnd");
+  }
+
+ private:
+  bool open_ = true;
+};
+
 }  // namespace jitfuse::cuda

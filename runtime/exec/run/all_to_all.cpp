@@ -102,24 +102,6 @@ Counts plan(const cuda::Communicator& comm, const CommStep& c, std::vector<int32
   return k;
 }
 
-// Ends an NCCL group however the scope is left (an exception between start and end included).
-class NcclGroup {
- public:
-  NcclGroup() { cuda::check_nccl(cuda::nccl().ncclGroupStart(), "ncclGroupStart"); }
-  ~NcclGroup() {
-    if (open_) cuda::nccl().ncclGroupEnd();  // leaving by an exception: that error is the one reported
-  }
-  NcclGroup(const NcclGroup&) = delete;
-  NcclGroup& operator=(const NcclGroup&) = delete;
-  void end() {
-    open_ = false;
-    cuda::check_nccl(cuda::nccl().ncclGroupEnd(), "ncclGroupEnd");
-  }
-
- private:
-  bool open_ = true;
-};
-
 void exchange(const cuda::Communicator& comm, const CommStep& c, const Counts& k, const std::vector<void*>& ptr,
               CUstream stream) {
   const auto& a = c.a2a;
@@ -128,7 +110,7 @@ void exchange(const cuda::Communicator& comm, const CommStep& c, const Counts& k
   const ncclDataType_t dt = cuda::nccl_dtype(c.dtype);
   char* token = static_cast<char*>(ptr[static_cast<size_t>(a.to_experts ? c.send : c.recv)]);
   char* expert = static_cast<char*>(ptr[static_cast<size_t>(a.to_experts ? c.recv : c.send)]);
-  NcclGroup group;
+  cuda::NcclGroup group;
   for (int r = 0; r < k.w; ++r) {
     for (int64_t l = 0; l < k.local; ++l) {
       const int64_t mine = k.at(k.me, r * k.local + l), theirs = k.at(r, k.me * k.local + l);
