@@ -142,7 +142,6 @@ const char* collective_name(Collective c) {
     case Collective::broadcast: return "broadcast";
     case Collective::reduce: return "reduce";
     case Collective::all_to_all: return "all_to_all";
-    case Collective::sendrecv: return "sendrecv";
   }
   return "?";
 }
@@ -157,7 +156,6 @@ int64_t CommStep::wire_bytes(int world_size) const {
     case Collective::broadcast:
     case Collective::reduce: return bytes;  // a pipelined ring moves the chunk once over each link
     case Collective::all_to_all: return bytes / w * (w - 1);  // uniform routing: (W-1)/W of the rows leave
-    case Collective::sendrecv: return root == peer ? 0 : bytes;  // one chunk out over one link (to itself: a copy)
   }
   return 0;
 }

@@ -209,9 +209,7 @@ inline void set_operand(cuda::GemmCall& call, GemmOperand o, void* ptr) { gemm_o
 
 // A collective over the group's ranks, run by NCCL on the caller's stream (docs/parallel.md). Counts are
 // elements of `dtype`; offsets are elements into the buffers (a chunk of a pipelined GEMM's operand).
-// sendrecv: this rank sends `count` elements to rank `root` and receives `count` from rank `peer` (one NCCL group;
-// to and from itself: a device copy, no NCCL).
-enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce, all_to_all, sendrecv };
+enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce, all_to_all };
 const char* collective_name(Collective c);
 // What explain's link times assume: NVLink 4 on an H100/H200, 18 links x 25 GB/s, one direction.
 inline constexpr double kNvlinkGbs = 450.0;
@@ -223,8 +221,7 @@ struct CommStep {
   // receives, all_reduce / broadcast / reduce the whole buffer (chunk).
   int64_t count = 0;
   ops::DType dtype = ops::DType::f32;
-  int root = -1;  // broadcast / reduce: the rank that sends / receives; sendrecv: the rank this one sends to
-  int peer = -1;  // sendrecv: the rank this one receives from
+  int root = -1;  // broadcast / reduce: the rank that sends / receives
   int op_index = -1;  // the comm op it runs for
   // all_to_all (moe_dispatch / moe_combine, expert parallelism; docs/parallel.md#expert-parallelism): rows between
   // this rank's permuted rows (the token side, expert-contiguous over all E experts) and the rows of the E / W

@@ -85,8 +85,7 @@ std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json&
             {"world_size", p.world_size},
             {"wire_bytes", wire},
             {"link_us", static_cast<double>(wire) / (kNvlinkGbs * 1e3)}});
-  if (c.root >= 0) j[c.op == Collective::sendrecv ? "to" : "root"] = c.root;
-  if (c.peer >= 0) j["from"] = c.peer;
+  if (c.root >= 0) j["root"] = c.root;
   if (c.send_offset || c.recv_offset) j["offsets"] = {c.send_offset, c.recv_offset};
   if (c.op == Collective::all_to_all) {  // the bounds: the rows sent and received depend on the routing
     const auto& a = c.a2a;

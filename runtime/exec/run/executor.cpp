@@ -393,16 +393,6 @@ void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& p
       return cuda::check_nccl(n.ncclBroadcast(send, recv, count, dt, c.root, comm, stream), "ncclBroadcast");
     case Collective::reduce:
       return cuda::check_nccl(n.ncclReduce(send, recv, count, dt, ncclSum, c.root, comm, stream), "ncclReduce");
-    case Collective::sendrecv: {
-      if (c.root == c.peer && c.root == pp.comm->rank())  // this rank's own rows: a device copy
-        return cuda::check(cuda::driver().cuMemcpyDtoDAsync(reinterpret_cast<CUdeviceptr>(recv),
-                                                             reinterpret_cast<CUdeviceptr>(send), count * esz, stream),
-                           "cuMemcpyDtoDAsync(own rows)");
-      cuda::NcclGroup group;
-      cuda::check_nccl(n.ncclSend(send, count, dt, c.root, comm, stream), "ncclSend");
-      cuda::check_nccl(n.ncclRecv(recv, count, dt, c.peer, comm, stream), "ncclRecv");
-      return group.end();
-    }
     case Collective::all_to_all: break;  // above
   }
 }

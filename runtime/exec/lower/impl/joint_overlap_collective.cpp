@@ -20,9 +20,8 @@
 //   backward (dgrad + reduce-scatter): dgrad | reduce_scatter beside wgrad
 //   forward  linear + reduce_scatter: GEMM | reduce_scatter (nothing to overlap inside the window)
 //   backward (all-gather of dy + dgrad): dgrad(own rows) beside all_gather | dgrad(the rest) | wgrad
-// "pairs" (JITFUSE_OVERLAP=pairs; measured against local, docs/benchmarks.md): as local, but each all-gather is W - 1
-// NCCL send/recv steps (step s: this rank's shard to rank + s, rank - s's rows in), each rank's rows' GEMM after its
-// own step, so the gathered rows are used as they arrive.
+// A third way, each all-gather as W - 1 NCCL send/recv steps (one per peer) with each peer's rows' GEMM after its
+// step, measured 12 % slower than local at 4 ranks and level at 2 (session 45), and was dropped.
 // Either way the saved context is the unfused ops'.
 //
 // [all_reduce, linear] (tensor parallelism without SP: the all-reduce that sums a column-parallel linear's dx in
@@ -47,14 +46,13 @@ namespace {
 constexpr int kTargetChunks = 4;
 
 // How the window overlaps its collective (the comment above): JITFUSE_OVERLAP = auto (the default: local from 2
-// ranks, chunks at one), chunks, local or pairs for both windows, or "<all_gather window>,<reduce_scatter window>" (e.g.
-// "local,chunks"); pairs is local with the all-gathers as per-peer send/recv steps. Read when a program is planned.
-enum class Mode { automatic, chunks, local, pairs };
+// ranks, chunks at one), chunks or local for both windows, or "<all_gather window>,<reduce_scatter window>" (e.g.
+// "local,chunks"). Read when a program is planned.
+enum class Mode { automatic, chunks, local };
 std::optional<Mode> mode_word(const std::string& w) {
   if (w == "auto" || w.empty()) return Mode::automatic;
   if (w == "chunks") return Mode::chunks;
   if (w == "local") return Mode::local;
-  if (w == "pairs") return Mode::pairs;
   return std::nullopt;
 }
 Mode mode_of(int world, bool gather) {
@@ -67,8 +65,8 @@ Mode mode_of(int world, bool gather) {
     if (g && sc)
       m = gather ? *g : *sc;
     else if (!warned.exchange(true))
-      log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks, local, pairs or two of them separated by a comma: "
-                 "using auto", text::shorten(*v, 40));
+      log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks, local or two of them separated by a comma: using auto",
+                 text::shorten(*v, 40));
   }
   if (m != Mode::automatic) return m;
   // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs", sessions 42 and 45): at
@@ -131,9 +129,9 @@ class OverlapCollective final : public Implementation {
     const Mode m = mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size, gather);
     if (m != Mode::chunks) {
       if (gather)
-        local_gather(b, g.begin, g.begin + 1, m == Mode::pairs);
+        local_gather(b, g.begin, g.begin + 1);
       else
-        local_scatter(b, g.begin + 1, g.begin, m == Mode::pairs);
+        local_scatter(b, g.begin + 1, g.begin);
       return;
     }
     if (gather)
@@ -160,13 +158,12 @@ class OverlapCollective final : public Implementation {
   static std::string who(const Builder& b) { return b.group().rule + ": overlap_collective"; }
 
   // A comm step of op `comm_op` on `stream` after `waits`: `count` elements from `send` (at element offset
-  // send_off) to `recv` (at recv_off); `root` and `peer` as CommStep says (-1: none).
+  // send_off) to `recv` (at recv_off); `root` as CommStep says (-1: none).
   static int comm_step(Builder& b, Collective kind, int comm_op, int send, int64_t send_off, int recv, int64_t recv_off,
-                       int64_t count, int root, int peer, int stream, std::vector<int> waits, const std::string& what) {
+                       int64_t count, int root, int stream, std::vector<int> waits, const std::string& what) {
     CommStep c;
     c.op = kind;
     c.root = root;
-    c.peer = peer;
     c.op_index = comm_op;
     c.dtype = b.recipe().dtype;
     c.send = send;
@@ -182,7 +179,7 @@ class OverlapCollective final : public Implementation {
   // it owns) or a reduce to it (the reduce-scatter's), `count` elements, at the given element offsets.
   static int transfer(Builder& b, Collective kind, int comm_op, int root, int send, int64_t send_off, int recv,
                       int64_t recv_off, int64_t count, std::vector<int> waits) {
-    return comm_step(b, kind, comm_op, send, send_off, recv, recv_off, count, root, -1, 1, std::move(waits),
+    return comm_step(b, kind, comm_op, send, send_off, recv, recv_off, count, root, 1, std::move(waits),
                      fmt::format("{} ({} of rows owned by rank {})", who(b), collective_name(kind), root));
   }
   // A GEMM of `kind` over one row chunk: A rows from `a_off`, D rows from `d_off` (elements).
@@ -212,41 +209,24 @@ class OverlapCollective final : public Implementation {
   // The whole collective of op `comm_op` on `stream` after `waits` (local mode).
   static int whole(Builder& b, Collective kind, int comm_op, int send, int recv, int64_t count, int stream,
                    std::vector<int> waits, const std::string& what) {
-    return comm_step(b, kind, comm_op, send, 0, recv, 0, count, -1, -1, stream, std::move(waits),
+    return comm_step(b, kind, comm_op, send, 0, recv, 0, count, -1, stream, std::move(waits),
                      fmt::format("{} ({} of {}{})", who(b), collective_name(kind), b.ops()[comm_op].label(), what));
   }
-  // The all-gather of `src` (this rank's shard, [n, a_cols]) into `full` ([W n, a_cols]) on the side stream beside
-  // GEMMs of `kind` from those rows into `d` ([W n, d_cols]): this rank's rows from its shard first (no transfer),
-  // every other rank's after they arrived. Local: one NCCL all-gather, then the other rows (at most two GEMMs).
-  // Pairs: a copy of this rank's rows into `full` (the wgrad reads every row), then W - 1 NCCL send/recv steps
-  // (step s: this rank's shard to rank + s, rank - s's rows in), each rank's rows' GEMM after its step.
+  // The all-gather of `src` (this rank's shard, [n, a_cols]) into `full` ([W n, a_cols]), one NCCL all-gather on the
+  // side stream, beside GEMMs of `kind` from those rows into `d` ([W n, d_cols]): this rank's rows from its shard
+  // first (no transfer), the other rows after the all-gather (at most two GEMMs).
   static void gather_beside(Builder& b, int comm_op, int lin, cuda::GemmKind kind, const Chunks& c, int src,
-                            int full, int64_t a_cols, int d, int64_t d_cols, bool pairs) {
+                            int full, int64_t a_cols, int d, int64_t d_cols) {
     const int64_t own0 = c.row0(c.rank, 0), n = c.shard;
-    const std::string label = b.ops()[lin].label();
     const char* what = kind == cuda::GemmKind::fwd ? "" : "dgrad ";
     // The collective first: the side stream forks from the caller's where its first step is issued, so a GEMM
     // issued before it would run before it.
-    const int first = pairs ? comm_step(b, Collective::sendrecv, comm_op, src, 0, full, own0 * a_cols, n * a_cols,
-                                        c.rank, c.rank, 1, {},
-                                        fmt::format("{} (this rank's rows into the gathered buffer: a device copy)",
-                                                    who(b)))
-                            : whole(b, Collective::all_gather, comm_op, src, full, n * a_cols, 1, {},
-                                    ", beside this rank's rows' GEMM");
+    const int g = whole(b, Collective::all_gather, comm_op, src, full, n * a_cols, 1, {},
+                        ", beside this rank's rows' GEMM");
     chunk_gemm(b, lin, kind, src, 0, d, own0 * d_cols, n, {},
                fmt::format("{}: {}rows {}..{} of {} (this rank's, from its shard: no transfer)", who(b), what, own0,
-                           own0 + n, label));
-    if (!pairs) return other_rows(b, lin, kind, c, full, a_cols, d, d_cols, first, what);
-    for (int step = 1; step < c.world; ++step) {
-      const int to = (c.rank + step) % c.world, from = (c.rank - step + c.world) % c.world;
-      const int64_t r0 = c.row0(from, 0);
-      const int st = comm_step(b, Collective::sendrecv, comm_op, src, 0, full, r0 * a_cols, n * a_cols, to, from, 1,
-                               {}, fmt::format("{} (step {}: this rank's rows to rank {}, rank {}'s rows in)", who(b),
-                                               step, to, from));
-      chunk_gemm(b, lin, kind, full, r0 * a_cols, d, r0 * d_cols, n, {st},
-                 fmt::format("{}: {}rows {}..{} of {} (rank {}'s, after step {})", who(b), what, r0, r0 + n, label,
-                             from, step));
-    }
+                           own0 + n, b.ops()[lin].label()));
+    other_rows(b, lin, kind, c, full, a_cols, d, d_cols, g, what);
   }
   // GEMMs of `kind` over the gathered rows other than this rank's ([0, rank n) and [(rank + 1) n, W n)), after
   // the collective `after`: A and D are both [W n, .] buffers.
@@ -262,7 +242,7 @@ class OverlapCollective final : public Implementation {
 
   // Local mode, [all_gather ag, linear lin]. Forward: this rank's rows of y from its own shard while the
   // all-gather runs; the other rows after it. Backward: dgrad, then the reduce-scatter beside the wgrad.
-  static void local_gather(Builder& b, int ag, int lin, bool pairs) {
+  static void local_gather(Builder& b, int ag, int lin) {
     const ops::Op& comm = b.ops()[ag];
     const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
     Chunks c = chunks_of(comm, comm.in.at(0));
@@ -270,7 +250,7 @@ class OverlapCollective final : public Implementation {
     c.rows = c.shard;
     if (b.forward()) {
       const int x = b.act(ag), full = b.act(lin), y = b.act(lin + 1);
-      gather_beside(b, ag, lin, cuda::GemmKind::fwd, c, x, full, k, y, n_out, pairs);
+      gather_beside(b, ag, lin, cuda::GemmKind::fwd, c, x, full, k, y, n_out);
       b.boundary_saves(ag, lin + 1);
       b.save_alias(lin, Key::input, full);  // the gathered input: inside the group, so the group saves it
       return;
@@ -284,7 +264,7 @@ class OverlapCollective final : public Implementation {
 
   // Local mode, [linear lin, reduce_scatter rs]. Forward: the GEMM, then the reduce-scatter. Backward: this rank's
   // rows of dx from its own shard of dy while the all-gather of dy runs; the other rows after it; the wgrad.
-  static void local_scatter(Builder& b, int rs, int lin, bool pairs) {
+  static void local_scatter(Builder& b, int rs, int lin) {
     const ops::Op& comm = b.ops()[rs];
     const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
     Chunks c = chunks_of(comm, comm.out.at(0));
@@ -299,7 +279,7 @@ class OverlapCollective final : public Implementation {
       return;
     }
     const int dy = b.grad_of(rs + 1), dfull = b.grad_of(rs), dx = b.grad_of(lin);
-    gather_beside(b, rs, lin, cuda::GemmKind::dgrad, c, dy, dfull, n_out, dx, k, pairs);
+    gather_beside(b, rs, lin, cuda::GemmKind::dgrad, c, dy, dfull, n_out, dx, k);
     wgrad(b, lin, dfull, b.saved_context(lin, Key::input));
   }
 
