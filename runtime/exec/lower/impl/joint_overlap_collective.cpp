@@ -1,11 +1,12 @@
 // Joint strategy overlap_collective ([all_gather, linear], [linear, reduce_scatter], [all_reduce, linear];
 // docs/parallel.md): the collective runs on the program's side stream beside GEMMs that do not need its result.
-// For the all-gather and reduce-scatter windows, two ways, chosen by the
-// world size (JITFUSE_OVERLAP overrides: every rank must set the same value):
+// The all-gather and reduce-scatter windows run one of two ways, by world size (JITFUSE_OVERLAP overrides; every
+// rank must set the same value):
 //
-// "chunks" (one rank; JITFUSE_OVERLAP=chunks at any world size): the GEMM runs in row chunks, each chunk's transfer on the side stream, so chunk i's transfer
-// overlaps chunk i+1's GEMM. The all-gather becomes one broadcast per chunk (rank r's rows land where the gather
-// puts them) and the reduce-scatter one reduce per chunk (to the rank that owns the rows):
+// "chunks" (one rank; JITFUSE_OVERLAP=chunks at any world size): the GEMM runs in row chunks, each chunk's transfer
+// on the side stream, so chunk i's transfer overlaps chunk i+1's GEMM. The all-gather becomes one broadcast per
+// chunk (rank r's rows land where the gather puts them) and the reduce-scatter one reduce per chunk (to the rank
+// that owns the rows):
 //   forward  all_gather + linear:  bcast(c0) | bcast(c1) GEMM(c0) | bcast(c2) GEMM(c1) | ...
 //   backward (dgrad + reduce-scatter): dgrad(c0) | reduce(c0) dgrad(c1) | ... then wgrad beside the last reduces
 //   forward  linear + reduce_scatter: GEMM(c0) | reduce(c0) GEMM(c1) | ...
@@ -13,9 +14,8 @@
 // Chunks: max(W, 4) in all, W per rank shard times 4 / W (at least 1).
 //
 // "local" (2 ranks and more; at 4 ranks the chunked pipeline measured slower than the GEMMs and NCCL's collectives
-// apart: the chunked GEMMs lose efficiency and W x chunks NCCL kernels take their SMs; at 2 local runs level with it
-// or ahead): one NCCL collective, whole GEMMs
-// except where this rank's own rows need no transfer:
+// apart: the chunked GEMMs lose efficiency and W x chunks NCCL kernels take their SMs; at 2 local runs level with
+// it or ahead): one NCCL collective, whole GEMMs except where this rank's own rows need no transfer:
 //   forward  all_gather + linear:  GEMM(own rows, read from the shard itself) beside all_gather | GEMM(the rest)
 //   backward (dgrad + reduce-scatter): dgrad | reduce_scatter beside wgrad
 //   forward  linear + reduce_scatter: GEMM | reduce_scatter (nothing to overlap inside the window)
