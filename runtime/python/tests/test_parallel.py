@@ -11,13 +11,27 @@ def _tp_mlp(repo):
     return json.loads((repo / "tools/examples/tp_mlp.json").read_text())
 
 
-def test_explain_plans_one_rank_of_a_group(ctx, repo):
+def test_explain_plans_one_rank_of_a_group(ctx, repo, monkeypatch):
     seq = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16")
-    e = seq.explain((1024, 1024), training=True, arch=90, world_size=2, rank=1)
-    steps = e.program.forward
-    comms = [s for s in steps if s["kind"] == "comm"]
-    # The gather pipelined with the column GEMM (a broadcast of each chunk's rows, root = the owner), the
-    # reduce-scatter with the row GEMM (a reduce of each chunk's rows to it), all on the side stream: 4 chunks.
+    # From 2 ranks (docs/parallel.md, "local"): one all-gather on the side stream beside this rank's own rows' GEMM
+    # (from its shard), the other rank's rows after it; the row GEMM whole, then the reduce-scatter.
+    for world, rank in ((2, 1), (4, 3)):
+        e = seq.explain((1024, 1024), training=True, arch=90, world_size=world, rank=rank)
+        comms = [s for s in e.program.forward if s["kind"] == "comm"]
+        assert [(c["collective"], c["stream"]) for c in comms] == [("all_gather", "side"), ("reduce_scatter", "caller")]
+        gemms = [s for s in e.program.forward if s["kind"] == "gemm"]
+        # The last rank: its own rows, the others' rows before them in one GEMM, then the row GEMM on every row.
+        assert [g["m"] for g in gemms] == [1024, (world - 1) * 1024, world * 1024]
+        # Backward: the all-gather of dy beside the own rows' dgrad, the reduce-scatter of dx beside the wgrad.
+        back = [(s["collective"], s["stream"]) for s in e.program.backward if s["kind"] == "comm"]
+        assert back == [("all_gather", "side"), ("reduce_scatter", "side")]
+    # JITFUSE_OVERLAP=chunks (the way one rank takes): the gather pipelined with the column GEMM (a broadcast of
+    # each chunk's rows, root = the owner), the reduce-scatter with the row GEMM (a reduce of each chunk's rows to
+    # it), all on the side stream: 4 chunks.
+    monkeypatch.setenv("JITFUSE_OVERLAP", "chunks")
+    e = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16").explain((1024, 1024), training=True, arch=90, world_size=2,
+                                                              rank=1)
+    comms = [s for s in e.program.forward if s["kind"] == "comm"]
     assert [c["collective"] for c in comms] == ["broadcast"] * 4 + ["reduce"] * 4
     assert [c["root"] for c in comms] == [0, 0, 1, 1] * 2
     assert all(c["stream"] == "side" for c in comms)
@@ -25,14 +39,9 @@ def test_explain_plans_one_rank_of_a_group(ctx, repo):
     back = [s["collective"] for s in e.program.backward if s["kind"] == "comm"]
     assert back == ["broadcast"] * 4 + ["reduce"] * 4
     # The GEMMs see the whole sequence, 2 shards of 1024 tokens, in chunks of half a shard.
-    gemms = [s for s in steps if s["kind"] == "gemm"]
+    gemms = [s for s in e.program.forward if s["kind"] == "gemm"]
     assert len(gemms) == 8 and sum(g["m"] for g in gemms) == 2 * 2048
-    # Beyond 2 ranks the pipeline measured slower than the GEMMs and the collectives apart: plain collectives,
-    # on the caller's stream.
-    four = seq.explain((1024, 1024), training=True, arch=90, world_size=4, rank=3)
-    plain = [s for s in four.program.forward if s["kind"] == "comm"]
-    assert [c["collective"] for c in plain] == ["all_gather", "reduce_scatter"]
-    assert all(c["stream"] == "caller" for c in plain)
+    monkeypatch.delenv("JITFUSE_OVERLAP")
     # Under FP8 the GEMMs are not chunked: the collectives themselves; each rank sends its 1024x1024 bf16
     # shard to 3 others.
     f8 = jitfuse.Sequence(ctx, _tp_mlp(repo), "fp8_delayed").explain((1024, 1024), world_size=4, rank=3)
