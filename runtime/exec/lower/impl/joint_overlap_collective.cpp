@@ -245,9 +245,7 @@ class OverlapCollective final : public Implementation {
   static void local_gather(Builder& b, int ag, int lin) {
     const ops::Op& comm = b.ops()[ag];
     const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
-    Chunks c = chunks_of(comm, comm.in.at(0));
-    c.per_rank = 1;
-    c.rows = c.shard;
+    const Chunks c = chunks_of(comm, comm.in.at(0));
     if (b.forward()) {
       const int x = b.act(ag), full = b.act(lin), y = b.act(lin + 1);
       gather_beside(b, ag, lin, cuda::GemmKind::fwd, c, x, full, k, y, n_out);
@@ -267,9 +265,7 @@ class OverlapCollective final : public Implementation {
   static void local_scatter(Builder& b, int rs, int lin) {
     const ops::Op& comm = b.ops()[rs];
     const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
-    Chunks c = chunks_of(comm, comm.out.at(0));
-    c.per_rank = 1;
-    c.rows = c.shard;
+    const Chunks c = chunks_of(comm, comm.out.at(0));
     if (b.forward()) {
       const int x = b.act(lin), partial = b.act(rs), y = b.act(rs + 1);
       chunk_gemm(b, lin, cuda::GemmKind::fwd, x, 0, partial, 0, c.world * c.shard, {},
