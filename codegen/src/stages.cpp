@@ -69,6 +69,7 @@ std::vector<std::string> chain_reads(const std::vector<Stage>& stages, Direction
   std::vector<std::string> out;
   for (const auto& s : stages) {
     if (dir == Direction::forward && s.kind == Stage::Kind::extra_add) out.push_back(fmt::format("e{}", s.op));
+    if (dir == Direction::forward && s.kind == Stage::Kind::staged_add) out.push_back(fmt::format("st{}", s.slot));
     if (dir == Direction::backward && s.kind == Stage::Kind::extra_tap) out.push_back(fmt::format("geo{}", s.op));
     if (dir == Direction::backward && s.kind == Stage::Kind::unary && unary_needs_saved(s))
       out.push_back(fmt::format("s{}_{}", s.op, s.saved_is_output ? "output" : "input"));
@@ -155,9 +156,11 @@ void emit_stage_fwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
       w.line("for (int e = 0; e < 8; ++e) {}[e] += {}[e];", v, cache);
       break;
     }
-    case Stage::Kind::extra_add: {
-      std::string p = fmt::format("e{}", s.op);
-      args.ptr(Arg::Role::extra_in, s.op, "extra", p, "ST", false);
+    case Stage::Kind::extra_add:
+    case Stage::Kind::staged_add: {  // a caller's extra input, or a block another rank staged here
+      const bool staged = s.kind == Stage::Kind::staged_add;
+      std::string p = staged ? fmt::format("st{}", s.slot) : fmt::format("e{}", s.op);
+      if (staged) args.staged(s.op, s.slot, p, "ST"); else args.ptr(Arg::Role::extra_in, s.op, "extra", p, "ST", false);
       add_loaded(w, c, p, v);
       break;
     }
@@ -189,6 +192,8 @@ void emit_stage_bwd(Writer& w, Args& args, Setup& setup, const Stage& s, const C
   const std::string& g = c.var;
   comment(w, s, "backward");
   switch (s.kind) {
+    case Stage::Kind::staged_add:
+      throw std::invalid_argument("codegen: a staged_add stage runs in the forward only");
     case Stage::Kind::normalize:
       throw std::invalid_argument("codegen: a normalize stage runs in the forward only (the norm's backward is "
                                   "the rownorm skeleton's)");

@@ -68,6 +68,15 @@ void Args::scalar(Arg::Role role, int op, const std::string& name, const std::st
   names_.push_back(c_name);
 }
 
+void Args::staged(int op, int slot, const std::string& c_name, const std::string& type) {
+  if (has(c_name)) return;
+  Arg a{Arg::Role::staged, op, "staged", false};
+  a.slot = slot;
+  args_.push_back(a);
+  decls_.push_back(fmt::format("const {}* __restrict__ {}", type, c_name));
+  names_.push_back(c_name);
+}
+
 std::string Args::decl() const {
   std::string out;
   for (size_t i = 0; i < decls_.size(); ++i) out += (i ? ", " : "") + decls_[i];

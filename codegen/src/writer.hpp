@@ -40,6 +40,8 @@ class Args {
   // A keyed argument (param, saved, partials, a channel's gradient): bound by (op, key).
   void ptr(Arg::Role role, int op, Key key, const std::string& c_name, const std::string& type, bool writes);
   void scalar(Arg::Role role, int op, const std::string& name, const std::string& c_name, const std::string& type);
+  // Staged tensor `slot` of this rank's peer staging (Stage::Kind::staged_add), read.
+  void staged(int op, int slot, const std::string& c_name, const std::string& type);
   std::string decl() const;  // "const ST* __restrict__ in, ..."
   const std::vector<Arg>& args() const { return args_; }
   bool has(const std::string& c_name) const;

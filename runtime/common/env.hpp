@@ -18,10 +18,11 @@ namespace jitfuse::env {
 // JITFUSE_GEMM_TUNING_MAX_BYTES  largest scratch a GEMM is timed on at prepare (default 256M; 0: no cap)
 // JITFUSE_NCCL_LIBRARY     absolute path of the libnccl.so.2 to load (default: the loader's, then CUDA's)
 // JITFUSE_GROUPED_GEMM     lt|cublas|auto: how a dropless MoE grouped linear runs its experts' GEMMs
-// JITFUSE_OVERLAP          auto|chunks|local: how an SP linear overlaps its all-gather / reduce-scatter (read
-//                          when a program is planned; every rank the same)
+// JITFUSE_OVERLAP          auto|chunks|local|copy: how an SP linear overlaps its all-gather / reduce-scatter
+//                          (read when a program is planned; every rank the same)
 // JITFUSE_PEER_ALLREDUCE   0: all_reduce + residual + norm groups take NCCL's all-reduce, never the one-shot
 //                          kernel over peer-mapped buffers (read when a program is prepared)
+// JITFUSE_PEER_COPY        0: the copy-engine reduce-scatter takes NCCL's instead (read when a program is prepared)
 std::optional<std::string> get(const char* name);
 bool flag(const char* name);  // set and not "0"/"false"/"off"/""
 bool falsy(const std::string& value);  // "0", "false" or "off": a switch turned off (flag's false values but "")

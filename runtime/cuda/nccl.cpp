@@ -141,6 +141,7 @@ ncclUniqueId Communicator::unique_id() {
 
 Communicator::~Communicator() {
   peers_.reset();  // its buffers before the communicator
+  staging_.reset();
   if (owned_ && comm_)
     if (const Nccl* n = try_nccl()) n->ncclCommDestroy(comm_);
 }
@@ -163,6 +164,27 @@ const void* Communicator::peer_table(CUstream caller, std::string* why) {
   }
   if (!peers_ && why) *why = peers_why_;
   return peers_ ? static_cast<const void*>(&peers_->table()) : nullptr;
+}
+
+std::shared_ptr<const PeerStaging> Communicator::peer_staging(size_t slot_bytes, std::string* why) {
+  const auto off = env::get("JITFUSE_PEER_COPY");
+  if (off && env::falsy(*off)) {
+    if (why) *why = "JITFUSE_PEER_COPY=0";
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (staging_why_.empty() && (!staging_ || staging_->slot_bytes() < slot_bytes)) {
+    std::shared_ptr<const PeerStaging> made = PeerStaging::create(*this, slot_bytes, &staging_why_);
+    if (made) {
+      staging_ = std::move(made);
+    } else {
+      staging_.reset();
+      if (staging_why_.empty()) staging_why_ = "the staging could not be made";
+      jitfuse::log().warn("group of {} ranks: the reduce-scatters take NCCL's: {}", world_, staging_why_);
+    }
+  }
+  if (!staging_ && why) *why = staging_why_;
+  return staging_;
 }
 
 }  // namespace jitfuse::cuda

@@ -1,4 +1,5 @@
-// The peer workspace (cuda/peers.hpp): allocation, the handle exchange and agreement over NCCL, the table.
+// The peer buffers (cuda/peers.hpp): allocation, the handle exchange and agreement over NCCL; the one-shot
+// all-reduce's workspace and table; the copy-engine reduce-scatter's staging.
 #include "cuda/peers.hpp"
 
 #include <cstdint>
@@ -65,25 +66,25 @@ std::string error_name(CUresult r) {
 
 }  // namespace
 
-std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, std::string* why) {
+std::unique_ptr<PeerMapping> PeerMapping::create(const Communicator& comm, size_t bytes, size_t zero_bytes,
+                                                 size_t ones_at, size_t ones, std::string* why) {
   const int world = comm.world_size(), rank = comm.rank();
-  if (world < 2 || world > codegen::kMaxPeers) {  // every rank sees the same world size: no exchange needed
-    if (why) *why = fmt::format("the group has {} ranks; the peer all-reduce runs on 2 to {}", world, codegen::kMaxPeers);
-    return nullptr;
-  }
   const auto& d = driver();
   const Nccl& n = nccl();
-  std::unique_ptr<PeerWorkspace> ws(new PeerWorkspace());
-  ws->mapped_.assign(static_cast<size_t>(world), 0);
+  std::unique_ptr<PeerMapping> m(new PeerMapping());
+  m->rank_ = rank;
+  m->mapped_.assign(static_cast<size_t>(world), 0);
   OwnStream s;
   Offer mine{};
   std::string problem;
-  CUresult r = d.cuMemAlloc(&ws->own_, kPeerDataOffset + kPeerStagingPerRank * static_cast<size_t>(world));
-  if (r != CUDA_SUCCESS) ws->own_ = 0;
-  if (r == CUDA_SUCCESS) r = d.cuMemsetD8Async(ws->own_, 0, kPeerDataOffset, s.get());
-  if (r == CUDA_SUCCESS) r = d.cuIpcGetMemHandle(&mine.handle, ws->own_);
+  CUresult r = d.cuMemAlloc(&m->own_, bytes);
+  if (r != CUDA_SUCCESS) m->own_ = 0;
+  if (r == CUDA_SUCCESS && zero_bytes) r = d.cuMemsetD8Async(m->own_, 0, zero_bytes, s.get());
+  if (r == CUDA_SUCCESS && ones) r = d.cuMemsetD32Async(m->own_ + ones_at, 1, ones, s.get());
+  if (r == CUDA_SUCCESS) r = d.cuIpcGetMemHandle(&mine.handle, m->own_);
   mine.ok = r == CUDA_SUCCESS;
-  if (!mine.ok) problem = fmt::format("rank {} could not export its buffer: {}", rank, error_name(r));
+  if (!mine.ok) problem = fmt::format("rank {} could not allocate or export its buffer ({} bytes): {}", rank, bytes,
+                                      error_name(r));
   // Every rank's offer, then whether every rank mapped every other's (the minimum over ranks).
   Scratch ex(sizeof(Offer) * static_cast<size_t>(world) + 16);
   std::vector<Offer> all(static_cast<size_t>(world));
@@ -101,10 +102,10 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
       problem = fmt::format("rank {} could not export its buffer", p);
       break;
     }
-    r = d.cuIpcOpenMemHandle(&ws->mapped_[static_cast<size_t>(p)], all[static_cast<size_t>(p)].handle,
+    r = d.cuIpcOpenMemHandle(&m->mapped_[static_cast<size_t>(p)], all[static_cast<size_t>(p)].handle,
                              CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
     if (r != CUDA_SUCCESS) {
-      ws->mapped_[static_cast<size_t>(p)] = 0;
+      m->mapped_[static_cast<size_t>(p)] = 0;
       mapped = 0;
       problem = fmt::format("rank {} cannot map rank {}'s buffer ({}: no peer access between the GPUs, or the "
                             "processes may not share CUDA IPC handles)", rank, p, error_name(r));
@@ -121,24 +122,55 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
     if (why) *why = problem.empty() ? "another rank could not map a peer's buffer (its log says why)" : problem;
     return nullptr;
   }
-  PeerTable& t = ws->table_;
-  for (int p = 0; p < world; ++p) {
-    const CUdeviceptr base = p == rank ? ws->own_ : ws->mapped_[static_cast<size_t>(p)];
-    t.data[p] = base + kPeerDataOffset;
-    t.flags[p] = base + kPeerFlagsOffset;
-  }
-  t.epochs = ws->own_ + kPeerEpochsOffset;
-  t.rank = rank;
-  t.world = world;
-  return ws;
+  m->bases_.resize(static_cast<size_t>(world));
+  for (int p = 0; p < world; ++p) m->bases_[static_cast<size_t>(p)] = p == rank ? m->own_ : m->mapped_[static_cast<size_t>(p)];
+  return m;
 }
 
-PeerWorkspace::~PeerWorkspace() {
+PeerMapping::~PeerMapping() {
   const Driver* d = try_driver();
   if (!d) return;
   for (CUdeviceptr p : mapped_)
     if (p) d->cuIpcCloseMemHandle(p);
   if (own_) d->cuMemFree(own_);
+}
+
+std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, std::string* why) {
+  const int world = comm.world_size(), rank = comm.rank();
+  if (world < 2 || world > codegen::kMaxPeers) {  // every rank sees the same world size: no exchange needed
+    if (why) *why = fmt::format("the group has {} ranks; the peer all-reduce runs on 2 to {}", world, codegen::kMaxPeers);
+    return nullptr;
+  }
+  std::unique_ptr<PeerWorkspace> ws(new PeerWorkspace());
+  ws->map_ = PeerMapping::create(comm, kPeerDataOffset + kPeerStagingPerRank * static_cast<size_t>(world),
+                                 kPeerDataOffset, 0, 0, why);
+  if (!ws->map_) return nullptr;
+  PeerTable& t = ws->table_;
+  for (int p = 0; p < world; ++p) {
+    t.data[p] = ws->map_->base(p) + kPeerDataOffset;
+    t.flags[p] = ws->map_->base(p) + kPeerFlagsOffset;
+  }
+  t.epochs = ws->map_->base(rank) + kPeerEpochsOffset;
+  t.rank = rank;
+  t.world = world;
+  return ws;
+}
+
+std::unique_ptr<PeerStaging> PeerStaging::create(const Communicator& comm, size_t slot_bytes, std::string* why) {
+  const int world = comm.world_size();
+  if (world < 2 || world > codegen::kMaxPeers) {
+    if (why) *why = fmt::format("the group has {} ranks; the copy-engine reduce-scatter runs on 2 to {}", world,
+                                codegen::kMaxPeers);
+    return nullptr;
+  }
+  static_assert(kAcksOffset >= kFlagsOffset + 4 * codegen::kMaxPeers && kDataOffset >= kAcksOffset + 4 * codegen::kMaxPeers);
+  slot_bytes = (slot_bytes + 255) / 256 * 256;
+  std::unique_ptr<PeerStaging> st(new PeerStaging());
+  st->slot_bytes_ = slot_bytes;
+  st->map_ = PeerMapping::create(comm, kDataOffset + slot_bytes * static_cast<size_t>(world), kDataOffset, kAcksOffset,
+                                 codegen::kMaxPeers, why);
+  if (!st->map_) return nullptr;
+  return st;
 }
 
 }  // namespace jitfuse::cuda

@@ -32,12 +32,33 @@ struct PeerTable {
   int32_t rank, world;
 };
 
+// Every rank's buffer of `bytes`, mapped by every other rank (the handle exchange and agreement above), its
+// first `zero_bytes` zeroed and `ones` u32 from byte `ones_at` set to 1 (on every way out: nothing leaks).
+class PeerMapping {
+ public:
+  static std::unique_ptr<PeerMapping> create(const Communicator& comm, size_t bytes, size_t zero_bytes,
+                                             size_t ones_at, size_t ones, std::string* why);
+  ~PeerMapping();
+  PeerMapping(const PeerMapping&) = delete;
+  PeerMapping& operator=(const PeerMapping&) = delete;
+  CUdeviceptr base(int rank) const { return bases_.at(static_cast<size_t>(rank)); }  // as this process maps it
+  int rank() const { return rank_; }
+  int world() const { return static_cast<int>(bases_.size()); }
+
+ private:
+  PeerMapping() = default;
+  CUdeviceptr own_ = 0;
+  int rank_ = 0;
+  std::vector<CUdeviceptr> mapped_;  // by rank; 0 for this rank (its own_) and for those not mapped
+  std::vector<CUdeviceptr> bases_;   // by rank: own_ or mapped_
+};
+
 class PeerWorkspace {
  public:
   // Every rank of `comm` calls it at once (a collective on the communicator, on a private stream, synchronised).
   // Null when some rank cannot map another's buffer (`why` says which and why, as every rank sees it).
   static std::unique_ptr<PeerWorkspace> create(const Communicator& comm, std::string* why);
-  ~PeerWorkspace();
+  ~PeerWorkspace() = default;
   PeerWorkspace(const PeerWorkspace&) = delete;
   PeerWorkspace& operator=(const PeerWorkspace&) = delete;
 
@@ -45,9 +66,35 @@ class PeerWorkspace {
 
  private:
   PeerWorkspace() = default;
-  CUdeviceptr own_ = 0;
+  std::unique_ptr<PeerMapping> map_;
   PeerTable table_{};
-  std::vector<CUdeviceptr> mapped_;  // by rank; 0 for this rank (its own_) and for those not mapped
+};
+
+// The staging of the copy-engine reduce-scatter (exec/lower/impl/joint_overlap_collective.cpp, "copy"): each
+// rank's buffer holds a slot of `slot_bytes` per source rank, into which that rank's copy engine pushes the
+// partial sums of the rows this rank owns (cuMemcpyDtoDAsync over NVLink, no SM), a flag per source rank
+// (raised by the source after its copy: cuStreamWriteValue32 into this buffer; lowered here once the slot was
+// read) and an ack per destination rank (raised by the destination once it read the slot this rank filled;
+// lowered here before the next copy into it). Flags start at 0, acks at 1. Every value written is a constant,
+// so a CUDA graph replays the protocol as it is. Made by every rank at once (a collective on the communicator).
+class PeerStaging {
+ public:
+  static constexpr size_t kFlagsOffset = 0, kAcksOffset = 256, kDataOffset = 4096;
+  static std::unique_ptr<PeerStaging> create(const Communicator& comm, size_t slot_bytes, std::string* why);
+  size_t slot_bytes() const { return slot_bytes_; }
+  int rank() const { return map_->rank(); }
+  int world() const { return map_->world(); }
+  // In rank `owner`'s buffer: the slot rank `src` fills, the flag `src` raises, the ack `dst` raises.
+  CUdeviceptr slot(int owner, int src) const {
+    return map_->base(owner) + kDataOffset + slot_bytes_ * static_cast<size_t>(src);
+  }
+  CUdeviceptr flag(int owner, int src) const { return map_->base(owner) + kFlagsOffset + 4 * static_cast<size_t>(src); }
+  CUdeviceptr ack(int owner, int dst) const { return map_->base(owner) + kAcksOffset + 4 * static_cast<size_t>(dst); }
+
+ private:
+  PeerStaging() = default;
+  std::unique_ptr<PeerMapping> map_;
+  size_t slot_bytes_ = 0;
 };
 
 }  // namespace jitfuse::cuda

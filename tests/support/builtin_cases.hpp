@@ -119,7 +119,8 @@ inline const std::vector<const char*>& builtin_parallel_sequences() {
 
 struct BuiltinCase {
   int seq = 0;  // index into builtin_sequences(), builtin_fp8_sequences(), builtin_chain_sequences(),
-                // builtin_block_sequences(), then builtin_fp8_block_sequences()
+                // builtin_block_sequences(), builtin_fp8_block_sequences(), builtin_parallel_sequences(), then the
+                // row-parallel linear
   std::string ops_json;
   std::string recipe;
   bool training = true;
@@ -160,6 +161,14 @@ inline std::vector<BuiltinCase> builtin_cases() {
           for (int world : {2, 4}) out.push_back({seq, s, recipe, training, shape, world});
     ++seq;
   }
+  // The row-parallel linear of sequence parallelism: its reduce-scatter by copy engines, summed by a generated
+  // kernel (joint_overlap_collective's copy mode); the input is this rank's 128 / W columns.
+  for (const char* recipe : {"fp32", "bf16"})
+    for (bool training : {true, false})
+      for (int world : {2, 4})
+        out.push_back({seq, R"([{"op": "linear", "in_features": 128, "out_features": 64, "tensor_parallel": "row", "sequence_parallel": true}])",
+                       recipe, training, ops::Shape{16, 128 / world}, world});
+  ++seq;
   return out;
 }
 

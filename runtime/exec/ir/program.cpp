@@ -142,6 +142,9 @@ const char* collective_name(Collective c) {
     case Collective::broadcast: return "broadcast";
     case Collective::reduce: return "reduce";
     case Collective::all_to_all: return "all_to_all";
+    case Collective::peer_push: return "peer_push";
+    case Collective::peer_wait: return "peer_wait";
+    case Collective::peer_ack: return "peer_ack";
   }
   return "?";
 }
@@ -156,6 +159,9 @@ int64_t CommStep::wire_bytes(int world_size) const {
     case Collective::broadcast:
     case Collective::reduce: return bytes;  // a pipelined ring moves the chunk once over each link
     case Collective::all_to_all: return bytes / w * (w - 1);  // uniform routing: (W-1)/W of the rows leave
+    case Collective::peer_push: return bytes;                  // one rank's rows to their owner
+    case Collective::peer_wait:
+    case Collective::peer_ack: return 0;
   }
   return 0;
 }

@@ -73,7 +73,8 @@ struct Buffer {
 // How one kernel argument is bound at launch.
 struct KArg {
   // peers: the communicator's jf_peers table (cuda::Communicator::peer_table), bound by prepare.
-  enum class Kind { buffer, rows, u64_const, int_const, peers } kind = Kind::buffer;
+  // staging: the pointer to this rank's staging slot that rank `value` fills (cuda::PeerStaging), bound per call.
+  enum class Kind { buffer, rows, u64_const, int_const, peers, staging } kind = Kind::buffer;
   int buffer = -1;
   uint64_t value = 0;
 };
@@ -209,7 +210,12 @@ inline void set_operand(cuda::GemmCall& call, GemmOperand o, void* ptr) { gemm_o
 
 // A collective over the group's ranks, run by NCCL on the caller's stream (docs/parallel.md). Counts are
 // elements of `dtype`; offsets are elements into the buffers (a chunk of a pipelined GEMM's operand).
-enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce, all_to_all };
+// peer_push / peer_wait / peer_ack: the copy-engine reduce-scatter (no NCCL; cuda::PeerStaging, docs/parallel.md):
+// push copies `count` elements from send + send_offset into rank `root`'s staging slot for this rank (after the
+// ack that root read the last one) and raises root's flag for this rank; wait holds the stream until every other
+// rank's flag is up; ack lowers those flags and raises this rank's ack at every other rank.
+enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce, all_to_all, peer_push, peer_wait,
+                        peer_ack };
 const char* collective_name(Collective c);
 // What explain's link times assume: NVLink 4 on an H100/H200, 18 links x 25 GB/s, one direction.
 inline constexpr double kNvlinkGbs = 450.0;

@@ -242,7 +242,8 @@ void Builder::place_last(int stream, std::vector<int> waits) {
   steps.back().stream = stream;
   steps.back().waits = std::move(waits);
   if (stream != 0 && steps.back().kind == Step::Kind::comm)
-    for (int id : {steps.back().comm.send, steps.back().comm.recv}) side_buffers_.push_back(id);
+    for (int id : {steps.back().comm.send, steps.back().comm.recv})
+      if (id >= 0) side_buffers_.push_back(id);
 }
 
 // A side-stream step may still run while later steps of its group start on the caller's stream: the arena
@@ -581,6 +582,12 @@ KArg Builder::bind_arg(const Arg& a, KernelStep& ks, int in, int out, fp8::Opera
   }
     case Arg::Role::rows: k.kind = KArg::Kind::rows; break;
     case Arg::Role::peers: k.kind = KArg::Kind::peers; break;
+    case Arg::Role::staged:  // staged tensor j: the slot the j-th other rank (in rank order) fills
+      if (a.slot < 0 || a.slot + 1 >= p_.world_size)
+        fail(Status::internal, "staged tensor {} of a group of {} ranks", a.slot, p_.world_size);
+      k.kind = KArg::Kind::staging;
+      k.value = static_cast<uint64_t>(a.slot < p_.rank ? a.slot : a.slot + 1);
+      break;
     case Arg::Role::seed:
       k.kind = KArg::Kind::u64_const;
       k.value = p_.ops[a.op].attrs["seed"].get<uint64_t>();

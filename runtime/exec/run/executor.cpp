@@ -11,6 +11,7 @@
 #include "common/error.hpp"
 #include "common/log.hpp"
 #include "common/text.hpp"
+#include "cuda/peers.hpp"
 #include "exec/run/all_to_all.hpp"
 #include "exec/run/fp8/update.hpp"
 #include "exec/run/routes.hpp"
@@ -304,6 +305,11 @@ const Variant& run_kernel(const Prepared& pp, Runtime& rt, const KernelStep& k, 
       case KArg::Kind::u64_const: vals[i].u64 = a.value; kparams[i] = &vals[i].u64; break;
       case KArg::Kind::int_const: vals[i].i = L.parts; kparams[i] = &vals[i].i; break;
       case KArg::Kind::peers: kparams[i] = const_cast<void*>(pp.peers); break;  // the struct's bytes
+      case KArg::Kind::staging:
+        if (!pp.staging) fail(Status::internal, "a kernel reads the peer staging, which this program has not");
+        vals[i].u64 = pp.staging->slot(pp.staging->rank(), static_cast<int>(a.value));
+        kparams[i] = &vals[i].u64;
+        break;
     }
   }
   cuda::check(d.cuLaunchKernel(v.kernel->fn, L.gx, L.gy, 1, L.bx, L.by, 1, 0, stream, n ? kparams : nullptr, nullptr),
@@ -371,10 +377,50 @@ void run_fp8_update(const Fp8UpdateStep& u, Launched& launched, const std::vecto
 }  // namespace
 
 namespace {
+// The copy-engine reduce-scatter's steps (Collective::peer_push, peer_wait, peer_ack; cuda::PeerStaging's protocol):
+// stream memory operations and one copy, no kernel.
+void run_peer_step(const Prepared& pp, const CommStep& c, const std::vector<void*>& ptr, CUstream stream) {
+  const cuda::PeerStaging* st = pp.staging.get();
+  if (!st) fail(Status::internal, "a copy-engine reduce-scatter step without the peer staging");
+  const auto& d = cuda::driver();
+  const int me = st->rank(), world = st->world();
+  switch (c.op) {
+    case Collective::peer_push: {
+      const size_t bytes = static_cast<size_t>(c.count) * ops::dtype_bytes(c.dtype);
+      if (c.root < 0 || c.root >= world || c.root == me || bytes > st->slot_bytes())
+        fail(Status::internal, "peer_push to rank {} of {} bytes (staging slots of {})", c.root, bytes, st->slot_bytes());
+      const auto src = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(c.send)]) +
+                       static_cast<CUdeviceptr>(c.send_offset) * ops::dtype_bytes(c.dtype);
+      // The destination read what this rank pushed last (its ack), then the copy, then its flag.
+      cuda::check(d.cuStreamWaitValue32(stream, st->ack(me, c.root), 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32(ack)");
+      cuda::check(d.cuStreamWriteValue32(stream, st->ack(me, c.root), 0, 0), "cuStreamWriteValue32(ack)");
+      cuda::check(d.cuMemcpyDtoDAsync(st->slot(c.root, me), src, bytes, stream), "cuMemcpyDtoDAsync(peer push)");
+      cuda::check(d.cuStreamWriteValue32(stream, st->flag(c.root, me), 1, 0), "cuStreamWriteValue32(flag)");
+      return;
+    }
+    case Collective::peer_wait:
+      for (int q = 0; q < world; ++q)
+        if (q != me)
+          cuda::check(d.cuStreamWaitValue32(stream, st->flag(me, q), 1, CU_STREAM_WAIT_VALUE_EQ),
+                      "cuStreamWaitValue32(flag)");
+      return;
+    case Collective::peer_ack:
+      for (int q = 0; q < world; ++q) {
+        if (q == me) continue;
+        cuda::check(d.cuStreamWriteValue32(stream, st->flag(me, q), 0, 0), "cuStreamWriteValue32(flag)");
+        cuda::check(d.cuStreamWriteValue32(stream, st->ack(q, me), 1, 0), "cuStreamWriteValue32(ack)");
+      }
+      return;
+    default: fail(Status::internal, "run_peer_step: not a peer step");
+  }
+}
+
 void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& ptr, CUstream stream,
               HostRoutes& routes) {
   if (!pp.comm) fail(Status::internal, "a comm step without a communicator");
   if (c.op == Collective::all_to_all) return run_all_to_all(*pp.comm, c, ptr, stream, routes);
+  if (c.op == Collective::peer_push || c.op == Collective::peer_wait || c.op == Collective::peer_ack)
+    return run_peer_step(pp, c, ptr, stream);
   const cuda::Nccl& n = cuda::nccl();
   const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
   const char* send = static_cast<const char*>(ptr[static_cast<size_t>(c.send)]) + static_cast<size_t>(c.send_offset) * esz;
@@ -393,7 +439,10 @@ void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& p
       return cuda::check_nccl(n.ncclBroadcast(send, recv, count, dt, c.root, comm, stream), "ncclBroadcast");
     case Collective::reduce:
       return cuda::check_nccl(n.ncclReduce(send, recv, count, dt, ncclSum, c.root, comm, stream), "ncclReduce");
-    case Collective::all_to_all: break;  // above
+    case Collective::all_to_all:
+    case Collective::peer_push:
+    case Collective::peer_wait:
+    case Collective::peer_ack: break;  // above
   }
 }
 }  // namespace
@@ -412,7 +461,7 @@ namespace {
 void run_step(const Prepared& pp, Runtime& rt, const Step& s, const PreparedStep& st, Launched& launched, size_t i,
               const std::vector<void*>& ptr, CUstream on, const StepFilter& filter) {
   if (s.weight_cast && filter.skip_weight_casts) return;  // the persistent FP8 copy of an unchanged weight is valid
-  if (s.peer_path != 0 && (s.peer_path > 0) != (pp.peers != nullptr)) return;  // the group's other way runs
+  if (s.peer_path != 0 && s.peer_path != pp.peer_path) return;  // the group's other way runs
   switch (s.kind) {
     case Step::Kind::gemm:
       run_gemm(rt, s.gemm, st, ptr, on, launched.routes);

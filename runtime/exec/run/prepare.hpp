@@ -104,6 +104,12 @@ struct Prepared {
   // The communicator's jf_peers table (a kernel's by-value parameter) when the program's one-shot all-reduce
   // kernels run (Step::peer_path 1); null: their NCCL path runs (-1).
   const void* peers = nullptr;
+  // The staging of the program's copy-engine reduce-scatters (Collective::peer_push ...; null: none, or their
+  // NCCL path runs).
+  std::shared_ptr<const cuda::PeerStaging> staging;
+  // Which of a two-way group's paths runs (Step::peer_path): 1 when every peer resource the program's peer
+  // steps need was made (the table, the staging), else -1 (NCCL).
+  int peer_path = -1;
   std::shared_ptr<SideStream> side;          // null unless a step runs on the side stream
   CUmemoryPool temp_pool = nullptr;  // the device's pool for calls with the default allocator (no lookup)
 

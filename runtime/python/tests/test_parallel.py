@@ -13,15 +13,22 @@ def _tp_mlp(repo):
 
 def test_explain_plans_one_rank_of_a_group(ctx, repo, monkeypatch):
     seq = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16")
-    # From 2 ranks (docs/parallel.md, "local"): one all-gather on the side stream beside this rank's own rows' GEMM
-    # (from its shard), the other rank's rows after it; the row GEMM whole, then the reduce-scatter.
+    # From 2 ranks (docs/parallel.md, "local" and "copy"): one all-gather on the side stream beside this rank's own
+    # rows' GEMM (from its shard), the other rank's rows after it; the row GEMM in one block per rank, the other
+    # ranks' first, each pushed to its owner by a copy engine, then the sum of the staged blocks (the peer path),
+    # with NCCL's way beside it (the row GEMM whole, then the reduce-scatter).
     for world, rank in ((2, 1), (4, 3)):
         e = seq.explain((1024, 1024), training=True, arch=90, world_size=world, rank=rank)
         comms = [s for s in e.program.forward if s["kind"] == "comm"]
-        assert [(c["collective"], c["stream"]) for c in comms] == [("all_gather", "side"), ("reduce_scatter", "caller")]
+        pushes = [("peer_push", "side", "peers")] * (world - 1)
+        assert [(c["collective"], c["stream"], c.get("way", "-")) for c in comms] == (
+            [("all_gather", "side", "-")] + pushes + [("peer_wait", "caller", "peers"), ("peer_ack", "caller", "peers"),
+                                                      ("reduce_scatter", "caller", "nccl")])
+        assert [c["root"] for c in comms if c["collective"] == "peer_push"] == list(range(world - 1))
         gemms = [s for s in e.program.forward if s["kind"] == "gemm"]
-        # The last rank: its own rows, the others' rows before them in one GEMM, then the row GEMM on every row.
-        assert [g["m"] for g in gemms] == [1024, (world - 1) * 1024, world * 1024]
+        # The last rank: its own rows, the others' rows before them in one GEMM; the row GEMM's blocks (the other
+        # ranks' rows, then its own), then NCCL's way: the row GEMM on every row.
+        assert [g["m"] for g in gemms] == [1024, (world - 1) * 1024] + [1024] * world + [world * 1024]
         # Backward: the all-gather of dy beside the own rows' dgrad, the reduce-scatter of dx beside the wgrad.
         back = [(s["collective"], s["stream"]) for s in e.program.backward if s["kind"] == "comm"]
         assert back == [("all_gather", "side"), ("reduce_scatter", "side")]

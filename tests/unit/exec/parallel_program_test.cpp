@@ -64,10 +64,13 @@ std::string steps_text(const exec::Program& p) {
   for (const auto* dir : {&p.forward, &p.backward}) {
     if (dir == &p.backward && !p.training) break;
     out += dir == &p.forward ? "  forward:\n" : "  backward:\n";
+    auto name = [&](int id) { return id >= 0 ? p.buffer(id).name : std::string("-"); };
     for (const auto& s : *dir) {
+      if (s.peer_path != 0) out += s.peer_path > 0 ? "  peers" : "  nccl ";
       if (s.kind == exec::Step::Kind::comm)
-        out += fmt::format("    comm {} {} -> {} count {}\n", exec::collective_name(s.comm.op), p.buffer(s.comm.send).name,
-                           p.buffer(s.comm.recv).name, s.comm.count);
+        out += fmt::format("    comm {} {} -> {} count {}{}{}\n", exec::collective_name(s.comm.op), name(s.comm.send),
+                           name(s.comm.recv), s.comm.count, s.comm.root >= 0 ? fmt::format(" root {}", s.comm.root) : "",
+                           s.stream ? " (side)" : "");
       else if (s.kind == exec::Step::Kind::gemm)
         out += fmt::format("    gemm {} m={} n={} k={} {}\n", s.what.substr(0, s.what.find(':')), s.gemm.call.m,
                            s.gemm.call.n, s.gemm.call.k, cuda::epilogue_name(s.gemm.call.epilogue));

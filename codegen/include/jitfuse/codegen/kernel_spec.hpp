@@ -26,7 +26,10 @@ struct Stage {
     dropout,    // v *= keep / (1-p);          g *= keep / (1-p)
     normalize,  // v = (v - mean[row]) * rstd[row] * gamma + beta (forward only): a norm op's affine part
                 // with the statistics a NormSpec::stats_only kernel saved (fp8_block's norm -> block cast)
+    staged_add, // v += staged_<slot> (forward only): another rank's partial sums of these rows, which its copy
+                // engine pushed into this rank's peer staging (the copy-engine reduce-scatter, docs/parallel.md)
   } kind = Kind::unary;
+  int slot = 0;           // staged_add: which staged tensor (Arg::slot); the builder binds it to a rank's slot
   int op = -1;            // op index in the sequence (see KernelSpec: the source numbers ops by position)
   std::string op_kind;    // "gelu": comments only
   std::string math;       // one-line math comment
@@ -252,11 +255,13 @@ struct Arg {
     fp8_colwise,   // (op) cast_transpose: the transposed FP8 codes, unsigned char [cols, rows] (written)
     fp8_colwise_scale_inv,  // (op) a block-scaled cast (Fp8Spec::block): the transposed codes' block scales
     peers,         // const jf_peers*: the communicator's peer-mapped buffers (KernelSpec::peers)
+    staged,        // const ST*: staged tensor `slot` (Stage::Kind::staged_add) in this rank's peer staging
   } role;
   int op = -1;       // the op's index in the sequence (the source names it by its position in the kernel)
   std::string name;  // what it is ("in", "rows", "scale_input", ...); for keyed roles key_name(key)
   bool writes = false;
   Key key = Key::none;  // param, saved, partials, grad_extra_out (channel): what the builder binds it by
+  int slot = -1;        // staged: Stage::slot
 };
 
 struct Launch {

@@ -20,6 +20,16 @@
 //   backward (dgrad + reduce-scatter): dgrad | reduce_scatter beside wgrad
 //   forward  linear + reduce_scatter: GEMM | reduce_scatter (nothing to overlap inside the window)
 //   backward (all-gather of dy + dgrad): dgrad(own rows) beside all_gather | dgrad(the rest) | wgrad
+//
+// "copy" (the [linear, reduce_scatter] window's forward from 2 ranks, the default there; its backward runs as
+// local's): the reduce-scatter without NCCL and without SMs. The GEMM runs in W row blocks, the other ranks'
+// first (rank + 1, rank + 2, ...); each block's partial sums go to the rank that owns those rows by a copy
+// engine (cuMemcpyDtoDAsync into that rank's peer staging over NVLink, cuda::PeerStaging) on the side stream
+// while the next block's GEMM runs; this rank's own block last, then one generated kernel adds the W - 1 staged
+// blocks to it (in rank order) once every rank's flag is up:
+//   GEMM(rows of r+1) | push(r+1) GEMM(rows of r+2) | ... | push(r-1) GEMM(own rows) | wait flags, sum, ack
+// The group keeps local's way beside it (Step::peer_path): prepare picks NCCL's where the ranks cannot map each
+// other's staging (or JITFUSE_PEER_COPY=0).
 // A third way, each all-gather as W - 1 NCCL send/recv steps (one per peer) with each peer's rows' GEMM after its
 // step, measured 12 % slower than local at 4 ranks and level at 2 (session 45), and was dropped.
 // Either way the saved context is the unfused ops'.
@@ -48,11 +58,12 @@ constexpr int kTargetChunks = 4;
 // How the window overlaps its collective (the comment above): JITFUSE_OVERLAP = auto (the default: local from 2
 // ranks, chunks at one), chunks or local for both windows, or "<all_gather window>,<reduce_scatter window>" (e.g.
 // "local,chunks"). Read when a program is planned.
-enum class Mode { automatic, chunks, local };
+enum class Mode { automatic, chunks, local, copy };
 std::optional<Mode> mode_word(const std::string& w) {
   if (w == "auto" || w.empty()) return Mode::automatic;
   if (w == "chunks") return Mode::chunks;
   if (w == "local") return Mode::local;
+  if (w == "copy") return Mode::copy;
   return std::nullopt;
 }
 Mode mode_of(int world, bool gather) {
@@ -65,14 +76,17 @@ Mode mode_of(int world, bool gather) {
     if (g && sc)
       m = gather ? *g : *sc;
     else if (!warned.exchange(true))
-      log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks, local or two of them separated by a comma: using auto",
-                 text::shorten(*v, 40));
+      log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks, local, copy or two of them separated by a comma: using "
+                 "auto", text::shorten(*v, 40));
   }
+  // copy is the reduce-scatter window's (an all-gather window runs local for it), from 2 to kMaxPeers ranks.
+  if (m == Mode::copy && (gather || world < 2 || world > codegen::kMaxPeers)) m = world >= 2 ? Mode::local : Mode::chunks;
   if (m != Mode::automatic) return m;
   // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs", sessions 42 and 45): at
   // 4 ranks the chunked pipeline was slower than the GEMM and NCCL's collectives apart, local hides 38-44 %; at 2
   // local ran level with the chunks or 1.6 % ahead (7.31-7.39 against 7.39-7.64 ms).
-  return world >= 2 ? Mode::local : Mode::chunks;
+  if (world < 2) return Mode::chunks;
+  return gather || world > codegen::kMaxPeers ? Mode::local : Mode::copy;
 }
 
 // Chunks per rank shard of `shard_rows` rows at world size `w`: 4 / W (at least 1), halved until it divides.
@@ -131,7 +145,7 @@ class OverlapCollective final : public Implementation {
       if (gather)
         local_gather(b, g.begin, g.begin + 1);
       else
-        local_scatter(b, g.begin + 1, g.begin);
+        local_scatter(b, g.begin + 1, g.begin, m == Mode::copy);
       return;
     }
     if (gather)
@@ -262,21 +276,72 @@ class OverlapCollective final : public Implementation {
 
   // Local mode, [linear lin, reduce_scatter rs]. Forward: the GEMM, then the reduce-scatter. Backward: this rank's
   // rows of dx from its own shard of dy while the all-gather of dy runs; the other rows after it; the wgrad.
-  static void local_scatter(Builder& b, int rs, int lin) {
+  static void local_scatter(Builder& b, int rs, int lin, bool copy) {
     const ops::Op& comm = b.ops()[rs];
     const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
     const Chunks c = chunks_of(comm, comm.out.at(0));
     if (b.forward()) {
       const int x = b.act(lin), partial = b.act(rs), y = b.act(rs + 1);
+      if (copy) copy_scatter(b, rs, lin, c, x, k, partial, y, n_out);
+      const size_t nccl_from = b.steps();
       chunk_gemm(b, lin, cuda::GemmKind::fwd, x, 0, partial, 0, c.world * c.shard, {},
                  fmt::format("{}: {}", who(b), b.ops()[lin].label()));
       whole(b, Collective::reduce_scatter, rs, partial, y, ops::numel(comm.out), 0, {}, "");
+      if (copy) {
+        b.note_last("NCCL's way, where the ranks cannot map each other's staging (or JITFUSE_PEER_COPY=0)");
+        b.mark_peer_path(nccl_from, -1);
+      }
       b.boundary_saves(lin, rs + 1);
       return;
     }
     const int dy = b.grad_of(rs + 1), dfull = b.grad_of(rs), dx = b.grad_of(lin);
     gather_beside(b, rs, lin, cuda::GemmKind::dgrad, c, dy, dfull, n_out, dx, k);
     wgrad(b, lin, dfull, b.saved_context(lin, Key::input));
+  }
+
+  // Copy mode's forward (the comment at the top): x [W n, k] -> the other ranks' blocks of `partial` [W n, N],
+  // each pushed to its owner; this rank's block into a scratch [n, N]; y = that + the staged blocks.
+  static void copy_scatter(Builder& b, int rs, int lin, const Chunks& c, int x, int64_t k, int partial, int y,
+                           int64_t n_out) {
+    const size_t from = b.steps();
+    const int64_t n = c.shard;
+    for (int j = 1; j < c.world; ++j) {
+      const int p = (c.rank + j) % c.world;
+      const int gm = chunk_gemm(b, lin, cuda::GemmKind::fwd, x, p * n * k, partial, p * n * n_out, n, {},
+                                fmt::format("{}: rows {}..{} of {} (rank {}'s)", who(b), p * n, (p + 1) * n,
+                                            b.ops()[lin].label(), p));
+      comm_step(b, Collective::peer_push, rs, partial, p * n * n_out, -1, 0, n * n_out, p, 1, {gm},
+                fmt::format("{}: rank {}'s rows to its staging by a copy engine (no SM)", who(b), p));
+    }
+    const int own = b.temp("own rows op" + std::to_string(lin), b.recipe().dtype, n, n_out);
+    chunk_gemm(b, lin, cuda::GemmKind::fwd, x, c.rank * n * k, own, 0, n, {},
+               fmt::format("{}: rows {}..{} of {} (this rank's)", who(b), c.rank * n, (c.rank + 1) * n,
+                           b.ops()[lin].label()));
+    comm_step(b, Collective::peer_wait, rs, -1, 0, -1, 0, 0, -1, 0, {},
+              fmt::format("{}: wait until every other rank's block is staged", who(b)));
+    codegen::KernelSpec spec;
+    spec.skeleton = codegen::Skeleton::elementwise;
+    spec.dir = codegen::Direction::forward;
+    spec.dtype = ops::dtype_name(b.recipe().dtype);
+    spec.cols = n_out;
+    spec.vec = n_out % 8 == 0;
+    for (int j = 0; j + 1 < c.world; ++j) {
+      codegen::Stage st;
+      st.kind = codegen::Stage::Kind::staged_add;
+      st.op = rs;
+      st.op_kind = "reduce_scatter";
+      st.math = fmt::format("v += staged block {}: the partial sums of the {}-th other rank in rank order", j, j + 1);
+      st.slot = j;
+      spec.pre.push_back(st);
+    }
+    spec.label = "peer_sum";
+    spec.rule = b.group().rule;
+    b.kernel(spec, b.kernel_meta(rs, "forward"), own, y, n,
+             fmt::format("{}: generated elementwise: this rank's rows + the {} staged blocks (rank order)", who(b),
+                         c.world - 1));
+    comm_step(b, Collective::peer_ack, rs, -1, 0, -1, 0, 0, -1, 0, {},
+              fmt::format("{}: the staging read: lower the flags, raise this rank's ack at the others", who(b)));
+    b.mark_peer_path(from, 1);
   }
 
   // [all_reduce ar (summing in the backward: a column-parallel linear's input), linear lin]. Forward: the
