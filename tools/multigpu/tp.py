@@ -12,7 +12,8 @@ Launch one process per GPU:
 out of their weights (column: rows of the weight, a gated op's gate and up halves each; row: columns), runs
 the tensor-parallel Sequential on its token shard (SP) or on all tokens (TP alone) and compares output,
 input gradient and every weight gradient with the single-GPU sequence's (the sequence-parallel parameters'
-gradients after their all-reduce). Exit status 1 on any mismatch. Sizes: --hidden 256 --ffn 1024 --tokens 512.
+gradients after their all-reduce), then each SP block's forward as CUDA-graph replays against its eager forward.
+Exit status 1 on any mismatch. Sizes: --hidden 256 --ffn 1024 --tokens 512.
 `head`: the language-model head split by vocabulary (``Linear(tensor_parallel="column")`` then
 ``CrossEntropy(vocab_parallel=True)``), joint (chunked) and unfused (``reduction="none"``), TP and TP+SP, with
 ignored rows, label smoothing, z-loss and soft-capping, against PyTorch's float64 loss and gradients of the
@@ -147,7 +148,35 @@ def check(args):
             pairs = [("output", yt, yf[rows]), ("grad_input", xt.grad, xf.grad[rows])]
             pairs += [(f"grad {n}", p.grad, ref_grads[n]) for n, p in tp.named_parameters()]
             bad += compare(pairs, f"{kind} TP={world}{'+SP' if sp else ''}")
+            if sp:
+                bad += graph_replays(tp, xt.shape, f"{kind} TP={world}+SP")
     return any_rank_failed(bad)
+
+
+def graph_replays(model, shape, label):
+    """The block's forward (eval, no grad) captured in a CUDA graph and replayed on 3 new inputs, an eager call of
+    the same input between replays (the copy-engine reduce-scatter's flags and acks as the graph recorded them,
+    then as the eager call sets them): every replay equals the eager forward to 1e-6."""
+    model.eval()
+    pairs = []
+    with torch.no_grad():
+        static = torch.randn(shape, device="cuda")
+        model(static)  # prepared before the capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            model(static)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = model(static)
+        for i in range(3):
+            static.copy_(torch.randn(shape, device="cuda"))
+            g.replay()
+            got = out.clone()
+            pairs.append((f"graph replay {i}", got, model(static)))
+    model.train()
+    return compare(pairs, label + " graph", tol=1e-6)
 
 
 def head_reference(x, w, labels, ce):
