@@ -6,7 +6,7 @@ Launch one process per GPU:
     torchrun --nproc-per-node 2 tools/multigpu/tp.py head             # the vocab-parallel LM head vs float64
     torchrun --nproc-per-node 2 tools/multigpu/tp.py bench [--fp8]    # Llama MLP: jitfuse vs DTensor, bf16
     torchrun --nproc-per-node 2 tools/multigpu/tp.py arnorm           # all-reduce + residual + RMSNorm, decode
-    torchrun --nproc-per-node 2 tools/multigpu/tp.py train            # HF Llama, TP MLPs, 100 AdamW steps vs 1 GPU
+    torchrun --nproc-per-node 2 tools/multigpu/tp.py train [--sp]     # HF Llama, TP(+SP) MLPs, 100 AdamW steps vs 1 GPU
 
 `check`: every rank builds the single-GPU Llama and GPT-2 MLP blocks from one seed, cuts Megatron's shards
 out of their weights (column: rows of the weight, a gated op's gate and up halves each; row: columns), runs
@@ -678,10 +678,12 @@ class HfTpMLP(torch.nn.Module):
     """A Hugging Face Llama MLP as this rank's tensor-parallel jitfuse Sequential: column-parallel [gate_r; up_r],
     SwiGLU, row-parallel down[:, r] (its all-reduce inserted by jitfuse); world 1: the plain swap."""
 
-    def __init__(self, mlp, world, rank, name):
+    def __init__(self, mlp, world, rank, name, sp=False):
         super().__init__()
         f, h = mlp.gate_proj.weight.shape
-        kw = (lambda m: dict(tensor_parallel=m, world_size=world)) if world > 1 else (lambda m: {})
+        self.sp = sp and world > 1
+        kw = (lambda m: dict(tensor_parallel=m, world_size=world, sequence_parallel=self.sp)) if world > 1 else \
+            (lambda m: {})
         self.seq = jt.Sequential(jt.Linear(h, 2 * f, **kw("column")), jt.SwiGLU(), jt.Linear(f, h, **kw("row")),
                                  device="cuda", dtype=mlp.gate_proj.weight.dtype, name=name)
         rows = slice(rank * f // world, (rank + 1) * f // world)
@@ -690,17 +692,54 @@ class HfTpMLP(torch.nn.Module):
             self.seq[2].weight.copy_(mlp.down_proj.weight[:, rows])
 
     def forward(self, hs):
-        return self.seq(hs.reshape(-1, hs.shape[-1])).reshape(hs.shape)
+        x = hs.reshape(-1, hs.shape[-1])
+        if not self.sp:
+            return self.seq(x).reshape(hs.shape)
+        # Sequence parallelism inside the MLP of a replicated model: this rank's token shard in, every rank's out.
+        return FromShard.apply(self.seq(ToShard.apply(x))).reshape(hs.shape)
 
 
-def hf_llama(world, rank):
+class ToShard(torch.autograd.Function):
+    """This rank's rows of a tensor every rank holds whole; backward: every rank's rows of the gradient gathered."""
+
+    @staticmethod
+    def forward(ctx, x):
+        w, r = dist.get_world_size(), dist.get_rank()
+        n = x.shape[0] // w
+        return x[r * n:(r + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.empty((g.shape[0] * dist.get_world_size(),) + tuple(g.shape[1:]), device=g.device, dtype=g.dtype)
+        dist.all_gather_into_tensor(out, g.contiguous())
+        return out
+
+
+class FromShard(torch.autograd.Function):
+    """Every rank's rows gathered (the replicated model after the MLP); backward: this rank's rows of the gradient
+    (every rank computed the same whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        out = torch.empty((y.shape[0] * dist.get_world_size(),) + tuple(y.shape[1:]), device=y.device, dtype=y.dtype)
+        dist.all_gather_into_tensor(out, y.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        w, r = dist.get_world_size(), dist.get_rank()
+        n = g.shape[0] // w
+        return g[r * n:(r + 1) * n].contiguous()
+
+
+def hf_llama(world, rank, sp=False):
     import transformers
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=4, vocab_size=512, max_position_embeddings=128)
     m = transformers.LlamaForCausalLM(cfg).to("cuda", torch.float32)
     for i, layer in enumerate(m.model.layers):
-        layer.mlp = HfTpMLP(layer.mlp, world, rank, f"hf_tp_mlp_w{world}_{i}")
+        layer.mlp = HfTpMLP(layer.mlp, world, rank, f"hf_tp_mlp_w{world}{'_sp' if sp else ''}_{i}", sp)
     return m
 
 
@@ -715,7 +754,7 @@ def train(args):
     batches = [torch.randint(0, 512, (4, 64), device="cuda", generator=gen) for _ in range(4)]
     curves = {}
     for w in (1, world):
-        model = hf_llama(w, rank if w > 1 else 0)
+        model = hf_llama(w, rank if w > 1 else 0, args.sp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         curve = []
         for step in range(args.steps):
@@ -726,7 +765,8 @@ def train(args):
             opt.step()
             curve.append(loss.item())
         curves[w] = curve
-    return any_rank_failed(curves_agree(f"HF Llama TP={world}, {args.steps} AdamW steps", curves[world], curves[1]))
+    label = f"HF Llama TP={world}{'+SP' if args.sp else ''}, {args.steps} AdamW steps"
+    return any_rank_failed(curves_agree(label, curves[world], curves[1]))
 
 
 SIZES = {"bench": (4096, 14336, 8192)}  # --hidden, --ffn, --tokens when not given; the others: 256, 1024, 512
@@ -744,6 +784,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20, help="bench: timed steps per variant per round")
     ap.add_argument("--fp8", action="store_true", help="bench: also jitfuse TP+SP under recipe fp8_current")
     ap.add_argument("--no-compile", action="store_true", help="bench: skip the torch.compile'd DTensor variants")
+    ap.add_argument("--sp", action="store_true", help="train: sequence-parallel MLPs (this rank's tokens in each)")
     args = ap.parse_args()
     for name, value in zip(("hidden", "ffn", "tokens"), SIZES.get(args.mode, (256, 1024, 512))):
         if getattr(args, name) is None:

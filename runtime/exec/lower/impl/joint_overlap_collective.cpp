@@ -19,7 +19,7 @@
 //   forward  all_gather + linear:  GEMM(own rows, read from the shard itself) beside all_gather | GEMM(the rest)
 //   backward (dgrad + reduce-scatter): dgrad | reduce_scatter beside wgrad
 //   forward  linear + reduce_scatter: GEMM | reduce_scatter (nothing to overlap inside the window)
-//   backward (all-gather of dy + dgrad): dgrad(own rows) beside all_gather | dgrad(the rest) | wgrad
+//   backward (all-gather of dy + dgrad): dgrad and wgrad(own rows) beside all_gather | dgrad, wgrad(the rest)
 //
 // "copy" (the [linear, reduce_scatter] window's forward from 2 ranks, the default there; its backward runs as
 // local's): the reduce-scatter without NCCL and without SMs. The GEMM runs in W row blocks, the other ranks'
@@ -219,6 +219,25 @@ class OverlapCollective final : public Implementation {
     wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
     b.gemm(wg, who(b) + ": wgrad " + op.label());
   }
+  // The wgrad over `rows` rows only: dW (+)= dy[rows]^T x[rows] from element offsets dy_off and x_off; the first
+  // part of a split wgrad writes dW (or adds to it under accumulate_grad), the later parts add (beta 1).
+  static void wgrad_rows(Builder& b, int lin, int dy, int64_t dy_off, int x, int64_t x_off, int64_t rows, bool first,
+                         std::vector<int> waits, const std::string& what) {
+    const auto& op = b.ops()[lin];
+    GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::wgrad);
+    wg.call.m = rows;
+    wg.a = dy;
+    wg.a_offset = dy_off;
+    wg.b = x;
+    wg.b_offset = x_off;
+    wg.d = b.grad(lin, Key::weight);
+    if (!first || op.flag("accumulate_grad")) {
+      wg.call.beta = 1.f;
+      wg.c = wg.d;
+    }
+    b.gemm(wg, what);
+    b.place_last(0, std::move(waits));
+  }
 
   // The whole collective of op `comm_op` on `stream` after `waits` (local mode).
   static int whole(Builder& b, Collective kind, int comm_op, int send, int recv, int64_t count, int stream,
@@ -294,9 +313,25 @@ class OverlapCollective final : public Implementation {
       b.boundary_saves(lin, rs + 1);
       return;
     }
+    // Backward: the all-gather of dy beside this rank's rows' dgrad AND wgrad (both from its own shard of dy), then
+    // the other rows' dgrad and wgrad (adding to dW).
     const int dy = b.grad_of(rs + 1), dfull = b.grad_of(rs), dx = b.grad_of(lin);
-    gather_beside(b, rs, lin, cuda::GemmKind::dgrad, c, dy, dfull, n_out, dx, k);
-    wgrad(b, lin, dfull, b.saved_context(lin, Key::input));
+    const int x = b.saved_context(lin, Key::input);
+    const int64_t own0 = c.row0(c.rank, 0), own1 = own0 + c.shard, all = c.world * c.shard;
+    const int g = whole(b, Collective::all_gather, rs, dy, dfull, c.shard * n_out, 1, {},
+                        ", beside this rank's rows' dgrad and wgrad");
+    chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dx, own0 * k, c.shard, {},
+               fmt::format("{}: dgrad rows {}..{} of {} (this rank's, from its shard: no transfer)", who(b), own0,
+                           own1, b.ops()[lin].label()));
+    wgrad_rows(b, lin, dy, 0, x, own0 * k, c.shard, true, {},
+               fmt::format("{}: wgrad {} over rows {}..{} (this rank's, from its shard)", who(b), b.ops()[lin].label(),
+                           own0, own1));
+    other_rows(b, lin, cuda::GemmKind::dgrad, c, dfull, n_out, dx, k, g, "dgrad ");
+    for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, own0}, std::pair<int64_t, int64_t>{own1, all}})
+      if (r1 > r0)
+        wgrad_rows(b, lin, dfull, r0 * n_out, x, r0 * k, r1 - r0, false, {g},
+                   fmt::format("{}: wgrad {} += rows {}..{} (the other ranks', after the all-gather)", who(b),
+                               b.ops()[lin].label(), r0, r1));
   }
 
   // Copy mode's forward (the comment at the top): x [W n, k] -> the other ranks' blocks of `partial` [W n, N],
