@@ -1,6 +1,7 @@
 # Tensor parallelism on several GPUs (docs/parallel.md): tools/multigpu/tp.py's checks through torchrun, one
 # process per GPU, on 2 and (where the machine has them) 4 GPUs: the TP and TP+SP MLP blocks against one GPU
-# (`check`), and the all-reduce + residual + RMSNorm group — the one-shot kernel over peer-mapped buffers, its
+# (`check`; the SP blocks' forward also as CUDA-graph replays; again with JITFUSE_PEER_COPY=0), an HF Llama with TP+SP
+# MLPs trained 100 AdamW steps against one GPU (`train --sp`), and the all-reduce + residual + RMSNorm group — the one-shot kernel over peer-mapped buffers, its
 # NCCL path and NCCL's all-reduce followed by our norm — against float64, eager and captured in CUDA graphs
 # (`arnorm`); tools/multigpu/ep.py's expert parallelism: the expert block with MoEDispatch / MoECombine against
 # float64 on every rank (`check`), a small MoE language model's 60 AdamW steps against one GPU (`train`), and
@@ -24,12 +25,12 @@ TP = os.path.join(ROOT, "tools", "multigpu", "tp.py")
 EP = os.path.join(ROOT, "tools", "multigpu", "ep.py")
 
 
-def torchrun(world, mode, port, timeout=300, script=TP):
+def torchrun(world, mode, port, timeout=300, script=TP, args=(), env_extra=None):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", JF_TP_WATCHDOG=str(timeout - 20))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", JF_TP_WATCHDOG=str(timeout - 20), **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(port),
-           script, mode]
+           script, mode, *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{(r.stdout + r.stderr)[-6000:]}"
     return r.stdout
@@ -39,6 +40,19 @@ def torchrun(world, mode, port, timeout=300, script=TP):
 def test_tensor_parallel_blocks_match_one_gpu(world):
     out = torchrun(world, "check", 29531 + world)
     assert "MISMATCH" not in out and " ok" in out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_blocks_match_one_gpu_on_nccls_reduce_scatter(world):
+    # JITFUSE_PEER_COPY=0: the SP row linear's NCCL way instead of the copy-engine reduce-scatter.
+    out = torchrun(world, "check", 29581 + world, env_extra={"JITFUSE_PEER_COPY": "0"})
+    assert "MISMATCH" not in out and "graph replay 2" in out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hf_llama_with_tp_sp_mlps_tracks_one_gpu(world):
+    out = torchrun(world, "train", 29591 + world, args=["--sp"])
+    assert "MISMATCH" not in out and f"TP={world}+SP, 100 AdamW steps" in out and "apart ok" in out
 
 
 @pytest.mark.parametrize("world", [2, 4])
