@@ -145,6 +145,7 @@ const char* collective_name(Collective c) {
     case Collective::peer_push: return "peer_push";
     case Collective::peer_wait: return "peer_wait";
     case Collective::peer_ack: return "peer_ack";
+    case Collective::peer_take: return "peer_take";
   }
   return "?";
 }
@@ -161,7 +162,8 @@ int64_t CommStep::wire_bytes(int world_size) const {
     case Collective::all_to_all: return bytes / w * (w - 1);  // uniform routing: (W-1)/W of the rows leave
     case Collective::peer_push: return bytes;                  // one rank's rows to their owner
     case Collective::peer_wait:
-    case Collective::peer_ack: return 0;
+    case Collective::peer_ack:
+    case Collective::peer_take: return 0;  // its bytes crossed in the sender's push
   }
   return 0;
 }

@@ -210,12 +210,14 @@ inline void set_operand(cuda::GemmCall& call, GemmOperand o, void* ptr) { gemm_o
 
 // A collective over the group's ranks, run by NCCL on the caller's stream (docs/parallel.md). Counts are
 // elements of `dtype`; offsets are elements into the buffers (a chunk of a pipelined GEMM's operand).
-// peer_push / peer_wait / peer_ack: the copy-engine reduce-scatter (no NCCL; cuda::PeerStaging, docs/parallel.md):
-// push copies `count` elements from send + send_offset into rank `root`'s staging slot for this rank (after the
-// ack that root read the last one) and raises root's flag for this rank; wait holds the stream until every other
-// rank's flag is up; ack lowers those flags and raises this rank's ack at every other rank.
+// peer_push / peer_wait / peer_ack / peer_take: collectives by copy engines (no NCCL, no SM; cuda::PeerStaging,
+// docs/parallel.md). push copies `count` elements from send + send_offset into rank `root`'s staging slot for this
+// rank (after root's ack that it read the last one) and raises root's flag for this rank; wait holds the stream
+// until every other rank's flag is up; ack lowers those flags and raises this rank's ack at every other rank; take
+// waits for rank root's flag, copies its slot (`count` elements) to recv + recv_offset, lowers the flag and raises
+// this rank's ack at root (root = this rank: copies send + send_offset there, no flag).
 enum class Collective { all_gather, reduce_scatter, all_reduce, broadcast, reduce, all_to_all, peer_push, peer_wait,
-                        peer_ack };
+                        peer_ack, peer_take };
 const char* collective_name(Collective c);
 // What explain's link times assume: NVLink 4 on an H100/H200, 18 links x 25 GB/s, one direction.
 inline constexpr double kNvlinkGbs = 450.0;

@@ -72,11 +72,14 @@ std::pair<int64_t, int64_t> gemm_bytes(const Program& p, const GemmStep& g) {
 // A comm step's fields; returns the local bytes it reads and writes (each rank's side).
 std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json& j) {
   const int64_t esz = ops::dtype_bytes(c.dtype), w = p.world_size;
-  const bool peer = c.op == Collective::peer_push || c.op == Collective::peer_wait || c.op == Collective::peer_ack;
+  const bool peer = c.op == Collective::peer_push || c.op == Collective::peer_wait || c.op == Collective::peer_ack ||
+                    c.op == Collective::peer_take;
   const int64_t sent = c.op == Collective::peer_wait || c.op == Collective::peer_ack
                            ? 0
                            : c.count * esz * (c.op == Collective::reduce_scatter ? w : 1);
-  const int64_t got = peer ? 0 : c.count * esz * (c.op == Collective::all_gather ? w : 1);
+  const int64_t got = c.op == Collective::peer_take ? c.count * esz
+                      : peer                        ? 0
+                                                    : c.count * esz * (c.op == Collective::all_gather ? w : 1);
   const int64_t wire = c.wire_bytes(p.world_size);
   // The copy-engine reduce-scatter's steps name the staging (cuda::PeerStaging), which is not a program buffer.
   auto name = [&](int id, const char* none) { return id >= 0 ? p.buffer(id).name : std::string(none); };
@@ -84,7 +87,7 @@ std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json&
             {"collective", collective_name(c.op)},
             {"count", c.count},
             {"dtype", ops::dtype_name(c.dtype)},
-            {"send", name(c.send, "-")},
+            {"send", name(c.send, c.op == Collective::peer_take ? "peer staging" : "-")},
             {"recv", name(c.recv, c.op == Collective::peer_push ? "peer staging" : "-")},
             {"stream", "caller"},
             {"world_size", p.world_size},

@@ -411,6 +411,24 @@ void run_peer_step(const Prepared& pp, const CommStep& c, const std::vector<void
         cuda::check(d.cuStreamWriteValue32(stream, st->ack(q, me), 1, 0), "cuStreamWriteValue32(ack)");
       }
       return;
+    case Collective::peer_take: {
+      const size_t esz = ops::dtype_bytes(c.dtype), bytes = static_cast<size_t>(c.count) * esz;
+      const auto dst = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(c.recv)]) +
+                       static_cast<CUdeviceptr>(c.recv_offset) * esz;
+      if (c.root == me) {  // this rank's own rows: a local copy
+        const auto src = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(c.send)]) +
+                         static_cast<CUdeviceptr>(c.send_offset) * esz;
+        cuda::check(d.cuMemcpyDtoDAsync(dst, src, bytes, stream), "cuMemcpyDtoDAsync(own rows)");
+        return;
+      }
+      if (c.root < 0 || c.root >= world || bytes > st->slot_bytes())
+        fail(Status::internal, "peer_take from rank {} of {} bytes (staging slots of {})", c.root, bytes, st->slot_bytes());
+      cuda::check(d.cuStreamWaitValue32(stream, st->flag(me, c.root), 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32(flag)");
+      cuda::check(d.cuMemcpyDtoDAsync(dst, st->slot(me, c.root), bytes, stream), "cuMemcpyDtoDAsync(peer take)");
+      cuda::check(d.cuStreamWriteValue32(stream, st->flag(me, c.root), 0, 0), "cuStreamWriteValue32(flag)");
+      cuda::check(d.cuStreamWriteValue32(stream, st->ack(c.root, me), 1, 0), "cuStreamWriteValue32(ack)");
+      return;
+    }
     default: fail(Status::internal, "run_peer_step: not a peer step");
   }
 }
@@ -419,7 +437,8 @@ void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& p
               HostRoutes& routes) {
   if (!pp.comm) fail(Status::internal, "a comm step without a communicator");
   if (c.op == Collective::all_to_all) return run_all_to_all(*pp.comm, c, ptr, stream, routes);
-  if (c.op == Collective::peer_push || c.op == Collective::peer_wait || c.op == Collective::peer_ack)
+  if (c.op == Collective::peer_push || c.op == Collective::peer_wait || c.op == Collective::peer_ack ||
+      c.op == Collective::peer_take)
     return run_peer_step(pp, c, ptr, stream);
   const cuda::Nccl& n = cuda::nccl();
   const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
@@ -442,7 +461,8 @@ void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& p
     case Collective::all_to_all:
     case Collective::peer_push:
     case Collective::peer_wait:
-    case Collective::peer_ack: break;  // above
+    case Collective::peer_ack:
+    case Collective::peer_take: break;  // above
   }
 }
 }  // namespace

@@ -200,16 +200,17 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
     // The one-shot all-reduce kernels' way, if any: every rank decides the same (the same program and GPU model).
     bool any = false, fit = true;
     size_t slot_bytes = 0;  // the copy-engine reduce-scatters' largest push
-    for (const Step& s : p.forward) {
-      if (s.peer_path <= 0) continue;
-      if (s.kind == Step::Kind::comm && s.comm.op == Collective::peer_push)
-        slot_bytes = std::max(slot_bytes, static_cast<size_t>(s.comm.count) * ops::dtype_bytes(s.comm.dtype));
-      if (s.kind != Step::Kind::kernel || s.kernel->spec.peers == 0) continue;
-      any = true;
-      const auto& spec = s.kernel->spec;
-      fit = fit && codegen::peer_rows_fit(s.kernel->rows, spec.cols * ops::dtype_bytes(p.recipe.dtype),
-                                          pp->device.sm_count);
-    }
+    for (const auto* steps : {&p.forward, &p.backward})
+      for (const Step& s : *steps) {
+        if (s.peer_path <= 0) continue;
+        if (s.kind == Step::Kind::comm && s.comm.op == Collective::peer_push)
+          slot_bytes = std::max(slot_bytes, static_cast<size_t>(s.comm.count) * ops::dtype_bytes(s.comm.dtype));
+        if (s.kind != Step::Kind::kernel || s.kernel->spec.peers == 0) continue;
+        any = true;
+        const auto& spec = s.kernel->spec;
+        fit = fit && codegen::peer_rows_fit(s.kernel->rows, spec.cols * ops::dtype_bytes(p.recipe.dtype),
+                                            pp->device.sm_count);
+      }
     if (any && fit) pp->peers = c->peer_table(nullptr);
     if (slot_bytes && (!any || pp->peers)) pp->staging = c->peer_staging(slot_bytes);
     const bool ready = (any || slot_bytes) && (!any || pp->peers) && (!slot_bytes || pp->staging);

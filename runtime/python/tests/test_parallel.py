@@ -13,25 +13,37 @@ def _tp_mlp(repo):
 
 def test_explain_plans_one_rank_of_a_group(ctx, repo, monkeypatch):
     seq = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16")
-    # From 2 ranks (docs/parallel.md, "local" and "copy"): one all-gather on the side stream beside this rank's own
-    # rows' GEMM (from its shard), the other rank's rows after it; the row GEMM in one block per rank, the other
-    # ranks' first, each pushed to its owner by a copy engine, then the sum of the staged blocks (the peer path),
-    # with NCCL's way beside it (the row GEMM whole, then the reduce-scatter).
+    # From 2 ranks (docs/parallel.md, "copy"): every collective by copy engines, NCCL's way ("local") beside it. The
+    # all-gather: this rank's shard pushed to every other rank on the side stream, copied into the gathered buffer,
+    # the other ranks' rows taken as they arrive, each with its GEMM; the reduce-scatter: the row GEMM in one block
+    # per rank, the other ranks' first, each pushed to its owner, then the sum of the staged blocks.
     for world, rank in ((2, 1), (4, 3)):
         e = seq.explain((1024, 1024), training=True, arch=90, world_size=world, rank=rank)
-        comms = [s for s in e.program.forward if s["kind"] == "comm"]
+        comms = [(c["collective"], c["stream"], c.get("way", "-")) for c in e.program.forward if c["kind"] == "comm"]
         pushes = [("peer_push", "side", "peers")] * (world - 1)
-        assert [(c["collective"], c["stream"], c.get("way", "-")) for c in comms] == (
-            [("all_gather", "side", "-")] + pushes + [("peer_wait", "caller", "peers"), ("peer_ack", "caller", "peers"),
-                                                      ("reduce_scatter", "caller", "nccl")])
-        assert [c["root"] for c in comms if c["collective"] == "peer_push"] == list(range(world - 1))
-        gemms = [s for s in e.program.forward if s["kind"] == "gemm"]
-        # The last rank: its own rows, the others' rows before them in one GEMM; the row GEMM's blocks (the other
-        # ranks' rows, then its own), then NCCL's way: the row GEMM on every row.
-        assert [g["m"] for g in gemms] == [1024, (world - 1) * 1024] + [1024] * world + [world * 1024]
-        # Backward: the all-gather of dy beside the own rows' dgrad, the reduce-scatter of dx beside the wgrad.
-        back = [(s["collective"], s["stream"]) for s in e.program.backward if s["kind"] == "comm"]
-        assert back == [("all_gather", "side"), ("reduce_scatter", "side")]
+        takes = [("peer_take", "side", "peers")] * world
+        assert comms == (pushes + takes + [("all_gather", "side", "nccl")] + pushes +
+                         [("peer_wait", "caller", "peers"), ("peer_ack", "caller", "peers"),
+                          ("reduce_scatter", "caller", "nccl")])
+        steps = e.program.forward
+        roots = [s["root"] for s in steps if s["kind"] == "comm" and s["collective"] == "peer_push"]
+        assert roots == [(rank + j) % world for j in range(1, world)] * 2
+        gemms = [s["m"] for s in steps if s["kind"] == "gemm"]
+        # The gathered rows' GEMMs (a block per rank), NCCL's way's two, the row GEMM's blocks, NCCL's whole one.
+        assert gemms == [1024] * world + [1024, (world - 1) * 1024] + [1024] * world + [world * 1024]
+        back = [(s["collective"], s.get("way", "-")) for s in e.program.backward if s["kind"] == "comm"]
+        assert back.count(("peer_push", "peers")) == 2 * (world - 1)
+        assert back.count(("all_gather", "nccl")) == 1 and back.count(("reduce_scatter", "nccl")) == 1
+    # JITFUSE_OVERLAP=local: NCCL's collectives alone, beside the GEMMs that do not need them.
+    monkeypatch.setenv("JITFUSE_OVERLAP", "local")
+    e = jitfuse.Sequence(ctx, _tp_mlp(repo), "bf16").explain((1024, 1024), training=True, arch=90, world_size=4,
+                                                              rank=3)
+    comms = [(c["collective"], c["stream"]) for c in e.program.forward if c["kind"] == "comm"]
+    assert comms == [("all_gather", "side"), ("reduce_scatter", "caller")]
+    assert [g["m"] for g in e.program.forward if g["kind"] == "gemm"] == [1024, 3 * 1024, 4 * 1024]
+    back = [(s["collective"], s["stream"]) for s in e.program.backward if s["kind"] == "comm"]
+    assert back == [("all_gather", "side"), ("reduce_scatter", "side")]
+    monkeypatch.delenv("JITFUSE_OVERLAP")
     # JITFUSE_OVERLAP=chunks (the way one rank takes): the gather pipelined with the column GEMM (a broadcast of
     # each chunk's rows, root = the owner), the reduce-scatter with the row GEMM (a reduce of each chunk's rows to
     # it), all on the side stream: 4 chunks.

@@ -246,10 +246,12 @@ TEST_CASE("the tail after a reduction fuses into one kernel", "[exec][parallel]"
 TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams", "[exec][parallel]") {
   using exec::Collective;
   const std::string llama_sp = parallel_block("llama_mlp_block.json", true);
-  // From 2 ranks ("local"): one all-gather / reduce-scatter each, beside the GEMMs that do not need it.
+  // "local" (JITFUSE_OVERLAP=local; the NCCL way beside copy's): one all-gather / reduce-scatter each, beside the
+  // GEMMs that do not need it.
   for (int world : {2, 4, 8}) {
     for (int rank : {0, 1, world - 1}) {
       INFO("world size " << world << ", rank " << rank);
+      test::ScopedEnv local("JITFUSE_OVERLAP", "local");
       const int64_t shard = 4096 / world;
       auto p = program_of(llama_sp, "bf16", true, {shard, 1024}, world, rank);
       CHECK(count_comm(p->forward, Collective::broadcast) + count_comm(p->forward, Collective::reduce) == 0);
@@ -299,7 +301,9 @@ TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams"
                             next.gemm.call.kind == cuda::GemmKind::wgrad && next.waits.empty();
         if (s.comm.op == Collective::all_gather)
           ag_beside_dgrad = s.waits.empty() && next.kind == exec::Step::Kind::gemm &&
-                            next.gemm.call.m == shard && next.waits.empty();
+                            next.gemm.call.m == shard && next.waits.empty() && i + 2 < p->backward.size() &&
+                            p->backward[i + 2].gemm.call.kind == cuda::GemmKind::wgrad &&
+                            p->backward[i + 2].gemm.call.m == shard;  // the own rows' wgrad beside it too
       }
       CHECK(rs_beside_wgrad);
       CHECK(ag_beside_dgrad);
@@ -349,10 +353,11 @@ TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams"
     CHECK(count_comm(p->forward, Collective::all_gather) == 1);
   }
   {
-    test::ScopedEnv env("JITFUSE_OVERLAP", nullptr);  // the default from 2 ranks
+    test::ScopedEnv env("JITFUSE_OVERLAP", nullptr);  // the default from 2 ranks: copy, with local's NCCL way beside
     auto p = program_of(llama_sp, "bf16", true, {2048, 1024}, 2, 0);
     CHECK(count_comm(p->forward, Collective::broadcast) == 0);
     CHECK(count_comm(p->backward, Collective::reduce_scatter) == 1);
+    CHECK(count_comm(p->forward, Collective::peer_push) == 2);
   }
   for (int world : {1, 2}) {
     INFO("world size " << world);
@@ -391,6 +396,84 @@ TEST_CASE("a GEMM and its collective are pipelined in row chunks on two streams"
   // Rows that do not split: one chunk per rank at world size 2 (2 chunks), none at world size 1.
   auto odd = program_of(llama_sp, "bf16", true, {33, 1024}, 1, 0);
   CHECK(count_comm(odd->forward, Collective::all_gather) == 1);
+}
+
+TEST_CASE("from 2 ranks the SP collectives run by copy engines, NCCL's way beside them", "[exec][parallel]") {
+  using exec::Collective;
+  const std::string llama_sp = parallel_block("llama_mlp_block.json", true);
+  for (int world : {2, 4, 8}) {
+    for (int rank : {0, 1, world - 1}) {
+      INFO("world size " << world << ", rank " << rank);
+      const int64_t shard = 4096 / world;
+      auto p = program_of(llama_sp, "bf16", true, {shard, 1024}, world, rank);
+      for (const auto* dir : {&p->forward, &p->backward}) {
+        const bool fwd = dir == &p->forward;
+        INFO((fwd ? "forward" : "backward"));
+        int push = 0, take_peer = 0, take_own = 0, wait = 0, ack = 0, sums = 0, nccl = 0;
+        int64_t gathered_rows = 0;
+        for (size_t i = 0; i < dir->size(); ++i) {
+          const auto& s = (*dir)[i];
+          const bool comm = s.kind == exec::Step::Kind::comm;
+          const bool peer_op = comm && (s.comm.op == Collective::peer_push || s.comm.op == Collective::peer_take ||
+                                        s.comm.op == Collective::peer_wait || s.comm.op == Collective::peer_ack);
+          if (peer_op) CHECK(s.peer_path == 1);  // the copy way's only
+          if (comm && !peer_op) {
+            CHECK(s.peer_path == -1);  // NCCL's collectives run on its way only
+            ++nccl;
+          }
+          if (s.kind == exec::Step::Kind::kernel && s.kernel->gen.kernel.find("peer_sum") != std::string::npos) {
+            CHECK(s.peer_path == 1);
+            CHECK(s.kernel->rows == shard);
+            ++sums;
+          }
+          if (!comm) continue;
+          switch (s.comm.op) {
+            case Collective::peer_push:
+              ++push;
+              CHECK(s.stream == 1);  // the copy engine's work beside the caller's GEMMs
+              CHECK(s.comm.root != rank);
+              CHECK(s.comm.count == shard * 1024);
+              break;
+            case Collective::peer_take:
+              CHECK(s.stream == 1);
+              if (s.comm.root == rank) {
+                ++take_own;
+                break;
+              }
+              ++take_peer;
+              // The GEMM over those rows waits for this take, and reads them where it put them.
+              for (size_t k = i + 1; k < dir->size(); ++k) {
+                const auto& g = (*dir)[k];
+                if (g.kind != exec::Step::Kind::gemm || g.waits != std::vector<int>{static_cast<int>(i)}) continue;
+                CHECK(g.gemm.a == s.comm.recv);
+                CHECK(g.gemm.a_offset == s.comm.recv_offset);
+                CHECK(g.gemm.call.m == shard);
+                gathered_rows += g.gemm.call.m;
+                break;
+              }
+              break;
+            case Collective::peer_wait: ++wait; CHECK(s.stream == 0); break;
+            case Collective::peer_ack: ++ack; CHECK(s.stream == 0); break;
+            default: break;
+          }
+        }
+        // Each direction: one all-gather ((W - 1) pushes of this rank's shard, W - 1 takes) and one reduce-scatter
+        // ((W - 1) pushes of the other ranks' blocks, one wait, the sum, one ack); the forward keeps its gathered
+        // input (this rank's rows copied in too); NCCL's way: one all-gather and one reduce-scatter.
+        CHECK(push == 2 * (world - 1));
+        CHECK(take_peer == world - 1);
+        CHECK(take_own == (fwd ? 1 : 0));
+        CHECK(gathered_rows == (world - 1) * shard);
+        CHECK(wait == 1);
+        CHECK(ack == 1);
+        CHECK(sums == 1);
+        CHECK(nccl == 2);
+      }
+    }
+  }
+  // At one rank, no copy way.
+  auto one = program_of(llama_sp, "bf16", true, {4096, 1024}, 1, 0);
+  CHECK(count_comm(one->forward, Collective::peer_push) == 0);
 }
 
 TEST_CASE("comm steps report their bytes over the links", "[exec][parallel]") {

@@ -21,15 +21,19 @@
 //   forward  linear + reduce_scatter: GEMM | reduce_scatter (nothing to overlap inside the window)
 //   backward (all-gather of dy + dgrad): dgrad and wgrad(own rows) beside all_gather | dgrad, wgrad(the rest)
 //
-// "copy" (the [linear, reduce_scatter] window's forward from 2 ranks, the default there; its backward runs as
-// local's): the reduce-scatter without NCCL and without SMs. The GEMM runs in W row blocks, the other ranks'
-// first (rank + 1, rank + 2, ...); each block's partial sums go to the rank that owns those rows by a copy
-// engine (cuMemcpyDtoDAsync into that rank's peer staging over NVLink, cuda::PeerStaging) on the side stream
-// while the next block's GEMM runs; this rank's own block last, then one generated kernel adds the W - 1 staged
-// blocks to it (in rank order) once every rank's flag is up:
-//   GEMM(rows of r+1) | push(r+1) GEMM(rows of r+2) | ... | push(r-1) GEMM(own rows) | wait flags, sum, ack
-// The group keeps local's way beside it (Step::peer_path): prepare picks NCCL's where the ranks cannot map each
-// other's staging (or JITFUSE_PEER_COPY=0).
+// "copy" (from 2 to 8 ranks, the default there): every collective of both windows by copy engines from and into
+// the peer staging (cuda::PeerStaging: cuMemcpyDtoDAsync over NVLink, stream-memop flags and acks; no NCCL, no SM).
+// A reduce-scatter: the GEMM in W row blocks, the other ranks' first (rank + 1, rank + 2, ...); each block goes to
+// the rank that owns those rows (a push, side stream) while the next block's GEMM runs; this rank's own block last,
+// then one generated kernel adds the W - 1 staged blocks to it (in rank order) once every rank's flag is up:
+//   GEMM(rows of r+1) | push(r+1) GEMM(rows of r+2) | ... | push(r-1) GEMM(own rows) | [wgrad] | wait, sum, ack
+// An all-gather: this rank's shard pushed to every other rank first (side stream), this rank's rows' GEMM from its
+// shard meanwhile, then each other rank's rows as they arrive (taken from the staging into the gathered buffer):
+//   push(r+1) push(r+2) ... | GEMM(own rows) [own wgrad] | take(r-1) GEMM(rows of r-1) | take(r-2) ... [wgrads]
+// So: forward all-gather + linear, and its backward's reduce-scatter of dx (the dgrad in blocks, the wgrad before
+// the sum); forward linear + reduce-scatter, and its backward's all-gather of dy (the own rows' dgrad and wgrad from
+// the shard, the other rows' dgrad as they arrive, their wgrad after). Each window keeps local's NCCL way beside it
+// (Step::peer_path): prepare picks it where the ranks cannot map each other's staging (or JITFUSE_PEER_COPY=0).
 // A third way, each all-gather as W - 1 NCCL send/recv steps (one per peer) with each peer's rows' GEMM after its
 // step, measured 12 % slower than local at 4 ranks and level at 2 (session 45), and was dropped.
 // Either way the saved context is the unfused ops'.
@@ -41,6 +45,7 @@
 // chunk's all-reduce beside the next chunk's GEMM measured 1.5 % slower at 4 ranks and 0.8 % at 2 than the GEMM and
 // the all-reduce apart (docs/benchmarks.md, session 45).
 #include <atomic>
+#include <functional>
 
 #include "common/env.hpp"
 #include "common/error.hpp"
@@ -79,14 +84,14 @@ Mode mode_of(int world, bool gather) {
       log().warn("JITFUSE_OVERLAP='{}' is not auto, chunks, local, copy or two of them separated by a comma: using "
                  "auto", text::shorten(*v, 40));
   }
-  // copy is the reduce-scatter window's (an all-gather window runs local for it), from 2 to kMaxPeers ranks.
-  if (m == Mode::copy && (gather || world < 2 || world > codegen::kMaxPeers)) m = world >= 2 ? Mode::local : Mode::chunks;
+  // copy runs from 2 to kMaxPeers ranks.
+  if (m == Mode::copy && (world < 2 || world > codegen::kMaxPeers)) m = world >= 2 ? Mode::local : Mode::chunks;
   if (m != Mode::automatic) return m;
   // Measured (H200 x2 / x4, the Llama MLP, 8192 tokens: docs/benchmarks.md "Several GPUs", sessions 42 and 45): at
   // 4 ranks the chunked pipeline was slower than the GEMM and NCCL's collectives apart, local hides 38-44 %; at 2
   // local ran level with the chunks or 1.6 % ahead (7.31-7.39 against 7.39-7.64 ms).
   if (world < 2) return Mode::chunks;
-  return gather || world > codegen::kMaxPeers ? Mode::local : Mode::copy;
+  return world > codegen::kMaxPeers ? Mode::local : Mode::copy;
 }
 
 // Chunks per rank shard of `shard_rows` rows at world size `w`: 4 / W (at least 1), halved until it divides.
@@ -143,7 +148,7 @@ class OverlapCollective final : public Implementation {
     const Mode m = mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size, gather);
     if (m != Mode::chunks) {
       if (gather)
-        local_gather(b, g.begin, g.begin + 1);
+        local_gather(b, g.begin, g.begin + 1, m == Mode::copy);
       else
         local_scatter(b, g.begin + 1, g.begin, m == Mode::copy);
       return;
@@ -275,22 +280,35 @@ class OverlapCollective final : public Implementation {
 
   // Local mode, [all_gather ag, linear lin]. Forward: this rank's rows of y from its own shard while the
   // all-gather runs; the other rows after it. Backward: dgrad, then the reduce-scatter beside the wgrad.
-  static void local_gather(Builder& b, int ag, int lin) {
+  static void local_gather(Builder& b, int ag, int lin, bool copy) {
     const ops::Op& comm = b.ops()[ag];
     const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
     const Chunks c = chunks_of(comm, comm.in.at(0));
     if (b.forward()) {
       const int x = b.act(ag), full = b.act(lin), y = b.act(lin + 1);
+      if (copy) copy_gather(b, ag, lin, cuda::GemmKind::fwd, c, x, full, k, y, n_out, true, nullptr);
+      const size_t nccl_from = b.steps();
       gather_beside(b, ag, lin, cuda::GemmKind::fwd, c, x, full, k, y, n_out);
+      if (copy) nccl_way(b, nccl_from);
       b.boundary_saves(ag, lin + 1);
       b.save_alias(lin, Key::input, full);  // the gathered input: inside the group, so the group saves it
       return;
     }
     const int dy = b.grad_of(lin + 1), dfull = b.grad_of(lin), dx = b.grad_of(ag);
+    const int x = b.saved_context(lin, Key::input);
+    if (copy)
+      copy_scatter(b, ag, lin, cuda::GemmKind::dgrad, c, dy, n_out, dfull, dx, k, [&] { wgrad(b, lin, dy, x); });
+    const size_t nccl_from = b.steps();
     const int gm = chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dfull, 0, c.world * c.shard, {},
                               fmt::format("{}: dgrad {}", who(b), b.ops()[lin].label()));
     whole(b, Collective::reduce_scatter, ag, dfull, dx, ops::numel(comm.in), 1, {gm}, ", beside the wgrad");
-    wgrad(b, lin, dy, b.saved_context(lin, Key::input));
+    wgrad(b, lin, dy, x);
+    if (copy) nccl_way(b, nccl_from);
+  }
+  // Marks steps [from, end) as the copy way's NCCL alternative (Step::peer_path -1).
+  static void nccl_way(Builder& b, size_t from) {
+    b.note_last("NCCL's way, where the ranks cannot map each other's staging (or JITFUSE_PEER_COPY=0)");
+    b.mark_peer_path(from, -1);
   }
 
   // Local mode, [linear lin, reduce_scatter rs]. Forward: the GEMM, then the reduce-scatter. Backward: this rank's
@@ -301,15 +319,12 @@ class OverlapCollective final : public Implementation {
     const Chunks c = chunks_of(comm, comm.out.at(0));
     if (b.forward()) {
       const int x = b.act(lin), partial = b.act(rs), y = b.act(rs + 1);
-      if (copy) copy_scatter(b, rs, lin, c, x, k, partial, y, n_out);
+      if (copy) copy_scatter(b, rs, lin, cuda::GemmKind::fwd, c, x, k, partial, y, n_out, nullptr);
       const size_t nccl_from = b.steps();
       chunk_gemm(b, lin, cuda::GemmKind::fwd, x, 0, partial, 0, c.world * c.shard, {},
                  fmt::format("{}: {}", who(b), b.ops()[lin].label()));
       whole(b, Collective::reduce_scatter, rs, partial, y, ops::numel(comm.out), 0, {}, "");
-      if (copy) {
-        b.note_last("NCCL's way, where the ranks cannot map each other's staging (or JITFUSE_PEER_COPY=0)");
-        b.mark_peer_path(nccl_from, -1);
-      }
+      if (copy) nccl_way(b, nccl_from);
       b.boundary_saves(lin, rs + 1);
       return;
     }
@@ -318,64 +333,116 @@ class OverlapCollective final : public Implementation {
     const int dy = b.grad_of(rs + 1), dfull = b.grad_of(rs), dx = b.grad_of(lin);
     const int x = b.saved_context(lin, Key::input);
     const int64_t own0 = c.row0(c.rank, 0), own1 = own0 + c.shard, all = c.world * c.shard;
+    auto own_wgrad = [&] {
+      wgrad_rows(b, lin, dy, 0, x, own0 * k, c.shard, true, {},
+                 fmt::format("{}: wgrad {} over rows {}..{} (this rank's, from its shard)", who(b),
+                             b.ops()[lin].label(), own0, own1));
+    };
+    auto other_wgrads = [&](int after) {
+      for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, own0}, std::pair<int64_t, int64_t>{own1, all}})
+        if (r1 > r0)
+          wgrad_rows(b, lin, dfull, r0 * n_out, x, r0 * k, r1 - r0, false, after >= 0 ? std::vector<int>{after}
+                                                                                      : std::vector<int>{},
+                     fmt::format("{}: wgrad {} += rows {}..{} (the other ranks', after the all-gather)", who(b),
+                                 b.ops()[lin].label(), r0, r1));
+    };
+    if (copy) {
+      const size_t from = b.steps();
+      copy_gather(b, rs, lin, cuda::GemmKind::dgrad, c, dy, dfull, n_out, dx, k, false, own_wgrad);
+      other_wgrads(-1);  // after the last rows' dgrad, which waited for the last take
+      b.mark_peer_path(from, 1);
+    }
+    const size_t nccl_from = b.steps();
     const int g = whole(b, Collective::all_gather, rs, dy, dfull, c.shard * n_out, 1, {},
                         ", beside this rank's rows' dgrad and wgrad");
     chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dx, own0 * k, c.shard, {},
                fmt::format("{}: dgrad rows {}..{} of {} (this rank's, from its shard: no transfer)", who(b), own0,
                            own1, b.ops()[lin].label()));
-    wgrad_rows(b, lin, dy, 0, x, own0 * k, c.shard, true, {},
-               fmt::format("{}: wgrad {} over rows {}..{} (this rank's, from its shard)", who(b), b.ops()[lin].label(),
-                           own0, own1));
+    own_wgrad();
     other_rows(b, lin, cuda::GemmKind::dgrad, c, dfull, n_out, dx, k, g, "dgrad ");
-    for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, own0}, std::pair<int64_t, int64_t>{own1, all}})
-      if (r1 > r0)
-        wgrad_rows(b, lin, dfull, r0 * n_out, x, r0 * k, r1 - r0, false, {g},
-                   fmt::format("{}: wgrad {} += rows {}..{} (the other ranks', after the all-gather)", who(b),
-                               b.ops()[lin].label(), r0, r1));
+    other_wgrads(g);
+    if (copy) nccl_way(b, nccl_from);
   }
 
-  // Copy mode's forward (the comment at the top): x [W n, k] -> the other ranks' blocks of `partial` [W n, N],
-  // each pushed to its owner; this rank's block into a scratch [n, N]; y = that + the staged blocks.
-  static void copy_scatter(Builder& b, int rs, int lin, const Chunks& c, int x, int64_t k, int partial, int y,
-                           int64_t n_out) {
+  // Copy mode's reduce-scatter (the comment at the top): GEMMs of `kind` from A `a` ([W n, a_cols]) into the other
+  // ranks' blocks of `d_full` ([W n, d_cols]), each pushed to its owner; this rank's block into a scratch [n, d_cols];
+  // `before_wait` (the backward's wgrad); then out = that + the staged blocks.
+  static void copy_scatter(Builder& b, int comm_op, int lin, cuda::GemmKind kind, const Chunks& c, int a,
+                           int64_t a_cols, int d_full, int out, int64_t d_cols, const std::function<void()>& before_wait) {
     const size_t from = b.steps();
     const int64_t n = c.shard;
+    const char* what = kind == cuda::GemmKind::fwd ? "" : "dgrad ";
     for (int j = 1; j < c.world; ++j) {
       const int p = (c.rank + j) % c.world;
-      const int gm = chunk_gemm(b, lin, cuda::GemmKind::fwd, x, p * n * k, partial, p * n * n_out, n, {},
-                                fmt::format("{}: rows {}..{} of {} (rank {}'s)", who(b), p * n, (p + 1) * n,
+      const int gm = chunk_gemm(b, lin, kind, a, p * n * a_cols, d_full, p * n * d_cols, n, {},
+                                fmt::format("{}: {}rows {}..{} of {} (rank {}'s)", who(b), what, p * n, (p + 1) * n,
                                             b.ops()[lin].label(), p));
-      comm_step(b, Collective::peer_push, rs, partial, p * n * n_out, -1, 0, n * n_out, p, 1, {gm},
+      comm_step(b, Collective::peer_push, comm_op, d_full, p * n * d_cols, -1, 0, n * d_cols, p, 1, {gm},
                 fmt::format("{}: rank {}'s rows to its staging by a copy engine (no SM)", who(b), p));
     }
-    const int own = b.temp("own rows op" + std::to_string(lin), b.recipe().dtype, n, n_out);
-    chunk_gemm(b, lin, cuda::GemmKind::fwd, x, c.rank * n * k, own, 0, n, {},
-               fmt::format("{}: rows {}..{} of {} (this rank's)", who(b), c.rank * n, (c.rank + 1) * n,
+    const int own = b.temp("own rows op" + std::to_string(lin), b.recipe().dtype, n, d_cols);
+    chunk_gemm(b, lin, kind, a, c.rank * n * a_cols, own, 0, n, {},
+               fmt::format("{}: {}rows {}..{} of {} (this rank's)", who(b), what, c.rank * n, (c.rank + 1) * n,
                            b.ops()[lin].label()));
-    comm_step(b, Collective::peer_wait, rs, -1, 0, -1, 0, 0, -1, 0, {},
+    if (before_wait) before_wait();
+    comm_step(b, Collective::peer_wait, comm_op, -1, 0, -1, 0, 0, -1, 0, {},
               fmt::format("{}: wait until every other rank's block is staged", who(b)));
     codegen::KernelSpec spec;
     spec.skeleton = codegen::Skeleton::elementwise;
     spec.dir = codegen::Direction::forward;
     spec.dtype = ops::dtype_name(b.recipe().dtype);
-    spec.cols = n_out;
-    spec.vec = n_out % 8 == 0;
+    spec.cols = d_cols;
+    spec.vec = d_cols % 8 == 0;
     for (int j = 0; j + 1 < c.world; ++j) {
       codegen::Stage st;
       st.kind = codegen::Stage::Kind::staged_add;
-      st.op = rs;
-      st.op_kind = "reduce_scatter";
+      st.op = comm_op;
+      st.op_kind = b.ops()[comm_op].kind;
       st.math = fmt::format("v += staged block {}: the partial sums of the {}-th other rank in rank order", j, j + 1);
       st.slot = j;
       spec.pre.push_back(st);
     }
     spec.label = "peer_sum";
     spec.rule = b.group().rule;
-    b.kernel(spec, b.kernel_meta(rs, "forward"), own, y, n,
+    b.kernel(spec, b.kernel_meta(comm_op, "forward"), own, out, n,
              fmt::format("{}: generated elementwise: this rank's rows + the {} staged blocks (rank order)", who(b),
                          c.world - 1));
-    comm_step(b, Collective::peer_ack, rs, -1, 0, -1, 0, 0, -1, 0, {},
+    comm_step(b, Collective::peer_ack, comm_op, -1, 0, -1, 0, 0, -1, 0, {},
               fmt::format("{}: the staging read: lower the flags, raise this rank's ack at the others", who(b)));
+    b.mark_peer_path(from, 1);
+  }
+
+  // Copy mode's all-gather (the comment at the top) of `src` ([n, a_cols], this rank's shard) into `full`
+  // ([W n, a_cols]), beside GEMMs of `kind` from those rows into `d` ([W n, d_cols]): this rank's shard pushed to
+  // every other rank, its rows' GEMM from the shard (`own_into_full`: also copied into `full`, which the forward
+  // saves), `after_own` (the backward's own rows' wgrad), then each other rank's rows taken from the staging into
+  // `full` as they arrive, and their GEMM.
+  static void copy_gather(Builder& b, int comm_op, int lin, cuda::GemmKind kind, const Chunks& c, int src, int full,
+                          int64_t a_cols, int d, int64_t d_cols, bool own_into_full,
+                          const std::function<void()>& after_own) {
+    const size_t from = b.steps();
+    const int64_t n = c.shard, own0 = c.row0(c.rank, 0);
+    const char* what = kind == cuda::GemmKind::fwd ? "" : "dgrad ";
+    for (int j = 1; j < c.world; ++j) {
+      const int p = (c.rank + j) % c.world;
+      comm_step(b, Collective::peer_push, comm_op, src, 0, -1, 0, n * a_cols, p, 1, {},
+                fmt::format("{}: this rank's rows to rank {}'s staging by a copy engine (no SM)", who(b), p));
+    }
+    if (own_into_full)
+      comm_step(b, Collective::peer_take, comm_op, src, 0, full, own0 * a_cols, n * a_cols, c.rank, 1, {},
+                fmt::format("{}: this rank's rows into the gathered buffer (a local copy)", who(b)));
+    chunk_gemm(b, lin, kind, src, 0, d, own0 * d_cols, n, {},
+               fmt::format("{}: {}rows {}..{} of {} (this rank's, from its shard: no transfer)", who(b), what, own0,
+                           own0 + n, b.ops()[lin].label()));
+    if (after_own) after_own();
+    for (int j = 1; j < c.world; ++j) {
+      const int q = (c.rank - j + c.world) % c.world;
+      const int t = comm_step(b, Collective::peer_take, comm_op, -1, 0, full, q * n * a_cols, n * a_cols, q, 1, {},
+                              fmt::format("{}: rank {}'s rows from the staging (a copy engine)", who(b), q));
+      chunk_gemm(b, lin, kind, full, q * n * a_cols, d, q * n * d_cols, n, {t},
+                 fmt::format("{}: {}rows {}..{} of {} (rank {}'s, as they arrive)", who(b), what, q * n, (q + 1) * n,
+                             b.ops()[lin].label(), q));
+    }
     b.mark_peer_path(from, 1);
   }
 
