@@ -22,7 +22,7 @@ namespace jitfuse::env {
 //                          (read when a program is planned; every rank the same)
 // JITFUSE_PEER_ALLREDUCE   0: all_reduce + residual + norm groups take NCCL's all-reduce, never the one-shot
 //                          kernel over peer-mapped buffers (read when a program is prepared)
-// JITFUSE_PEER_COPY        0: the copy-engine reduce-scatter takes NCCL's instead (read when a program is prepared)
+// JITFUSE_PEER_COPY        0: the SP linears' collectives by copy engines take NCCL's way (read at each prepare)
 std::optional<std::string> get(const char* name);
 bool flag(const char* name);  // set and not "0"/"false"/"off"/""
 bool falsy(const std::string& value);  // "0", "false" or "off": a switch turned off (flag's false values but "")

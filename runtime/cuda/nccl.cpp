@@ -180,7 +180,7 @@ std::shared_ptr<const PeerStaging> Communicator::peer_staging(size_t slot_bytes,
     } else {
       staging_.reset();
       if (staging_why_.empty()) staging_why_ = "the staging could not be made";
-      jitfuse::log().warn("group of {} ranks: the reduce-scatters take NCCL's: {}", world_, staging_why_);
+      jitfuse::log().warn("group of {} ranks: the sequence-parallel collectives take NCCL's way: {}", world_, staging_why_);
     }
   }
   if (!staging_ && why) *why = staging_why_;

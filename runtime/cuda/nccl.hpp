@@ -61,10 +61,10 @@ class Communicator {
   // instead: JITFUSE_PEER_ALLREDUCE=0, `caller` capturing a CUDA graph (asked again later), or a rank that
   // cannot map another's buffer (`why` says so; not asked again).
   const void* peer_table(CUstream caller, std::string* why = nullptr);
-  // The copy-engine reduce-scatter's staging (cuda/peers.hpp) with slots of at least `slot_bytes`: made on the
+  // The copy-engine collectives' staging (cuda/peers.hpp) with slots of at least `slot_bytes`: made on the
   // first call and again, larger, when a call asks for more (a collective each time, so every rank asks at the
   // same point of its calls: a program's prepare); a staging handed out earlier stays valid. Null where the
-  // programs take NCCL's reduce-scatter instead: JITFUSE_PEER_COPY=0, or a rank that cannot map another's
+  // programs take NCCL's collectives instead: JITFUSE_PEER_COPY=0, or a rank that cannot map another's
   // buffer (`why` says so; not asked again).
   std::shared_ptr<const PeerStaging> peer_staging(size_t slot_bytes, std::string* why = nullptr);
 

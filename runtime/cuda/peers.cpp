@@ -1,5 +1,5 @@
 // The peer buffers (cuda/peers.hpp): allocation, the handle exchange and agreement over NCCL; the one-shot
-// all-reduce's workspace and table; the copy-engine reduce-scatter's staging.
+// all-reduce's workspace and table; the copy-engine collectives' staging.
 #include "cuda/peers.hpp"
 
 #include <cstdint>
@@ -159,7 +159,7 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
 std::unique_ptr<PeerStaging> PeerStaging::create(const Communicator& comm, size_t slot_bytes, std::string* why) {
   const int world = comm.world_size();
   if (world < 2 || world > codegen::kMaxPeers) {
-    if (why) *why = fmt::format("the group has {} ranks; the copy-engine reduce-scatter runs on 2 to {}", world,
+    if (why) *why = fmt::format("the group has {} ranks; the copy-engine collectives run on 2 to {}", world,
                                 codegen::kMaxPeers);
     return nullptr;
   }

@@ -70,12 +70,12 @@ class PeerWorkspace {
   PeerTable table_{};
 };
 
-// The staging of the copy-engine reduce-scatter (exec/lower/impl/joint_overlap_collective.cpp, "copy"): each
-// rank's buffer holds a slot of `slot_bytes` per source rank, into which that rank's copy engine pushes the
-// partial sums of the rows this rank owns (cuMemcpyDtoDAsync over NVLink, no SM), a flag per source rank
-// (raised by the source after its copy: cuStreamWriteValue32 into this buffer; lowered here once the slot was
-// read) and an ack per destination rank (raised by the destination once it read the slot this rank filled;
-// lowered here before the next copy into it). Flags start at 0, acks at 1. Every value written is a constant,
+// The staging of the collectives by copy engines (exec/lower/impl/joint_overlap_collective.cpp, "copy"): each
+// rank's buffer holds a slot of `slot_bytes` per source rank, into which that rank's copy engine pushes rows
+// (partial sums this rank owns, or the source's shard of a gather: cuMemcpyDtoDAsync over NVLink, no SM), a flag per
+// source rank (raised by the source after its copy: cuStreamWriteValue32 into this buffer; lowered here once the
+// slot was read) and an ack per destination rank (raised by the destination once it read the slot this rank
+// filled; lowered here before the next copy into it): a one-message channel per ordered pair of ranks. Flags start at 0, acks at 1. Every value written is a constant,
 // so a CUDA graph replays the protocol as it is. Made by every rank at once (a collective on the communicator).
 class PeerStaging {
  public:

@@ -81,7 +81,7 @@ std::pair<int64_t, int64_t> comm_json(const Program& p, const CommStep& c, json&
                       : peer                        ? 0
                                                     : c.count * esz * (c.op == Collective::all_gather ? w : 1);
   const int64_t wire = c.wire_bytes(p.world_size);
-  // The copy-engine reduce-scatter's steps name the staging (cuda::PeerStaging), which is not a program buffer.
+  // The copy-engine collectives' steps name the staging (cuda::PeerStaging), which is not a program buffer.
   auto name = [&](int id, const char* none) { return id >= 0 ? p.buffer(id).name : std::string(none); };
   j.update({{"kind", "comm"},
             {"collective", collective_name(c.op)},

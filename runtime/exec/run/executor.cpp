@@ -377,11 +377,11 @@ void run_fp8_update(const Fp8UpdateStep& u, Launched& launched, const std::vecto
 }  // namespace
 
 namespace {
-// The copy-engine reduce-scatter's steps (Collective::peer_push, peer_wait, peer_ack; cuda::PeerStaging's protocol):
+// The copy-engine collectives' steps (Collective::peer_push, peer_wait, peer_ack, peer_take; cuda::PeerStaging):
 // stream memory operations and one copy, no kernel.
 void run_peer_step(const Prepared& pp, const CommStep& c, const std::vector<void*>& ptr, CUstream stream) {
   const cuda::PeerStaging* st = pp.staging.get();
-  if (!st) fail(Status::internal, "a copy-engine reduce-scatter step without the peer staging");
+  if (!st) fail(Status::internal, "a copy-engine collective step without the peer staging");
   const auto& d = cuda::driver();
   const int me = st->rank(), world = st->world();
   switch (c.op) {

@@ -199,7 +199,7 @@ std::shared_ptr<const Prepared> prepare(std::shared_ptr<const Program> program, 
     pp->comm = c;
     // The one-shot all-reduce kernels' way, if any: every rank decides the same (the same program and GPU model).
     bool any = false, fit = true;
-    size_t slot_bytes = 0;  // the copy-engine reduce-scatters' largest push
+    size_t slot_bytes = 0;  // the copy-engine collectives' largest push
     for (const auto* steps : {&p.forward, &p.backward})
       for (const Step& s : *steps) {
         if (s.peer_path <= 0) continue;

@@ -104,7 +104,7 @@ struct Prepared {
   // The communicator's jf_peers table (a kernel's by-value parameter) when the program's one-shot all-reduce
   // kernels run (Step::peer_path 1); null: their NCCL path runs (-1).
   const void* peers = nullptr;
-  // The staging of the program's copy-engine reduce-scatters (Collective::peer_push ...; null: none, or their
+  // The staging of the program's copy-engine collectives (Collective::peer_push ...; null: none, or their
   // NCCL path runs).
   std::shared_ptr<const cuda::PeerStaging> staging;
   // Which of a two-way group's paths runs (Step::peer_path): 1 when every peer resource the program's peer

@@ -44,7 +44,7 @@ def test_tensor_parallel_blocks_match_one_gpu(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_blocks_match_one_gpu_on_nccls_reduce_scatter(world):
-    # JITFUSE_PEER_COPY=0: the SP row linear's NCCL way instead of the copy-engine reduce-scatter.
+    # JITFUSE_PEER_COPY=0: the SP linears' NCCL way instead of the copy-engine collectives.
     out = torchrun(world, "check", 29581 + world, env_extra={"JITFUSE_PEER_COPY": "0"})
     assert "MISMATCH" not in out and "graph replay 2" in out
 

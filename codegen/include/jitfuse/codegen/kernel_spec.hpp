@@ -27,7 +27,7 @@ struct Stage {
     normalize,  // v = (v - mean[row]) * rstd[row] * gamma + beta (forward only): a norm op's affine part
                 // with the statistics a NormSpec::stats_only kernel saved (fp8_block's norm -> block cast)
     staged_add, // v += staged_<slot> (forward only): another rank's partial sums of these rows, which its copy
-                // engine pushed into this rank's peer staging (the copy-engine reduce-scatter, docs/parallel.md)
+                // engine pushed into this rank's peer staging (the collectives by copy engines, docs/parallel.md)
   } kind = Kind::unary;
   int slot = 0;           // staged_add: which staged tensor (Arg::slot); the builder binds it to a rank's slot
   int op = -1;            // op index in the sequence (see KernelSpec: the source numbers ops by position)
