@@ -405,8 +405,9 @@ std::string program_text(const Program& p, double bw) {
   std::string out = fmt::format("program ({}, {}, recipe {}; napkin times = bytes / {:.0f} GB/s):\n", p.arch,
                                 p.training ? "training" : "inference", ops::recipe_name(p.recipe.kind), bw);
   if (!p.group.empty())
-    out += fmt::format("tensor parallel: group '{}', rank {} of {}; collectives run by NCCL on the caller's stream, "
-                       "link times = bytes over the links / {:.0f} GB/s (NVLink 4, one direction)\n",
+    out += fmt::format("tensor parallel: group '{}', rank {} of {}; collectives run by NCCL (or, the peer_* steps, by "
+                       "copy engines) on the caller's or the side stream, link times = bytes over the links / {:.0f} "
+                       "GB/s (NVLink 4, one direction)\n",
                        p.group, p.rank, p.world_size, kNvlinkGbs);
   out += steps_text(j);
   out += buffers_text(p, j, bw);
