@@ -20,6 +20,7 @@ struct Offer {
   CUipcMemHandle handle;
   int32_t ok;
   int32_t pad;
+  uint64_t bytes;  // the size every rank must have asked for (a slot larger at one rank would be written past)
 };
 
 static_assert(sizeof(PeerTable) == 8 * codegen::kMaxPeers * 2 + 16);
@@ -83,6 +84,7 @@ std::unique_ptr<PeerMapping> PeerMapping::create(const Communicator& comm, size_
   if (r == CUDA_SUCCESS && ones) r = d.cuMemsetD32Async(m->own_ + ones_at, 1, ones, s.get());
   if (r == CUDA_SUCCESS) r = d.cuIpcGetMemHandle(&mine.handle, m->own_);
   mine.ok = r == CUDA_SUCCESS;
+  mine.bytes = bytes;
   if (!mine.ok) problem = fmt::format("rank {} could not allocate or export its buffer ({} bytes): {}", rank, bytes,
                                       error_name(r));
   // Every rank's offer, then whether every rank mapped every other's (the minimum over ranks).
@@ -100,6 +102,12 @@ std::unique_ptr<PeerMapping> PeerMapping::create(const Communicator& comm, size_
     if (!all[static_cast<size_t>(p)].ok) {
       mapped = 0;
       problem = fmt::format("rank {} could not export its buffer", p);
+      break;
+    }
+    if (all[static_cast<size_t>(p)].bytes != bytes) {
+      mapped = 0;
+      problem = fmt::format("rank {} asked for a buffer of {} bytes, rank {} for {}: did every rank prepare the same "
+                            "programs in the same order?", p, all[static_cast<size_t>(p)].bytes, rank, bytes);
       break;
     }
     r = d.cuIpcOpenMemHandle(&m->mapped_[static_cast<size_t>(p)], all[static_cast<size_t>(p)].handle,

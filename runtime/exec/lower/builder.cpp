@@ -241,20 +241,25 @@ void Builder::place_last(int stream, std::vector<int> waits) {
   if (steps.empty()) fail(Status::internal, "place_last: no step yet");
   steps.back().stream = stream;
   steps.back().waits = std::move(waits);
+  if (stream != 0 && side_first_ < 0) side_first_ = static_cast<int>(steps.size()) - 1;
   if (stream != 0 && steps.back().kind == Step::Kind::comm)
     for (int id : {steps.back().comm.send, steps.back().comm.recv})
       if (id >= 0) side_buffers_.push_back(id);
 }
 
-// A side-stream step may still run while later steps of its group start on the caller's stream: the arena
-// packer must not hand its buffers to them, so they live to the group's last step (the join).
+// A side-stream step may run at any time between the group's first side-stream step (where the side stream forks
+// from the caller's) and the group's last step (the join): the arena packer must not hand its buffers to any step
+// of the group in that span — a copy engine writing a gathered buffer while an earlier GEMM's workspace still
+// occupies those bytes — so they live over all of it.
 void Builder::end_side_lifetimes() {
   const int last = static_cast<int>(steps()) - 1;
   for (int id : side_buffers_) {
     auto& b = p_.buffers.at(static_cast<size_t>(id));
+    b.first = b.first < 0 ? side_first_ : std::min(b.first, side_first_);
     b.last = std::max(b.last, last);
   }
   side_buffers_.clear();
+  side_first_ = -1;
 }
 
 int Builder::fp8_state(int op, fp8::Operand operand, fp8::Part part) {

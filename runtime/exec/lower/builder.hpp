@@ -146,6 +146,7 @@ class Builder {
   void push(Step s);     // a step of the current pass, its buffers touched
   void follow_ups(const KernelStep& ks, int fp8_q, fp8::Operand fp8_tensor);  // finalize / FP8 update steps
   std::vector<int> side_buffers_;  // touched by the current group's side-stream steps: live to its end
+  int side_first_ = -1;            // the current group's first side-stream step (the fork), -1: none yet
   void end_side_lifetimes();
   std::map<std::tuple<int, fp8::Operand, fp8::Part>, int> state_;
 };

@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -460,6 +461,20 @@ TEST_CASE("from 2 ranks the SP collectives run by copy engines, NCCL's way besid
         // Each direction: one all-gather ((W - 1) pushes of this rank's shard, W - 1 takes) and one reduce-scatter
         // ((W - 1) pushes of the other ranks' blocks, one wait, the sum, one ack); the forward keeps its gathered
         // input (this rank's rows copied in too); NCCL's way: one all-gather and one reduce-scatter.
+        // Every buffer a side-stream step touches is live from the group's fork (its first side-stream step) to
+        // its end, so no step of the group in between (a GEMM's workspace) is packed over it.
+        std::map<int, int> fork;  // group -> its first side-stream step
+        for (size_t i = 0; i < dir->size(); ++i)
+          if ((*dir)[i].stream == 1 && !fork.count((*dir)[i].group)) fork[(*dir)[i].group] = static_cast<int>(i);
+        for (size_t i = 0; i < dir->size(); ++i) {
+          const auto& s = (*dir)[i];
+          if (s.stream != 1 || s.kind != exec::Step::Kind::comm) continue;
+          for (int id : {s.comm.send, s.comm.recv})
+            if (id >= 0 && p->buffer(id).storage != exec::Storage::caller) {
+              INFO("buffer " << p->buffer(id).name);
+              CHECK(p->buffer(id).first <= fork[s.group]);
+            }
+        }
         CHECK(push == 2 * (world - 1));
         CHECK(take_peer == world - 1);
         CHECK(take_own == (fwd ? 1 : 0));
