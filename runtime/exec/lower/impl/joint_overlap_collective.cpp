@@ -215,17 +215,13 @@ class OverlapCollective final : public Implementation {
     b.place_last(0, std::move(waits));
     return static_cast<int>(b.steps()) - 1;
   }
+  // The whole wgrad: dW (+)= dy^T x over every row.
   static void wgrad(Builder& b, int lin, int dy, int x) {
     const auto& op = b.ops()[lin];
-    GemmStep wg = b.linear_gemm(lin, cuda::GemmKind::wgrad);
-    wg.a = dy;
-    wg.b = x;
-    wg.d = b.grad(lin, Key::weight);
-    wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
-    b.gemm(wg, who(b) + ": wgrad " + op.label());
+    wgrad_rows(b, lin, dy, 0, x, 0, ops::rows_of(op.in), true, {}, who(b) + ": wgrad " + op.label());
   }
   // The wgrad over `rows` rows only: dW (+)= dy[rows]^T x[rows] from element offsets dy_off and x_off; the first
-  // part of a split wgrad writes dW (or adds to it under accumulate_grad), the later parts add (beta 1).
+  // part of a split wgrad writes dW (or adds to it under accumulate_grad), the later parts add (beta 1; C is D).
   static void wgrad_rows(Builder& b, int lin, int dy, int64_t dy_off, int x, int64_t x_off, int64_t rows, bool first,
                          std::vector<int> waits, const std::string& what) {
     const auto& op = b.ops()[lin];
@@ -236,10 +232,7 @@ class OverlapCollective final : public Implementation {
     wg.b = x;
     wg.b_offset = x_off;
     wg.d = b.grad(lin, Key::weight);
-    if (!first || op.flag("accumulate_grad")) {
-      wg.call.beta = 1.f;
-      wg.c = wg.d;
-    }
+    wg.call.beta = !first || op.flag("accumulate_grad") ? 1.f : 0.f;
     b.gemm(wg, what);
     b.place_last(0, std::move(waits));
   }
