@@ -174,12 +174,12 @@ class Rownorm {
     args_.scalar(Arg::Role::peers, -1, "peers", "peers", "jf_peers");  // by value: no dependent load of the table
     g.launch.max_grid = kPeerMaxBlocks;
   }
-  // Peers: this block's rows of the input pushed into its slot of every rank's staging buffer, then the slots of
-  // its previous call set back to unset (templates/skeletons/peer.cuh); the row loop then reads every rank's rows
-  // from this rank's staging buffer as they arrive.
+  // Peers: this block's rows of the input pushed into its slot of every rank's staging buffer, then the meeting
+  // with the same block of every rank (templates/skeletons/peer.cuh); the row loop then reads every rank's rows
+  // from this rank's staging buffer.
   void stage_for_peers(Writer& k) const {
     const int w = spec_.peers;
-    k.line("const jf_peer_call jf_call = jf_peer_begin(peers);");
+    k.line("const unsigned jf_parity = jf_peer_parity(peers);");
     k.line("for (jf_i64 r = blockIdx.x, j = 0; r < rows; r += gridDim.x, ++j) {{");
     k.open();
     chunk_loop_open(k);
@@ -187,13 +187,13 @@ class Rownorm {
     k.line("  float v[8];");
     k.line("  jf_load8<DT, JF_VEC>(in + r * {} + c0, v, n);", cols_);
     k.line("  #pragma unroll");
-    k.line("  for (int w = 0; w < {}; ++w)  // into slot (block, buffer, this rank) of every rank's staging buffer", w);
-    k.line("    jf_peer_store8<DT, JF_VEC>(jf_peer_row<{}, ST>(peers, w, jf_call.buf, peers.rank, j, {}) + c0, v, n);", w, cols_);
+    k.line("  for (int w = 0; w < {}; ++w)  // into slot (block, parity, this rank) of every rank's staging buffer", w);
+    k.line("    jf_store8<DT, JF_VEC>(jf_peer_row<{}, ST>(peers, w, jf_parity, peers.rank, j, {}) + c0, v, n);", w, cols_);
     k.line("}}");
     chunk_loop_close(k);
     k.close();
     k.line("}}");
-    k.line("jf_peer_end<{}>(peers, jf_call, rows, {} * (int)sizeof(ST));  // the previous call's slots unset", w, cols_);
+    k.line("jf_peer_barrier<{}>(peers);  // every rank's rows are staged", w);
   }
 
   // y = norm(pre(x)) * gamma (+ beta), then the post stages; saves pre's output and the row statistics.
@@ -228,8 +228,15 @@ class Rownorm {
     k.line("float x[{}][8];", nch_);
     chunk_loop_open(k);
     if (peers_) {
-      k.line("if (active) jf_peer_sum8<{}, DT, JF_VEC>(peers, jf_call.buf, r / gridDim.x, {}, c0, x[k], n);", spec_.peers, cols_);
-      k.line("else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;");
+      k.line("for (int e = 0; e < 8; ++e) x[k][e] = 0.f;");
+      k.line("if (active) {{");
+      k.line("  #pragma unroll");
+      k.line("  for (int w = 0; w < {}; ++w) {{  // rank order: every rank sums the same bits", spec_.peers);
+      k.line("    float t[8];");
+      k.line("    jf_load8<DT, JF_VEC>(jf_peer_row<{}, ST>(peers, peers.rank, jf_parity, w, r / gridDim.x, {}) + c0, t, n);", spec_.peers, cols_);
+      k.line("    for (int e = 0; e < 8; ++e) x[k][e] += t[e];");
+      k.line("  }}");
+      k.line("}}");
     } else {
       k.line("if (active) jf_load8<DT, JF_VEC>(in + r * {} + c0, x[k], n); else for (int e = 0; e < 8; ++e) x[k][e] = 0.f;", cols_);
     }
@@ -259,11 +266,9 @@ class Rownorm {
   void row_statistics(Writer& k, bool packed) {
     k.line("// op {} {}: statistics over {} columns", ns_.op, ns_.rms ? "rmsnorm" : "layernorm", cols_);
     if (!ns_.rms) {
-      if (peers_) {  // thread 0's first value (column 0), once the row arrived: the staged words are read only where waited for
-        k.line("__shared__ float jf_k0;");
-        k.line("if (threadIdx.x == 0) jf_k0 = x[0][0];");
-        k.line("__syncthreads();");
-        k.line("const float jf_k = jf_k0;");
+      if (peers_) {
+        k.line("float jf_k = 0.f;");
+        k.line("for (int w = 0; w < {0}; ++w) jf_k += DT::load(*jf_peer_row<{0}, ST>(peers, peers.rank, jf_parity, w, r / gridDim.x, {1}));", spec_.peers, cols_);
       } else {
         k.line("const float jf_k = DT::load(in[r * {}]);", cols_);
       }

@@ -23,9 +23,10 @@ struct Offer {
   uint64_t bytes;  // the size every rank must have asked for (a slot larger at one rank would be written past)
 };
 
-static_assert(sizeof(PeerTable) == 8 * codegen::kMaxPeers + 16);
-static_assert(kPeerStateOffset + codegen::kPeerMaxBlocks * 2 * 4 <= kPeerDataOffset);
-static_assert(kPeerStagingPerRank == 3 * codegen::kPeerMaxBlocks * codegen::kPeerBlockBytes);
+static_assert(sizeof(PeerTable) == 8 * codegen::kMaxPeers * 2 + 16);
+static_assert(kPeerFlagsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerEpochsOffset);
+static_assert(kPeerEpochsOffset + codegen::kPeerMaxBlocks * codegen::kMaxPeers * 4 <= kPeerDataOffset);
+static_assert(kPeerStagingPerRank == 2 * codegen::kPeerMaxBlocks * codegen::kPeerBlockBytes);
 
 // A private stream, synchronised and destroyed on every way out.
 class OwnStream {
@@ -66,8 +67,8 @@ std::string error_name(CUresult r) {
 
 }  // namespace
 
-std::unique_ptr<PeerMapping> PeerMapping::create(const Communicator& comm, size_t bytes, size_t zero_bytes, Fill fill,
-                                                 std::string* why) {
+std::unique_ptr<PeerMapping> PeerMapping::create(const Communicator& comm, size_t bytes, size_t zero_bytes,
+                                                 size_t ones_at, size_t ones, std::string* why) {
   const int world = comm.world_size(), rank = comm.rank();
   const auto& d = driver();
   const Nccl& n = nccl();
@@ -80,7 +81,7 @@ std::unique_ptr<PeerMapping> PeerMapping::create(const Communicator& comm, size_
   CUresult r = d.cuMemAlloc(&m->own_, bytes);
   if (r != CUDA_SUCCESS) m->own_ = 0;
   if (r == CUDA_SUCCESS && zero_bytes) r = d.cuMemsetD8Async(m->own_, 0, zero_bytes, s.get());
-  if (r == CUDA_SUCCESS && fill.words) r = d.cuMemsetD32Async(m->own_ + fill.at, fill.value, fill.words, s.get());
+  if (r == CUDA_SUCCESS && ones) r = d.cuMemsetD32Async(m->own_ + ones_at, 1, ones, s.get());
   if (r == CUDA_SUCCESS) r = d.cuIpcGetMemHandle(&mine.handle, m->own_);
   mine.ok = r == CUDA_SUCCESS;
   mine.bytes = bytes;
@@ -149,13 +150,15 @@ std::unique_ptr<PeerWorkspace> PeerWorkspace::create(const Communicator& comm, s
     return nullptr;
   }
   std::unique_ptr<PeerWorkspace> ws(new PeerWorkspace());
-  const size_t staging = kPeerStagingPerRank * static_cast<size_t>(world);
-  ws->map_ = PeerMapping::create(comm, kPeerDataOffset + staging, kPeerDataOffset,
-                                 PeerMapping::Fill{kPeerDataOffset, staging / 4, kPeerUnset}, why);
+  ws->map_ = PeerMapping::create(comm, kPeerDataOffset + kPeerStagingPerRank * static_cast<size_t>(world),
+                                 kPeerDataOffset, 0, 0, why);
   if (!ws->map_) return nullptr;
   PeerTable& t = ws->table_;
-  for (int p = 0; p < world; ++p) t.data[p] = ws->map_->base(p) + kPeerDataOffset;
-  t.state = ws->map_->base(rank) + kPeerStateOffset;
+  for (int p = 0; p < world; ++p) {
+    t.data[p] = ws->map_->base(p) + kPeerDataOffset;
+    t.flags[p] = ws->map_->base(p) + kPeerFlagsOffset;
+  }
+  t.epochs = ws->map_->base(rank) + kPeerEpochsOffset;
   t.rank = rank;
   t.world = world;
   return ws;
@@ -172,8 +175,8 @@ std::unique_ptr<PeerStaging> PeerStaging::create(const Communicator& comm, size_
   slot_bytes = (slot_bytes + 255) / 256 * 256;
   std::unique_ptr<PeerStaging> st(new PeerStaging());
   st->slot_bytes_ = slot_bytes;
-  st->map_ = PeerMapping::create(comm, kDataOffset + slot_bytes * static_cast<size_t>(world), kDataOffset,
-                                 PeerMapping::Fill{kAcksOffset, codegen::kMaxPeers, 1}, why);
+  st->map_ = PeerMapping::create(comm, kDataOffset + slot_bytes * static_cast<size_t>(world), kDataOffset, kAcksOffset,
+                                 codegen::kMaxPeers, why);
   if (!st->map_) return nullptr;
   return st;
 }

@@ -1,6 +1,6 @@
 // The peer workspace of a communicator: one device buffer per rank, exported with CUDA IPC and mapped by every
 // other rank of the group (over NVLink; never multicast), in which a one-shot all-reduce kernel stages its
-// input (templates/skeletons/peer.cuh, docs/parallel.md). Made once per communicator, by
+// input and raises its flags (templates/skeletons/peer.cuh, docs/parallel.md). Made once per communicator, by
 // every rank at the same point of its calls (the first prepare of a program with such a kernel): a collective
 // on the communicator exchanges the handles and agrees on the outcome, so either every rank maps every other
 // rank's buffer or none does and the programs take their NCCL path.
@@ -17,34 +17,27 @@ namespace jitfuse::cuda {
 
 class Communicator;
 
-// The workspace layout (each rank's buffer): this rank's call state [kPeerMaxBlocks][2] u32 (per block: the buffer
-// its next call writes, the bytes per slot its last call wrote; zeroed), then the staging buffer: per block, per
-// buffer (three, used in turn), per source rank a slot of kPeerBlockBytes, every 32-bit word JF_PEER_UNSET
-// (kPeerUnset) until a rank pushes into it (codegen::peer_rows_fit says which inputs fit: decode and short
-// prefill, e.g. 128 tokens of hidden 8192 in fp32, 256 in bf16; larger ones take NCCL's all-reduce). 12 MiB of
-// staging per rank of the group.
-inline constexpr size_t kPeerStateOffset = 0, kPeerDataOffset = 16384;
-inline constexpr size_t kPeerStagingPerRank = 3 * 128 * 32768;
-inline constexpr uint32_t kPeerUnset = 0x80008000u;
+// The workspace layout (each rank's buffer): flags [kPeerMaxBlocks][kMaxPeers] u32, this rank's epochs
+// [kPeerMaxBlocks][kMaxPeers] u32, then the staging buffer: per block, per epoch parity, per source rank a slot of
+// kPeerBlockBytes (codegen::peer_rows_fit says which inputs fit: decode and short prefill, e.g. 128 tokens of hidden
+// 8192 in fp32, 256 in bf16; larger ones take NCCL's all-reduce). 8 MiB of staging per rank of the group.
+inline constexpr size_t kPeerFlagsOffset = 0, kPeerEpochsOffset = 8192, kPeerDataOffset = 16384;
+inline constexpr size_t kPeerStagingPerRank = 2 * 128 * 32768;
 
 // templates/skeletons/peer.cuh's jf_peers, as a kernel takes it by value (64-bit pointers).
 struct PeerTable {
   uint64_t data[8];
-  uint64_t state;
+  uint64_t flags[8];
+  uint64_t epochs;
   int32_t rank, world;
 };
 
 // Every rank's buffer of `bytes`, mapped by every other rank (the handle exchange and agreement above), its
-// first `zero_bytes` zeroed and `fill.words` u32 from byte `fill.at` set to `fill.value` (on every way out:
-// nothing leaks).
+// first `zero_bytes` zeroed and `ones` u32 from byte `ones_at` set to 1 (on every way out: nothing leaks).
 class PeerMapping {
  public:
-  struct Fill {
-    size_t at = 0, words = 0;
-    uint32_t value = 0;
-  };
-  static std::unique_ptr<PeerMapping> create(const Communicator& comm, size_t bytes, size_t zero_bytes, Fill fill,
-                                             std::string* why);
+  static std::unique_ptr<PeerMapping> create(const Communicator& comm, size_t bytes, size_t zero_bytes,
+                                             size_t ones_at, size_t ones, std::string* why);
   ~PeerMapping();
   PeerMapping(const PeerMapping&) = delete;
   PeerMapping& operator=(const PeerMapping&) = delete;

@@ -190,8 +190,8 @@ inline int64_t moe_route_ints(int64_t tokens, int64_t topk, int64_t experts, int
 
 // The peer workspace of a communicator (runtime/cuda/peers.hpp; templates/skeletons/peer.cuh's jf_peers, whose
 // JF_PEER_MAX_RANKS, JF_PEER_MAX_BLOCKS and JF_PEER_BLOCK_BYTES are these): at most kMaxPeers ranks; a kernel
-// reducing over them (KernelSpec::peers) runs at most kPeerMaxBlocks blocks, each with its own call state and three
-// regions of kPeerBlockBytes (used in turn) for its rows in every rank's staging buffer.
+// reducing over them (KernelSpec::peers) runs at most kPeerMaxBlocks blocks, each with its own flags per rank and
+// two regions of kPeerBlockBytes (by epoch parity) for its rows in every rank's staging buffer.
 inline constexpr int kMaxPeers = 8, kPeerMaxBlocks = 128;
 inline constexpr int64_t kPeerBlockBytes = 32768;
 // Whether `rows` rows of `row_bytes` fit the regions of a grid of min(rows, kPeerMaxBlocks, sm_count) blocks.
