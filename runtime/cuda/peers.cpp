@@ -2,12 +2,15 @@
 // all-reduce's workspace and table; the copy-engine collectives' staging.
 #include "cuda/peers.hpp"
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 
 #include <fmt/format.h>
 
 #include "common/error.hpp"
+#include "common/log.hpp"
 #include "cuda/driver.hpp"
 #include "cuda/nccl.hpp"
 #include "jitfuse/codegen/kernel_spec.hpp"
@@ -179,6 +182,35 @@ std::unique_ptr<PeerStaging> PeerStaging::create(const Communicator& comm, size_
                                  codegen::kMaxPeers, why);
   if (!st->map_) return nullptr;
   return st;
+}
+
+PeerStaging::~PeerStaging() {
+  const Driver* d = try_driver();
+  if (!d || !map_) return;
+  const int me = map_->rank(), world = map_->world();
+  uint32_t acks[codegen::kMaxPeers] = {};
+  CUstream s = nullptr;
+  if (d->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return;  // the context is gone
+  struct Done {
+    const Driver* d;
+    CUstream s;
+    ~Done() { d->cuStreamDestroy(s); }
+  } done{d, s};
+  for (int waited = 0;; ++waited) {
+    if (d->cuMemcpyDtoHAsync(acks, map_->base(me) + kAcksOffset, sizeof acks, s) != CUDA_SUCCESS ||
+        d->cuStreamSynchronize(s) != CUDA_SUCCESS)
+      return;
+    int down = -1;
+    for (int q = 0; q < world && down < 0; ++q)
+      if (q != me && acks[q] != 1) down = q;
+    if (down < 0) return;
+    if (waited >= kTeardownWaitMs) {
+      jitfuse::log().warn("rank {}: freeing the copy-engine staging although rank {} never took this rank's last "
+                          "rows (it stopped mid-program?)", me, down);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace jitfuse::cuda

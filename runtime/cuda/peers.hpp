@@ -81,6 +81,13 @@ class PeerStaging {
  public:
   static constexpr size_t kFlagsOffset = 0, kAcksOffset = 256, kDataOffset = 4096;
   static std::unique_ptr<PeerStaging> create(const Communicator& comm, size_t slot_bytes, std::string* why);
+  // Waits (at most kTeardownWait) until every other rank's ack in this rank's buffer is up again — each took
+  // what this rank pushed it last, and an ack after a take is the last write a peer makes into this buffer — so
+  // no peer writes into freed memory; a rank that stopped mid-program leaves its ack down: a warning, then freed.
+  ~PeerStaging();
+  PeerStaging(const PeerStaging&) = delete;
+  PeerStaging& operator=(const PeerStaging&) = delete;
+  static constexpr int kTeardownWaitMs = 5000;
   size_t slot_bytes() const { return slot_bytes_; }
   int rank() const { return map_->rank(); }
   int world() const { return map_->world(); }

@@ -19,15 +19,18 @@ with the same error, then run the next call); the padded layout (capacity = the 
 expert drops slots, GShard's first-come order in the reference) in fp32, and in a CUDA graph (3 replays with new
 tokens and routing equal to the eager call); ranks with different token counts (fp32), and one rank's default
 ``max_rows`` overflowing while another's would not (every rank fails alike). Exit status 1 on any mismatch.
-`train`: a two-layer MoE language model (embedding, per layer a router (torch) and the jitfuse block with the
-residual, RMSNorm, head) on W x 4 batches; every rank trains on its own batch (data parallel) with its experts
+`train [--checkpoint] [--compile]`: a two-layer MoE language model (embedding, per layer a router (torch) and the
+jitfuse block with the residual, RMSNorm, head) on W x 4 batches; every rank trains on its own batch (data parallel) with its experts
 (expert parallel): non-expert gradients averaged over ranks, expert gradients divided by W (each rank's loss
 reaches every expert). The reference is the same model with all experts on one GPU on the concatenated batch.
-Final loss (mean of the last 5 steps) within 1 %.
+Final loss (mean of the last 5 steps) within 1 %. --checkpoint runs each EP layer under torch.utils.checkpoint
+(non-reentrant: the backward recomputes the layer, its dispatch and combine exchanges included, on every rank in
+the same order); --compile runs the EP model under torch.compile (Inductor around the jitfuse blocks).
 `hf`: a 2-layer Hugging Face Mixtral (fp32, from a config) with ``jitfuse.torch.hf.apply(model,
 expert_parallel="ep")`` (every rank keeps its experts) against the unmodified model, every rank on its own
 tokens: logits, gradients (this rank's experts' against the all-reduced full gradients), greedy generate() of 8
-tokens, and 20 AdamW steps (DP + EP) against the unmodified model on every rank's batch (within 1 %).
+tokens, and 20 AdamW steps (DP + EP) against the unmodified model on every rank's batch (within 1 %); with
+--checkpoint the EP model trains under HF's gradient checkpointing (non-reentrant).
 `bench`: forward + backward (bf16) of the expert block at --tokens per rank x --hidden, --experts, top --topk, ffn
 --ffn (default Mixtral-8x7B: 8192 x 4096, 8 experts, top-2, 14336): EP at W ranks (each rank its tokens, E/W
 experts; the default max_rows W T k, and 1.25 T k); the whole block on one GPU (all experts, the same tokens per GPU: the same GEMM work per GPU); and
@@ -280,8 +283,9 @@ class MoELayer(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, vocab, h, f, experts, topk, world, rank, layers=2):
+    def __init__(self, vocab, h, f, experts, topk, world, rank, layers=2, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint  # each layer's activations recomputed in the backward (non-reentrant)
         self.embed = nn.Embedding(vocab, h, device="cuda")
         self.layers = nn.ModuleList(MoELayer(h, f, experts, topk, world, rank, f"ep_lm_w{world}_{i}")
                                     for i in range(layers))
@@ -291,7 +295,7 @@ class MoELM(nn.Module):
     def forward(self, ids):
         x = self.embed(ids)
         for layer in self.layers:
-            x = layer(x)
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if self.checkpoint else layer(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
@@ -302,7 +306,7 @@ def lm(args, world, rank):
     full = MoELM(args.vocab, args.hidden, args.ffn, args.experts, args.topk, 0, 0)
     if not world:
         return full
-    ep = MoELM(args.vocab, args.hidden, args.ffn, args.experts, args.topk, world, rank)
+    ep = MoELM(args.vocab, args.hidden, args.ffn, args.experts, args.topk, world, rank, checkpoint=args.checkpoint)
     ep.load_state_dict({k: v for k, v in full.state_dict().items() if ".experts." not in k}, strict=False)
     local = slice(rank * (args.experts // world), (rank + 1) * (args.experts // world))
     with torch.no_grad():
@@ -322,11 +326,14 @@ def train(args):
     for w in (0, world):
         model = lm(args, w, rank)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        # --compile: the EP model's forward under torch.compile (Inductor around the jitfuse blocks; the
+        # reference stays eager)
+        run = torch.compile(model) if w and args.compile else model
         curve = []
         for step in range(args.steps):
             group = batches[step % len(batches)]
             opt.zero_grad(set_to_none=True)
-            loss = model(group[rank] if w else torch.cat(group))
+            loss = run(group[rank] if w else torch.cat(group))
             loss.backward()
             if w:
                 ep_grads(model, w)
@@ -336,7 +343,8 @@ def train(args):
             opt.step()
             curve.append(loss.item())
         curves[w] = curve
-    return any_rank_failed(curves_agree(f"MoE LM EP={world}, {args.steps} AdamW steps", curves[world], curves[0]))
+    how = "".join(f", {k}" for k in ("checkpoint", "compile") if getattr(args, k))
+    return any_rank_failed(curves_agree(f"MoE LM EP={world}{how}, {args.steps} AdamW steps", curves[world], curves[0]))
 
 
 def hf_mixtral():
@@ -422,6 +430,8 @@ def hf_train(args, rank, world):
         model = hf_mixtral()
         if w:
             jt.hf.apply(model, expert_parallel="ep")
+            if args.checkpoint:  # HF's own: each decoder layer recomputed in the backward, exchanges included
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         curve = []
         for step in range(20):
@@ -438,7 +448,8 @@ def hf_train(args, rank, world):
             opt.step()
             curve.append(loss.item())
         curves[w] = curve
-    return curves_agree(f"HF Mixtral EP={world}, 20 AdamW steps", curves[world], curves[0], last=3, drop=0.0)
+    how = ", gradient checkpointing" if args.checkpoint else ""
+    return curves_agree(f"HF Mixtral EP={world}{how}, 20 AdamW steps", curves[world], curves[0], last=3, drop=0.0)
 
 
 def bench(args):
@@ -497,6 +508,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=None, help="per rank; default 384 (bench: 8192)")
     ap.add_argument("--vocab", type=int, default=512, help="train")
     ap.add_argument("--steps", type=int, default=60, help="train: AdamW steps")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="train: each EP layer under torch.utils.checkpoint; hf: HF's gradient checkpointing")
+    ap.add_argument("--compile", action="store_true", help="train: the EP model under torch.compile")
     ap.add_argument("--rounds", type=int, default=5, help="bench: interleaved rounds")
     ap.add_argument("--iters", type=int, default=10, help="bench: timed steps per variant per round")
     args = ap.parse_args()

@@ -377,6 +377,13 @@ void run_fp8_update(const Fp8UpdateStep& u, Launched& launched, const std::vecto
 }  // namespace
 
 namespace {
+// Buffer `id`'s element `offset` (elements of `dtype`) as a device address: where a comm step sends from or
+// receives into.
+CUdeviceptr element_at(const std::vector<void*>& ptr, int id, int64_t offset, ops::DType dtype) {
+  return reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(id)]) +
+         static_cast<CUdeviceptr>(offset) * static_cast<CUdeviceptr>(ops::dtype_bytes(dtype));
+}
+
 // The copy-engine collectives' steps (Collective::peer_push, peer_wait, peer_ack, peer_take; cuda::PeerStaging):
 // stream memory operations and one copy, no kernel.
 void run_peer_step(const Prepared& pp, const CommStep& c, const std::vector<void*>& ptr, CUstream stream) {
@@ -389,8 +396,7 @@ void run_peer_step(const Prepared& pp, const CommStep& c, const std::vector<void
       const size_t bytes = static_cast<size_t>(c.count) * ops::dtype_bytes(c.dtype);
       if (c.root < 0 || c.root >= world || c.root == me || bytes > st->slot_bytes())
         fail(Status::internal, "peer_push to rank {} of {} bytes (staging slots of {})", c.root, bytes, st->slot_bytes());
-      const auto src = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(c.send)]) +
-                       static_cast<CUdeviceptr>(c.send_offset) * ops::dtype_bytes(c.dtype);
+      const CUdeviceptr src = element_at(ptr, c.send, c.send_offset, c.dtype);
       // The destination read what this rank pushed last (its ack), then the copy, then its flag.
       cuda::check(d.cuStreamWaitValue32(stream, st->ack(me, c.root), 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32(ack)");
       cuda::check(d.cuStreamWriteValue32(stream, st->ack(me, c.root), 0, 0), "cuStreamWriteValue32(ack)");
@@ -412,13 +418,11 @@ void run_peer_step(const Prepared& pp, const CommStep& c, const std::vector<void
       }
       return;
     case Collective::peer_take: {
-      const size_t esz = ops::dtype_bytes(c.dtype), bytes = static_cast<size_t>(c.count) * esz;
-      const auto dst = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(c.recv)]) +
-                       static_cast<CUdeviceptr>(c.recv_offset) * esz;
+      const size_t bytes = static_cast<size_t>(c.count) * ops::dtype_bytes(c.dtype);
+      const CUdeviceptr dst = element_at(ptr, c.recv, c.recv_offset, c.dtype);
       if (c.root == me) {  // this rank's own rows: a local copy
-        const auto src = reinterpret_cast<CUdeviceptr>(ptr[static_cast<size_t>(c.send)]) +
-                         static_cast<CUdeviceptr>(c.send_offset) * esz;
-        cuda::check(d.cuMemcpyDtoDAsync(dst, src, bytes, stream), "cuMemcpyDtoDAsync(own rows)");
+        cuda::check(d.cuMemcpyDtoDAsync(dst, element_at(ptr, c.send, c.send_offset, c.dtype), bytes, stream),
+                    "cuMemcpyDtoDAsync(own rows)");
         return;
       }
       if (c.root < 0 || c.root >= world || bytes > st->slot_bytes())
@@ -441,9 +445,8 @@ void run_comm(const Prepared& pp, const CommStep& c, const std::vector<void*>& p
       c.op == Collective::peer_take)
     return run_peer_step(pp, c, ptr, stream);
   const cuda::Nccl& n = cuda::nccl();
-  const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
-  const char* send = static_cast<const char*>(ptr[static_cast<size_t>(c.send)]) + static_cast<size_t>(c.send_offset) * esz;
-  char* recv = static_cast<char*>(ptr[static_cast<size_t>(c.recv)]) + static_cast<size_t>(c.recv_offset) * esz;
+  const auto* send = reinterpret_cast<const void*>(element_at(ptr, c.send, c.send_offset, c.dtype));
+  auto* recv = reinterpret_cast<void*>(element_at(ptr, c.recv, c.recv_offset, c.dtype));
   const auto count = static_cast<size_t>(c.count);
   const ncclDataType_t dt = cuda::nccl_dtype(c.dtype);
   ncclComm_t comm = pp.comm->comm();

@@ -4,7 +4,8 @@
 # MLPs trained 100 AdamW steps against one GPU (`train --sp`), and the all-reduce + residual + RMSNorm group — the one-shot kernel over peer-mapped buffers, its
 # NCCL path and NCCL's all-reduce followed by our norm — against float64, eager and captured in CUDA graphs
 # (`arnorm`); tools/multigpu/ep.py's expert parallelism: the expert block with MoEDispatch / MoECombine against
-# float64 on every rank (`check`), a small MoE language model's 60 AdamW steps against one GPU (`train`), and
+# float64 on every rank (`check`), a small MoE language model's 60 AdamW steps against one GPU (`train`, also
+# under activation checkpointing and torch.compile), and
 # Hugging Face's Mixtral with hf.apply(expert_parallel="ep") against the unmodified model (`hf`).
 # Skipped with fewer GPUs.
 import os
@@ -74,6 +75,19 @@ def test_expert_parallel_training_tracks_one_gpu(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_training_under_checkpointing_and_compile(world):
+    # Each EP layer under torch.utils.checkpoint (the backward recomputes its dispatch and combine) and the model
+    # under torch.compile: the loss curve still tracks one GPU's eager model.
+    out = torchrun(world, "train", 29611 + world, script=EP, args=["--checkpoint", "--compile"])
+    assert "MISMATCH" not in out and "checkpoint, compile, 60 AdamW steps" in out and "apart ok" in out
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_hf_mixtral_matches_the_unmodified_model(world):
     out = torchrun(world, "hf", 29571 + world, script=EP)
     assert "MISMATCH" not in out and "generate() of 8 tokens equal" in out and "apart ok" in out
+
+
+def test_expert_parallel_hf_mixtral_trains_under_gradient_checkpointing():
+    out = torchrun(2, "hf", 29621, script=EP, args=["--checkpoint"])
+    assert "MISMATCH" not in out and "EP=2, gradient checkpointing, 20 AdamW steps" in out and "apart ok" in out
