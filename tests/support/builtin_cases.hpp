@@ -163,11 +163,14 @@ inline std::vector<BuiltinCase> builtin_cases() {
   }
   // The row-parallel linear of sequence parallelism: its reduce-scatter by copy engines, summed by a generated
   // kernel (joint_overlap_collective's copy mode); the input is this rank's 128 / W columns.
-  for (const char* recipe : {"fp32", "bf16"})
+  // Under fp8_current its GEMM's row blocks read the codes of one cast (64 rows: 16 and more per rank).
+  const char* row_sp =
+      R"([{"op": "linear", "in_features": 128, "out_features": 64, "tensor_parallel": "row", "sequence_parallel": true}])";
+  for (const char* recipe : {"fp32", "bf16", "fp8_current"})
     for (bool training : {true, false})
       for (int world : {2, 4})
-        out.push_back({seq, R"([{"op": "linear", "in_features": 128, "out_features": 64, "tensor_parallel": "row", "sequence_parallel": true}])",
-                       recipe, training, ops::Shape{16, 128 / world}, world});
+        out.push_back({seq, row_sp, recipe, training, ops::Shape{std::string(recipe) == "fp8_current" ? 64 : 16, 128 / world},
+                       world});
   ++seq;
   return out;
 }

@@ -12,8 +12,9 @@ Launch one process per GPU:
 out of their weights (column: rows of the weight, a gated op's gate and up halves each; row: columns), runs
 the tensor-parallel Sequential on its token shard (SP) or on all tokens (TP alone) and compares output,
 input gradient and every weight gradient with the single-GPU sequence's (the sequence-parallel parameters'
-gradients after their all-reduce), then each SP block's forward as CUDA-graph replays against its eager forward.
-Exit status 1 on any mismatch. Sizes: --hidden 256 --ffn 1024 --tokens 512.
+gradients after their all-reduce), then each SP block's forward as CUDA-graph replays against its eager forward;
+then the Llama block with TP+SP under fp8_current against the fp32 one-GPU block: no further from it than the
+same FP8 block on one GPU is (twice its error, plus 0.02 of the largest value). Exit status 1 on any mismatch. Sizes: --hidden 256 --ffn 1024 --tokens 512.
 `head`: the language-model head split by vocabulary (``Linear(tensor_parallel="column")`` then
 ``CrossEntropy(vocab_parallel=True)``), joint (chunked) and unfused (``reduction="none"``), TP and TP+SP, with
 ignored rows, label smoothing, z-loss and soft-capping, against PyTorch's float64 loss and gradients of the
@@ -150,7 +151,53 @@ def check(args):
             bad += compare(pairs, f"{kind} TP={world}{'+SP' if sp else ''}")
             if sp:
                 bad += graph_replays(tp, xt.shape, f"{kind} TP={world}+SP")
+    bad += check_fp8(args, rank, world)
     return any_rank_failed(bad)
+
+
+def check_fp8(args, rank, world):
+    """The Llama block under fp8_current with TP+SP (its SP windows cast each operand once; the reduce-scatter
+    halves run FP8 GEMMs over row blocks of the codes) against the fp32 block on one GPU, beside the same FP8 block on
+    one GPU: output, input gradient and every weight gradient no further from fp32 than FP8 itself is on one GPU
+    (max error / max value within twice the one-GPU FP8 block's, plus 0.02; a row block read at the wrong rows or
+    with the wrong scale is off by the whole value)."""
+    torch.manual_seed(1234)
+    full = blocks("llama", args.hidden, args.ffn, False, False, 1, torch.float32)
+    x = torch.randn(args.tokens, args.hidden, device="cuda")
+    dy = torch.randn(args.tokens, args.hidden, device="cuda")
+    xf = x.clone().requires_grad_(True)
+    yf = full(xf)
+    yf.backward(dy)
+    rows = slice(rank * args.tokens // world, (rank + 1) * args.tokens // world)
+
+    def run(model, xs, dys):
+        xs = xs.bfloat16().requires_grad_(True)
+        y = model(xs)
+        y.backward(dys.bfloat16())
+        return y, xs.grad
+
+    one = blocks("llama", args.hidden, args.ffn, False, False, 1, torch.bfloat16, recipe="fp8_current")
+    one.load_state_dict(full.state_dict(), strict=False)  # FP8 recipe state: its own
+    y1, dx1 = run(one, x, dy)
+    tp = blocks("llama", args.hidden, args.ffn, True, True, world, torch.bfloat16, recipe="fp8_current")
+    tp.load_state_dict(shard_state(full.state_dict(), full._ops, "llama", rank, world), strict=False)
+    yt, dxt = run(tp, x[rows], dy[rows])
+    jt.distributed.allreduce_sequence_parallel_grads(tp)
+    want = shard_state({n: p.grad for n, p in full.named_parameters()}, full._ops, "llama", rank, world)
+    one_g = shard_state({n: p.grad for n, p in one.named_parameters()}, full._ops, "llama", rank, world)
+    rel = lambda got, ref: (got.detach().double() - ref.detach().double()).abs().max().item() / max(
+        ref.detach().abs().max().item(), 1e-6)
+    pairs = [("output", yt, y1[rows], yf[rows]), ("grad_input", dxt, dx1[rows], xf.grad[rows])]
+    pairs += [(f"grad {n}", p.grad, one_g[n], want[n]) for n, p in tp.named_parameters()]
+    bad = 0
+    for what, got, fp8_one, ref in pairs:
+        e, e1 = rel(got, ref), rel(fp8_one, ref)
+        ok = e <= 2 * e1 + 0.02
+        bad += not ok
+        if rank == 0 or not ok:
+            print(f"rank {rank} llama TP={world}+SP fp8_current: {what} max rel err {e:.2e} from fp32 (the one-GPU FP8 "
+                  f"block's {e1:.2e}) {'ok' if ok else 'MISMATCH'}", flush=True)
+    return bad
 
 
 def graph_replays(model, shape, label):

@@ -236,12 +236,7 @@ GemmStep linear_forward(Builder& b, int lin, int x, int y, cuda::Epilogue epi) {
   return g;
 }
 
-namespace {
-
-// The FP8 backward of linear `lin`: dy cast to E5M2 (row-major and transposed; unless a kernel of the
-// group already wrote it, e.g. with dbias and an activation's backward), then dgrad and wgrad as the TN
-// primitive over the FP8 copies.
-void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
+Fp8BackwardGemms fp8_backward_gemms(Builder& b, int lin, const LinearBackward& lb) {
   const auto& op = b.ops()[lin];
   check_fp8_linear(b, lin);
   if (lb.dgrad_epilogue != cuda::Epilogue::none || lb.bias_grad_op >= 0 || lb.input >= 0)
@@ -279,12 +274,24 @@ void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
     dg.call.beta = 1.f;
     dg.c = lb.accumulate;
   }
-  b.gemm(dg, who + ": FP8 dgrad " + op.label() + (block ? " (E4M3 dy 1x128 x E4M3 W^T 128x128 block scales)" : " (E5M2 dy x E4M3 W^T)"));
   // dW[n,k] = dy^T[n,m] . (x^T[k,m])^T
   GemmStep wg = tn(n, k, m, dy.col, block ? dy.col_scale_inv : dy.scale_inv, x.col,
                    block ? x.col_scale_inv : x.scale_inv, b.grad(lin, Key::weight), Fp8Scaling::row128);
   wg.call.beta = op.flag("accumulate_grad") ? 1.f : 0.f;
-  b.gemm(wg, who + ": FP8 wgrad " + op.label() + (block ? " (E4M3 dy^T x E4M3 x^T, 1x128 block scales)" : " (E5M2 dy^T x E4M3 x^T)"));
+  return {dg, wg,
+          who + ": FP8 dgrad " + op.label() + (block ? " (E4M3 dy 1x128 x E4M3 W^T 128x128 block scales)" : " (E5M2 dy x E4M3 W^T)"),
+          who + ": FP8 wgrad " + op.label() + (block ? " (E4M3 dy^T x E4M3 x^T, 1x128 block scales)" : " (E5M2 dy^T x E4M3 x^T)")};
+}
+
+namespace {
+
+// The FP8 backward of linear `lin`: dy cast to E5M2 (row-major and transposed; unless a kernel of the
+// group already wrote it, e.g. with dbias and an activation's backward), then dgrad and wgrad as the TN
+// primitive over the FP8 copies.
+void linear_backward_fp8(Builder& b, int lin, const LinearBackward& lb) {
+  const Fp8BackwardGemms g = fp8_backward_gemms(b, lin, lb);
+  b.gemm(g.dgrad, g.dgrad_what);
+  b.gemm(g.wgrad, g.wgrad_what);
 }
 
 }  // namespace

@@ -68,5 +68,13 @@ struct LinearBackward {
   int input = -1;  // the linear's saved input (default: saved_context(lin, Key::input))
 };
 void linear_backward(Builder& b, int lin, const LinearBackward& lb);
+// FP8 recipes: linear_backward's two GEMMs, built but not added (a strategy places them: row blocks of the dgrad,
+// the wgrad beside a collective), after the cast of dy into its FP8 copies (unless a kernel already wrote them),
+// with what explain says of each.
+struct Fp8BackwardGemms {
+  GemmStep dgrad, wgrad;
+  std::string dgrad_what, wgrad_what;
+};
+Fp8BackwardGemms fp8_backward_gemms(Builder& b, int lin, const LinearBackward& lb);
 
 }  // namespace jitfuse::exec

@@ -181,13 +181,12 @@ void run_gemm(Runtime& rt, const GemmStep& g, const PreparedStep& st, const std:
     const auto o = static_cast<GemmOperand>(i);
     set_operand(c, o, at(g.operand(o)));
   }
-  if (g.a_offset || g.d_offset) {  // a row chunk (plain recipes only: the element size is the call's dtype)
-    const size_t esz = static_cast<size_t>(ops::dtype_bytes(c.dtype));
-    c.a = static_cast<const char*>(c.a) + static_cast<size_t>(g.a_offset) * esz;
-    c.d = static_cast<char*>(c.d) + static_cast<size_t>(g.d_offset) * esz;
-  }
-  if (g.b_offset)
-    c.b = static_cast<const char*>(c.b) + static_cast<size_t>(g.b_offset) * static_cast<size_t>(ops::dtype_bytes(c.dtype));
+  // A row block: offsets in elements of each operand's own type (an FP8 GEMM's A and B are codes of one byte;
+  // its D is the call's dtype: row blocks never write FP8 outputs).
+  const auto esz = [&](ops::DType t) { return static_cast<size_t>(ops::dtype_bytes(t)); };
+  if (g.a_offset) c.a = static_cast<const char*>(c.a) + static_cast<size_t>(g.a_offset) * esz(c.fp8 ? c.fp8->a : c.dtype);
+  if (g.b_offset) c.b = static_cast<const char*>(c.b) + static_cast<size_t>(g.b_offset) * esz(c.fp8 ? c.fp8->b : c.dtype);
+  if (g.d_offset) c.d = static_cast<char*>(c.d) + static_cast<size_t>(g.d_offset) * esz(c.dtype);
   if (g.routed()) return run_routed_gemm(rt, g, c, routes.get(g, ptr, stream), stream);
   if (!st.use_fallback) return rt.blas->gemm(c, stream, st.plan.get());
   // prepare found no BGRADB algorithm for this problem: the plain wgrad, then db = ones^T dy.

@@ -491,6 +491,65 @@ TEST_CASE("from 2 ranks the SP collectives run by copy engines, NCCL's way besid
   CHECK(count_comm(one->forward, Collective::peer_push) == 0);
 }
 
+TEST_CASE("under per-tensor FP8 the SP windows cast once and reduce-scatter FP8 row blocks by copy engines",
+          "[exec][parallel][fp8]") {
+  using exec::Collective;
+  const std::string llama_sp = parallel_block("llama_mlp_block.json", true);
+  for (const char* recipe : {"fp8_current", "fp8_delayed"})
+    for (int world : {2, 4}) {
+      const int rank = world - 1;
+      INFO(recipe << ", world size " << world << ", rank " << rank);
+      const int64_t shard = 4096 / world;
+      auto p = program_of(llama_sp, recipe, true, {shard, 1024}, world, rank);
+      std::set<std::string> taken;
+      for (const auto& d : p->plan.decisions)
+        if (d.taken) taken.insert(d.rule);
+      CHECK(taken.count("all_gather_linear_overlap") == 1);
+      CHECK(taken.count("linear_reduce_scatter_overlap") == 1);
+      for (const auto* dir : {&p->forward, &p->backward}) {
+        const bool fwd = dir == &p->forward;
+        INFO((fwd ? "forward" : "backward"));
+        std::set<int64_t> block_offsets;  // the row-block GEMMs' A offsets (codes of the one cast)
+        int pushes = 0, nccl = 0, gathers = 0;
+        for (const auto& s : *dir) {
+          if (s.kind == exec::Step::Kind::gemm) {
+            CHECK(s.gemm.call.fp8.has_value());  // every GEMM of the block on FP8 operands
+            if (s.peer_path == 1 && s.what.find("wgrad") == std::string::npos) {  // the wgrad runs beside
+              CHECK(s.gemm.call.m == shard);
+              block_offsets.insert(s.gemm.a_offset);
+            }
+          }
+          // The casts run before both ways: each way reads the same codes and scale.
+          if (s.kind == exec::Step::Kind::kernel && s.kernel->spec.fp8) CHECK(s.peer_path == 0);
+          if (s.kind == exec::Step::Kind::comm && s.comm.op == Collective::peer_push) ++pushes;
+          if (s.kind == exec::Step::Kind::comm && s.peer_path == -1) ++nccl;
+          // The all-gather half (nothing beside it: the operand is cast once it is whole) is NCCL's, both ways.
+          if (s.kind == exec::Step::Kind::comm && s.comm.op == Collective::all_gather) {
+            CHECK(s.peer_path == 0);
+            ++gathers;
+          }
+        }
+        CHECK(pushes == world - 1);  // every other rank's block of the reduce-scatter half
+        CHECK(nccl == 1);            // NCCL's reduce-scatter on the other way
+        CHECK(gathers == 1);
+        // The reduce-scatter half: one FP8 GEMM per rank's rows, A at that rank's rows of the codes (forward: the
+        // down projection's input; backward: the gate/up projection's output gradient).
+        const auto& lin = p->ops[fwd ? 5 : 3];
+        const int64_t a_cols = fwd ? ops::cols_of(lin.in) : ops::cols_of(lin.out);
+        std::set<int64_t> want;
+        for (int r = 0; r < world; ++r) want.insert(r * shard * a_cols);
+        CHECK(block_offsets == want);
+      }
+    }
+  // fp8_block keeps the plain collectives (block scales are not row offsets), and so does the chunked mode.
+  auto blk = program_of(llama_sp, "fp8_block", true, {1024, 1024}, 2, 0);
+  CHECK(count_comm(blk->forward, Collective::peer_push) == 0);
+  test::ScopedEnv env("JITFUSE_OVERLAP", "chunks");
+  auto chunked = program_of(llama_sp, "fp8_current", true, {1024, 1024}, 2, 0);
+  CHECK(count_comm(chunked->forward, Collective::broadcast) == 0);
+  CHECK(count_comm(chunked->forward, Collective::all_gather) == 1);
+}
+
 TEST_CASE("comm steps report their bytes over the links", "[exec][parallel]") {
   auto p = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json"), "bf16", true, {1024, 1024}, 4, 3, false);
   json j = exec::program_json(*p, 3350);

@@ -36,7 +36,10 @@
 // (Step::peer_path): prepare picks it where the ranks cannot map each other's staging (or JITFUSE_PEER_COPY=0).
 // A third way, each all-gather as W - 1 NCCL send/recv steps (one per peer) with each peer's rows' GEMM after its
 // step, measured 12 % slower than local at 4 ranks and level at 2 (session 45), and was dropped.
-// Either way the saved context is the unfused ops'.
+// Either way the saved context is the unfused ops'. Under per-tensor FP8 (fp8_current, fp8_delayed; copy and local
+// mode) the operand of the row-block GEMMs is local and cast once, so each block reads its rows of the codes with
+// the one scale: the reduce-scatter halves keep their overlap (forward linear + reduce-scatter, the all-gather
+// window's backward); a gathered operand (x, dy) is cast as a whole after its all-gather, which then runs alone.
 //
 // [all_reduce, linear] (tensor parallelism without SP: the all-reduce that sums a column-parallel linear's dx in
 // the backward, the identity in the forward): forward: the GEMM; backward: dgrad | all_reduce beside wgrad. Not
@@ -106,8 +109,8 @@ class OverlapCollective final : public Implementation {
   rules::Impl::Kind kind() const override { return rules::Impl::Kind::joint; }
   std::string name() const override { return "overlap_collective"; }
   std::string covers_text() const override {
-    return "[all_gather, linear], [linear, reduce_scatter] or [all_reduce (summing in the backward), linear] (joint "
-           "pass, plain recipes)";
+    return "[all_gather, linear], [linear, reduce_scatter] (joint pass; plain and per-tensor FP8 recipes) or "
+           "[all_reduce (summing in the backward), linear] (plain recipes)";
   }
   std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
     if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
@@ -138,8 +141,22 @@ class OverlapCollective final : public Implementation {
     if (comm.world_size * chunks_per_rank(shard, comm.world_size) < 2) return "one chunk: nothing to overlap";
     return std::nullopt;
   }
-  std::optional<std::string> check_fp8(const std::vector<OpUse>&, const rules::Impl&, rules::Pass) const override {
-    return "the row chunks of an FP8 GEMM would need their own scaled operands (not yet)";
+  // Per-tensor FP8 (fp8_current, fp8_delayed; fp8_block is refused by the registry's block check): copy and local
+  // mode. The operand a window's row-block GEMMs read is local and cast once (one scale: each block is the codes'
+  // rows at an offset), so the reduce-scatter halves keep their overlap; a gathered operand is cast after its
+  // all-gather, which then has nothing beside it (the "FP8 under overlap", docs/parallel.md).
+  std::optional<std::string> check_fp8(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass) const override {
+    if (w.size() == 2 && w[0].name() == "all_reduce")
+      return "the [all_reduce, linear] window is not built for FP8 GEMMs (the unfused linear takes it)";
+    if (!w[0].op) return std::nullopt;  // the loader
+    const bool gather = w[0].family() == ops::Family::comm;
+    const ops::Op& comm = gather ? *w[0].op : *w[1].op;
+    if (mode_of(comm.world_size, gather) == Mode::chunks)
+      return "the chunked pipeline would cast each chunk with its own scale (not built for FP8; copy and local are)";
+    const int64_t shard = gather ? comm.in.at(0) : comm.out.at(0);
+    if (shard % 16 != 0)
+      return fmt::format("FP8 GEMMs over one rank's rows need a multiple of 16 rows (the shard has {})", shard);
+    return std::nullopt;
   }
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
@@ -201,13 +218,17 @@ class OverlapCollective final : public Implementation {
     return comm_step(b, kind, comm_op, send, send_off, recv, recv_off, count, root, 1, std::move(waits),
                      fmt::format("{} ({} of rows owned by rank {})", who(b), collective_name(kind), root));
   }
-  // A GEMM of `kind` over one row chunk: A rows from `a_off`, D rows from `d_off` (elements).
+  // A GEMM of `kind` over one row chunk: A rows from `a_off`, D rows from `d_off` (elements). `proto`: the whole
+  // GEMM as built for an FP8 recipe (linear_forward, fp8_backward_gemms: A and B its FP8 copies, their scales), of
+  // which this is the rows' block (A is proto's; `a` unused).
   static int chunk_gemm(Builder& b, int lin, cuda::GemmKind kind, int a, int64_t a_off, int d, int64_t d_off,
-                        int64_t rows, std::vector<int> waits, const std::string& what) {
-    GemmStep gs = b.linear_gemm(lin, kind);
+                        int64_t rows, std::vector<int> waits, const std::string& what, const GemmStep* proto = nullptr) {
+    GemmStep gs = proto ? *proto : b.linear_gemm(lin, kind);
     gs.call.m = rows;
-    gs.a = a;
-    gs.b = b.param(lin, Key::weight);
+    if (!proto) {
+      gs.a = a;
+      gs.b = b.param(lin, Key::weight);
+    }
     gs.d = d;
     gs.a_offset = a_off;
     gs.d_offset = d_off;
@@ -271,9 +292,76 @@ class OverlapCollective final : public Implementation {
                                r0, r1, b.ops()[lin].label()));
   }
 
+  // The all-gather of `src` ([n, a_cols]) into `full` ([W n, a_cols]) with nothing beside it: NCCL's, on the
+  // caller's stream (one copy engine's pushes, one peer after another, measured slower where nothing hides them).
+  static void gather_only(Builder& b, int comm_op, const Chunks& c, int src, int full, int64_t a_cols) {
+    whole(b, Collective::all_gather, comm_op, src, full, c.shard * a_cols, 0, {}, "");
+  }
+
+  // Per-tensor FP8, [all_gather ag, linear lin] (check_fp8). Forward: the all-gather, then the gathered input cast
+  // once and the whole FP8 GEMM. Backward: dy (local) cast once; the dgrad in row blocks of its codes, each
+  // block reduce-scattered as in copy mode (or the whole dgrad and NCCL's reduce-scatter), the wgrad beside.
+  static void fp8_gather(Builder& b, int ag, int lin, bool copy) {
+    const ops::Op& comm = b.ops()[ag];
+    const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
+    const Chunks c = chunks_of(comm, comm.in.at(0));
+    if (b.forward()) {
+      const int full = b.act(lin);
+      gather_only(b, ag, c, b.act(ag), full, k);
+      b.gemm(linear_forward(b, lin, full, b.act(lin + 1)),
+             fmt::format("{}: FP8 {} (the gathered input cast once: E4M3 x E4M3)", who(b), b.ops()[lin].label()));
+      b.boundary_saves(ag, lin + 1);  // the wgrad reads the input's transposed FP8 copy, which its cast saved
+      return;
+    }
+    const int dy = b.grad_of(lin + 1), dfull = b.grad_of(lin), dx = b.grad_of(ag);
+    LinearBackward lb;
+    lb.dy = dy;
+    lb.dx = dfull;
+    const Fp8BackwardGemms g = fp8_backward_gemms(b, lin, lb);  // dy's cast: before both ways
+    auto wgrad_now = [&] {
+      b.gemm(g.wgrad, g.wgrad_what);
+      b.place_last(0, {});
+    };
+    if (copy) copy_scatter(b, ag, lin, cuda::GemmKind::dgrad, c, dy, n_out, dfull, dx, k, wgrad_now, &g.dgrad);
+    const size_t nccl_from = b.steps();
+    const int gm = chunk_gemm(b, lin, cuda::GemmKind::dgrad, dy, 0, dfull, 0, c.world * c.shard, {}, g.dgrad_what,
+                              &g.dgrad);
+    whole(b, Collective::reduce_scatter, ag, dfull, dx, ops::numel(comm.in), 1, {gm}, ", beside the wgrad");
+    wgrad_now();
+    if (copy) nccl_way(b, nccl_from);
+  }
+
+  // Per-tensor FP8, [linear lin, reduce_scatter rs] (check_fp8). Forward: x and W cast once; the GEMM in row blocks
+  // of x's codes, each block reduce-scattered as in copy mode (or the whole GEMM and NCCL's reduce-scatter).
+  // Backward: the all-gather of dy, then the FP8 backward of the gathered dy (cast once).
+  static void fp8_scatter(Builder& b, int rs, int lin, bool copy) {
+    const ops::Op& comm = b.ops()[rs];
+    const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
+    const Chunks c = chunks_of(comm, comm.out.at(0));
+    if (b.forward()) {
+      const int x = b.act(lin), partial = b.act(rs), y = b.act(rs + 1);
+      const GemmStep g = linear_forward(b, lin, x, partial);  // the casts: before both ways
+      if (copy) copy_scatter(b, rs, lin, cuda::GemmKind::fwd, c, x, k, partial, y, n_out, nullptr, &g);
+      const size_t nccl_from = b.steps();
+      chunk_gemm(b, lin, cuda::GemmKind::fwd, x, 0, partial, 0, c.world * c.shard, {},
+                 fmt::format("{}: FP8 {}", who(b), b.ops()[lin].label()), &g);
+      whole(b, Collective::reduce_scatter, rs, partial, y, ops::numel(comm.out), 0, {}, "");
+      if (copy) nccl_way(b, nccl_from);
+      b.boundary_saves(lin, rs + 1);
+      return;
+    }
+    const int dfull = b.grad_of(rs);
+    gather_only(b, rs, c, b.grad_of(rs + 1), dfull, n_out);
+    LinearBackward lb;
+    lb.dy = dfull;
+    lb.dx = b.grad_of(lin);
+    linear_backward(b, lin, lb);
+  }
+
   // Local mode, [all_gather ag, linear lin]. Forward: this rank's rows of y from its own shard while the
   // all-gather runs; the other rows after it. Backward: dgrad, then the reduce-scatter beside the wgrad.
   static void local_gather(Builder& b, int ag, int lin, bool copy) {
+    if (b.recipe().is_fp8()) return fp8_gather(b, ag, lin, copy);
     const ops::Op& comm = b.ops()[ag];
     const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
     const Chunks c = chunks_of(comm, comm.in.at(0));
@@ -307,6 +395,7 @@ class OverlapCollective final : public Implementation {
   // Local mode, [linear lin, reduce_scatter rs]. Forward: the GEMM, then the reduce-scatter. Backward: this rank's
   // rows of dx from its own shard of dy while the all-gather of dy runs; the other rows after it; the wgrad.
   static void local_scatter(Builder& b, int rs, int lin, bool copy) {
+    if (b.recipe().is_fp8()) return fp8_scatter(b, rs, lin, copy);
     const ops::Op& comm = b.ops()[rs];
     const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
     const Chunks c = chunks_of(comm, comm.out.at(0));
@@ -361,7 +450,8 @@ class OverlapCollective final : public Implementation {
   // ranks' blocks of `d_full` ([W n, d_cols]), each pushed to its owner; this rank's block into a scratch [n, d_cols];
   // `before_wait` (the backward's wgrad); then out = that + the staged blocks.
   static void copy_scatter(Builder& b, int comm_op, int lin, cuda::GemmKind kind, const Chunks& c, int a,
-                           int64_t a_cols, int d_full, int out, int64_t d_cols, const std::function<void()>& before_wait) {
+                           int64_t a_cols, int d_full, int out, int64_t d_cols, const std::function<void()>& before_wait,
+                           const GemmStep* proto = nullptr) {
     const size_t from = b.steps();
     const int64_t n = c.shard;
     const char* what = kind == cuda::GemmKind::fwd ? "" : "dgrad ";
@@ -369,14 +459,14 @@ class OverlapCollective final : public Implementation {
       const int p = (c.rank + j) % c.world;
       const int gm = chunk_gemm(b, lin, kind, a, p * n * a_cols, d_full, p * n * d_cols, n, {},
                                 fmt::format("{}: {}rows {}..{} of {} (rank {}'s)", who(b), what, p * n, (p + 1) * n,
-                                            b.ops()[lin].label(), p));
+                                            b.ops()[lin].label(), p), proto);
       comm_step(b, Collective::peer_push, comm_op, d_full, p * n * d_cols, -1, 0, n * d_cols, p, 1, {gm},
                 fmt::format("{}: rank {}'s rows to its staging by a copy engine (no SM)", who(b), p));
     }
     const int own = b.temp("own rows op" + std::to_string(lin), b.recipe().dtype, n, d_cols);
     chunk_gemm(b, lin, kind, a, c.rank * n * a_cols, own, 0, n, {},
                fmt::format("{}: {}rows {}..{} of {} (this rank's)", who(b), what, c.rank * n, (c.rank + 1) * n,
-                           b.ops()[lin].label()));
+                           b.ops()[lin].label()), proto);
     if (before_wait) before_wait();
     comm_step(b, Collective::peer_wait, comm_op, -1, 0, -1, 0, 0, -1, 0, {},
               fmt::format("{}: wait until every other rank's block is staged", who(b)));
