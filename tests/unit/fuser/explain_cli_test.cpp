@@ -93,7 +93,7 @@ TEST_CASE("explain with a broken rules directory reports the errors and uses the
   auto r = run_cli("explain '" + seq + "' --recipe bf16 --shape 8x64 --rules '" + dir.path() + "/rules'");
   INFO(r.out);
   REQUIRE(r.status == 0);
-  CHECK_THAT(r.out, Catch::Contains("48 rules loaded (1 skipped with errors, listed on stderr)"));
+  CHECK_THAT(r.out, Catch::Contains("49 rules loaded (1 skipped with errors, listed on stderr)"));
   CHECK_THAT(r.out, Catch::Contains("rule skipped: " + jf_test::loc(file, text, "\"gelux\"") + ": "));
   CHECK_THAT(r.out, Catch::Contains("rule 'broken': unknown op 'gelux'"));
   CHECK_THAT(r.out, Catch::Contains("gelu_scale               priority 90   taken"));
@@ -156,7 +156,7 @@ TEST_CASE("under an FP8 recipe a user rule whose GEMM epilogue FP8 GEMMs cannot 
                      " --shape 256x4096 --program --rules '" + rules + "'");
     INFO(r.out);
     REQUIRE(r.status == 0);  // planned and lowered: the windows go to the fp8 rules instead
-    CHECK_THAT(r.out, Catch::Contains("49 rules loaded\n"));
+    CHECK_THAT(r.out, Catch::Contains("50 rules loaded\n"));
     CHECK_THAT(r.out, Catch::Contains("my_linear_bias_gelu      priority 90   not taken: under an FP8 recipe a linear "
                                       "runs on FP8 GEMMs (E4M3/E5M2 operands, a BIAS epilogue at most), which cuBLASLt "
                                       "epilogue GELU_AUX_BIAS does not lower to"));

@@ -33,6 +33,7 @@ TEST_CASE("built-in rules load cleanly and are the documented set", "[rules]") {
       {"bias_gated_bwd", Pass::backward},     {"bias_dropout_add_joint", Pass::joint},
       {"linear_silu_recompute", Pass::joint}, {"bias_gelu_linear_bias_bwd", Pass::backward},
       {"all_gather_linear_overlap", Pass::joint}, {"linear_reduce_scatter_overlap", Pass::joint},
+      {"gated_linear_reduce_scatter_overlap", Pass::joint},
       {"all_reduce_linear_overlap", Pass::joint},
       {"bias_gelu_linear_bwd", Pass::backward}, {"linear_bias_bwd", Pass::backward},
       {"norm_quantize", Pass::forward},       {"bias_act_quantize", Pass::forward},

@@ -52,13 +52,13 @@ TEST_CASE("rules list shows built-ins and extra rules, also as JSON", "[rules][c
   CHECK_THAT(r.out, Catch::Contains("linear bias gelu{approximate=tanh}"));
   CHECK_THAT(r.out, Catch::Contains("cublaslt GELU_AUX_BIAS (3 ops)"));
   CHECK_THAT(r.out, Catch::Contains("<builtin>/joint.json"));
-  CHECK_THAT(r.out, Catch::Contains("47 rules"));
+  CHECK_THAT(r.out, Catch::Contains("48 rules"));
 
   r = run_cli("rules list --json --rules '" + jf_test::src("docs/examples/softplus") + "'", "", true);
   REQUIRE(r.status == 0);
   auto j = nlohmann::json::parse(r.out);
   CHECK(j.at("errors").empty());
-  CHECK(j.at("rules").size() == 49);
+  CHECK(j.at("rules").size() == 50);
   bool found = false;
   for (const auto& rule : j.at("rules"))
     if (rule.at("name") == "bias_softplus") {
@@ -113,7 +113,7 @@ TEST_CASE("rules list marks a rule that overrides a built-in", "[rules][cli]") {
   REQUIRE(r.status == 0);
   CHECK_THAT(r.out, Catch::Contains(file + ":2:3 (overrides <builtin>/forward_pointwise.json:") ||
                         Catch::Contains(file + " (overrides <builtin>/forward_pointwise.json:"));
-  CHECK_THAT(r.out, Catch::Contains("47 rules (1 replacing a rule loaded before them"));
+  CHECK_THAT(r.out, Catch::Contains("48 rules (1 replacing a rule loaded before them"));
   r = run_cli("rules list --json --rules '" + file + "'", "", true);
   auto j = nlohmann::json::parse(r.out);
   for (const auto& rule : j.at("rules"))

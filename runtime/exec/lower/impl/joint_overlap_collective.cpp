@@ -112,13 +112,18 @@ class OverlapCollective final : public Implementation {
     return "[all_gather, linear], [linear, reduce_scatter] (joint pass; plain and per-tensor FP8 recipes) or "
            "[all_reduce (summing in the backward), linear] (plain recipes)";
   }
-  std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass pass) const override {
+  std::optional<std::string> check(const std::vector<OpUse>& w, const rules::Impl& impl,
+                                   rules::Pass pass) const override {
     if (pass != rules::Pass::joint) return "joint strategies run in the joint pass";
     const bool gather = w.size() == 2 && w[0].name() == "all_gather" && w[1].family() == ops::Family::linear;
     const bool scatter = w.size() == 2 && w[0].family() == ops::Family::linear && w[1].name() == "reduce_scatter";
     const bool reduce = w.size() == 2 && w[0].name() == "all_reduce" && w[1].family() == ops::Family::linear;
+    // [gated, linear, reduce_scatter]: FP8 recipes only (the rule's condition; check_fp8), the gated op in the cast.
+    if (w.size() == 3 && w[0].family() == ops::Family::gated)
+      return check(std::vector<OpUse>(w.begin() + 1, w.end()), impl, pass);
     if (!gather && !scatter && !reduce)
-      return "the window is neither [all_gather, linear], [linear, reduce_scatter] nor [all_reduce, linear]";
+      return "the window is neither [all_gather, linear], [linear, reduce_scatter], [gated, linear, reduce_scatter] "
+             "nor [all_reduce, linear]";
     if (reduce) {
       if (w[0].str("direction", "backward") != "backward")
         return "the all_reduce sums in the forward: nothing of the linear's can run beside it";
@@ -142,16 +147,19 @@ class OverlapCollective final : public Implementation {
     return std::nullopt;
   }
   // Per-tensor FP8 (fp8_current, fp8_delayed; fp8_block is refused by the registry's block check): copy and local
-  // mode. The operand a window's row-block GEMMs read is local and cast once (one scale: each block is the codes'
+  // mode (at one rank, local's whole collectives). The operand a window's row-block GEMMs read is local and cast once (one scale: each block is the codes'
   // rows at an offset), so the reduce-scatter halves keep their overlap; a gathered operand is cast after its
   // all-gather, which then has nothing beside it (the "FP8 under overlap", docs/parallel.md).
-  std::optional<std::string> check_fp8(const std::vector<OpUse>& w, const rules::Impl&, rules::Pass) const override {
+  std::optional<std::string> check_fp8(const std::vector<OpUse>& w0, const rules::Impl& impl,
+                                       rules::Pass pass) const override {
+    if (w0.size() == 3) return check_fp8(std::vector<OpUse>(w0.begin() + 1, w0.end()), impl, pass);
+    const std::vector<OpUse>& w = w0;
     if (w.size() == 2 && w[0].name() == "all_reduce")
       return "the [all_reduce, linear] window is not built for FP8 GEMMs (the unfused linear takes it)";
     if (!w[0].op) return std::nullopt;  // the loader
     const bool gather = w[0].family() == ops::Family::comm;
     const ops::Op& comm = gather ? *w[0].op : *w[1].op;
-    if (mode_of(comm.world_size, gather) == Mode::chunks)
+    if (mode_of(comm.world_size, gather) == Mode::chunks && comm.world_size > 1)
       return "the chunked pipeline would cast each chunk with its own scale (not built for FP8; copy and local are)";
     const int64_t shard = gather ? comm.in.at(0) : comm.out.at(0);
     if (shard % 16 != 0)
@@ -161,9 +169,12 @@ class OverlapCollective final : public Implementation {
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
     if (b.ops()[g.begin].kind == "all_reduce") return reduce_linear(b, g.begin, g.begin + 1);
+    if (g.end - g.begin == 3)  // [gated, linear, reduce_scatter] under FP8
+      return fp8_scatter(b, g.begin + 2, g.begin + 1, mode_of(b.ops()[g.begin + 2].world_size, false) == Mode::copy,
+                         g.begin);
     const bool gather = b.ops()[g.begin].family == ops::Family::comm;
     const Mode m = mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size, gather);
-    if (m != Mode::chunks) {
+    if (m != Mode::chunks || b.recipe().is_fp8()) {  // FP8 at one rank: the whole collectives (check_fp8)
       if (gather)
         local_gather(b, g.begin, g.begin + 1, m == Mode::copy);
       else
@@ -331,15 +342,17 @@ class OverlapCollective final : public Implementation {
     if (copy) nccl_way(b, nccl_from);
   }
 
-  // Per-tensor FP8, [linear lin, reduce_scatter rs] (check_fp8). Forward: x and W cast once; the GEMM in row blocks
-  // of x's codes, each block reduce-scattered as in copy mode (or the whole GEMM and NCCL's reduce-scatter).
-  // Backward: the all-gather of dy, then the FP8 backward of the gathered dy (cast once).
-  static void fp8_scatter(Builder& b, int rs, int lin, bool copy) {
+  // Per-tensor FP8, [gated?, linear lin, reduce_scatter rs] (check_fp8). Forward: x and W cast once (a gated op
+  // `gated` >= 0 runs in x's cast: no bf16 x); the GEMM in row blocks of x's codes, each block reduce-scattered as
+  // in copy mode (or the whole GEMM and NCCL's reduce-scatter). Backward: the all-gather of dy, then the FP8
+  // backward of the gathered dy (cast once), then the gated op's.
+  static void fp8_scatter(Builder& b, int rs, int lin, bool copy, int gated = -1) {
     const ops::Op& comm = b.ops()[rs];
     const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
     const Chunks c = chunks_of(comm, comm.out.at(0));
     if (b.forward()) {
       const int x = b.act(lin), partial = b.act(rs), y = b.act(rs + 1);
+      if (gated >= 0) fp8_cast_operand(b, lin, fp8::Operand::input, b.act(gated), gated, lin);
       const GemmStep g = linear_forward(b, lin, x, partial);  // the casts: before both ways
       if (copy) copy_scatter(b, rs, lin, cuda::GemmKind::fwd, c, x, k, partial, y, n_out, nullptr, &g);
       const size_t nccl_from = b.steps();
@@ -347,7 +360,7 @@ class OverlapCollective final : public Implementation {
                  fmt::format("{}: FP8 {}", who(b), b.ops()[lin].label()), &g);
       whole(b, Collective::reduce_scatter, rs, partial, y, ops::numel(comm.out), 0, {}, "");
       if (copy) nccl_way(b, nccl_from);
-      b.boundary_saves(lin, rs + 1);
+      b.boundary_saves(gated >= 0 ? gated : lin, rs + 1);  // the gated op's input for its backward
       return;
     }
     const int dfull = b.grad_of(rs);
@@ -356,6 +369,7 @@ class OverlapCollective final : public Implementation {
     lb.dy = dfull;
     lb.dx = b.grad_of(lin);
     linear_backward(b, lin, lb);
+    if (gated >= 0) lower_chain(b, gated, lin, chain_options(b), ops::rows_of(b.ops()[gated].in));
   }
 
   // Local mode, [all_gather ag, linear lin]. Forward: this rank's rows of y from its own shard while the
