@@ -61,11 +61,16 @@ def test_explain_plans_one_rank_of_a_group(ctx, repo, monkeypatch):
     gemms = [s for s in e.program.forward if s["kind"] == "gemm"]
     assert len(gemms) == 8 and sum(g["m"] for g in gemms) == 2 * 2048
     monkeypatch.delenv("JITFUSE_OVERLAP")
-    # Under FP8 the GEMMs are not chunked: the collectives themselves; each rank sends its 1024x1024 bf16
-    # shard to 3 others.
+    # Under per-tensor FP8 each operand is cast once: the all-gather half is NCCL's on the caller's stream, both ways
+    # (each rank sends its 1024x1024 bf16 shard to 3 others), the gathered input cast and its GEMM whole; the
+    # reduce-scatter half runs FP8 GEMMs over row blocks of the codes, each block pushed to its owner.
     f8 = jitfuse.Sequence(ctx, _tp_mlp(repo), "fp8_delayed").explain((1024, 1024), world_size=4, rank=3)
-    ag = [s for s in f8.program.forward if s["kind"] == "comm"][0]
+    comms = [s for s in f8.program.forward if s["kind"] == "comm"]
+    ag = comms[0]
     assert ag["collective"] == "all_gather" and ag["wire_bytes"] == 1024 * 1024 * 2 * 3
+    assert (ag["stream"], ag.get("way", "-")) == ("caller", "-")
+    assert [c["collective"] for c in comms[1:]] == ["peer_push"] * 3 + ["peer_wait", "peer_ack", "reduce_scatter"]
+    assert [g["m"] for g in f8.program.forward if g["kind"] == "gemm"] == [4096] + [1024] * 4 + [4096]
     # One rank (the default without a communicator): NCCL copies, nothing crosses a link.
     one = seq.explain((1024, 1024), training=True, arch=90)
     assert all(s["wire_bytes"] == 0 for s in one.program.forward if s["kind"] == "comm")
