@@ -147,9 +147,9 @@ class OverlapCollective final : public Implementation {
     return std::nullopt;
   }
   // Per-tensor FP8 (fp8_current, fp8_delayed; fp8_block is refused by the registry's block check): copy and local
-  // mode (at one rank, local's whole collectives). The operand a window's row-block GEMMs read is local and cast once (one scale: each block is the codes'
-  // rows at an offset), so the reduce-scatter halves keep their overlap; a gathered operand is cast after its
-  // all-gather, which then has nothing beside it (the "FP8 under overlap", docs/parallel.md).
+  // mode (at one rank, local's whole collectives). The operand a window's row-block GEMMs read is local and cast
+  // once (one scale: each block is the codes' rows at an offset), so the reduce-scatter halves keep their overlap;
+  // a gathered operand is cast after its all-gather, which then has nothing beside it (docs/parallel.md).
   std::optional<std::string> check_fp8(const std::vector<OpUse>& w0, const rules::Impl& impl,
                                        rules::Pass pass) const override {
     if (w0.size() == 3) return check_fp8(std::vector<OpUse>(w0.begin() + 1, w0.end()), impl, pass);
@@ -169,9 +169,13 @@ class OverlapCollective final : public Implementation {
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
     if (b.ops()[g.begin].kind == "all_reduce") return reduce_linear(b, g.begin, g.begin + 1);
-    if (g.end - g.begin == 3)  // [gated, linear, reduce_scatter] under FP8
+    if (g.end - g.begin == 3) {  // [gated, linear, reduce_scatter] under FP8
+      if (!b.recipe().is_fp8())
+        fail(Status::unsupported, "rule '{}': overlap_collective runs [gated, linear, reduce_scatter] under the FP8 "
+             "recipes only (give the rule \"recipes\": [\"fp8_delayed\", \"fp8_current\"])", g.rule);
       return fp8_scatter(b, g.begin + 2, g.begin + 1, mode_of(b.ops()[g.begin + 2].world_size, false) == Mode::copy,
                          g.begin);
+    }
     const bool gather = b.ops()[g.begin].family == ops::Family::comm;
     const Mode m = mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size, gather);
     if (m != Mode::chunks || b.recipe().is_fp8()) {  // FP8 at one rank: the whole collectives (check_fp8)
@@ -233,7 +237,8 @@ class OverlapCollective final : public Implementation {
   // GEMM as built for an FP8 recipe (linear_forward, fp8_backward_gemms: A and B its FP8 copies, their scales), of
   // which this is the rows' block (A is proto's; `a` unused).
   static int chunk_gemm(Builder& b, int lin, cuda::GemmKind kind, int a, int64_t a_off, int d, int64_t d_off,
-                        int64_t rows, std::vector<int> waits, const std::string& what, const GemmStep* proto = nullptr) {
+                        int64_t rows, std::vector<int> waits, const std::string& what,
+                        const GemmStep* proto = nullptr) {
     GemmStep gs = proto ? *proto : b.linear_gemm(lin, kind);
     gs.call.m = rows;
     if (!proto) {
@@ -464,8 +469,8 @@ class OverlapCollective final : public Implementation {
   // ranks' blocks of `d_full` ([W n, d_cols]), each pushed to its owner; this rank's block into a scratch [n, d_cols];
   // `before_wait` (the backward's wgrad); then out = that + the staged blocks.
   static void copy_scatter(Builder& b, int comm_op, int lin, cuda::GemmKind kind, const Chunks& c, int a,
-                           int64_t a_cols, int d_full, int out, int64_t d_cols, const std::function<void()>& before_wait,
-                           const GemmStep* proto = nullptr) {
+                           int64_t a_cols, int d_full, int out, int64_t d_cols,
+                           const std::function<void()>& before_wait, const GemmStep* proto = nullptr) {
     const size_t from = b.steps();
     const int64_t n = c.shard;
     const char* what = kind == cuda::GemmKind::fwd ? "" : "dgrad ";
