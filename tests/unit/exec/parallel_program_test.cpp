@@ -562,6 +562,29 @@ TEST_CASE("under per-tensor FP8 the SP windows cast once and reduce-scatter FP8 
   CHECK(count_comm(chunked->forward, Collective::all_gather) == 1);
 }
 
+TEST_CASE("a user rule running [gated, linear, reduce_scatter] outside FP8 is refused with the fix",
+          "[exec][parallel][fp8][errors]") {
+  rules::RuleSet rs = rules::RuleSet::with_builtins();
+  REQUIRE(rs.load_text(R"({"format": "jitfuse.rules/1", "rules": [
+    {"name": "u_gated_rs", "math": "user", "pass": "joint", "priority": 90,
+     "pattern": ["@gated", "linear", "reduce_scatter"], "conditions": {"recipes": ["bf16"]},
+     "impl": {"kind": "joint", "strategy": "overlap_collective", "saves": ["input of linear"]}}]})",
+                       "user.json", "").empty());
+  const std::string text = R"({"format": "jitfuse.sequence/1", "name": "u", "ops": [{"op": "swiglu"},
+    {"op": "linear", "in_features": 256, "out_features": 128, "tensor_parallel": "row", "sequence_parallel": true}]})";
+  auto def = ops::parse_sequence(text, "<user>", rs.registry());
+  auto recipe = ops::parse_recipe("bf16");
+  ops::apply_recipe(def, recipe);
+  exec::CompileOptions o;
+  o.arch = 90;
+  o.training = true;
+  ops::Parallel par;
+  par.world_size = 2;
+  const std::string why = error_of([&] { exec::compile(ops::infer(def, {64, 256}, par), "u", recipe, o, rs); });
+  CHECK_THAT(why, Catch::Contains("rule 'u_gated_rs'") && Catch::Contains("under the FP8 recipes only") &&
+                      Catch::Contains("fp8_current"));
+}
+
 TEST_CASE("comm steps report their bytes over the links", "[exec][parallel]") {
   auto p = program_of(read(JF_SOURCE_DIR "/tools/examples/tp_mlp.json"), "bf16", true, {1024, 1024}, 4, 3, false);
   json j = exec::program_json(*p, 3350);
