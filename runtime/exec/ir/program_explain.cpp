@@ -306,8 +306,14 @@ std::string gemm_line(const json& s) {
   if (s["beta"].get<double>() != 0.0) line += fmt::format(" beta={}", s["beta"].get<double>());
   line += fmt::format(", {:.1f} GFLOP", s["flops"].get<double>() / 1e9);
   std::string ops_text;
-  for (const auto& [k, v] : s["operands"].items())
-    if (!v.is_null()) ops_text += fmt::format(" {}={}", k, v.get<std::string>());
+  for (const auto& [k, v] : s["operands"].items()) {
+    if (v.is_null()) continue;
+    // A row block's element offset (of the operand's own type), as comm steps print theirs.
+    const int64_t off = s.contains("element_offsets") && s["element_offsets"].contains(k)
+                            ? s["element_offsets"][k].get<int64_t>()
+                            : 0;
+    ops_text += fmt::format(" {}={}{}", k, v.get<std::string>(), off ? fmt::format("+{}", off) : std::string());
+  }
   line += "\n             " + ops_text.substr(1);
   return line;
 }
