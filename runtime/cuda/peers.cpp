@@ -189,16 +189,15 @@ PeerStaging::~PeerStaging() {
   if (!d || !map_) return;
   const int me = map_->rank(), world = map_->world();
   uint32_t acks[codegen::kMaxPeers] = {};
-  CUstream s = nullptr;
-  if (d->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return;  // the context is gone
-  struct Done {
-    const Driver* d;
-    CUstream s;
-    ~Done() { d->cuStreamDestroy(s); }
-  } done{d, s};
+  std::unique_ptr<OwnStream> s;
+  try {
+    s = std::make_unique<OwnStream>();
+  } catch (const Error&) {
+    return;  // the context is gone
+  }
   for (int waited = 0;; ++waited) {
-    if (d->cuMemcpyDtoHAsync(acks, map_->base(me) + kAcksOffset, sizeof acks, s) != CUDA_SUCCESS ||
-        d->cuStreamSynchronize(s) != CUDA_SUCCESS)
+    if (d->cuMemcpyDtoHAsync(acks, map_->base(me) + kAcksOffset, sizeof acks, s->get()) != CUDA_SUCCESS ||
+        d->cuStreamSynchronize(s->get()) != CUDA_SUCCESS)
       return;
     int down = -1;
     for (int q = 0; q < world && down < 0; ++q)

@@ -150,10 +150,9 @@ class OverlapCollective final : public Implementation {
   // mode (at one rank, local's whole collectives). The operand a window's row-block GEMMs read is local and cast
   // once (one scale: each block is the codes' rows at an offset), so the reduce-scatter halves keep their overlap;
   // a gathered operand is cast after its all-gather, which then has nothing beside it (docs/parallel.md).
-  std::optional<std::string> check_fp8(const std::vector<OpUse>& w0, const rules::Impl& impl,
+  std::optional<std::string> check_fp8(const std::vector<OpUse>& w, const rules::Impl& impl,
                                        rules::Pass pass) const override {
-    if (w0.size() == 3) return check_fp8(std::vector<OpUse>(w0.begin() + 1, w0.end()), impl, pass);
-    const std::vector<OpUse>& w = w0;
+    if (w.size() == 3) return check_fp8(std::vector<OpUse>(w.begin() + 1, w.end()), impl, pass);
     if (w.size() == 2 && w[0].name() == "all_reduce")
       return "the [all_reduce, linear] window is not built for FP8 GEMMs (the unfused linear takes it)";
     if (!w[0].op) return std::nullopt;  // the loader
@@ -169,16 +168,21 @@ class OverlapCollective final : public Implementation {
   void lower(Builder& b, const rules::Impl&) const override {
     const auto& g = b.group();
     if (b.ops()[g.begin].kind == "all_reduce") return reduce_linear(b, g.begin, g.begin + 1);
-    if (g.end - g.begin == 3) {  // [gated, linear, reduce_scatter] under FP8
-      if (!b.recipe().is_fp8())
-        fail(Status::unsupported, "rule '{}': overlap_collective runs [gated, linear, reduce_scatter] under the FP8 "
-             "recipes only (give the rule \"recipes\": [\"fp8_delayed\", \"fp8_current\"])", g.rule);
-      return fp8_scatter(b, g.begin + 2, g.begin + 1, mode_of(b.ops()[g.begin + 2].world_size, false) == Mode::copy,
-                         g.begin);
-    }
     const bool gather = b.ops()[g.begin].family == ops::Family::comm;
-    const Mode m = mode_of(b.ops()[gather ? g.begin : g.begin + 1].world_size, gather);
-    if (m != Mode::chunks || b.recipe().is_fp8()) {  // FP8 at one rank: the whole collectives (check_fp8)
+    const int comm = gather ? g.begin : g.end - 1, lin = gather ? g.begin + 1 : g.end - 2;
+    const bool gated = g.end - g.begin == 3;  // [gated, linear, reduce_scatter]
+    const Mode m = mode_of(b.ops()[comm].world_size, gather);
+    if (b.recipe().is_fp8()) {  // copy or local (at one rank: the whole collectives; check_fp8)
+      if (gather)
+        fp8_gather(b, comm, lin, m == Mode::copy);
+      else
+        fp8_scatter(b, comm, lin, m == Mode::copy, gated ? g.begin : -1);
+      return;
+    }
+    if (gated)
+      fail(Status::unsupported, "rule '{}': overlap_collective runs [gated, linear, reduce_scatter] under the FP8 "
+           "recipes only (give the rule \"recipes\": [\"fp8_delayed\", \"fp8_current\"])", g.rule);
+    if (m != Mode::chunks) {
       if (gather)
         local_gather(b, g.begin, g.begin + 1, m == Mode::copy);
       else
@@ -380,7 +384,6 @@ class OverlapCollective final : public Implementation {
   // Local mode, [all_gather ag, linear lin]. Forward: this rank's rows of y from its own shard while the
   // all-gather runs; the other rows after it. Backward: dgrad, then the reduce-scatter beside the wgrad.
   static void local_gather(Builder& b, int ag, int lin, bool copy) {
-    if (b.recipe().is_fp8()) return fp8_gather(b, ag, lin, copy);
     const ops::Op& comm = b.ops()[ag];
     const int64_t k = ops::cols_of(comm.in), n_out = ops::cols_of(b.ops()[lin].out);
     const Chunks c = chunks_of(comm, comm.in.at(0));
@@ -414,7 +417,6 @@ class OverlapCollective final : public Implementation {
   // Local mode, [linear lin, reduce_scatter rs]. Forward: the GEMM, then the reduce-scatter. Backward: this rank's
   // rows of dx from its own shard of dy while the all-gather of dy runs; the other rows after it; the wgrad.
   static void local_scatter(Builder& b, int rs, int lin, bool copy) {
-    if (b.recipe().is_fp8()) return fp8_scatter(b, rs, lin, copy);
     const ops::Op& comm = b.ops()[rs];
     const int64_t k = ops::cols_of(b.ops()[lin].in), n_out = ops::cols_of(comm.in);
     const Chunks c = chunks_of(comm, comm.out.at(0));
